@@ -1,0 +1,40 @@
+"""The project's own exception hierarchy.
+
+Every error that reaches a user or a peer is one of these, carrying a message that says what was
+wrong and where (a job-file key, an IR node, a peer id). ``ValueError`` subclasses for user input,
+so callers that only know Python conventions still catch them.
+"""
+
+from __future__ import annotations
+
+
+class FusionNetError(Exception):
+    """Base class of every error FusionNet raises on purpose."""
+
+
+class JobError(FusionNetError, ValueError):
+    """A job file, its model, its weights or its data are unusable. The message names the key or file."""
+
+
+class TraceError(FusionNetError, ValueError):
+    """A model could not be turned into a DAG (neither symbolic tracing nor torch.export worked)."""
+
+
+class IRError(FusionNetError, ValueError):
+    """IR bytes or an IR graph are malformed: unknown op, bad structure, dangling reference, cycle."""
+
+
+class PartitionError(FusionNetError, ValueError):
+    """An assignment of nodes to compnodes cannot be turned into runnable sub-DAGs."""
+
+
+class PlanError(FusionNetError, ValueError):
+    """The scheduler found no feasible plan; the message names the binding constraint."""
+
+
+class WireError(FusionNetError, ValueError):
+    """A frame or message from a peer is malformed, oversized, unauthenticated or unexpected."""
+
+
+class ExecutionError(FusionNetError, RuntimeError):
+    """A sub-task failed while running (wrong tensor shape from a peer, op failure, ...)."""
