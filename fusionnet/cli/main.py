@@ -1,0 +1,67 @@
+"""Entry point of the ``fusionnet`` console script.
+
+Each sub-command is a module ``fusionnet.cli.cmd_<name>`` exposing ``add_parser(subparsers)`` (which
+registers its parser and sets ``func=run``) and ``run(args) -> int``. Modules are imported lazily by
+name so that ``fusionnet --help`` does not pay for importing torch or hivemind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from fusionnet import __version__
+from fusionnet.errors import FusionNetError
+
+# Order is the order shown by --help.
+COMMANDS: tuple[str, ...] = ("demo", "broker", "compnode", "submit", "run", "plan", "status", "section4")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fusionnet",
+        description="FusionNet: decentralized training and serving of neural networks on a swarm of "
+        "heterogeneous compnodes (after the FusionAI paper).",
+    )
+    parser.add_argument("--version", action="version", version=f"fusionnet {__version__}")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging verbosity"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"fusionnet.cli.cmd_{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"fusionnet.cli.cmd_{name}":
+                continue  # sub-command not part of this build
+            raise
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args) or 0)
+    except FusionNetError as e:
+        # User-facing errors are one line, no traceback: the message already says what and where.
+        print(f"fusionnet {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"fusionnet {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
