@@ -1,0 +1,98 @@
+"""The message-passing interface between sub-DAG executors (FusionAI section 3.6, "Message passing").
+
+An executor only ever calls ``send(dst, key, value)`` and ``await recv(src, key)``. The key names
+the message completely, ``(kind, step, microbatch, node)`` with kind ``act`` (FP data) or ``grad``
+(BP data), so delivery is idempotent: a duplicate (a retry, a late message from a replaced node)
+for a key that was already delivered is dropped instead of corrupting a step.
+
+``LocalHub`` connects executors living in one process (``fusionnet run --local``); the network
+implementation used by compnodes lives in ``fusionnet.compnode`` and has the same interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from typing import Any
+
+MessageKey = tuple[str, int, int, str]  # (kind, step, microbatch, node name)
+
+
+class Channel(ABC):
+    """One executor's end of the message fabric."""
+
+    @abstractmethod
+    async def send(self, dst: int, key: MessageKey, value: Any) -> None:
+        """Delivers ``value`` to sub-DAG ``dst``. Returns once it is handed to the transport."""
+
+    @abstractmethod
+    async def recv(self, src: int, key: MessageKey) -> Any:
+        """Waits for the message ``key`` from sub-DAG ``src``."""
+
+
+class Mailbox:
+    """Futures keyed by (src, key); the first value for a key wins, later duplicates are dropped."""
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[int, MessageKey], asyncio.Future[Any]] = {}
+        self._taken: set[tuple[int, MessageKey]] = set()
+        self.duplicates_dropped = 0
+
+    def _slot(self, src: int, key: MessageKey) -> asyncio.Future[Any]:
+        slot = self._slots.get((src, key))
+        if slot is None:
+            slot = asyncio.get_running_loop().create_future()
+            self._slots[(src, key)] = slot
+        return slot
+
+    def deliver(self, src: int, key: MessageKey, value: Any) -> bool:
+        """Stores a message; returns False (and drops it) when that key was already delivered."""
+        if (src, key) in self._taken:
+            self.duplicates_dropped += 1
+            return False
+        slot = self._slot(src, key)
+        if slot.done():
+            self.duplicates_dropped += 1
+            return False
+        slot.set_result(value)
+        return True
+
+    async def take(self, src: int, key: MessageKey) -> Any:
+        slot = self._slot(src, key)
+        try:
+            return await slot
+        finally:
+            # Remember the key so a late duplicate is recognised, and free the value's memory.
+            self._slots.pop((src, key), None)
+            self._taken.add((src, key))
+
+    def forget_step(self, step: int) -> None:
+        """Drops bookkeeping of a finished step (keys of older steps can no longer be confused)."""
+        self._taken = {k for k in self._taken if k[1][1] >= step}
+
+    def fail_all(self, error: BaseException) -> None:
+        for slot in self._slots.values():
+            if not slot.done():
+                slot.set_exception(error)
+
+
+class LocalHub:
+    """In-process fabric for N executors: ``hub.channel(i)`` is executor i's end."""
+
+    def __init__(self, size: int) -> None:
+        self.mailboxes = [Mailbox() for _ in range(size)]
+
+    def channel(self, index: int) -> Channel:
+        return _LocalChannel(self, index)
+
+
+class _LocalChannel(Channel):
+    def __init__(self, hub: LocalHub, index: int) -> None:
+        self.hub = hub
+        self.index = index
+
+    async def send(self, dst: int, key: MessageKey, value: Any) -> None:
+        self.hub.mailboxes[dst].deliver(self.index, key, value)
+
+    async def recv(self, src: int, key: MessageKey) -> Any:
+        return await self.hub.mailboxes[self.index].take(src, key)

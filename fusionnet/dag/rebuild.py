@@ -1,0 +1,140 @@
+"""The execution plane's front half: IR nodes -> callables, and a sub-DAG -> ``torch.fx.GraphModule``.
+
+A compnode never imports user code: it resolves each IR operator name against the registry and
+builds a GraphModule whose parameters are the ones its sub-DAG owns. ``run_whole_graph`` is the
+same machinery for a whole graph, used by the tracer to check that a trace reproduces the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import zlib
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fusionnet.dag.ir import IRGraph, IRNode, decode_kwargs, decode_value
+from fusionnet.dag.registry import REGISTRY
+from fusionnet.errors import ExecutionError
+
+
+def resolve_args(node: IRNode, values: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> tuple[list[Any], dict[str, Any]]:
+    def resolve(tag: str, name: str) -> Any:
+        return values[name] if tag == "$node" else state[name]
+
+    return decode_value(node.args, resolve), decode_kwargs(node.kwargs, resolve)
+
+
+def call_op(op: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    if op.startswith("method:"):
+        return getattr(args[0], op[len("method:") :])(*args[1:], **kwargs)
+    return REGISTRY.resolve(op)(*args, **kwargs)
+
+
+def run_whole_graph(graph: IRGraph, state: Mapping[str, torch.Tensor], data: Mapping[str, Any]) -> Any:
+    """Runs the entire IR graph in-process (no partitioning) and returns the output node's value."""
+    values: dict[str, Any] = {}
+    for n in graph.nodes:
+        if n.kind == "placeholder":
+            values[n.name] = data[n.target]
+        elif n.kind == "variable":
+            values[n.name] = state[n.target]
+        elif n.kind == "output":
+            return decode_value(n.args[0], lambda tag, name: values[name] if tag == "$node" else state[name])
+        else:
+            args, kwargs = resolve_args(n, values, state)
+            values[n.name] = call_op(n.op, args, kwargs)
+    raise ExecutionError("graph has no output node")
+
+
+def _attr_name(key: str) -> str:
+    """A state key as a valid Python attribute name (GraphModule attributes can't contain dots)."""
+    return "s_" + "".join(c if c.isalnum() else "_" for c in key) + f"_{zlib.crc32(key.encode()):08x}"
+
+
+class SubDagModule(nn.Module):
+    """Holds a sub-DAG's parameters (trainable) and buffers; the GraphModule's root."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.attr_of: dict[str, str] = {}
+        for key, value in params.items():
+            self.attr_of[key] = _attr_name(key)
+            self.register_parameter(self.attr_of[key], nn.Parameter(value.detach().clone(), requires_grad=True))
+        for key, value in buffers.items():
+            self.attr_of[key] = _attr_name(key)
+            self.register_buffer(self.attr_of[key], value.detach().clone())
+
+    def param(self, key: str) -> nn.Parameter:
+        return getattr(self, self.attr_of[key])
+
+
+def build_subdag_module(
+    graph: IRGraph,
+    node_names: Sequence[str],
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    params: Mapping[str, torch.Tensor],
+    buffers: Mapping[str, torch.Tensor],
+) -> tuple[fx.GraphModule, SubDagModule]:
+    """Rebuilds the sub-DAG ``node_names`` as a GraphModule.
+
+    Its positional inputs are ``input_names`` (outer required data, in that order) and it returns a
+    tuple with the values of ``output_names`` (outwards data, plus the loss/output if held here).
+    """
+    root = SubDagModule(params, buffers)
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for name in input_names:
+        env[name] = g.placeholder(_safe(name))
+    attr_nodes: dict[str, fx.Node] = {}
+
+    def attr(key: str) -> fx.Node:
+        if key not in attr_nodes:
+            attr_nodes[key] = g.get_attr(root.attr_of[key])
+        return attr_nodes[key]
+
+    def resolve(tag: str, name: str) -> Any:
+        if tag == "$node":
+            if name not in env:
+                raise ExecutionError(f"sub-DAG reads {name!r} which is neither local nor an input")
+            return env[name]
+        return attr(name)
+
+    wanted = set(node_names)
+    for n in graph.nodes:
+        if n.name not in wanted or n.name in env:
+            continue
+        if n.kind == "placeholder":
+            raise ExecutionError(f"placeholder {n.name!r} must be fed as an input of its sub-DAG")
+        if n.kind == "variable":
+            env[n.name] = attr(n.target)
+            continue
+        if n.kind == "output":
+            continue
+        args = decode_value(n.args, resolve)
+        kwargs = decode_kwargs(n.kwargs, resolve)
+        if n.op.startswith("method:"):
+            env[n.name] = g.call_method(n.op[len("method:") :], tuple(args), kwargs)
+        else:
+            env[n.name] = g.call_function(REGISTRY.resolve(n.op), tuple(args), kwargs)
+        env[n.name].name = _safe(n.name)
+    g.output(tuple(env[name] for name in output_names))
+    gm = fx.GraphModule(root, g, class_name="SubDag")
+    return gm, root
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in name) or "n"
+
+
+def output_value(graph: IRGraph, values: Mapping[str, Any]) -> Any:
+    """The value of the graph's output node given the values of the nodes it reads."""
+    return decode_value(graph.output.args[0], lambda tag, name: values[name])
+
+
+__all__ = ["SubDagModule", "build_subdag_module", "call_op", "output_value", "resolve_args",
+           "run_whole_graph"]

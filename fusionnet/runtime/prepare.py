@@ -1,0 +1,48 @@
+"""Job -> traced IR, initial state and partition: the part that ``plan``, ``run`` and ``submit`` share."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from fusionnet.dag.partition import Partition, balanced_assignment, build_partition
+from fusionnet.dag.trace import TracedModel, trace_model
+from fusionnet.job.loader import LoadedJob
+from fusionnet.runtime.batches import iter_steps
+
+
+@dataclass
+class PreparedJob:
+    job: LoadedJob
+    traced: TracedModel
+    partition: Partition
+
+    @property
+    def loss_reduction(self) -> str:
+        loss = self.job.spec.loss
+        return str(loss.kwargs.get("reduction", "mean")) if loss is not None else "mean"
+
+
+def example_microbatch(job: LoadedJob) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The first micro-batch of the first step: what the model is traced (and costed) on."""
+    spec = job.spec
+    first = next(iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, spec.data.microbatches, 1))
+    mb = first.microbatches[0]
+    return mb["inputs"], mb.get("labels")
+
+
+def trace_job(job: LoadedJob) -> TracedModel:
+    inputs, labels = example_microbatch(job)
+    return trace_model(job.model, inputs, labels, job.loss_fn, job.spec.task)
+
+
+def prepare_job(job: LoadedJob, pieces: int | None = None, *, traced: TracedModel | None = None,
+                assignment: Mapping[str, int] | None = None) -> PreparedJob:
+    """Traces the job (unless ``traced`` is given) and partitions it into ``pieces`` sub-DAGs
+    (default: ``placement.compnodes``) with the given assignment or the default balanced policy."""
+    traced = traced or trace_job(job)
+    pieces = pieces or job.spec.placement.compnodes
+    assignment = assignment or balanced_assignment(traced.graph, pieces)
+    return PreparedJob(job=job, traced=traced, partition=build_partition(traced.graph, assignment))
