@@ -36,6 +36,7 @@ def encode_ir(graph: IRGraph) -> bytes:
         "params": graph.params,
         "buffers": graph.buffers,
         "state_keys": graph.state_keys,
+        "aliases": graph.aliases,
         "nodes": [_node_to_dict(n) for n in graph.nodes],
     }
     return msgpack.packb(doc, use_bin_type=True)
@@ -84,7 +85,7 @@ def _check_tensor_specs(specs: Any, where: str) -> None:
 
 def _graph_from_doc(doc: Any) -> IRGraph:
     _expect(isinstance(doc, dict), "IR", "top level must be a map")
-    expected = {"version", "task", "frontend", "params", "buffers", "state_keys", "nodes"}
+    expected = {"version", "task", "frontend", "params", "buffers", "state_keys", "aliases", "nodes"}
     _expect(set(doc) == expected, "IR", f"fields must be {sorted(expected)}, got {sorted(map(str, doc))}")
     _expect(doc["version"] == IR_VERSION, "IR.version", f"unsupported version {doc['version']!r}")
     _expect(doc["task"] in _TASKS, "IR.task", f"must be one of {_TASKS}")
@@ -92,6 +93,10 @@ def _graph_from_doc(doc: Any) -> IRGraph:
     _check_tensor_specs(doc["params"], "IR.params")
     _check_tensor_specs(doc["buffers"], "IR.buffers")
     _expect(_is_str_list(doc["state_keys"]), "IR.state_keys", "must be a list of strings")
+    aliases = doc["aliases"]
+    _expect(isinstance(aliases, dict) and all(
+        isinstance(k, str) and isinstance(v, str) and (v in doc["params"] or v in doc["buffers"])
+        for k, v in aliases.items()), "IR.aliases", "must map state keys to known parameter/buffer keys")
     _expect(isinstance(doc["nodes"], list) and doc["nodes"], "IR.nodes", "must be a non-empty list")
     nodes = []
     for i, raw in enumerate(doc["nodes"]):
@@ -119,7 +124,7 @@ def _graph_from_doc(doc: Any) -> IRGraph:
         _check_depth(raw["meta"], where + " meta", 0)
         nodes.append(IRNode(**raw))
     return IRGraph(nodes=nodes, task=doc["task"], params=doc["params"], buffers=doc["buffers"],
-                   state_keys=doc["state_keys"], frontend=doc["frontend"], version=doc["version"])
+                   state_keys=doc["state_keys"], aliases=aliases, frontend=doc["frontend"], version=doc["version"])
 
 
 def _check_depth(tree: Any, where: str, depth: int) -> None:

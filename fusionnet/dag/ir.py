@@ -94,6 +94,7 @@ class IRGraph:
     params: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> {"shape", "dtype"}
     buffers: dict[str, dict[str, Any]] = field(default_factory=dict)
     state_keys: list[str] = field(default_factory=list)  # model.state_dict() key order
+    aliases: dict[str, str] = field(default_factory=dict)  # tied state_dict key -> the key that owns it
     frontend: str = "symbolic_trace"  # or "torch.export"
     version: int = IR_VERSION
 
@@ -115,7 +116,7 @@ class IRGraph:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, IRGraph):
             return NotImplemented
-        fields = ("nodes", "task", "params", "buffers", "state_keys", "frontend", "version")
+        fields = ("nodes", "task", "params", "buffers", "state_keys", "aliases", "frontend", "version")
         return all(getattr(self, f) == getattr(other, f) for f in fields)
 
     def describe(self) -> str:

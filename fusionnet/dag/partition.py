@@ -116,7 +116,8 @@ def build_partition(graph: IRGraph, assignment: Mapping[str, int]) -> Partition:
         for src in n.input_names():
             src_index = node_index[src]
             if src_index == s.index:
-                if src not in s.inner_required:
+                # The output node is bookkeeping, not an operator: reading for it is not "required data".
+                if n.kind != "output" and src not in s.inner_required:
                     s.inner_required.append(src)
                 continue
             if src not in s.outer_required:

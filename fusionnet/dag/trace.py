@@ -147,6 +147,14 @@ class _GraphBuilder:
         self.state: dict[str, torch.Tensor] = {}
         self.trainable: set[str] = set()
         self.refs: dict[fx.Node, tuple[str, str]] = {}  # fx node -> ("attr", key) for tensors held by the model
+        # Tied tensors (one Parameter under several state_dict keys) get one canonical key, the first
+        # in state_dict order, so exactly one node owns them; the other keys become aliases.
+        self.canonical: dict[int, str] = {}
+        self.aliases: dict[str, str] = {}
+        for key, tensor in wrapper.model.state_dict(keep_vars=True).items():
+            first = self.canonical.setdefault(id(tensor), key)
+            if first != key:
+                self.aliases[key] = first
 
     # -- attribute resolution ------------------------------------------------------------------
     def _attr_key(self, path: str) -> str:
@@ -156,7 +164,8 @@ class _GraphBuilder:
             value = getattr(value, part)
         if not isinstance(value, torch.Tensor):
             raise TraceError(f"attribute {path!r} is a {type(value).__name__}, not a tensor")
-        key = path.removeprefix(_PREFIX) if path.startswith(_PREFIX) else f"const:{path}"
+        key = self.canonical.get(id(value)) or (
+            path.removeprefix(_PREFIX) if path.startswith(_PREFIX) else f"const:{path}")
         self.state[key] = value.detach()
         if isinstance(value, nn.Parameter) and value.requires_grad:
             self.trainable.add(key)
@@ -280,6 +289,7 @@ class _GraphBuilder:
             params={k: _spec(self.state[k]) for k in self.state if k in used_params},
             buffers={k: _spec(self.state[k]) for k in self.state if k in used_buffers},
             state_keys=model_keys,
+            aliases={k: v for k, v in self.aliases.items() if v in used_params or v in used_buffers},
             frontend=self.frontend,
         )
         state = {k: v for k, v in self.state.items() if k in used_params or k in used_buffers}

@@ -86,13 +86,11 @@ async def _run(prepared: PreparedJob, output_dir: Path | None,
         if on_step:
             on_step(row)
     measured = {i: t / max(steps, 1) for i, t in busy.items()}
-    weights = assemble_state(graph.state_keys, [ex.state() for ex in executors], job.model.state_dict())
+    weights = assemble_state(graph.state_keys, [ex.state() for ex in executors], job.model.state_dict(),
+                             graph.aliases)
     grads = None
     if spec.task == "grad":
-        grads = {}
-        for ex in executors:
-            grads.update(ex.gradients())
-        grads = {k: grads[k] for k in graph.state_keys if k in grads}
+        grads = assemble_state(graph.state_keys, [ex.gradients() for ex in executors], None, graph.aliases)
     out_tensor = torch.cat([o for o in outputs], dim=0) if spec.task == "infer" and outputs else None
     plan = plan_document(partition, measured=measured, extra={"job": spec.name, "task": spec.task,
                                                               "frontend": graph.frontend})

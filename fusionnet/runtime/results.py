@@ -15,14 +15,24 @@ from fusionnet.dag.partition import Partition
 
 
 def assemble_state(state_keys: Iterable[str], pieces: Iterable[Mapping[str, torch.Tensor]],
-                   fallback: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Merges the sub-DAGs' tensors into one ``state_dict`` with the model's key order. Keys no
-    sub-DAG holds (tensors the graph never reads) keep their initial values from ``fallback``."""
+                   fallback: Mapping[str, torch.Tensor] | None = None,
+                   aliases: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Merges the sub-DAGs' tensors into one ``state_dict`` with the model's key order. Tied keys
+    take their owner's value; keys no sub-DAG holds (tensors the graph never reads) keep their
+    values from ``fallback``, or are left out when there is none (gradients)."""
     merged: dict[str, torch.Tensor] = {}
     for piece in pieces:
         for k, v in piece.items():
             merged.setdefault(k, v)
-    return {k: (merged[k] if k in merged else fallback[k]).detach().contiguous() for k in state_keys}
+    aliases = aliases or {}
+    out: dict[str, torch.Tensor] = {}
+    for k in state_keys:
+        owner = aliases.get(k, k)
+        if owner in merged:
+            out[k] = merged[owner].detach().contiguous()
+        elif fallback is not None and k in fallback:
+            out[k] = fallback[k].detach().contiguous()
+    return out
 
 
 def _atomic_write(path: Path, write: Any) -> None:

@@ -1,0 +1,48 @@
+"""``fusionnet run JOB.yaml --local N --output DIR``: the job in one process on N virtual compnodes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="run a job in one process on N virtual compnodes (debugging, dry runs)",
+        description="Runs JOB.yaml in this process on N virtual compnodes: the same tracer, planner and "
+        "executor as the swarm, with an in-memory channel instead of the network. Writes the result files "
+        "(weights/grads/outputs.safetensors, metrics.jsonl, plan.json) to --output.",
+    )
+    p.add_argument("job", type=Path, help="job definition file (YAML)")
+    p.add_argument("--local", type=int, required=True, metavar="N", help="number of virtual compnodes (sub-DAGs)")
+    p.add_argument("--output", type=Path, required=True, metavar="DIR", help="directory for the result files")
+    p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fusionnet.errors import JobError
+    from fusionnet.job.loader import load_job
+    from fusionnet.runtime.local import run_local
+    from fusionnet.runtime.prepare import prepare_job
+
+    if args.local < 1:
+        raise JobError(f"--local: must be >= 1, got {args.local}")
+    job = load_job(args.job)
+    prepared = prepare_job(job, args.local)
+    if not args.quiet:
+        print(prepared.partition.describe())
+
+    def progress(row: dict[str, Any]) -> None:
+        if args.quiet:
+            return
+        loss = f" loss={row['loss']:.6f}" if "loss" in row else ""
+        rate = row["samples"] / row["seconds"] if row["seconds"] > 0 else float("inf")
+        print(f"step {row['step'] + 1}{loss} samples/s={rate:.1f}", file=sys.stderr)
+
+    run_local(job, args.local, args.output, prepared=prepared, on_step=progress)
+    print(f"results written to {args.output}")
+    return 0

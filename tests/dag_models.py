@@ -1,0 +1,67 @@
+"""Small models for DAG tests: skip edges across every cut, tuples crossing cuts, shared parameters."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SkipEverywhere(nn.Module):
+    """Every block reads the input and every earlier block's output, so any cut is crossed by skips."""
+
+    def __init__(self, width: int = 12, depth: int = 5, classes: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+        self.scale = nn.Parameter(torch.ones(width))  # a root-level variable read by the last block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [x]
+        for block in self.blocks:
+            outs.append(torch.tanh(block(sum(outs))))
+        return self.head(outs[-1] * self.scale + outs[1])
+
+
+class SplitMerge(nn.Module):
+    """A tuple-valued op (``chunk``) whose parts are used far apart, plus a tied weight."""
+
+    def __init__(self, width: int = 8, classes: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, 2 * width)
+        self.mid = nn.Linear(width, width)
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.inp(x).chunk(2, dim=-1)
+        h = F.gelu(self.mid(a))
+        h = F.linear(h, self.mid.weight) + b  # mid.weight shared by two ops
+        return self.out(F.layer_norm(h, h.shape[-1:]))
+
+
+def make_data(model: str, n: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    width = 12 if model == "skip" else 8
+    classes = 3 if model == "skip" else 4
+    return torch.randn(n, width, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+class Figure3(nn.Module):
+    """FusionAI Figure 3 / Table 2: Conv, Add (skip from Input), Pool, Tensor A, Multiply, Concat, Linear."""
+
+    def __init__(self, classes: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.A = nn.Parameter(torch.randn(3, 8, 8) * 0.1)  # Tensor A: a variable outside any module
+        self.linear = nn.Linear(3 * 4 * 4 + 3 * 8 * 8, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        add = self.conv(x) + x
+        pool = F.max_pool2d(add, 2)
+        mul = self.A * add
+        return self.linear(torch.cat([pool.flatten(1), mul.flatten(1)], 1))
+
+
+def figure3_data(n: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
