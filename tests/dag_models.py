@@ -65,3 +65,64 @@ class Figure3(nn.Module):
 def figure3_data(n: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+class HFCausalLM(nn.Module):
+    """A tiny random-init GPT-2 from ``transformers`` (nothing downloaded); forward returns the loss."""
+
+    def __init__(
+        self, vocab: int = 40, width: int = 32, layers: int = 2, heads: int = 2, positions: int = 16
+    ) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.GPT2Config(
+            vocab_size=vocab,
+            n_embd=width,
+            n_layer=layers,
+            n_head=heads,
+            n_positions=positions,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        self.lm = transformers.GPT2LMHeadModel(cfg)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, labels=labels).loss
+
+
+class HFMaskedLM(nn.Module):
+    """A tiny random-init BERT masked LM (tied decoder/embedding weights); forward returns the loss."""
+
+    def __init__(
+        self, vocab: int = 40, width: int = 32, layers: int = 2, heads: int = 2, positions: int = 16
+    ) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = transformers.BertConfig(
+            vocab_size=vocab,
+            hidden_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=2 * width,
+            max_position_embeddings=positions,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            pad_token_id=0,
+        )
+        self.lm = transformers.BertForMaskedLM(cfg)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, labels=labels).loss
+
+
+def token_data(
+    n: int = 16, seq: int = 8, vocab: int = 40, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (n, seq), generator=g)
+    return ids, ids.clone()

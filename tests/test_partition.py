@@ -20,9 +20,18 @@ def fig3_graph():
 
 
 TABLE3 = {  # the paper's split of Figure 3 (our graph has explicit flatten ops before Concat)
-    "inputs": 1, "conv2d": 1, "add": 1, "max_pool2d": 1, "flatten": 1,
-    "var_A": 2, "mul": 2, "flatten_1": 2,
-    "cat": 3, "linear": 3, "labels": 3, "cross_entropy": 3,
+    "inputs": 1,
+    "conv2d": 1,
+    "add": 1,
+    "max_pool2d": 1,
+    "flatten": 1,
+    "var_A": 2,
+    "mul": 2,
+    "flatten_1": 2,
+    "cat": 3,
+    "linear": 3,
+    "labels": 3,
+    "cross_entropy": 3,
 }
 
 

@@ -17,7 +17,9 @@ def add_parser(subparsers: Any) -> None:
         "(weights/grads/outputs.safetensors, metrics.jsonl, plan.json) to --output.",
     )
     p.add_argument("job", type=Path, help="job definition file (YAML)")
-    p.add_argument("--local", type=int, required=True, metavar="N", help="number of virtual compnodes (sub-DAGs)")
+    p.add_argument(
+        "--local", type=int, required=True, metavar="N", help="number of virtual compnodes (sub-DAGs)"
+    )
     p.add_argument("--output", type=Path, required=True, metavar="DIR", help="directory for the result files")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     p.set_defaults(func=run)

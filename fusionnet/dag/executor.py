@@ -78,8 +78,12 @@ class SubDagExecutor:
         if missing:
             raise ExecutionError(f"sub-DAG {subdag.index}: missing state tensors {missing[:5]}")
         self.module, self.root = build_subdag_module(
-            graph, subdag.nodes, subdag.outer_required, outputs,
-            {k: state[k] for k in subdag.params}, {k: state[k] for k in subdag.buffers},
+            graph,
+            subdag.nodes,
+            subdag.outer_required,
+            outputs,
+            {k: state[k] for k in subdag.params},
+            {k: state[k] for k in subdag.buffers},
         )
         self.module.train(task != "infer")
         self.named_params = {k: self.root.param(k) for k in subdag.params}
@@ -106,8 +110,10 @@ class SubDagExecutor:
             try:
                 outs = self.module(*inputs)
             except Exception as e:
-                raise ExecutionError(f"sub-DAG {self.subdag.index}: FP of step {step} micro-batch {mb} "
-                                     f"failed: {type(e).__name__}: {e}") from e
+                raise ExecutionError(
+                    f"sub-DAG {self.subdag.index}: FP of step {step} micro-batch {mb} "
+                    f"failed: {type(e).__name__}: {e}"
+                ) from e
         self._fp_time += time.perf_counter() - started
         for name, value in zip(self.output_names, outs):
             for dst in self.subdag.consumers.get(name, ()):
@@ -130,15 +136,18 @@ class SubDagExecutor:
                 grads = await self.channel.recv(dst, ("grad", step, mb, name))
                 flat, _ = tree_flatten(grads)
                 if len(flat) != len(leaves):
-                    raise ExecutionError(f"sub-DAG {self.subdag.index}: gradient for {name!r} from sub-DAG "
-                                         f"{dst} has {len(flat)} parts, expected {len(leaves)}")
+                    raise ExecutionError(
+                        f"sub-DAG {self.subdag.index}: gradient for {name!r} from sub-DAG "
+                        f"{dst} has {len(flat)} parts, expected {len(leaves)}"
+                    )
                 for i, g in enumerate(flat):
                     if g is None:
                         continue
                     if not isinstance(g, torch.Tensor) or g.shape != leaves[i].shape:
                         raise ExecutionError(
-                            f"sub-DAG {self.subdag.index}: gradient for {name!r} from sub-DAG {dst} has shape "
-                            f"{getattr(g, 'shape', type(g).__name__)}, expected {tuple(leaves[i].shape)}")
+                            f"sub-DAG {self.subdag.index}: gradient for {name!r} from sub-DAG {dst} has "
+                            f"shape {getattr(g, 'shape', type(g).__name__)}, expected {tuple(leaves[i].shape)}"
+                        )
                     total[i] = g if total[i] is None else total[i] + g
             for leaf, g in zip(leaves, total):
                 if g is not None and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
@@ -152,13 +161,15 @@ class SubDagExecutor:
             try:
                 torch.autograd.backward(roots, seeds)
             except Exception as e:
-                raise ExecutionError(f"sub-DAG {self.subdag.index}: BP of step {step} micro-batch {mb} "
-                                     f"failed: {type(e).__name__}: {e}") from e
+                raise ExecutionError(
+                    f"sub-DAG {self.subdag.index}: BP of step {step} micro-batch {mb} "
+                    f"failed: {type(e).__name__}: {e}"
+                ) from e
         self._bp_time += time.perf_counter() - started
         for name, value in zip(self.subdag.outer_required, inputs):
             if name in self.subdag.placeholders:
                 continue  # placeholders need no gradient (section 3.6)
-            leaves, spec = tree_flatten(value)
+            leaves, _spec = tree_flatten(value)
             if not self.expects_grad(value):
                 continue  # nothing differentiable was received, so the producer expects nothing
             grads = [v.grad if _is_float(v) else None for v in leaves]
@@ -184,7 +195,9 @@ class SubDagExecutor:
             p.grad = None
 
     # -- a whole step --------------------------------------------------------------------------
-    async def run_step(self, step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]) -> StepReport:
+    async def run_step(
+        self, step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]
+    ) -> StepReport:
         """GPipe step: FP of every micro-batch, BP in reverse order, then Update (train)."""
         self._fp_time = self._bp_time = self._update_time = 0.0
         report = StepReport(step=step)
@@ -205,7 +218,11 @@ class SubDagExecutor:
                 self.update()
         if losses:
             report.loss = sum(losses)
-        report.fp_seconds, report.bp_seconds, report.update_seconds = self._fp_time, self._bp_time, self._update_time
+        report.fp_seconds, report.bp_seconds, report.update_seconds = (
+            self._fp_time,
+            self._bp_time,
+            self._update_time,
+        )
         return report
 
     def _loss_weight(self, size: int, batch: int) -> float:

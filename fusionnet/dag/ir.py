@@ -30,8 +30,20 @@ IR_VERSION = 1
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
-    for name in ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-                 "bool", "complex64", "complex128")
+    for name in (
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "complex64",
+        "complex128",
+    )
 }
 _MEMORY_FORMATS = {
     "contiguous_format": torch.contiguous_format,
@@ -124,9 +136,14 @@ class IRGraph:
         rows = [("OP name", "OP users", "Type", "Args", "Compnode", "Compnode users")]
         for n in self.nodes:
             rows.append(
-                (n.name, ", ".join(n.users) or "-", n.kind, ", ".join(n.input_names()) or "-",
-                 "-" if n.compnode is None else str(n.compnode),
-                 ", ".join(map(str, n.compnode_users)) or "-")
+                (
+                    n.name,
+                    ", ".join(n.users) or "-",
+                    n.kind,
+                    ", ".join(n.input_names()) or "-",
+                    "-" if n.compnode is None else str(n.compnode),
+                    ", ".join(map(str, n.compnode_users)) or "-",
+                )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
@@ -134,8 +151,19 @@ class IRGraph:
 
 # ---- argument trees ----------------------------------------------------------------------------
 
-_TAGS = ("$node", "$param", "$buffer", "$tuple", "$slice", "$dtype", "$device", "$memory_format",
-         "$layout", "$ellipsis", "$dict")
+_TAGS = (
+    "$node",
+    "$param",
+    "$buffer",
+    "$tuple",
+    "$slice",
+    "$dtype",
+    "$device",
+    "$memory_format",
+    "$layout",
+    "$ellipsis",
+    "$dict",
+)
 
 
 def iter_refs(tree: Any, tag: str) -> Iterator[str]:
@@ -183,7 +211,7 @@ def decode_value(tree: Any, resolve: Any) -> Any:
         return [decode_value(v, resolve) for v in tree]
     if not isinstance(tree, dict):
         return tree
-    (tag, body), = tree.items()
+    ((tag, body),) = tree.items()
     if tag in ("$node", "$param", "$buffer"):
         return resolve(tag, body)
     if tag == "$tuple":

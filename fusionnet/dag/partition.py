@@ -53,9 +53,17 @@ class Partition:
         """Table 3 as text."""
         rows = [("Sub-DAG", "Compnode", "Nodes", "Inner required", "Outer required", "Outwards", "Users")]
         for s in self.subdags:
-            rows.append((str(s.index), str(s.compnode), ", ".join(s.nodes), ", ".join(s.inner_required) or "-",
-                         ", ".join(s.outer_required) or "-", ", ".join(s.outwards) or "-",
-                         ", ".join(map(str, s.compnode_users)) or "-"))
+            rows.append(
+                (
+                    str(s.index),
+                    str(s.compnode),
+                    ", ".join(s.nodes),
+                    ", ".join(s.inner_required) or "-",
+                    ", ".join(s.outer_required) or "-",
+                    ", ".join(s.outwards) or "-",
+                    ", ".join(map(str, s.compnode_users)) or "-",
+                )
+            )
         return _table(rows)
 
 
@@ -98,8 +106,18 @@ def build_partition(graph: IRGraph, assignment: Mapping[str, int]) -> Partition:
     labels = sorted(set(label.values()))
     order = _topological_labels(labels, edges)
     index_of = {lab: i for i, lab in enumerate(order)}
-    subdags = [SubDag(index=i, compnode=lab, nodes=[], inner_required=[], outer_required=[], outwards=[],
-                      compnode_users=[]) for i, lab in enumerate(order)]
+    subdags = [
+        SubDag(
+            index=i,
+            compnode=lab,
+            nodes=[],
+            inner_required=[],
+            outer_required=[],
+            outwards=[],
+            compnode_users=[],
+        )
+        for i, lab in enumerate(order)
+    ]
     node_index = {name: index_of[label[name]] for name in names}
     for n in graph.nodes:
         s = subdags[node_index[n.name]]
@@ -139,7 +157,9 @@ def build_partition(graph: IRGraph, assignment: Mapping[str, int]) -> Partition:
     return Partition(subdags=subdags, assignment=node_index)
 
 
-def _topological_labels(labels: list[int], edges: Mapping[tuple[int, int], list[tuple[str, str]]]) -> list[int]:
+def _topological_labels(
+    labels: list[int], edges: Mapping[tuple[int, int], list[tuple[str, str]]]
+) -> list[int]:
     succ: dict[int, set[int]] = {lab: set() for lab in labels}
     indeg = dict.fromkeys(labels, 0)
     for a, b in edges:
@@ -157,11 +177,16 @@ def _topological_labels(labels: list[int], edges: Mapping[tuple[int, int], list[
                 ready.append(nxt)
     if len(order) != len(labels):
         stuck = {lab for lab in labels if indeg[lab] > 0}
-        crossing = sorted(f"{s} (compnode {a}) -> {d} (compnode {b})"
-                          for (a, b), pairs in edges.items() if a in stuck and b in stuck for s, d in pairs)
+        crossing = sorted(
+            f"{s} (compnode {a}) -> {d} (compnode {b})"
+            for (a, b), pairs in edges.items()
+            if a in stuck and b in stuck
+            for s, d in pairs
+        )
         raise PartitionError(
             f"assignment makes the sub-DAG graph cyclic among compnodes {sorted(stuck)}; edges involved: "
-            + "; ".join(crossing[:8]) + (" ..." if len(crossing) > 8 else "")
+            + "; ".join(crossing[:8])
+            + (" ..." if len(crossing) > 8 else "")
         )
     return order
 
@@ -190,6 +215,7 @@ def balanced_assignment(graph: IRGraph, pieces: int) -> dict[str, int]:
 
 def _min_max_segments(weights: list[int], pieces: int) -> list[int]:
     """Start indexes (excluding 0) of ``pieces`` contiguous non-empty segments minimising the max sum."""
+
     def greedy(limit: int) -> list[int] | None:
         cuts, total = [], 0
         for i, w in enumerate(weights):
@@ -210,7 +236,9 @@ def _min_max_segments(weights: list[int], pieces: int) -> list[int]:
     # Fewer segments than asked: split the largest segments further (never raises the max).
     while len(cuts) + 1 < pieces:
         bounds = [0, *cuts, len(weights)]
-        candidates = [(bounds[i + 1] - bounds[i], i) for i in range(len(bounds) - 1) if bounds[i + 1] - bounds[i] > 1]
+        candidates = [
+            (bounds[i + 1] - bounds[i], i) for i in range(len(bounds) - 1) if bounds[i + 1] - bounds[i] > 1
+        ]
         _, i = max(candidates)
         cuts = sorted([*cuts, bounds[i] + (bounds[i + 1] - bounds[i]) // 2])
     return cuts

@@ -7,10 +7,9 @@ same machinery for a whole graph, used by the tracer to check that a trace repro
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import zlib
 
 import torch
 import torch.fx as fx
@@ -21,7 +20,9 @@ from fusionnet.dag.registry import REGISTRY
 from fusionnet.errors import ExecutionError
 
 
-def resolve_args(node: IRNode, values: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> tuple[list[Any], dict[str, Any]]:
+def resolve_args(
+    node: IRNode, values: Mapping[str, Any], state: Mapping[str, torch.Tensor]
+) -> tuple[list[Any], dict[str, Any]]:
     def resolve(tag: str, name: str) -> Any:
         return values[name] if tag == "$node" else state[name]
 
@@ -63,7 +64,9 @@ class SubDagModule(nn.Module):
         self.attr_of: dict[str, str] = {}
         for key, value in params.items():
             self.attr_of[key] = _attr_name(key)
-            self.register_parameter(self.attr_of[key], nn.Parameter(value.detach().clone(), requires_grad=True))
+            self.register_parameter(
+                self.attr_of[key], nn.Parameter(value.detach().clone(), requires_grad=True)
+            )
         for key, value in buffers.items():
             self.attr_of[key] = _attr_name(key)
             self.register_buffer(self.attr_of[key], value.detach().clone())
@@ -136,5 +139,11 @@ def output_value(graph: IRGraph, values: Mapping[str, Any]) -> Any:
     return decode_value(graph.output.args[0], lambda tag, name: values[name])
 
 
-__all__ = ["SubDagModule", "build_subdag_module", "call_op", "output_value", "resolve_args",
-           "run_whole_graph"]
+__all__ = [
+    "SubDagModule",
+    "build_subdag_module",
+    "call_op",
+    "output_value",
+    "resolve_args",
+    "run_whole_graph",
+]

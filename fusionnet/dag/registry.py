@@ -34,29 +34,99 @@ from fusionnet.errors import IRError, TraceError
 # Names in the default families that are not tensor math: file access, global RNG/threads state,
 # autograd hooks, storage aliasing, device transfers. An IR naming one of them is refused.
 _DENIED_TORCH = frozenset(
-    {"from_file", "set_flush_denormal", "manual_seed", "seed", "initial_seed", "set_num_threads",
-     "set_num_interop_threads", "set_default_dtype", "set_grad_enabled", "use_deterministic_algorithms",
-     "set_printoptions", "load", "save"}
+    {
+        "from_file",
+        "set_flush_denormal",
+        "manual_seed",
+        "seed",
+        "initial_seed",
+        "set_num_threads",
+        "set_num_interop_threads",
+        "set_default_dtype",
+        "set_grad_enabled",
+        "use_deterministic_algorithms",
+        "set_printoptions",
+        "load",
+        "save",
+    }
 )
 _DENIED_METHODS = frozenset(
-    {"backward", "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "storage",
-     "untyped_storage", "share_memory_", "numpy", "data_ptr", "set_", "resize_", "resize_as_",
-     "pin_memory", "cuda", "record_stream", "requires_grad_", "apply_", "map_", "map2_", "tolist",
-     "is_shared", "storage_offset", "untyped_storage", "new_tensor", "detach_", "to_sparse", "xpu",
-     "ipu", "mtia", "hpu", "share_memory", "dim_order", "__reduce_ex__", "__setstate__"}
+    {
+        "backward",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "retain_grad",
+        "storage",
+        "untyped_storage",
+        "share_memory_",
+        "numpy",
+        "data_ptr",
+        "set_",
+        "resize_",
+        "resize_as_",
+        "pin_memory",
+        "cuda",
+        "record_stream",
+        "requires_grad_",
+        "apply_",
+        "map_",
+        "map2_",
+        "tolist",
+        "is_shared",
+        "storage_offset",
+        "new_tensor",
+        "detach_",
+        "to_sparse",
+        "xpu",
+        "ipu",
+        "mtia",
+        "hpu",
+        "share_memory",
+        "dim_order",
+        "__reduce_ex__",
+        "__setstate__",
+    }
 )
 _DENIED_ATEN = frozenset({"from_file", "_local_scalar_dense", "set_", "resize_", "record_stream", "save"})
 _GETATTR_ALLOWED = frozenset({"shape", "dtype", "T", "mT", "H", "mH", "ndim", "device", "is_floating_point"})
 _OPERATORS = (
-    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "neg", "pos", "abs", "invert",
-    "and_", "or_", "xor", "lshift", "rshift", "eq", "ne", "lt", "le", "gt", "ge", "getitem", "not_",
-    "iadd", "isub", "imul", "itruediv",
+    "add",
+    "sub",
+    "mul",
+    "truediv",
+    "floordiv",
+    "mod",
+    "pow",
+    "matmul",
+    "neg",
+    "pos",
+    "abs",
+    "invert",
+    "and_",
+    "or_",
+    "xor",
+    "lshift",
+    "rshift",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "getitem",
+    "not_",
+    "iadd",
+    "isub",
+    "imul",
+    "itruediv",
 )
 
 
 def _safe_getattr(obj: Any, name: str) -> Any:
     if name not in _GETATTR_ALLOWED:
-        raise IRError(f"builtins.getattr: attribute {name!r} is not allowed (allowed: {sorted(_GETATTR_ALLOWED)})")
+        raise IRError(
+            f"builtins.getattr: attribute {name!r} is not allowed (allowed: {sorted(_GETATTR_ALLOWED)})"
+        )
     return getattr(obj, name)
 
 

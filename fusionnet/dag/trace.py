@@ -128,7 +128,9 @@ def _check_reproduces(traced: TracedModel, expected: Any, args: tuple[Any, ...])
     flat_got, _ = torch.utils._pytree.tree_flatten(got)
     flat_exp, _ = torch.utils._pytree.tree_flatten(expected)
     if len(flat_got) != len(flat_exp) or not all(
-        isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.shape == b.shape
         and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
         for a, b in zip(flat_got, flat_exp)
     ):
@@ -146,7 +148,9 @@ class _GraphBuilder:
         self.frontend = frontend
         self.state: dict[str, torch.Tensor] = {}
         self.trainable: set[str] = set()
-        self.refs: dict[fx.Node, tuple[str, str]] = {}  # fx node -> ("attr", key) for tensors held by the model
+        self.refs: dict[
+            fx.Node, tuple[str, str]
+        ] = {}  # fx node -> ("attr", key) for tensors held by the model
         # Tied tensors (one Parameter under several state_dict keys) get one canonical key, the first
         # in state_dict order, so exactly one node owns them; the other keys become aliases.
         self.canonical: dict[int, str] = {}
@@ -165,7 +169,8 @@ class _GraphBuilder:
         if not isinstance(value, torch.Tensor):
             raise TraceError(f"attribute {path!r} is a {type(value).__name__}, not a tensor")
         key = self.canonical.get(id(value)) or (
-            path.removeprefix(_PREFIX) if path.startswith(_PREFIX) else f"const:{path}")
+            path.removeprefix(_PREFIX) if path.startswith(_PREFIX) else f"const:{path}"
+        )
         self.state[key] = value.detach()
         if isinstance(value, nn.Parameter) and value.requires_grad:
             self.trainable.add(key)
@@ -211,7 +216,8 @@ class _GraphBuilder:
                 if inp in self.refs and self.refs[inp][1] in self.trainable:
                     readers.setdefault(self.refs[inp][1], set()).add(op)
         variables = {
-            key for key, users in readers.items()
+            key
+            for key, users in readers.items()
             if len(users) > 1 or "." not in key or key.startswith("const:")
         }
         ir_nodes: list[IRNode] = []
@@ -239,14 +245,18 @@ class _GraphBuilder:
                 raise TraceError("a train/grad model must return a single loss tensor")
             loss_src = out
         for node in ops:
-            op_name = REGISTRY.method_name(node.target) if node.op == "call_method" else REGISTRY.name_of(
-                node.target)
+            op_name = (
+                REGISTRY.method_name(node.target)
+                if node.op == "call_method"
+                else REGISTRY.name_of(node.target)
+            )
             args = [self._encode(a, ref_of, node) for a in node.args]
             kwargs = self._encode(dict(node.kwargs), ref_of, node)["$dict"]
             has_param = any(isinstance(a, dict) and "$param" in a for a in _walk((args, kwargs)))
             kind = "loss" if node is loss_src else ("parametric" if has_param else "non_parametric")
-            ir_nodes.append(IRNode(name=node.name, kind=kind, op=op_name, args=args,
-                                   kwargs={k: v for k, v in kwargs}))
+            ir_nodes.append(
+                IRNode(name=node.name, kind=kind, op=op_name, args=args, kwargs={k: v for k, v in kwargs})
+            )
             ref_of[node] = {"$node": node.name}
         out_args = self._encode(output_node.args[0], ref_of, output_node)
         if self.task != "infer" and isinstance(out_args, dict) and "$tuple" in out_args:
@@ -330,20 +340,37 @@ def _annotate(graph: IRGraph, state: dict[str, torch.Tensor], data: dict[str, An
                 out = call_op(n.op, args, kwargs)
                 values[n.name] = out
                 param_bytes = sum(state[k].numel() * state[k].element_size() for k in n.param_keys())
-                n.cost = op_cost(_cost_target(n.op), tuple(args), kwargs, out, param_bytes=param_bytes,
-                                 needs_grad=graph.task != "infer").to_dict()
+                n.cost = op_cost(
+                    _cost_target(n.op),
+                    tuple(args),
+                    kwargs,
+                    out,
+                    param_bytes=param_bytes,
+                    needs_grad=graph.task != "infer",
+                ).to_dict()
             n.meta = tensor_meta(values[n.name])
         for n in graph.nodes:
             if n.kind == "variable":
                 t = state[n.target]
-                n.cost = {"flops_fwd": 0, "flops_bwd": 0, "bytes_read": 0, "bytes_written": 0,
-                          "param_bytes": t.numel() * t.element_size(),
-                          "activation_bytes": t.numel() * t.element_size()}
+                n.cost = {
+                    "flops_fwd": 0,
+                    "flops_bwd": 0,
+                    "bytes_read": 0,
+                    "bytes_written": 0,
+                    "param_bytes": t.numel() * t.element_size(),
+                    "activation_bytes": t.numel() * t.element_size(),
+                }
             elif n.kind == "placeholder":
                 t = values[n.name]
                 size = t.numel() * t.element_size()
-                n.cost = {"flops_fwd": 0, "flops_bwd": 0, "bytes_read": 0, "bytes_written": size,
-                          "param_bytes": 0, "activation_bytes": size}
+                n.cost = {
+                    "flops_fwd": 0,
+                    "flops_bwd": 0,
+                    "bytes_read": 0,
+                    "bytes_written": size,
+                    "param_bytes": 0,
+                    "activation_bytes": size,
+                }
 
 
 def _cost_target(op: str) -> Any:

@@ -17,13 +17,22 @@ class StepData:
     sizes: list[int]
 
 
-def iter_steps(task: str, inputs: torch.Tensor, labels: torch.Tensor | None, batch_size: int,
-               microbatches: int, steps: int) -> Iterator[StepData]:
+def iter_steps(
+    task: str,
+    inputs: torch.Tensor,
+    labels: torch.Tensor | None,
+    batch_size: int,
+    microbatches: int,
+    steps: int,
+) -> Iterator[StepData]:
     """Train/grad: ``steps`` batches of ``batch_size`` (wrapping around the dataset); infer: every
     sample once in order. Each batch is split into contiguous micro-batches."""
     n = inputs.shape[0]
-    batches = infer_batches(n, batch_size) if task == "infer" else (
-        batch_indices(s, batch_size, n) for s in range(steps))
+    batches = (
+        infer_batches(n, batch_size)
+        if task == "infer"
+        else (batch_indices(s, batch_size, n) for s in range(steps))
+    )
     for step, idx in enumerate(batches):
         chunks = split_microbatches(len(idx), min(microbatches, len(idx)))
         mbs = []

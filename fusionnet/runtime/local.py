@@ -34,7 +34,9 @@ class RunResult:
     measured_seconds: dict[int, float] = field(default_factory=dict)
 
 
-def optimizer_factory(job: LoadedJob) -> Callable[[Mapping[str, torch.nn.Parameter]], list[torch.optim.Optimizer]] | None:
+def optimizer_factory(
+    job: LoadedJob,
+) -> Callable[[Mapping[str, torch.nn.Parameter]], list[torch.optim.Optimizer]] | None:
     if job.spec.task != "train" or job.spec.optimizer is None:
         return None
     spec = job.spec.optimizer
@@ -45,33 +47,48 @@ def optimizer_factory(job: LoadedJob) -> Callable[[Mapping[str, torch.nn.Paramet
     return make
 
 
-def run_local(job: LoadedJob, pieces: int, output_dir: Path | None = None, *,
-              prepared: PreparedJob | None = None,
-              on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+def run_local(
+    job: LoadedJob,
+    pieces: int,
+    output_dir: Path | None = None,
+    *,
+    prepared: PreparedJob | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> RunResult:
     prepared = prepared or prepare_job(job, pieces)
     return asyncio.run(_run(prepared, output_dir, on_step))
 
 
-async def _run(prepared: PreparedJob, output_dir: Path | None,
-               on_step: Callable[[dict[str, Any]], None] | None) -> RunResult:
+async def _run(
+    prepared: PreparedJob, output_dir: Path | None, on_step: Callable[[dict[str, Any]], None] | None
+) -> RunResult:
     job, graph, partition = prepared.job, prepared.traced.graph, prepared.partition
     spec = job.spec
     hub = LocalHub(len(partition.subdags))
     make_optimizers = optimizer_factory(job)
     executors = [
-        SubDagExecutor(graph, s, prepared.traced.state, hub.channel(s.index), task=spec.task,
-                       make_optimizers=make_optimizers, loss_reduction=prepared.loss_reduction)
+        SubDagExecutor(
+            graph,
+            s,
+            prepared.traced.state,
+            hub.channel(s.index),
+            task=spec.task,
+            make_optimizers=make_optimizers,
+            loss_reduction=prepared.loss_reduction,
+        )
         for s in partition.subdags
     ]
     metrics: list[dict[str, Any]] = []
     outputs: list[Any] = []
     busy = dict.fromkeys(range(len(executors)), 0.0)
     steps = 0
-    for data in iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, spec.data.microbatches,
-                           spec.steps):
+    for data in iter_steps(
+        spec.task, job.inputs, job.labels, spec.data.batch_size, spec.data.microbatches, spec.steps
+    ):
         started = time.perf_counter()
-        reports: list[StepReport] = await asyncio.gather(*(
-            ex.run_step(data.step, _fields_for(ex, data.microbatches), data.sizes) for ex in executors))
+        reports: list[StepReport] = await asyncio.gather(
+            *(ex.run_step(data.step, _fields_for(ex, data.microbatches), data.sizes) for ex in executors)
+        )
         seconds = time.perf_counter() - started
         for ex, r in zip(executors, reports):
             busy[ex.subdag.index] += r.fp_seconds + r.bp_seconds + r.update_seconds
@@ -86,22 +103,32 @@ async def _run(prepared: PreparedJob, output_dir: Path | None,
         if on_step:
             on_step(row)
     measured = {i: t / max(steps, 1) for i, t in busy.items()}
-    weights = assemble_state(graph.state_keys, [ex.state() for ex in executors], job.model.state_dict(),
-                             graph.aliases)
+    weights = assemble_state(
+        graph.state_keys, [ex.state() for ex in executors], job.model.state_dict(), graph.aliases
+    )
     grads = None
     if spec.task == "grad":
         grads = assemble_state(graph.state_keys, [ex.gradients() for ex in executors], None, graph.aliases)
     out_tensor = torch.cat([o for o in outputs], dim=0) if spec.task == "infer" and outputs else None
-    plan = plan_document(partition, measured=measured, extra={"job": spec.name, "task": spec.task,
-                                                              "frontend": graph.frontend})
-    result = RunResult(weights=weights, grads=grads, outputs=out_tensor, metrics=metrics, plan=plan,
-                       measured_seconds=measured)
+    plan = plan_document(
+        partition, measured=measured, extra={"job": spec.name, "task": spec.task, "frontend": graph.frontend}
+    )
+    result = RunResult(
+        weights=weights,
+        grads=grads,
+        outputs=out_tensor,
+        metrics=metrics,
+        plan=plan,
+        measured_seconds=measured,
+    )
     if output_dir is not None:
         write_results(Path(output_dir), result, spec.task)
     return result
 
 
-def _fields_for(ex: SubDagExecutor, microbatches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+def _fields_for(
+    ex: SubDagExecutor, microbatches: list[dict[str, torch.Tensor]]
+) -> list[dict[str, torch.Tensor]]:
     """Only the dataset fields this sub-DAG's placeholders read (labels go where the loss is)."""
     wanted = {ex.graph.node(p).target for p in ex.subdag.placeholders}
     return [{k: v for k, v in mb.items() if k in wanted} for mb in microbatches]

@@ -28,7 +28,9 @@ class PreparedJob:
 def example_microbatch(job: LoadedJob) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The first micro-batch of the first step: what the model is traced (and costed) on."""
     spec = job.spec
-    first = next(iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, spec.data.microbatches, 1))
+    first = next(
+        iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, spec.data.microbatches, 1)
+    )
     mb = first.microbatches[0]
     return mb["inputs"], mb.get("labels")
 
@@ -38,8 +40,13 @@ def trace_job(job: LoadedJob) -> TracedModel:
     return trace_model(job.model, inputs, labels, job.loss_fn, job.spec.task)
 
 
-def prepare_job(job: LoadedJob, pieces: int | None = None, *, traced: TracedModel | None = None,
-                assignment: Mapping[str, int] | None = None) -> PreparedJob:
+def prepare_job(
+    job: LoadedJob,
+    pieces: int | None = None,
+    *,
+    traced: TracedModel | None = None,
+    assignment: Mapping[str, int] | None = None,
+) -> PreparedJob:
     """Traces the job (unless ``traced`` is given) and partitions it into ``pieces`` sub-DAGs
     (default: ``placement.compnodes``) with the given assignment or the default balanced policy."""
     traced = traced or trace_job(job)

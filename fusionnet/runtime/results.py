@@ -14,9 +14,12 @@ from safetensors.torch import save_file
 from fusionnet.dag.partition import Partition
 
 
-def assemble_state(state_keys: Iterable[str], pieces: Iterable[Mapping[str, torch.Tensor]],
-                   fallback: Mapping[str, torch.Tensor] | None = None,
-                   aliases: Mapping[str, str] | None = None) -> dict[str, torch.Tensor]:
+def assemble_state(
+    state_keys: Iterable[str],
+    pieces: Iterable[Mapping[str, torch.Tensor]],
+    fallback: Mapping[str, torch.Tensor] | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
     """Merges the sub-DAGs' tensors into one ``state_dict`` with the model's key order. Tied keys
     take their owner's value; keys no sub-DAG holds (tensors the graph never reads) keep their
     values from ``fallback``, or are left out when there is none (gradients)."""
@@ -48,27 +51,36 @@ def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def write_metrics(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
-    _atomic_write(path, lambda p: p.write_text("".join(json.dumps(dict(r), sort_keys=True) + "\n" for r in rows)))
+    _atomic_write(
+        path, lambda p: p.write_text("".join(json.dumps(dict(r), sort_keys=True) + "\n" for r in rows))
+    )
 
 
-def plan_document(partition: Partition, *, predicted: Mapping[int, float] | None = None,
-                  measured: Mapping[int, float] | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def plan_document(
+    partition: Partition,
+    *,
+    predicted: Mapping[int, float] | None = None,
+    measured: Mapping[int, float] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """plan.json: per sub-DAG its compnode, Table 3 fields, predicted and measured time."""
     subdags = []
     for s in partition.subdags:
-        subdags.append({
-            "subdag": s.index,
-            "compnode": s.compnode,
-            "nodes": s.nodes,
-            "inner_required_data": s.inner_required,
-            "outer_required_data": s.outer_required,
-            "outwards_data": s.outwards,
-            "compnode_users": s.compnode_users,
-            "params": s.params,
-            "cost": s.cost,
-            "predicted_seconds": None if predicted is None else predicted.get(s.index),
-            "measured_seconds": None if measured is None else measured.get(s.index),
-        })
+        subdags.append(
+            {
+                "subdag": s.index,
+                "compnode": s.compnode,
+                "nodes": s.nodes,
+                "inner_required_data": s.inner_required,
+                "outer_required_data": s.outer_required,
+                "outwards_data": s.outwards,
+                "compnode_users": s.compnode_users,
+                "params": s.params,
+                "cost": s.cost,
+                "predicted_seconds": None if predicted is None else predicted.get(s.index),
+                "measured_seconds": None if measured is None else measured.get(s.index),
+            }
+        )
     return {"subdags": subdags, **(extra or {})}
 
 

@@ -1,0 +1,186 @@
+"""The executor's ``Channel`` over the network: values travel as authenticated tensor frames.
+
+A value (a tensor, or a tuple/list of tensors and small constants, e.g. the parts of a ``split``)
+is sent as one frame per tensor (name ``node/i``) followed by one structure frame (name ``node``)
+whose payload is a msgpack description with the tensors replaced by their index. Frames from one
+sender travel in order over one connection, so when the structure arrives its tensors are there.
+
+Every received value is checked against the IR's description of that node (dtype, rank, and every
+dimension except the micro-batch one): a peer that sends a wrongly shaped tensor is refused and
+logged, and the executor keeps waiting for a correct value (a retry, or a replacement's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import msgpack
+import torch
+
+from fusionnet.dag.channel import Channel, Mailbox, MessageKey
+from fusionnet.dag.ir import dtype_name
+from fusionnet.errors import WireError
+from fusionnet.wire.frames import TensorFrame
+
+log = logging.getLogger("fusionnet.compnode.netchannel")
+MAX_STRUCTURE_BYTES = 1 << 20
+
+
+def encode_structure(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach().contiguous())
+        return {"$t": len(tensors) - 1}
+    if isinstance(value, tuple | list | torch.Size):
+        return {"$seq": [encode_structure(v, tensors) for v in value], "tuple": not isinstance(value, list)}
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    raise WireError(f"cannot send a value of type {type(value).__name__}")
+
+
+def decode_structure(doc: Any, tensors: Mapping[int, torch.Tensor], depth: int = 0) -> Any:
+    if depth > 32:
+        raise WireError("value structure nested too deeply")
+    if isinstance(doc, dict):
+        if set(doc) == {"$t"} and isinstance(doc["$t"], int):
+            if doc["$t"] not in tensors:
+                raise WireError(f"value structure names tensor {doc['$t']} which was not sent")
+            return tensors[doc["$t"]]
+        if set(doc) == {"$seq", "tuple"} and isinstance(doc["$seq"], list):
+            items = [decode_structure(v, tensors, depth + 1) for v in doc["$seq"]]
+            return tuple(items) if doc["tuple"] else items
+        raise WireError("malformed value structure")
+    if doc is None or isinstance(doc, bool | int | float):
+        return doc
+    raise WireError(f"unsupported value of type {type(doc).__name__} in value structure")
+
+
+def check_against_meta(value: Any, meta: Any, batch: int | None, where: str) -> None:
+    """Refuses a received value whose tensors disagree with the IR's shapes/dtypes for that node."""
+    if meta is None:
+        return
+    if isinstance(meta, dict) and "shape" in meta:
+        if not isinstance(value, torch.Tensor):
+            raise WireError(f"{where}: expected a tensor, got {type(value).__name__}")
+        if dtype_name(value.dtype) != meta["dtype"]:
+            raise WireError(f"{where}: dtype {dtype_name(value.dtype)}, expected {meta['dtype']}")
+        want = meta["shape"]
+        if value.dim() != len(want) or any(
+            got != exp and exp != batch for got, exp in zip(value.shape, want)
+        ):
+            raise WireError(f"{where}: shape {list(value.shape)}, expected {want} (any micro-batch size)")
+        return
+    if isinstance(meta, dict) and "$seq" in meta:
+        if not isinstance(value, tuple | list) or len(value) != len(meta["$seq"]):
+            raise WireError(f"{where}: expected a sequence of {len(meta['$seq'])} values")
+        for i, (v, m) in enumerate(zip(value, meta["$seq"])):
+            check_against_meta(v, m, batch, f"{where}[{i}]")
+
+
+class NetChannel(Channel):
+    """One sub-DAG's channel on a compnode.
+
+    ``send_frame(dst_subdag, frame)`` is the transport (direct TCP path, or the P2P fallback);
+    ``validate(src, key, value)`` checks a received value before it may reach the executor.
+    """
+
+    def __init__(
+        self,
+        *,
+        job_id: str,
+        peer_id: str,
+        subdag_of_peer: Mapping[str, int],
+        send_frame: Callable[[int, TensorFrame], Awaitable[None]],
+        validate: Callable[[int, MessageKey, Any], None] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.peer_id = peer_id
+        self.subdag_of_peer = dict(subdag_of_peer)
+        self.send_frame = send_frame
+        self.validate = validate
+        self.mailbox = Mailbox()
+        self._pending: dict[tuple[int, str, int, int, str], dict[int, torch.Tensor]] = {}
+        self.refused = 0
+
+    async def send(self, dst: int, key: MessageKey, value: Any) -> None:
+        kind, step, mb, node = key
+        tensors: list[torch.Tensor] = []
+        doc = encode_structure(value, tensors)
+        for i, t in enumerate(tensors):
+            await self.send_frame(
+                dst,
+                TensorFrame(
+                    job_id=self.job_id,
+                    sender=self.peer_id,
+                    kind=kind,
+                    step=step,
+                    microbatch=mb,
+                    name=f"{node}/{i}",
+                    tensor=t,
+                ),
+            )
+        payload = torch.frombuffer(
+            bytearray(msgpack.packb({"tree": doc, "count": len(tensors)})), dtype=torch.uint8
+        )
+        await self.send_frame(
+            dst,
+            TensorFrame(
+                job_id=self.job_id,
+                sender=self.peer_id,
+                kind=kind,
+                step=step,
+                microbatch=mb,
+                name=node,
+                tensor=payload,
+            ),
+        )
+
+    async def recv(self, src: int, key: MessageKey) -> Any:
+        return await self.mailbox.take(src, key)
+
+    def on_frame(self, frame: TensorFrame) -> None:
+        """Called by the transport for every authenticated frame of this job."""
+        try:
+            self._on_frame(frame)
+        except WireError as e:
+            self.refused += 1
+            log.warning(
+                "job %s: refused %s frame %r from %s: %s",
+                self.job_id,
+                frame.kind,
+                frame.name,
+                frame.sender,
+                e,
+            )
+
+    def _on_frame(self, frame: TensorFrame) -> None:
+        src = self.subdag_of_peer.get(frame.sender)
+        if src is None:
+            raise WireError(f"peer {frame.sender} holds no sub-DAG of this job")
+        if frame.kind not in ("act", "grad"):
+            raise WireError(f"unexpected frame kind {frame.kind!r}")
+        node, sep, index = frame.name.partition("/")
+        slot = (src, frame.kind, frame.step, frame.microbatch, node)
+        if sep:
+            if not index.isdigit() or int(index) > 4096:
+                raise WireError(f"bad tensor index in frame name {frame.name!r}")
+            self._pending.setdefault(slot, {})[int(index)] = frame.tensor
+            return
+        if frame.tensor.dtype != torch.uint8 or frame.tensor.numel() > MAX_STRUCTURE_BYTES:
+            raise WireError("structure frame must be uint8 bytes under 1 MiB")
+        tensors = self._pending.pop(slot, {})
+        try:
+            doc = msgpack.unpackb(frame.tensor.numpy().tobytes(), raw=False, strict_map_key=True)
+        except Exception as e:
+            raise WireError(f"structure frame is not msgpack: {type(e).__name__}") from None
+        if not isinstance(doc, dict) or set(doc) != {"tree", "count"} or doc["count"] != len(tensors):
+            raise WireError(
+                f"structure frame announces {doc.get('count') if isinstance(doc, dict) else '?'} "
+                f"tensors, {len(tensors)} arrived"
+            )
+        value = decode_structure(doc["tree"], tensors)
+        key: MessageKey = (frame.kind, frame.step, frame.microbatch, node)
+        if self.validate is not None:
+            self.validate(src, key, value)
+        self.mailbox.deliver(src, key, value)
