@@ -79,7 +79,9 @@ def test_dangling_reference_is_refused() -> None:
 def test_cycle_is_refused_naming_its_nodes() -> None:
     doc = _doc()
     ops = [n for n in doc["nodes"] if n["kind"] in ("parametric", "non_parametric")]
-    first, later = ops[0], ops[3]
+    by_name = {n["name"]: n for n in doc["nodes"]}
+    first = ops[0]
+    later = by_name[by_name[first["users"][0]]["users"][0]]  # depends on first, so reading it closes a loop
     first["args"][0] = {"$node": later["name"]}
     later_users = set(later["users"]) | {first["name"]}
     later["users"] = sorted(later_users)
@@ -153,7 +155,11 @@ def test_mutated_ir_bytes_decode_or_raise_irerror(data: st.DataObject) -> None:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.recursive(
-        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats(allow_nan=False)
+        | st.text(max_size=8),
         lambda children: (
             st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
         ),

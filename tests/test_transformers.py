@@ -9,10 +9,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from fusionnet.dag.trace import trace_model
 from fusionnet.job.loader import load_job
 from fusionnet.reference import run_reference
-
-from fusionnet.dag.trace import trace_model
 from fusionnet.runtime.local import run_local
 from tests.dag_models import HFCausalLM, HFMaskedLM, token_data
 from tests.jobfiles import write_job

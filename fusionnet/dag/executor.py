@@ -132,7 +132,9 @@ class SubDagExecutor:
             consumers = self.subdag.consumers.get(name, ()) if self.expects_grad(value) else ()
             leaves, _ = tree_flatten(value)
             total: list[torch.Tensor | None] = [None] * len(leaves)
-            for dst in sorted(consumers):
+            # Latest consumer first: eager autograd accumulates a value's gradients in reverse execution
+            # order, and sub-DAGs are contiguous in that order, so this grouping keeps sums bit-exact.
+            for dst in sorted(consumers, reverse=True):
                 grads = await self.channel.recv(dst, ("grad", step, mb, name))
                 flat, _ = tree_flatten(grads)
                 if len(flat) != len(leaves):
@@ -144,9 +146,10 @@ class SubDagExecutor:
                     if g is None:
                         continue
                     if not isinstance(g, torch.Tensor) or g.shape != leaves[i].shape:
+                        got = getattr(g, "shape", type(g).__name__)
                         raise ExecutionError(
-                            f"sub-DAG {self.subdag.index}: gradient for {name!r} from sub-DAG {dst} has "
-                            f"shape {getattr(g, 'shape', type(g).__name__)}, expected {tuple(leaves[i].shape)}"
+                            f"sub-DAG {self.subdag.index}: gradient for {name!r} from sub-DAG {dst} "
+                            f"has shape {got}, expected {tuple(leaves[i].shape)}"
                         )
                     total[i] = g if total[i] is None else total[i] + g
             for leaf, g in zip(leaves, total):

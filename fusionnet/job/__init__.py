@@ -1,1 +1,21 @@
-"""job"""
+"""Job files: what the user asks FusionNet to run (interface.md "Job definition file").
+
+Map of the package:
+
+- ``schema.py``     pydantic models of the YAML (unknown keys refused), pure validators
+- ``parse.py``      YAML text -> ``JobSpec``; pydantic errors -> one ``JobError`` naming the key
+- ``optim.py``      optimizer allowlist, per-parameter settings (``per_op`` globs), ``build_optimizers``
+- ``losses.py``     loss allowlist (``torch.nn.functional``), keyword checks, the bound loss function
+- ``data.py``       the dataset: safetensors ``inputs``/``labels`` or char-level text windows
+- ``entrypoint.py`` imports and calls the model entry point, loads initial weights
+- ``batches.py``    which samples each step uses; micro-batch slicing
+- ``loader.py``     ``load_job``: all of the above in an order where nothing runs before validation
+
+Everything a user can get wrong surfaces as one ``fusionnet.errors.JobError`` whose message starts
+with the job-file key (``data.batch_size: must be > 0``) or the file and line (YAML syntax).
+"""
+
+from fusionnet.job.loader import LoadedJob, load_job, load_job_spec
+from fusionnet.job.schema import JobSpec
+
+__all__ = ["JobSpec", "LoadedJob", "load_job", "load_job_spec"]

@@ -1,1 +1,70 @@
-"""perfmodel"""
+"""PALEO-style performance model of FusionAI sections 3.7, 3.8 and 4: pure functions of data.
+
+Map of the package:
+
+- ``types.py``       the model's inputs: ``OpCost``, ``CostGraph``, ``DeviceSpec``, ``Link``, ``Swarm``,
+                     ``Workload`` (validated frozen dataclasses).
+- ``optimizers.py``  per-optimizer state memory, update FLOPs and traffic.
+- ``timing.py``      eq. (1) per op (FP, BP, Update), section 3.7's sub-DAG bounds, eq. (3) latency and
+                     eq. (4) pipelined time.
+- ``memory.py``      a sub-DAG's D_gpu / D_cpu / D_disk demand: params, grads, optimizer state,
+                     activations of in-flight micro-batches (GPipe / 1F1B), communication buffers.
+- ``simulator.py``   GPipe / 1F1B schedule simulator over stages and links: step time, peak in-flight.
+- ``assignment.py``  the cost of one op -> device assignment: stages, transfers, makespan, step time.
+- ``fitting.py``     lambda_p and alpha-beta fits from measurements; online lambda refinement.
+- ``profile.py``     short local profiling with torch (lazy import), cached per machine.
+- ``catalog.py``     FusionAI Table 1 GPUs and other devices; size / bandwidth / latency parsing.
+- ``nodes.py``       ``load_nodes_file`` for ``fusionnet plan --nodes NODES.yaml``.
+- ``models.py``      analytic cost graphs of Bert-Large and a GPT-3-style model (blocks or fine ops).
+- ``synthetic.py``   seeded random instances for tests and benchmarks.
+- ``section4.py``    FusionAI section 4: 50 x RTX 3080 vs 4 x H100 (``main(argv)``).
+
+The scheduler that uses this model lives in ``fusionnet.broker.scheduler``.
+"""
+
+from fusionnet.perfmodel.assignment import AssignmentCost, evaluate_assignment
+from fusionnet.perfmodel.catalog import CATALOG, lookup
+from fusionnet.perfmodel.fitting import fit_link, fit_speed_factor, refine_speed_factor
+from fusionnet.perfmodel.memory import MemoryBreakdown, MemoryDemand, inflight_microbatches, stage_memory
+from fusionnet.perfmodel.nodes import load_nodes_file
+from fusionnet.perfmodel.simulator import Hop, SimResult, StageTimes, simulate
+from fusionnet.perfmodel.timing import (
+    latency_eq3,
+    op_bp_seconds,
+    op_fp_seconds,
+    op_update_seconds,
+    pipelined_eq4,
+    subdag_time_bounds,
+)
+from fusionnet.perfmodel.types import CostGraph, DeviceSpec, Link, OpCost, Swarm, Workload
+
+__all__ = [
+    "CATALOG",
+    "AssignmentCost",
+    "CostGraph",
+    "DeviceSpec",
+    "Hop",
+    "Link",
+    "MemoryBreakdown",
+    "MemoryDemand",
+    "OpCost",
+    "SimResult",
+    "StageTimes",
+    "Swarm",
+    "Workload",
+    "evaluate_assignment",
+    "fit_link",
+    "fit_speed_factor",
+    "inflight_microbatches",
+    "latency_eq3",
+    "load_nodes_file",
+    "lookup",
+    "op_bp_seconds",
+    "op_fp_seconds",
+    "op_update_seconds",
+    "pipelined_eq4",
+    "refine_speed_factor",
+    "simulate",
+    "stage_memory",
+    "subdag_time_bounds",
+]

@@ -1,1 +1,49 @@
-"""wire"""
+"""Tensor frames and the authenticated data paths between compnodes.
+
+Activations and gradients travel as frames: a msgpack header of plain fields, the tensor's raw
+bytes, and a per-job MAC. Nothing a peer sends is unpickled or evaluated. Bulk data goes over
+direct TCP when the receiver is reachable, over a hivemind P2P stream otherwise.
+
+Map of the package:
+
+- ``frames.py``    ``TensorFrame``, ``encode_frame``, ``read_frame``, ``write_frame``: one frame on a stream.
+- ``header.py``    frame prefix and msgpack header: layout, field checks, dtype allowlist (pure).
+- ``mac.py``       the frame MAC (HMAC-SHA256 key derivation + chunked AES-GMAC) and key checks (pure).
+- ``sources.py``   byte sources for ``read_frame``: ``StreamReader`` adapter, zero-copy ``BufferedSource``.
+- ``refusal.py``   ``FrameRefused`` (reason codes, in-sync flag), ``StreamEnded``, ``PeerUnreachable``.
+- ``receiver.py``  job routes, per-connection frame loop, per-job counters (shared by both paths).
+- ``pool.py``      outgoing streams: one per destination, ordered whole frames, reconnect once.
+- ``datapath.py``  ``DataPathServer`` / ``DataPathClient``: the direct TCP path.
+- ``p2p_path.py``  ``P2PDataPath``: the same frames over hivemind P2P streams (fallback).
+"""
+
+from fusionnet.wire.datapath import DataPathClient, DataPathServer, parse_address
+from fusionnet.wire.frames import ALLOWED_DTYPES, TensorFrame, encode_frame, read_frame, write_frame
+from fusionnet.wire.receiver import NO_JOB, JobStats
+from fusionnet.wire.refusal import FrameRefused, PeerUnreachable, StreamEnded
+
+__all__ = [
+    "ALLOWED_DTYPES",
+    "NO_JOB",
+    "DataPathClient",
+    "DataPathServer",
+    "FrameRefused",
+    "JobStats",
+    "P2PDataPath",
+    "PeerUnreachable",
+    "StreamEnded",
+    "TensorFrame",
+    "encode_frame",
+    "parse_address",
+    "read_frame",
+    "write_frame",
+]
+
+
+def __getattr__(name: str) -> object:
+    # P2PDataPath imports hivemind (~0.6 s); only pay for it when the fallback is used.
+    if name == "P2PDataPath":
+        from fusionnet.wire.p2p_path import P2PDataPath
+
+        return P2PDataPath
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

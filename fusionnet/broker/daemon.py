@@ -1,0 +1,196 @@
+"""The broker daemon (FusionAI 3.2): announces itself in the DHT, keeps the compnode registry from DHT
+records and ping-pong heartbeats, persists what it sees in SQLite, and answers ``status``.
+
+Job intake and orchestration plug in as a ``Service`` (see ``fusionnet.daemon.base``): e.g. a
+``JobService(broker)`` in ``fusionnet/broker/jobs.py`` with ``rpc_submit_job`` etc., added with
+``broker.add_service(...)`` before ``serve()``. It finds what it needs on the broker: ``registry``
+(``schedulable()``, ``add_listener()`` for failover), ``store`` (jobs and job events), ``call()`` to reach
+compnodes, ``spawn()``/``every()`` for owned background tasks. ``cmd_broker`` adds the service from
+``fusionnet.broker.jobs.make_service(broker)`` when that module exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusionnet import __version__
+from fusionnet.broker.registry import CompnodeEntry, CompnodeRegistry, RegistryEvent
+from fusionnet.broker.store import BrokerStore, CompnodeRow
+from fusionnet.daemon.base import Daemon
+from fusionnet.daemon.config import DaemonConfig
+from fusionnet.dht.records import BrokerRecord, CompnodeRecord, NodeState
+from fusionnet.errors import FusionNetError
+from fusionnet.rpc.server import RPCContext
+
+log = logging.getLogger("fusionnet.broker")
+
+DB_FILE = "broker.sqlite3"
+
+
+@dataclass
+class BrokerConfig:
+    common: DaemonConfig = field(default_factory=DaemonConfig)
+    heartbeat_period: float = 5.0  # seconds between ping rounds
+    heartbeat_timeout: float = 15.0  # a compnode silent this long is unreachable
+    ping_timeout: float | None = None  # one ping's limit; default min(heartbeat period, timeout)
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_period > 0:
+            raise ValueError(f"--heartbeat-period must be > 0 seconds, got {self.heartbeat_period}")
+        if not self.heartbeat_timeout > self.heartbeat_period:
+            raise ValueError(
+                f"--heartbeat-timeout ({self.heartbeat_timeout} s) must exceed --heartbeat-period "
+                f"({self.heartbeat_period} s), or every compnode looks unreachable between pings"
+            )
+        if self.ping_timeout is None:
+            self.ping_timeout = min(self.heartbeat_period, self.heartbeat_timeout)
+
+
+class BrokerDaemon(Daemon):
+    role = "broker"
+
+    def __init__(self, config: BrokerConfig):
+        super().__init__(config.common)
+        self.settings = config
+        self.registry = CompnodeRegistry(config.heartbeat_timeout)
+        self.store: BrokerStore | None = None
+        self.state = NodeState.JOINING
+        self._maddrs: list[str] = []
+        self._compnode_gauge = self.metrics.gauge(
+            "fusionnet_compnodes", "Compnodes known, by state", ["state"]
+        )
+        self._rtt_gauge = self.metrics.gauge(
+            "fusionnet_heartbeat_rtt_seconds", "Smoothed ping RTT", ["peer_id"]
+        )
+        self.registry.add_listener(self._persist_event)
+
+    # ---- startup / shutdown ----------------------------------------------------------------------
+    async def on_startup(self) -> None:
+        self.store = BrokerStore(self.state_dir.file(DB_FILE))
+        self.state = NodeState.ONLINE
+        await self._refresh()  # announce + first registry fill before we call ourselves ready
+        await self.start_services()
+        self.every(self.config.refresh_period, self._refresh, "dht refresh")
+        self.every(self.settings.heartbeat_period, self._heartbeat, "heartbeat")
+
+    async def on_stopped(self) -> None:
+        self.state = NodeState.OFFLINE
+        try:
+            await self._announce()
+        finally:
+            if self.store is not None:
+                self._persist_all()
+                self.store.close()
+                self.store = None
+
+    # ---- periodic work ---------------------------------------------------------------------------
+    def record(self) -> BrokerRecord:
+        return BrokerRecord(peer_id=self.peer_id, state=self.state, maddrs=self._maddrs, version=__version__)
+
+    async def _announce(self) -> None:
+        assert self.peer is not None
+        self._maddrs = await self.peer.visible_maddrs()
+        assert self.config.record_ttl is not None
+        if not await self.peer.announcer.announce(self.record(), ttl=self.config.record_ttl):
+            log.warning("no DHT node accepted our broker record (will retry next refresh)")
+
+    async def _refresh(self) -> None:
+        """Re-announce ourselves, then merge a fresh lookup of compnode records into the registry."""
+        assert self.peer is not None
+        await self._announce()
+        found = await self.peer.announcer.lookup(CompnodeRecord)
+        now = time.time()
+        self.registry.update_records(found, now)
+        self._persist_all()
+        counts: dict[str, int] = {}
+        for entry in self.registry.entries():
+            counts[entry.effective_state] = counts.get(entry.effective_state, 0) + 1
+        for state in [*NodeState.__members__, "UNREACHABLE"]:
+            self._compnode_gauge.labels(state=state).set(counts.get(state, 0))
+
+    async def _heartbeat(self) -> None:
+        """One ping round over every compnode that has not left; RTTs and silences go to the registry."""
+        peers = self.registry.to_ping()
+        results = await asyncio.gather(*(self._ping(p) for p in peers))
+        now = time.time()
+        for peer_id, rtt in zip(peers, results):
+            if rtt is None:
+                self.registry.record_failure(peer_id, now)
+            else:
+                self.registry.record_pong(peer_id, rtt, now)
+                self._rtt_gauge.labels(peer_id=peer_id).set(rtt)
+        self.registry.check_timeouts(now)
+
+    async def _ping(self, peer_id: str) -> float | None:
+        nonce = secrets.token_hex(8)
+        start = time.perf_counter()
+        try:
+            reply = await self.call(peer_id, "ping", {"nonce": nonce}, timeout=self.settings.ping_timeout)
+        except FusionNetError as e:
+            log.debug("ping %s failed: %s", peer_id, e)
+            return None
+        if reply.get("nonce") != nonce:
+            log.warning("ping %s answered with the wrong nonce; counting it as lost", peer_id)
+            return None
+        return time.perf_counter() - start
+
+    # ---- persistence -----------------------------------------------------------------------------
+    def _persist_event(self, event: RegistryEvent) -> None:
+        entry = self.registry.get(event.peer_id)
+        if self.store is not None and entry is not None:
+            self.store.upsert_compnodes([self._row(entry)])
+
+    def _persist_all(self) -> None:
+        if self.store is not None:
+            self.store.upsert_compnodes(self._row(e) for e in self.registry.entries())
+
+    @staticmethod
+    def _row(entry: CompnodeEntry) -> CompnodeRow:
+        r = entry.record
+        return CompnodeRow(
+            peer_id=r.peer_id,
+            role=r.role.value,
+            backup=r.backup,
+            state=entry.effective_state,
+            reachable=entry.reachable,
+            hardware=None if r.hardware is None else r.hardware.model_dump(mode="json"),
+            first_seen=entry.first_seen,
+            last_seen=entry.last_seen,
+            last_heartbeat=entry.last_heartbeat,
+            rtt=entry.rtt,
+        )
+
+    # ---- RPC -------------------------------------------------------------------------------------
+    async def rpc_ping(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        return {"nonce": payload.get("nonce"), "peer_id": self.peer_id, "state": self.state.value}
+
+    async def rpc_status(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        """Compnodes (role, backup, state, hardware, load, last heartbeat) and jobs (id, name, state, step,
+        loss), for ``fusionnet status`` and dashboards."""
+        now = time.time()
+        limit = payload.get("job_limit", 50)
+        if not isinstance(limit, int) or not 0 <= limit <= 10_000:
+            limit = 50
+        jobs = [] if self.store is None else self.store.list_jobs(limit)
+        return {
+            "broker": {
+                "peer_id": self.peer_id,
+                "version": __version__,
+                "uptime": now - self.started_at,
+                "state": self.state.value,
+                "services": [s.name for s in self.services],
+            },
+            "compnodes": [e.to_status(now) for e in self.registry.entries()],
+            "jobs": [
+                {
+                    k: job[k]
+                    for k in ("job_id", "name", "state", "step", "steps", "loss", "error", "updated_at")
+                }
+                for job in jobs
+            ],
+        }

@@ -1,0 +1,57 @@
+"""``fusionnet compnode``: the compnode daemon (profiling, hardware record, sub-task execution)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    from fusionnet.daemon.flags import add_common_arguments
+
+    p = subparsers.add_parser(
+        "compnode",
+        help="run a compnode daemon",
+        description="Compnode daemon: joins the DHT through --initial-peers, profiles this machine, "
+        "announces its hardware record (JOINING -> ONLINE) and refreshes it, answers the broker's heartbeats "
+        "and runs sub-tasks. SIGTERM = graceful leave (DRAINING, hand work over, OFFLINE); a second signal "
+        "forces it.",
+    )
+    add_common_arguments(p, initial_peers_required=True)
+    p.add_argument(
+        "--role", choices=["supernode", "antnode"], default="supernode", help="FusionAI node class"
+    )
+    p.add_argument("--backup", action="store_true", help="join the broker's backup pool")
+    p.add_argument("--threads", type=int, metavar="N", help="torch compute threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu", help="torch device for sub-tasks: cpu, cuda, cuda:1 ...")
+    p.add_argument("--data-host", default="127.0.0.1", metavar="HOST", help="address of the direct data path")
+    p.add_argument(
+        "--data-port", type=int, default=0, metavar="PORT", help="port of the data path (0 = free)"
+    )
+    p.add_argument("--reprofile", action="store_true", help="ignore the cached hardware profile")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fusionnet.compnode.daemon import CompnodeConfig, CompnodeDaemon
+    from fusionnet.daemon.config import common_config
+    from fusionnet.daemon.plugins import COMPNODE_PLUGIN, add_plugin_services
+
+    try:
+        config = CompnodeConfig(
+            common=common_config(args, "compnode"),
+            role=args.role,
+            backup=args.backup,
+            threads=args.threads,
+            device=args.device,
+            data_host=args.data_host,
+            data_port=args.data_port,
+            reprofile=args.reprofile,
+        )
+        compnode = CompnodeDaemon(config)
+        add_plugin_services(compnode, COMPNODE_PLUGIN)
+        return compnode.serve()
+    except ValueError as e:  # configuration and start-up problems (FusionNetErrors included): one line
+        print(f"fusionnet compnode: error: {e}", file=sys.stderr)
+        return 2

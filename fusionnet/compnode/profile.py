@@ -1,0 +1,179 @@
+"""Profiling this machine for its hardware record (FusionAI 3.3 and 3.7): D_gpu, D_cpu, D_disk, the nominal
+peak S*(p) and the scaling-down factor λp = measured / peak from a short timed matmul.
+
+The result is cached in the state dir (``hardware_profile.json``) keyed by what it depends on (device,
+thread count, CPU model, torch version), so a restart does not pay for profiling again; disk and memory
+sizes are re-read every time since they change.
+
+torch is imported lazily: the daemon must fork its DHT child before torch starts any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from fusionnet import __version__
+from fusionnet.dht.records import HardwareInfo
+
+log = logging.getLogger("fusionnet.compnode.profile")
+
+CACHE_FILE = "hardware_profile.json"
+_MATMUL_N = 512
+_MIN_SECONDS = 0.25
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flops_per_cycle() -> int:
+    """fp32 FLOPs per cycle per core from the vector extensions (FMA counts 2): a nominal figure, which is
+    what S*(p) is; λp absorbs the gap to reality."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return 8
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []
+    )
+    if "avx512f" in flags:
+        return 64
+    if "avx2" in flags and "fma" in flags:
+        return 32
+    if "avx" in flags:
+        return 16
+    if platform.machine() in ("aarch64", "arm64"):
+        return 16  # NEON: 2 x 4-lane FMA
+    return 8
+
+
+def _cpu_max_hz() -> float:
+    try:
+        khz = Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text().strip()
+        return float(khz) * 1e3
+    except (OSError, ValueError):
+        pass
+    try:
+        mhz = [
+            float(line.split(":", 1)[1])
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("cpu MHz")
+        ]
+        if mhz:
+            return max(mhz) * 1e6
+    except (OSError, ValueError):
+        pass
+    return 2.0e9
+
+
+def host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0
+
+
+def _timed(fn: Any, sync: Any, min_seconds: float) -> tuple[int, float]:
+    fn()
+    sync()  # warm-up (allocations, kernel selection)
+    iterations, start = 0, time.perf_counter()
+    while True:
+        fn()
+        iterations += 1
+        sync()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds and iterations >= 3:
+            return iterations, elapsed
+
+
+def measure(device: str, threads: int | None, disk_path: Path) -> HardwareInfo:
+    """Runs the profiling: about half a second."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    n = _MATMUL_N if dev.type == "cpu" else 4096
+    a = torch.randn(n, n, device=dev, generator=None)
+    b = torch.randn(n, n, device=dev)
+    out = torch.empty(n, n, device=dev)
+    iters, seconds = _timed(lambda: torch.mm(a, b, out=out), sync, _MIN_SECONDS)
+    measured_flops = 2.0 * n**3 * iters / seconds
+    src = torch.empty(16 * 2**20 // 4 * (1 if dev.type == "cpu" else 16), device=dev)
+    dst = torch.empty_like(src)
+    iters, seconds = _timed(lambda: dst.copy_(src), sync, _MIN_SECONDS / 2)
+    mem_bandwidth = 2.0 * src.numel() * src.element_size() * iters / seconds  # read + write
+    n_threads = threads or torch.get_num_threads()
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        name, d_gpu = props.name, int(props.total_memory)
+        # No portable peak figure from torch: take the measurement as nominal (λ = 1), and say so.
+        peak = measured_flops
+        log.info("no nominal peak known for %s: using the measured %.3g FLOPS as S*(p)", name, peak)
+    else:
+        name, d_gpu = cpu_model(), 0
+        peak = n_threads * _cpu_max_hz() * _cpu_flops_per_cycle()
+    return HardwareInfo(
+        device_kind=dev.type,
+        device_name=name,
+        peak_flops=peak,
+        speed_factor=min(10.0, measured_flops / peak),
+        d_gpu=d_gpu,
+        d_cpu=host_memory_bytes(),
+        d_disk=shutil.disk_usage(disk_path).free,
+        mem_bandwidth=mem_bandwidth,
+        threads=n_threads,
+    )
+
+
+def profile_hardware(
+    state_dir: Path, *, device: str = "cpu", threads: int | None = None, refresh: bool = False
+) -> HardwareInfo:
+    """The hardware record for this node: from the cache when it matches, else measured (and cached)."""
+    import torch
+
+    key = {
+        "device": device,
+        "threads": threads or torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "fusionnet": __version__,
+    }
+    cache = state_dir / CACHE_FILE
+    if not refresh and cache.exists():
+        try:
+            doc = json.loads(cache.read_text())
+            if doc.get("key") == key:
+                hw = HardwareInfo.model_validate(doc["hardware"])
+                log.info("hardware profile from cache %s", cache)
+                return hw.model_copy(
+                    update={"d_cpu": host_memory_bytes(), "d_disk": shutil.disk_usage(state_dir).free}
+                )
+            log.info("hardware profile cache %s is for another set-up; profiling again", cache)
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring unreadable hardware profile cache %s: %s", cache, e)
+    start = time.perf_counter()
+    hw = measure(device, threads, state_dir)
+    log.info(
+        "profiled %s (%s, %s threads) in %.2f s: S*=%.3g FLOPS, λ=%.3f, S=%.3g FLOPS, memory %.3g B/s",
+        hw.device_name, hw.device_kind, hw.threads, time.perf_counter() - start,
+        hw.peak_flops, hw.speed_factor, hw.flops, hw.mem_bandwidth,
+    )  # fmt: skip
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "hardware": hw.model_dump(mode="json")}, indent=1, sort_keys=True))
+    tmp.replace(cache)
+    return hw

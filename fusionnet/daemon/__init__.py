@@ -1,0 +1,16 @@
+"""What every FusionNet daemon shares: lifecycle, swarm presence, files, metrics, logs.
+
+Map of the package:
+
+- ``base.py``      ``Daemon``: ``serve()`` = startup -> main loop -> graceful shutdown; signals (second one
+                   forces exit), owned background tasks (``spawn``/``every``), ``Service`` plug-ins.
+- ``config.py``    ``DaemonConfig``, validated; built from the parsed flags (``common_config``).
+- ``flags.py``     the command-line flags all daemons share (light: no hivemind import).
+- ``plugins.py``   ``add_plugin_services``: services from ``fusionnet.broker.jobs`` / ``compnode.tasks``.
+- ``swarm.py``     ``SwarmPeer``: DHT child + p2pd handle + RPC server/client + announcer, started and
+                   stopped together.
+- ``observer.py``  ``SwarmObserver``: a DHT client that reads records and asks the broker for its status.
+- ``files.py``     the locked state dir and the atomically written address file (the readiness signal).
+- ``metrics.py``   the Prometheus endpoint (a private registry per daemon).
+- ``logs.py``      ``[role peer_id]`` on every log line.
+"""

@@ -1,0 +1,70 @@
+"""Settings every daemon shares, filled from the command-line flags of ``flags.py``.
+
+One dataclass validated in ``__post_init__`` (a bad value fails before anything starts, with the flag's
+name); the broker and compnode add their own settings in their own config classes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fusionnet.daemon.flags import DEFAULT_REFRESH_PERIOD
+from fusionnet.dht.node import DHTConfig
+from fusionnet.rpc.protocol import DEFAULT_MAX_MESSAGE_BYTES
+
+
+@dataclass
+class DaemonConfig:
+    dht: DHTConfig = field(default_factory=DHTConfig)
+    state_dir: Path | None = None
+    address_file: Path | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    refresh_period: float = DEFAULT_REFRESH_PERIOD  # seconds between re-announcements of our DHT record
+    record_ttl: float | None = None  # how long a record lives without refresh; default 3 refresh periods
+    rpc_max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    shutdown_grace: float = 10.0  # seconds in-flight RPC calls may take to finish on shutdown
+    drain_timeout: float = 60.0  # seconds each service may take to finish or hand over its work on shutdown
+
+    def __post_init__(self) -> None:
+        if not self.refresh_period > 0:
+            raise ValueError(f"--refresh-period must be > 0 seconds, got {self.refresh_period}")
+        if self.record_ttl is None:
+            self.record_ttl = 3 * self.refresh_period
+        if self.record_ttl <= self.refresh_period:
+            raise ValueError(
+                f"record ttl ({self.record_ttl} s) must exceed the refresh period ({self.refresh_period} s), "
+                "or records expire between refreshes"
+            )
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
+        if self.rpc_max_bytes < 1024:
+            raise ValueError(f"--rpc-max-mb is too small: {self.rpc_max_bytes} bytes")
+        if self.shutdown_grace < 0:
+            raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+
+
+def common_config(args: argparse.Namespace, role: str) -> DaemonConfig:
+    state_dir = args.state_dir
+    dht = DHTConfig(
+        initial_peers=tuple(args.initial_peers),
+        host_maddrs=tuple(args.host_maddrs),
+        announce_maddrs=tuple(args.announce_maddrs),
+        identity_path=None if state_dir is None else state_dir / "p2p_identity.key",
+        signing_key_path=None if state_dir is None else state_dir / "dht_signing.key",
+    )
+    return DaemonConfig(
+        dht=dht,
+        state_dir=state_dir,
+        address_file=args.address_file,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        refresh_period=args.refresh_period,
+        rpc_max_bytes=int(args.rpc_max_mb * 2**20),
+        shutdown_grace=args.shutdown_grace,
+        drain_timeout=args.drain_timeout,
+    )

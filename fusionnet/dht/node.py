@@ -1,0 +1,188 @@
+"""Starting and stopping this process's hivemind DHT node (a forked child process that runs p2pd).
+
+hivemind runs the DHT in a child process (``hivemind.DHT`` is a ``ForkProcess``), which in turn runs the
+libp2p daemon ``p2pd``. Two things are added here so that no process is ever left behind:
+
+- the child moves into its own process group, so a Ctrl-C at a terminal reaches only the daemon, which
+  then announces its departure and stops the DHT in order (p2pd dies on SIGINT; if it got the terminal's
+  Ctrl-C directly, the daemon could no longer say goodbye);
+- the child watches its parent: if the daemon dies without stopping it (SIGKILL, crash), the child shuts
+  its DHT node down (which stops p2pd) and exits.
+
+Call ``start_dht`` before anything starts threads in torch: forking a process that runs OpenMP threads is
+unsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.multiaddr import Multiaddr
+
+from fusionnet.errors import WireError
+
+log = logging.getLogger("fusionnet.dht.node")
+
+DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+_PARENT_POLL_S = 0.5
+_ORPHAN_GRACE_S = 10.0
+
+
+@dataclass
+class DHTConfig:
+    """How this peer joins the swarm. Multiaddrs are validated here so a typo fails before anything starts."""
+
+    initial_peers: Sequence[str] = ()
+    host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS
+    announce_maddrs: Sequence[str] = ()
+    identity_path: Path | None = None  # libp2p private key: a stable peer id across restarts
+    signing_key_path: Path | None = None  # RSA key that signs our DHT records: stable record ownership
+    client_mode: bool = False  # a client (e.g. `fusionnet status`) stores nothing for others
+    startup_timeout: float = 60.0
+    extra: dict[str, object] = field(default_factory=dict)  # passed to hivemind.DHT (tests, tuning)
+
+    def __post_init__(self) -> None:
+        for flag, addrs in (
+            ("--initial-peers", self.initial_peers),
+            ("--host-maddrs", self.host_maddrs),
+            ("--announce-maddrs", self.announce_maddrs),
+        ):
+            for addr in addrs:
+                try:
+                    Multiaddr(addr)
+                except Exception as e:  # multiaddr raises several types (ValueError, StringParseError, ...)
+                    raise ValueError(f"{flag}: {addr!r} is not a multiaddr ({e})") from e
+        if not self.host_maddrs:
+            raise ValueError("--host-maddrs: at least one listen address is needed")
+        if self.startup_timeout <= 0:
+            raise ValueError(f"DHT startup timeout must be > 0, got {self.startup_timeout}")
+
+
+class SwarmDHT(hivemind.DHT):
+    """``hivemind.DHT`` whose child process leaves the terminal's process group and dies with its parent."""
+
+    def run(self) -> None:  # runs in the child process
+        # A forked child inherits the parent's signal set-up; with asyncio's handlers, SIGTERM would only poke
+        # the parent's event loop (through the inherited wakeup fd) and never stop this process.
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's business; it stops us in order
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
+        threading.Thread(target=self._watch_parent, name="fusionnet-parent-watch", daemon=True).start()
+        super().run()
+
+    def _watch_parent(self) -> None:
+        while os.getppid() == self._parent_pid:
+            time.sleep(_PARENT_POLL_S)
+        # Orphaned: remove the files the dead parent cannot, ask our own event loop (through the same pipe the
+        # parent uses) to shut the node down, which terminates p2pd; if that does not finish, leave anyway.
+        for path in getattr(self, "_orphan_files", ()):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        with contextlib.suppress(Exception):
+            self._outer_pipe.send(("_shutdown", [], {}))
+        time.sleep(_ORPHAN_GRACE_S)
+        os._exit(1)
+
+
+async def _remember_orphan_files(dht: SwarmDHT, _node: object, paths: tuple[str, ...]) -> None:
+    dht._orphan_files = paths  # runs in the child: its parent-watch removes these if the parent dies
+
+
+async def remove_with_parent(dht: SwarmDHT, p2p: P2P) -> None:
+    """Tells the DHT child to remove this process's p2pd client socket should we die without cleaning up
+    (SIGKILL): the replica's socket lives in /tmp and nobody else would ever delete it."""
+    maddr = getattr(p2p, "_client_listen_maddr", None)  # hivemind keeps the path private
+    path = str(maddr or "")
+    if path.startswith("/unix/"):
+        await dht.run_coroutine(
+            partial(_remember_orphan_files, paths=(path[len("/unix") :],)), return_future=True
+        )
+
+
+def load_or_create_signing_key(path: Path | None) -> RSAPrivateKey:
+    """The RSA key that owns our DHT records. Persisted in the state dir so that a restarted node keeps
+    overwriting its own records instead of leaving a stale twin behind until it expires."""
+    from cryptography.hazmat.primitives import serialization
+
+    if path is None:
+        return RSAPrivateKey()
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    if path.exists():
+        try:
+            key._private_key = serialization.load_der_private_key(path.read_bytes(), password=None)
+        except ValueError as e:
+            raise ValueError(f"{path}: not a DER RSA private key ({e}); delete it to make a new one") from e
+        return key
+    key = RSAPrivateKey()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(key.to_bytes())
+    os.chmod(tmp, 0o600)
+    tmp.replace(path)
+    return key
+
+
+def _start_blocking(config: DHTConfig, validator: RSASignatureValidator) -> SwarmDHT:
+    kwargs: dict[str, object] = dict(
+        host_maddrs=list(config.host_maddrs),
+        client_mode=config.client_mode,
+        record_validators=[validator],
+        **config.extra,
+    )
+    if config.announce_maddrs:
+        kwargs["announce_maddrs"] = list(config.announce_maddrs)
+    if config.identity_path is not None:
+        kwargs["identity_path"] = str(config.identity_path)
+        # The state dir is locked by its daemon, so the identity cannot be in use by a sibling; skipping
+        # the check saves starting a second p2pd.
+        kwargs["check_if_identity_free"] = False
+    return SwarmDHT(initial_peers=list(config.initial_peers) or None, start=False, **kwargs)
+
+
+async def start_dht(config: DHTConfig) -> tuple[SwarmDHT, RSASignatureValidator]:
+    """Forks the DHT child and waits (without blocking the event loop) until it has joined the swarm."""
+    validator = RSASignatureValidator(load_or_create_signing_key(config.signing_key_path))
+    dht = _start_blocking(config, validator)
+    dht.start()  # the fork happens here, on the event loop's thread
+    try:
+        await asyncio.to_thread(dht.wait_until_ready, config.startup_timeout)
+    except BaseException as e:
+        await stop_dht(dht, timeout=3.0)
+        if isinstance(e, Exception) and not isinstance(e, asyncio.CancelledError):
+            peers = ", ".join(config.initial_peers) or "none (new swarm)"
+            raise WireError(f"could not start or join the DHT (initial peers: {peers}): {e}") from e
+        raise
+    return dht, validator
+
+
+async def stop_dht(dht: hivemind.DHT, timeout: float = 5.0) -> None:
+    """Shuts the DHT child down (which stops p2pd); terminates it if it does not exit in time."""
+    if dht.pid is None:
+        return
+    dht.shutdown_timeout = timeout
+    await asyncio.to_thread(dht.shutdown)
+    if dht.is_alive():
+        dht.kill()
+        await asyncio.to_thread(dht.join, 2.0)
+
+
+def kill_dht(dht: hivemind.DHT) -> None:
+    """Forced exit: SIGTERM the DHT child now (p2pd exits when its parent dies)."""
+    if dht.pid is not None and dht.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            dht.terminate()

@@ -1,0 +1,51 @@
+"""Which samples a step uses, and how a batch is cut into micro-batches (interface.md "Semantics").
+
+Pure index arithmetic shared by the reference loop and the distributed runtime, so both see exactly
+the same samples in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusionnet.errors import JobError
+
+
+def batch_indices(step: int, batch_size: int, n_samples: int) -> torch.Tensor:
+    """Samples ``[step*B, (step+1)*B)`` modulo ``n_samples`` (int64), so batches wrap around the
+    dataset and a batch larger than the dataset repeats samples."""
+    if step < 0:
+        raise JobError(f"steps: step index must be >= 0 (got {step})")
+    if batch_size <= 0:
+        raise JobError(f"data.batch_size: must be > 0 (got {batch_size})")
+    if n_samples <= 0:
+        raise JobError(f"data.path: the dataset has no samples (n={n_samples})")
+    start = step * batch_size
+    return torch.arange(start, start + batch_size, dtype=torch.int64) % n_samples
+
+
+def infer_batches(n_samples: int, batch_size: int) -> list[torch.Tensor]:
+    """Every sample once, in order, in batches of ``batch_size`` (the last may be shorter)."""
+    if batch_size <= 0:
+        raise JobError(f"data.batch_size: must be > 0 (got {batch_size})")
+    if n_samples <= 0:
+        raise JobError(f"data.path: the dataset has no samples (n={n_samples})")
+    return list(torch.arange(n_samples, dtype=torch.int64).split(batch_size))
+
+
+def split_microbatches(n: int, microbatches: int) -> list[slice]:
+    """``n`` samples -> ``microbatches`` contiguous slices whose sizes differ by at most one (the
+    larger ones first), covering ``[0, n)`` in order."""
+    if microbatches <= 0:
+        raise JobError(f"data.microbatches: must be > 0 (got {microbatches})")
+    if microbatches > n:
+        raise JobError(
+            f"data.microbatches: {microbatches} micro-batches cannot be cut from a batch of {n} sample(s)"
+        )
+    base, extra = divmod(n, microbatches)
+    out, start = [], 0
+    for i in range(microbatches):
+        size = base + (1 if i < extra else 0)
+        out.append(slice(start, start + size))
+        start += size
+    return out

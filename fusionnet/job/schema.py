@@ -1,0 +1,163 @@
+"""The job file as pydantic models (interface.md "Job definition file").
+
+Every model forbids unknown keys: a misspelt key would otherwise be silently ignored and the job would
+run with a default the user did not ask for. Integers are strict (``batch_size: 8.5`` or ``"8"`` is
+refused); floats accept any YAML number. Validators that need a key path other than their own raise
+``KeyProblem`` so that ``fusionnet.job.parse`` can name the exact key.
+
+Checks that need the file system or user code (files exist, the entry point returns a module, data
+lengths agree) live in ``fusionnet.job.loader``; everything here is pure.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+
+from fusionnet.job import losses, optim
+
+
+class KeyProblem(ValueError):
+    """A validation problem at ``key`` (a path relative to the model being validated)."""
+
+    def __init__(self, key: tuple[str, ...], text: str) -> None:
+        super().__init__(f"{'.'.join(key)}: {text}")
+        self.key = key
+        self.text = text
+
+
+def _no_bool(value: Any) -> Any:
+    # YAML's ``yes``/``true`` would otherwise become 1.0 through pydantic's lax float.
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+PosInt = Annotated[int, Field(strict=True, gt=0)]
+PosFloat = Annotated[float, BeforeValidator(_no_bool), Field(gt=0, allow_inf_nan=False)]
+Seed = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    entrypoint: NonEmptyStr  # FILE.py:callable (relative to the job file) or package.module:callable
+    kwargs: dict[str, Any] = {}
+    weights: NonEmptyStr | None = None  # safetensors file with the initial state_dict
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_form(cls, value: str) -> str:
+        module, sep, attr = value.rpartition(":")
+        if not sep or not module or not attr or not all(p.isidentifier() for p in attr.split(".")):
+            raise ValueError(f"expected FILE.py:callable or package.module:callable (got {value!r})")
+        return value
+
+
+class LossSpec(_Strict):
+    name: NonEmptyStr
+    kwargs: dict[str, Any] = {}
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        return losses.check_loss_name(value)
+
+    @model_validator(mode="after")
+    def _kwargs_work(self) -> LossSpec:
+        try:
+            losses.check_loss_kwargs(self.name, self.kwargs)
+        except ValueError as e:
+            raise KeyProblem(("kwargs",), str(e)) from e
+        return self
+
+
+class DataSpec(_Strict):
+    path: NonEmptyStr  # .safetensors ("inputs", "labels") or .txt (char-level text)
+    batch_size: PosInt
+    microbatches: PosInt = 1
+    block_size: PosInt | None = None  # text data only: tokens per sample
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DataSpec:
+        if self.microbatches > self.batch_size:
+            raise KeyProblem(
+                ("microbatches",),
+                f"must be <= data.batch_size ({self.microbatches} > {self.batch_size}): "
+                "every micro-batch needs at least one sample",
+            )
+        is_text = self.path.lower().endswith(".txt")
+        if is_text and self.block_size is None:
+            raise KeyProblem(("block_size",), "required for text data (a .txt path)")
+        if not is_text and self.block_size is not None:
+            raise KeyProblem(("block_size",), "only allowed for text data (a .txt path)")
+        return self
+
+
+class OptimizerOverride(_Strict):
+    name: NonEmptyStr | None = None
+    lr: PosFloat | None = None
+    kwargs: dict[str, Any] = {}
+
+
+class OptimizerSpec(_Strict):
+    name: NonEmptyStr
+    lr: PosFloat
+    kwargs: dict[str, Any] = {}
+    per_op: dict[str, OptimizerOverride] = {}  # parameter-name glob -> override, first match wins
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        optim.canonical_name(value)
+        return value
+
+    @model_validator(mode="after")
+    def _settings_work(self) -> OptimizerSpec:
+        try:
+            kwargs = optim.normalize_kwargs(self.kwargs)
+            default = optim.ResolvedOptim(optim.canonical_name(self.name), float(self.lr), kwargs)
+            optim.check_optimizer(default.cls_name, default.lr, default.kwargs)
+        except ValueError as e:
+            raise KeyProblem(("kwargs",), str(e)) from e
+        for glob, over in self.per_op.items():
+            if not glob:
+                raise KeyProblem(("per_op",), "an empty glob matches no parameter")
+            if over.name is not None:
+                try:
+                    optim.canonical_name(over.name)
+                except ValueError as e:
+                    raise KeyProblem(("per_op", glob, "name"), str(e)) from e
+            try:
+                given = over.kwargs if "kwargs" in over.model_fields_set else None
+                resolved = optim.resolve_override(default, over.name, over.lr, given)
+                optim.check_optimizer(resolved.cls_name, resolved.lr, resolved.kwargs)
+            except ValueError as e:
+                raise KeyProblem(("per_op", glob, "kwargs"), str(e)) from e
+        return self
+
+
+class PlacementSpec(_Strict):
+    compnodes: PosInt = 1  # number of sub-DAGs / compnodes
+
+
+class JobSpec(_Strict):
+    name: NonEmptyStr
+    task: Literal["train", "grad", "infer"]
+    model: ModelSpec
+    loss: LossSpec | None = None  # None: the model's forward(inputs, labels) returns the loss
+    data: DataSpec
+    optimizer: OptimizerSpec | None = None  # required when task == "train"
+    steps: PosInt = 1
+    seed: Seed = 0
+    placement: PlacementSpec = PlacementSpec()
+
+    @model_validator(mode="after")
+    def _task_needs(self) -> JobSpec:
+        if self.task == "train" and self.optimizer is None:
+            raise KeyProblem(("optimizer",), "required when task is train")
+        return self

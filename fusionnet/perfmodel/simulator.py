@@ -1,0 +1,197 @@
+"""Pipeline schedule simulator: step time and per-stage peak in-flight micro-batches.
+
+Resources: each stage (a device) runs its operations one at a time in the schedule's order; each
+directed link between two stages carries one transfer at a time, first come first served. Compute
+and communication overlap (a device computes while its links move data), as eq. (4) assumes.
+Stages are numbered in a topological order of the sub-DAG graph; a ``Hop`` from stage ``src`` to a
+later stage ``dst`` carries activations forward (``fwd`` seconds per micro-batch on src -> dst) and
+their gradients backward (``bwd`` seconds on dst -> src). Any DAG of stages works, not just a chain.
+
+Schedules (per stage, ``m`` micro-batches, ``S`` stages):
+
+- ``gpipe``: F0 .. F(m-1), then B(m-1) .. B0, then the update;
+- ``1f1b`` (PipeDream-flush): stage k warms up with ``min(S-k-1, m)`` forwards, alternates one forward
+  and one backward, drains the remaining backwards, then updates;
+- ``infer`` tasks run forwards only; ``grad`` tasks skip the update.
+
+The step ends when the last stage finishes its last operation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fusionnet.errors import PlanError
+from fusionnet.perfmodel.types import SCHEDULES, TASKS
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    fp: float  # seconds per micro-batch
+    bp: float  # seconds per micro-batch
+    update: float = 0.0  # seconds per step
+
+
+@dataclass(frozen=True)
+class Hop:
+    src: int
+    dst: int
+    fwd: float  # seconds per micro-batch on src -> dst
+    bwd: float = 0.0  # seconds per micro-batch on dst -> src
+
+
+@dataclass(frozen=True)
+class Event:
+    stage: int
+    kind: str  # "F", "B" or "U"
+    microbatch: int  # -1 for the update
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    step_seconds: float
+    stage_busy: tuple[float, ...]  # compute seconds per stage
+    stage_finish: tuple[float, ...]
+    peak_inflight: tuple[int, ...]  # micro-batches whose activations a stage held at once
+    events: tuple[Event, ...] = ()  # only with record=True
+
+
+def stage_program(schedule: str, task: str, stage: int, num_stages: int, m: int) -> list[tuple[str, int]]:
+    """The order in which one stage runs its operations."""
+    if task == "infer":
+        return [("F", k) for k in range(m)]
+    if schedule == "gpipe":
+        prog = [("F", k) for k in range(m)] + [("B", k) for k in reversed(range(m))]
+    else:
+        warm = min(num_stages - stage - 1, m)
+        prog = [("F", k) for k in range(warm)]
+        for i in range(m - warm):
+            prog += [("F", warm + i), ("B", i)]
+        prog += [("B", k) for k in range(m - warm, m)]
+    if task == "train":
+        prog.append(("U", -1))
+    return prog
+
+
+def _validate(stages: Sequence[StageTimes], hops: Sequence[Hop], m: int, schedule: str, task: str) -> None:
+    if schedule not in SCHEDULES:
+        raise PlanError(f"schedule {schedule!r} must be one of {', '.join(SCHEDULES)}")
+    if task not in TASKS:
+        raise PlanError(f"task {task!r} must be one of {', '.join(TASKS)}")
+    if not isinstance(m, int) or m < 1:
+        raise PlanError(f"microbatches must be a positive integer, got {m!r}")
+    if not stages:
+        raise PlanError("a pipeline needs at least one stage")
+    for i, s in enumerate(stages):
+        if min(s.fp, s.bp, s.update) < 0:
+            raise PlanError(f"stage {i} has a negative time")
+    seen = set()
+    for h in hops:
+        if not 0 <= h.src < h.dst < len(stages):
+            raise PlanError(
+                f"hop {h.src} -> {h.dst} must go from a stage to a later one (0..{len(stages) - 1})"
+            )
+        if (h.src, h.dst) in seen:
+            raise PlanError(f"hop {h.src} -> {h.dst} is given twice")
+        if min(h.fwd, h.bwd) < 0:
+            raise PlanError(f"hop {h.src} -> {h.dst} has a negative time")
+        seen.add((h.src, h.dst))
+
+
+def simulate(
+    stages: Sequence[StageTimes],
+    hops: Sequence[Hop],
+    microbatches: int,
+    *,
+    schedule: str = "gpipe",
+    task: str = "train",
+    record: bool = False,
+) -> SimResult:
+    """Run the schedule on the stage and link resources and return the step's timing."""
+    _validate(stages, hops, microbatches, schedule, task)
+    n, m = len(stages), microbatches
+    hops = sorted(hops, key=lambda h: (h.src, h.dst))
+    ins: list[list[int]] = [[] for _ in range(n)]  # hop indices into each stage
+    outs: list[list[int]] = [[] for _ in range(n)]
+    for j, h in enumerate(hops):
+        ins[h.dst].append(j)
+        outs[h.src].append(j)
+    fwd_t = [h.fwd for h in hops]
+    bwd_t = [h.bwd for h in hops]
+    fwd_arrival: list[list[float | None]] = [[None] * m for _ in hops]  # activation at hop.dst
+    bwd_arrival: list[list[float | None]] = [[None] * m for _ in hops]  # gradient at hop.src
+    fwd_free = [0.0] * len(hops)  # the src -> dst link
+    bwd_free = [0.0] * len(hops)  # the dst -> src link
+    programs = [stage_program(schedule, task, s, n, m) for s in range(n)]
+    dur = {"F": [st.fp for st in stages], "B": [st.bp for st in stages], "U": [st.update for st in stages]}
+    free = [0.0] * n
+    busy = [0.0] * n
+    held = [0] * n
+    peak = [0] * n
+    pos = [0] * n
+    events: list[Event] = []
+    remaining = sum(len(p) for p in programs)
+    forward_sweep = True
+    while remaining:
+        progressed = False
+        # alternate sweep directions: forward waves run down the pipeline, backward waves up it
+        for s in range(n) if forward_sweep else range(n - 1, -1, -1):
+            prog = programs[s]
+            while pos[s] < len(prog):
+                kind, k = prog[pos[s]]
+                start = free[s]
+                blocked = False
+                if kind == "F":
+                    for j in ins[s]:
+                        t = fwd_arrival[j][k]
+                        if t is None:
+                            blocked = True
+                            break
+                        if t > start:
+                            start = t
+                elif kind == "B":
+                    for j in outs[s]:
+                        t = bwd_arrival[j][k]
+                        if t is None:
+                            blocked = True
+                            break
+                        if t > start:
+                            start = t
+                if blocked:
+                    break
+                d = dur[kind][s]
+                end = start + d
+                free[s] = end
+                busy[s] += d
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+                if record:
+                    events.append(Event(s, kind, k, start, end))
+                if kind == "F":
+                    if task != "infer":
+                        held[s] += 1
+                        peak[s] = max(peak[s], held[s])
+                    else:
+                        peak[s] = 1
+                    for j in outs[s]:
+                        t0 = end if end > fwd_free[j] else fwd_free[j]
+                        fwd_free[j] = fwd_arrival[j][k] = t0 + fwd_t[j]
+                elif kind == "B":
+                    held[s] -= 1
+                    for j in ins[s]:
+                        t0 = end if end > bwd_free[j] else bwd_free[j]
+                        bwd_free[j] = bwd_arrival[j][k] = t0 + bwd_t[j]
+        assert progressed, "schedule deadlocked: stage programs and hops are inconsistent"
+        forward_sweep = not forward_sweep
+    step = max(max(free), max(fwd_free, default=0.0), max(bwd_free, default=0.0))
+    return SimResult(
+        step_seconds=step,
+        stage_busy=tuple(busy),
+        stage_finish=tuple(free),
+        peak_inflight=tuple(peak),
+        events=tuple(events),
+    )

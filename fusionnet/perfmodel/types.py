@@ -1,0 +1,290 @@
+"""The performance model's inputs, as plain frozen data (the lead converts the IR and the swarm to these).
+
+Units everywhere: FLOPs, bytes, seconds, bytes/second. Per-op figures are for ONE micro-batch (the
+traced example batch); the workload says how many micro-batches make one step.
+
+Validation happens in ``__post_init__`` so a bad value is refused where it is built, with a message
+naming the op, device or field: graph structure problems raise ``IRError`` (the cost graph is the IR
+seen through costs), swarm and workload problems raise ``PlanError``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+
+from fusionnet.errors import IRError, PlanError
+from fusionnet.perfmodel.optimizers import optimizer_profile
+
+OP_KINDS = ("placeholder", "variable", "parametric", "non_parametric", "loss", "output")
+DEVICE_KINDS = ("gpu", "cpu")
+TASKS = ("train", "grad", "infer")
+SCHEDULES = ("gpipe", "1f1b")
+_INT_FIELDS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "param_bytes", "activation_bytes")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_finite(value: object) -> bool:
+    return (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    )
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One DAG operator's cost for one micro-batch (FusionAI Table 2 kinds)."""
+
+    name: str
+    kind: str  # placeholder | variable | parametric | non_parametric | loss | output
+    flops_fwd: int
+    flops_bwd: int
+    bytes_read: int
+    bytes_written: int
+    param_bytes: int  # trainable parameters this op owns
+    activation_bytes: int  # output size: what backward keeps and what a user on another device receives
+    optimizer: str | None = None  # torch.optim class name, lower-case, for ops owning params
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise IRError(f"op name must be a non-empty string, got {self.name!r}")
+        if self.kind not in OP_KINDS:
+            raise IRError(f"op {self.name!r}: kind {self.kind!r} is not one of {', '.join(OP_KINDS)}")
+        for f in _INT_FIELDS:
+            value = getattr(self, f)
+            if not _is_int(value) or value < 0:
+                raise IRError(f"op {self.name!r}: {f} must be a non-negative integer, got {value!r}")
+        if self.optimizer is not None:
+            try:
+                optimizer_profile(self.optimizer)
+            except PlanError as e:
+                raise PlanError(f"op {self.name!r}: {e}") from e
+
+
+@dataclass(frozen=True)
+class CostGraph:
+    """The DAG to place: ops in a topological order and data edges with their size per micro-batch."""
+
+    ops: tuple[OpCost, ...]
+    edges: tuple[tuple[str, str, int], ...]  # (producer, consumer, bytes per micro-batch)
+
+    def __post_init__(self) -> None:
+        if not self.ops:
+            raise IRError("a cost graph needs at least one op")
+        object.__setattr__(self, "ops", tuple(self.ops))
+        object.__setattr__(self, "edges", tuple(tuple(e) for e in self.edges))
+        index: dict[str, int] = {}
+        for i, op in enumerate(self.ops):
+            if not isinstance(op, OpCost):
+                raise IRError(f"ops[{i}] is a {type(op).__name__}, not an OpCost")
+            if op.name in index:
+                raise IRError(f"op name {op.name!r} appears twice (ops[{index[op.name]}] and ops[{i}])")
+            index[op.name] = i
+        for k, edge in enumerate(self.edges):
+            if len(edge) != 3:
+                raise IRError(f"edges[{k}] must be (producer, consumer, bytes), got {edge!r}")
+            src, dst, nbytes = edge
+            for end in (src, dst):
+                if end not in index:
+                    raise IRError(f"edges[{k}] ({src!r} -> {dst!r}) names unknown op {end!r}")
+            if not _is_int(nbytes) or nbytes < 0:
+                raise IRError(f"edges[{k}] ({src!r} -> {dst!r}): bytes must be a non-negative int")
+            if index[src] >= index[dst]:
+                raise IRError(
+                    f"edges[{k}] ({src!r} -> {dst!r}) goes against the op order: ops must be listed "
+                    "in a topological order (this also rules out cycles)"
+                )
+
+    @cached_property
+    def index(self) -> Mapping[str, int]:
+        """Op name -> position in ``ops``."""
+        return MappingProxyType({op.name: i for i, op in enumerate(self.ops)})
+
+    @cached_property
+    def out_bytes(self) -> tuple[int, ...]:
+        """Bytes one op sends to a consumer on another device (largest edge it feeds; one tensor)."""
+        out = [0] * len(self.ops)
+        for src, _dst, nbytes in self.edges:
+            i = self.index[src]
+            out[i] = max(out[i], nbytes)
+        return tuple(out)
+
+    @cached_property
+    def preds(self) -> tuple[tuple[int, ...], ...]:
+        """Predecessor positions of each op (sorted, deduplicated)."""
+        ps: list[set[int]] = [set() for _ in self.ops]
+        for src, dst, _ in self.edges:
+            ps[self.index[dst]].add(self.index[src])
+        return tuple(tuple(sorted(p)) for p in ps)
+
+    @cached_property
+    def succs(self) -> tuple[tuple[int, ...], ...]:
+        """Successor positions of each op (sorted, deduplicated)."""
+        ss: list[set[int]] = [set() for _ in self.ops]
+        for src, dst, _ in self.edges:
+            ss[self.index[src]].add(self.index[dst])
+        return tuple(tuple(sorted(s)) for s in ss)
+
+    @cached_property
+    def needs_grad(self) -> tuple[bool, ...]:
+        """Whether a gradient flows back into each op's output (it depends on some trainable parameter).
+
+        Ops upstream of every parameter (data placeholders, mask preprocessing) need no backward pass
+        and their outputs' gradients are never sent between devices.
+        """
+        flags = [False] * len(self.ops)
+        for i, op in enumerate(self.ops):
+            flags[i] = op.param_bytes > 0 or any(flags[p] for p in self.preds[i])
+        return tuple(flags)
+
+    @cached_property
+    def is_chain(self) -> bool:
+        """True when every op but the first feeds exactly from its predecessor in ``ops`` (a path)."""
+        n = len(self.ops)
+        return all(self.preds[i] == ((i - 1,) if i else ()) for i in range(n)) and all(
+            self.succs[i] == ((i + 1,) if i + 1 < n else ()) for i in range(n)
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """One compnode's hardware: S(p) = S*(p) * lambda_p (``peak_flops * speed_factor``) and memories.
+
+    Keyword-only because the spec in the design lists ``speed_factor`` (defaulted) among the others.
+    A ``cpu`` device computes on its CPU: ``d_gpu`` is ignored for it.
+    """
+
+    name: str
+    kind: str  # "gpu" | "cpu"
+    peak_flops: float  # S*(p), FLOP/s
+    speed_factor: float = 1.0  # lambda_p, fitted by profiling
+    mem_bandwidth: float  # bytes/s of the memory the device computes from
+    d_gpu: int  # bytes
+    d_cpu: int  # bytes
+    d_disk: int  # bytes
+
+    def __post_init__(self) -> None:
+        where = f"device {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise PlanError(f"device name must be a non-empty string, got {self.name!r}")
+        if self.kind not in DEVICE_KINDS:
+            raise PlanError(f"{where}: kind {self.kind!r} must be 'gpu' or 'cpu'")
+        for f in ("peak_flops", "speed_factor", "mem_bandwidth"):
+            if not _positive_finite(getattr(self, f)):
+                raise PlanError(f"{where}: {f} must be a positive finite number, got {getattr(self, f)!r}")
+        for f in ("d_gpu", "d_cpu", "d_disk"):
+            value = getattr(self, f)
+            if not _is_int(value) or value < 0:
+                raise PlanError(f"{where}: {f} must be a non-negative integer of bytes, got {value!r}")
+        if self.kind == "gpu" and self.d_gpu == 0:
+            raise PlanError(f"{where}: a gpu device needs d_gpu > 0")
+
+    @property
+    def speed(self) -> float:
+        """S(p): the FLOP/s the performance model divides by."""
+        return self.peak_flops * self.speed_factor
+
+    @property
+    def compute_memory(self) -> int:
+        """Bytes of the memory this device keeps parameters and activations in."""
+        return self.d_gpu if self.kind == "gpu" else self.d_cpu
+
+
+@dataclass(frozen=True)
+class Link:
+    """Alpha-beta model of one direction of a connection: ``alpha + beta * bytes`` seconds."""
+
+    alpha: float  # seconds of latency per message
+    beta: float  # seconds per byte (1 / bandwidth)
+
+    def __post_init__(self) -> None:
+        for f in ("alpha", "beta"):
+            value = getattr(self, f)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < 0:
+                raise PlanError(f"link {f} must be a non-negative finite number, got {value!r}")
+
+    @classmethod
+    def from_bandwidth(cls, latency_s: float, bandwidth_bytes_per_s: float) -> Link:
+        if not _positive_finite(bandwidth_bytes_per_s):
+            raise PlanError(f"link bandwidth must be positive, got {bandwidth_bytes_per_s!r}")
+        return cls(alpha=float(latency_s), beta=1.0 / float(bandwidth_bytes_per_s))
+
+    def time(self, nbytes: int | float) -> float:
+        """Seconds to move ``nbytes`` in one message; nothing to move costs nothing."""
+        return self.alpha + self.beta * nbytes if nbytes > 0 else 0.0
+
+    @property
+    def bandwidth(self) -> float:
+        return math.inf if self.beta == 0 else 1.0 / self.beta
+
+
+@dataclass(frozen=True)
+class Swarm:
+    """Devices plus the links between them. ``links[(i, j)]`` is the i -> j direction; a pair given in
+    one direction only serves both; pairs not given use ``default_link``."""
+
+    devices: tuple[DeviceSpec, ...]
+    links: Mapping[tuple[int, int], Link] = field(default_factory=dict)
+    default_link: Link = field(default_factory=lambda: Link(alpha=0.0, beta=0.0))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+        if not self.devices:
+            raise PlanError("a swarm needs at least one device")
+        for i, d in enumerate(self.devices):
+            if not isinstance(d, DeviceSpec):
+                raise PlanError(f"devices[{i}] is a {type(d).__name__}, not a DeviceSpec")
+        n = len(self.devices)
+        for key, link in self.links.items():
+            ok = isinstance(key, tuple) and len(key) == 2 and all(_is_int(k) and 0 <= k < n for k in key)
+            if not ok or key[0] == key[1]:
+                raise PlanError(f"links key {key!r} must be a pair of distinct device indices in [0, {n})")
+            if not isinstance(link, Link):
+                raise PlanError(f"links[{key!r}] is a {type(link).__name__}, not a Link")
+        if not isinstance(self.default_link, Link):
+            raise PlanError("default_link must be a Link")
+        object.__setattr__(self, "links", MappingProxyType(dict(sorted(self.links.items()))))
+
+    def link(self, src: int, dst: int) -> Link:
+        """The link carrying data from device ``src`` to device ``dst``."""
+        found = self.links.get((src, dst))
+        if found is None:
+            found = self.links.get((dst, src), self.default_link)
+        return found
+
+    @cached_property
+    def uniform_links(self) -> bool:
+        """True when every pair of devices talks over the same link (only then are same-spec devices
+        interchangeable for the scheduler)."""
+        return all(link == self.default_link for link in self.links.values())
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step runs: ``microbatches`` micro-batches through FP (+BP (+Update)) under a schedule."""
+
+    microbatches: int
+    task: str  # train | grad | infer
+    schedule: str = "gpipe"  # gpipe | 1f1b
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.microbatches) or self.microbatches < 1:
+            raise PlanError(f"workload microbatches must be a positive integer, got {self.microbatches!r}")
+        if self.task not in TASKS:
+            raise PlanError(f"workload task {self.task!r} must be one of {', '.join(TASKS)}")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"workload schedule {self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+
+    @property
+    def backward(self) -> bool:
+        return self.task != "infer"
+
+    @property
+    def update(self) -> bool:
+        return self.task == "train"

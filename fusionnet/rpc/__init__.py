@@ -1,0 +1,19 @@
+"""Request/response RPC carrying msgpack dicts between peers over hivemind's libp2p daemon (p2pd).
+
+Map of the package:
+
+- ``protocol.py``  the wire format (pure): request/response envelopes, stream frame headers, limits,
+                   ``RPCError`` and the mapping of remote errors back to project error classes.
+- ``streams.py``   read/write one length-prefixed frame on an asyncio stream, with size and idle limits.
+- ``server.py``    ``RPCServer``: a table of ``rpc_<name>`` coroutines served over one unary and one
+                   stream protocol; every bad request gets an error response, never a crash.
+- ``client.py``    ``RPCClient.call(peer_id, "name", payload, timeout=)``.
+
+Handlers have the signature ``async def rpc_name(self, payload: dict, context: RPCContext) -> dict``.
+"""
+
+from fusionnet.rpc.client import RPCClient, as_peer_id
+from fusionnet.rpc.protocol import RPCError
+from fusionnet.rpc.server import RPCContext, RPCServer
+
+__all__ = ["RPCClient", "RPCContext", "RPCError", "RPCServer", "as_peer_id"]

@@ -1,0 +1,134 @@
+"""Calling ``rpc_<name>`` handlers on other peers: ``await client.call(peer_id, "name", payload, timeout=)``.
+
+Small requests go as one unary message over p2pd's persistent connection; larger ones (and any answer the
+server stashed because it was too big for a unary reply) go over a libp2p stream in chunked frames. Every
+failure surfaces as a project error: the remote handler's own ``FusionNetError`` class with its message
+verbatim, or ``RPCError`` (unreachable, timeout, transport, remote crash) naming the peer and the method.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from google.protobuf.wrappers_pb2 import BytesValue
+from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
+
+from fusionnet.errors import WireError
+from fusionnet.rpc.protocol import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_UNARY_LIMIT,
+    FETCH_METHOD,
+    STREAM_PROTOCOL,
+    UNARY_PROTOCOL,
+    RPCError,
+    decode_response,
+    encode_request,
+    remote_exception,
+)
+from fusionnet.rpc.streams import close_writer, read_frame, write_frame
+
+DEFAULT_TIMEOUT = 30.0
+
+
+def as_peer_id(peer: str | PeerID) -> PeerID:
+    if isinstance(peer, PeerID):
+        return peer
+    if not isinstance(peer, str) or not peer:
+        raise WireError(f"peer id must be a non-empty base58 string, got {peer!r}")
+    try:
+        return PeerID.from_base58(peer)
+    except ValueError as e:
+        raise WireError(f"peer id {peer!r} is not valid base58") from e
+
+
+class RPCClient:
+    def __init__(
+        self,
+        p2p: P2P,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        unary_limit: int = DEFAULT_UNARY_LIMIT,
+        default_timeout: float = DEFAULT_TIMEOUT,
+    ):
+        self.p2p = p2p
+        self.max_message_bytes = max_message_bytes
+        self.unary_limit = unary_limit
+        self.default_timeout = default_timeout
+
+    async def call(
+        self,
+        peer: str | PeerID,
+        method: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Calls ``rpc_<method>`` on ``peer`` and returns its result dict. ``timeout`` (seconds) bounds the
+        whole call, transfers included."""
+        peer_id = as_peer_id(peer)
+        label = peer_id.to_base58()
+        body = encode_request(method, payload)
+        if len(body) > self.max_message_bytes:
+            raise WireError(
+                f"rpc {method} to {label}: request of {len(body)} bytes exceeds the limit of "
+                f"{self.max_message_bytes} bytes"
+            )
+        timeout = self.default_timeout if timeout is None else timeout
+        try:
+            async with asyncio.timeout(timeout):
+                raw = await (
+                    self._unary(peer_id, body)
+                    if len(body) <= self.unary_limit
+                    else self._stream(peer_id, body)
+                )
+                response = decode_response(raw)
+                if response.stashed is not None:
+                    if response.size > self.max_message_bytes:
+                        raise WireError(
+                            f"rpc {method} to {label}: answer of {response.size} bytes exceeds the limit of "
+                            f"{self.max_message_bytes} bytes"
+                        )
+                    raw = await self._stream(
+                        peer_id, encode_request(FETCH_METHOD, {"token": response.stashed})
+                    )
+                    response = decode_response(raw)
+                    if response.stashed is not None:
+                        raise WireError(f"rpc {method} to {label}: stash reference answered with another one")
+        except TimeoutError as e:
+            raise RPCError(
+                f"rpc {method} on peer {label}: no answer within {timeout:g} s",
+                peer=label,
+                method=method,
+                kind="Timeout",
+            ) from e
+        except (P2PHandlerError, P2PDaemonError, ConnectionError, OSError, asyncio.IncompleteReadError) as e:
+            raise RPCError(
+                f"rpc {method} on peer {label} failed: {type(e).__name__}: {e}",
+                peer=label,
+                method=method,
+                kind=type(e).__name__,
+            ) from e
+        if response.error is not None:
+            raise remote_exception(*response.error, peer=label, method=method)
+        assert response.result is not None
+        return response.result
+
+    async def _unary(self, peer_id: PeerID, body: bytes) -> bytes:
+        reply = await self.p2p.call_protobuf_handler(
+            peer_id, UNARY_PROTOCOL, BytesValue(value=body), BytesValue
+        )
+        return reply.value
+
+    async def _stream(self, peer_id: PeerID, body: bytes) -> bytes:
+        _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, STREAM_PROTOCOL)
+        try:
+            # The server may refuse (oversize) and close before reading everything: its answer says why.
+            with contextlib.suppress(ConnectionError, OSError):
+                await write_frame(writer, body)
+            return await read_frame(
+                reader, self.max_message_bytes, self.default_timeout, f"rpc answer from {peer_id}"
+            )
+        finally:
+            await close_writer(writer)

@@ -1,0 +1,68 @@
+"""Reading and writing one length-prefixed RPC frame on an asyncio stream (a libp2p stream from p2pd).
+
+Shared by the server and the client. The reader checks the header before touching the body, reads the
+body in 1 MiB chunks, and gives up when the peer sends nothing for ``idle_timeout`` seconds, so a peer
+can neither make us allocate more than the limit nor hold a handler forever with a stalled upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from fusionnet.errors import WireError
+from fusionnet.rpc.protocol import FRAME_HEADER_LEN, STREAM_CHUNK, frame_header, parse_frame_header
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int, idle_timeout: float, what: str) -> bytes:
+    """One frame's body. Raises ``WireError`` for garbage, oversize or a stall; ``IncompleteReadError``
+    when the peer closes the stream early (nothing to answer then)."""
+    try:
+        header = await asyncio.wait_for(reader.readexactly(FRAME_HEADER_LEN), idle_timeout)
+    except TimeoutError as e:
+        raise WireError(f"{what}: no frame header within {idle_timeout:g} s") from e
+    length = parse_frame_header(header, max_bytes, what)
+    chunks: list[bytes] = []
+    remaining = length
+    while remaining:
+        try:
+            chunk = await asyncio.wait_for(reader.read(min(STREAM_CHUNK, remaining)), idle_timeout)
+        except TimeoutError as e:
+            raise WireError(
+                f"{what}: stalled after {length - remaining} of {length} bytes "
+                f"(nothing for {idle_timeout:g} s)"
+            ) from e
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"".join(chunks), length)
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+async def write_frame(writer: asyncio.StreamWriter, body: bytes) -> None:
+    writer.write(frame_header(len(body)))
+    view = memoryview(body)
+    for offset in range(0, len(view), STREAM_CHUNK):
+        writer.write(view[offset : offset + STREAM_CHUNK])
+        await writer.drain()  # back-pressure per chunk: never queue the whole body in the transport
+    await writer.drain()
+
+
+async def discard_input(reader: asyncio.StreamReader, linger: float) -> None:
+    """Reads and drops what the peer is still sending, until it stops or ``linger`` seconds pass.
+
+    Used after refusing a request early: closing a socket with unread input resets the connection, and the
+    reset can overtake our refusal on its way to the peer, which would then see a bare "connection reset".
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + linger
+    with contextlib.suppress(TimeoutError, ConnectionError, OSError):
+        while (left := deadline - loop.time()) > 0:
+            if not await asyncio.wait_for(reader.read(STREAM_CHUNK), left):
+                return
+
+
+async def close_writer(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(ConnectionError, OSError, TimeoutError):
+        await asyncio.wait_for(writer.wait_closed(), 1.0)

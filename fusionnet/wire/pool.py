@@ -1,0 +1,120 @@
+"""Outgoing streams shared by both transports: one per destination, one writer at a time, reconnect once.
+
+Frames from one sender to one destination travel over a single stream, in the order ``send`` was
+called, and a frame is written whole under the stream's lock, so frames never interleave. That
+order is what receivers rely on (a value's structure frame arrives after its tensors). A stream
+found closed, or one that breaks while a frame is written, is dropped and the frame is sent again
+once over a fresh stream; a second failure is ``PeerUnreachable``.
+
+When ``send`` returns, the whole frame has been handed to the kernel (the write buffer is drained to
+empty), so the caller may modify the tensor afterwards. It is not an acknowledgement: a frame
+written in the instant the peer dies can be lost with no error (the next send to it then fails);
+receivers that wait for a value therefore need their own timeout / retry, as for any peer failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import select
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
+
+from fusionnet.wire.frames import TensorFrame, prepare_frame, write_prepared
+from fusionnet.wire.refusal import PeerUnreachable
+
+log = logging.getLogger("fusionnet.wire")
+
+Opener = Callable[[Hashable], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
+@dataclass
+class _Stream:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+    def broken(self) -> bool:
+        # Receivers never write back: anything readable on our end is the peer's FIN (or a protocol
+        # violation), so the stream is done. Polling the socket sees a FIN the kernel already has but
+        # the event loop has not processed yet, which would otherwise swallow the next frame.
+        if self.writer.is_closing() or self.reader.at_eof():
+            return True
+        sock = self.writer.get_extra_info("socket")
+        if sock is None or not hasattr(select, "poll"):
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | getattr(select, "POLLRDHUP", 0))
+        return bool(poller.poll(0))
+
+
+class StreamPool:
+    """Sends over pooled streams opened by ``open_stream(dest)``; ``describe(dest)`` names a destination."""
+
+    def __init__(self, open_stream: Opener, describe: Callable[[Hashable], str] = str) -> None:
+        self._open_stream = open_stream
+        self._describe = describe
+        self._streams: dict[Hashable, _Stream] = {}
+        self._locks: dict[Hashable, asyncio.Lock] = {}
+        self._closed = False
+
+    async def _open(self, dest: Hashable) -> _Stream:
+        if self._closed:
+            raise PeerUnreachable(f"cannot send to {self._describe(dest)}: the client is closed")
+        try:
+            reader, writer = await self._open_stream(dest)
+        except (TimeoutError, OSError) as e:
+            raise PeerUnreachable(
+                f"cannot open a stream to {self._describe(dest)}: {e or type(e).__name__}"
+            ) from e
+        if self._closed:  # closed while connecting
+            writer.close()
+            raise PeerUnreachable(f"cannot send to {self._describe(dest)}: the client is closed")
+        # high=0: drain() returns only once the buffer is empty, so no payload view outlives send().
+        writer.transport.set_write_buffer_limits(high=0)
+        stream = _Stream(reader, writer)
+        self._streams[dest] = stream
+        return stream
+
+    async def _drop(self, dest: Hashable) -> None:
+        stream = self._streams.pop(dest, None)
+        if stream is not None:
+            stream.writer.close()
+            with contextlib.suppress(Exception):
+                await stream.writer.wait_closed()
+
+    async def send(self, dest: Hashable, frame: TensorFrame, key: bytes) -> None:
+        if self._closed:
+            raise PeerUnreachable(f"cannot send to {self._describe(dest)}: the client is closed")
+        prepared = prepare_frame(frame, key)  # every check before a stream is touched
+        lock = self._locks.setdefault(dest, asyncio.Lock())
+        async with lock:
+            stream = self._streams.get(dest)
+            if stream is not None and stream.broken():
+                await self._drop(dest)
+                stream = None
+            if stream is not None:
+                try:
+                    await write_prepared(stream.writer, prepared)
+                    return
+                except OSError as e:
+                    log.info("stream to %s broke (%s); reconnecting once", self._describe(dest), e)
+                    await self._drop(dest)
+                except BaseException:
+                    await self._drop(dest)  # a partial frame is on that stream: it is unusable
+                    raise
+            stream = await self._open(dest)
+            try:
+                await write_prepared(stream.writer, prepared)
+            except OSError as e:
+                await self._drop(dest)
+                raise PeerUnreachable(f"stream to {self._describe(dest)} broke while sending: {e}") from e
+            except BaseException:
+                await self._drop(dest)
+                raise
+
+    async def close(self) -> None:
+        """Closes every stream; later sends raise ``PeerUnreachable``."""
+        self._closed = True
+        for dest in sorted(self._streams, key=self._describe):
+            await self._drop(dest)

@@ -1,0 +1,183 @@
+"""The receiving half shared by both transports: job routes, the per-connection frame loop, counters.
+
+A compnode registers each job it works on with the job's key, the peers allowed to send to it and
+a callback. ``serve`` reads frames from one connection and hands each authenticated frame of a
+registered job to that job's callback, in arrival order, awaiting it before reading the next
+frame (that await is the connection's backpressure). A refused frame is logged with the peer and
+the reason and counted; the connection is closed only when the stream can no longer be trusted
+to be at a frame boundary. ``serve`` never raises (except cancellation): one bad peer never takes
+down the server or another connection.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+from fusionnet.errors import WireError
+from fusionnet.wire import refusal as R
+from fusionnet.wire.frames import TensorFrame, read_frame
+from fusionnet.wire.header import MAX_ID_LEN, check_text
+from fusionnet.wire.mac import check_key
+from fusionnet.wire.refusal import FrameRefused, StreamEnded
+from fusionnet.wire.sources import ByteSource
+
+log = logging.getLogger("fusionnet.wire")
+
+FrameHandler = Callable[[TensorFrame], Awaitable[None] | None]
+# Stats bucket for refusals that cannot be charged to a registered job (unreadable header, unknown job).
+NO_JOB = "<no job>"
+
+
+@dataclass
+class JobStats:
+    """Counters of one job on one receiver. ``frames_refused`` maps a reason code to a count."""
+
+    frames_accepted: int = 0
+    bytes_accepted: int = 0
+    frames_refused: dict[str, int] = field(default_factory=dict)
+    bytes_refused: int = 0
+
+    @property
+    def refused_total(self) -> int:
+        return sum(self.frames_refused.values())
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "frames_accepted": self.frames_accepted,
+            "bytes_accepted": self.bytes_accepted,
+            "frames_refused": dict(sorted(self.frames_refused.items())),
+            "bytes_refused": self.bytes_refused,
+        }
+
+
+@dataclass(frozen=True)
+class JobRoute:
+    key: bytes
+    allowed_senders: frozenset[str]
+    on_frame: FrameHandler
+
+
+class FrameReceiver:
+    """Job routes and counters of one peer; ``serve`` runs one connection's frame loop."""
+
+    def __init__(self, *, peer_id: str, max_payload: int) -> None:
+        check_text(peer_id, "peer_id", MAX_ID_LEN)
+        if isinstance(max_payload, bool) or not isinstance(max_payload, int) or max_payload < 0:
+            raise WireError(f"max_payload must be a non-negative integer, got {max_payload!r}")
+        self.peer_id = peer_id
+        self.max_payload = max_payload
+        self._routes: dict[str, JobRoute] = {}
+        self.stats: dict[str, JobStats] = {NO_JOB: JobStats()}
+
+    def register_job(
+        self, job_id: str, key: bytes, allowed_senders: Iterable[str], on_frame: FrameHandler
+    ) -> None:
+        """Accepts frames of ``job_id`` from ``allowed_senders``; registering again replaces the route."""
+        check_text(job_id, "job_id", MAX_ID_LEN)
+        if job_id == NO_JOB:
+            raise WireError(f"job id {NO_JOB!r} is reserved")
+        key = check_key(key, f"key of job {job_id!r}")
+        if isinstance(allowed_senders, str):
+            raise WireError(
+                f"allowed_senders of job {job_id!r} must be a collection of peer ids, not a string"
+            )
+        senders = frozenset(check_text(s, "allowed sender", MAX_ID_LEN) for s in allowed_senders)
+        if not callable(on_frame):
+            raise WireError(f"on_frame of job {job_id!r} must be callable")
+        self._routes[job_id] = JobRoute(key, senders, on_frame)
+        self.stats.setdefault(job_id, JobStats())
+
+    def unregister_job(self, job_id: str) -> None:
+        """Refuses further frames of ``job_id`` (its counters stay readable)."""
+        self._routes.pop(job_id, None)
+
+    @property
+    def jobs(self) -> list[str]:
+        return sorted(self._routes)
+
+    def keyring(self, job_id: str) -> bytes | None:
+        route = self._routes.get(job_id)
+        return route.key if route is not None else None
+
+    def accept_sender(self, job_id: str, sender: str) -> bool:
+        route = self._routes.get(job_id)
+        return route is not None and sender in route.allowed_senders
+
+    def _bucket(self, job_id: str | None) -> JobStats:
+        return self.stats[job_id] if job_id is not None and job_id in self.stats else self.stats[NO_JOB]
+
+    def count_refusal(self, e: FrameRefused, peer: str) -> None:
+        stats = self._bucket(e.job_id)
+        stats.frames_refused[e.reason] = stats.frames_refused.get(e.reason, 0) + 1
+        stats.bytes_refused += e.nbytes
+        log.warning(
+            "%s refused a frame from %s (%s): %s%s",
+            self.peer_id,
+            peer,
+            e.reason,
+            e,
+            "" if e.in_sync else "; closing the connection",
+        )
+
+    async def serve(self, source: ByteSource, peer: str, *, bound_sender: str | None = None) -> None:
+        """Reads frames until the peer closes the stream or it falls out of sync."""
+        while True:
+            try:
+                frame = await read_frame(
+                    source,
+                    self.keyring,
+                    max_payload=self.max_payload,
+                    accept_sender=self.accept_sender,
+                    bound_sender=bound_sender,
+                )
+            except StreamEnded:
+                return
+            except FrameRefused as e:
+                self.count_refusal(e, peer)
+                if not e.in_sync:
+                    return
+                continue
+            except WireError as e:  # read_frame only raises the two above; stay safe if that changes
+                self.count_refusal(FrameRefused(str(e), reason=R.MALFORMED), peer)
+                return
+            await self._deliver(frame, peer)
+
+    async def _deliver(self, frame: TensorFrame, peer: str) -> None:
+        route = self._routes.get(frame.job_id)
+        nbytes = frame.tensor.numel() * frame.tensor.element_size()
+        if route is None:  # unregistered while its payload was arriving
+            self.count_refusal(
+                FrameRefused(
+                    f"job {frame.job_id!r} ended while its frame arrived",
+                    reason=R.UNKNOWN_JOB,
+                    job_id=frame.job_id,
+                    sender=frame.sender,
+                    in_sync=True,
+                    nbytes=nbytes,
+                ),
+                peer,
+            )
+            return
+        stats = self.stats[frame.job_id]
+        try:
+            result = route.on_frame(frame)
+            if inspect.isawaitable(result):
+                await result
+        except Exception as e:
+            log.error(
+                "%s: handler of job %r failed on frame %s/%r from %s",
+                self.peer_id,
+                frame.job_id,
+                frame.kind,
+                frame.name,
+                frame.sender,
+                exc_info=e,
+            )
+            stats.frames_refused[R.HANDLER_ERROR] = stats.frames_refused.get(R.HANDLER_ERROR, 0) + 1
+            stats.bytes_refused += nbytes
+            return
+        stats.frames_accepted += 1
+        stats.bytes_accepted += nbytes

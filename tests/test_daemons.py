@@ -1,0 +1,245 @@
+"""Broker and compnode daemons as real processes on loopback: discovery, status, heartbeats, graceful and
+forced exits, resilience to bad RPC input, and no process or socket left behind.
+
+One swarm (broker + a supernode + a backup antnode) is shared by the module; tests that stop daemons start
+their own extra compnodes. DHT refresh is 1 s, heartbeats every 0.5 s with a 3 s timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from fusionnet.errors import WireError
+from fusionnet.rpc.protocol import STREAM_PROTOCOL, decode_response, frame_header
+from fusionnet.rpc.streams import read_frame
+from tests.swarm_utils import (
+    DaemonProcess,
+    Observer,
+    Swarm,
+    alive,
+    print_logs_on_failure,
+    run_status_cli,
+    running_swarm,
+    wait_until,
+)
+
+pytestmark = pytest.mark.swarm
+REFRESH = 1.0
+HEARTBEAT_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    workdir = tmp_path_factory.mktemp("swarm")
+    with running_swarm(
+        workdir,
+        [{}, {"role": "antnode", "backup": True}],
+        broker_kw={
+            "refresh_period": REFRESH,
+            "heartbeat_timeout": HEARTBEAT_TIMEOUT,
+            "extra": ["--metrics-port", "0"],
+        },
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def observer(swarm: Swarm) -> Iterator[Observer]:
+    obs = Observer(swarm.initial_peers)
+    yield obs
+    obs.close()
+
+
+def broker_view(observer: Observer) -> dict[str, dict]:
+    return {c["peer_id"]: c for c in observer.broker_status()["compnodes"]}
+
+
+def assert_left_nothing(daemon: DaemonProcess) -> None:
+    daemon.reap()
+    assert daemon.family, f"{daemon.name}: its DHT child and p2pd were never seen"
+    assert len(daemon.sockets) >= 2, f"{daemon.name}: its p2pd sockets were never seen: {daemon.sockets}"
+    assert not daemon.leftovers, f"{daemon.name} left processes behind: {daemon.leftovers}"
+    assert not [s for s in daemon.sockets if os.path.exists(s)], (
+        f"{daemon.name} left sockets: {daemon.sockets}"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_status_shows_both_compnodes_online_with_hardware(swarm: Swarm, observer: Observer) -> None:
+    with print_logs_on_failure(swarm):
+        supernode, antnode = (c.peer_id for c in swarm.compnodes)
+        # heartbeats have reached both (the broker measured an RTT for each)
+        wait_until(
+            lambda: all(
+                broker_view(observer).get(p, {}).get("rtt_ms") is not None for p in (supernode, antnode)
+            ),
+            10 * REFRESH,
+            "the broker to ping both compnodes",
+        )
+        code, doc = run_status_cli(swarm.initial_peers)
+        assert code == 0, doc
+        assert doc["broker"]["peer_id"] == swarm.broker.peer_id
+        rows = {c["peer_id"]: c for c in doc["compnodes"]}
+        assert set(rows) >= {supernode, antnode}
+        for peer, role, backup in ((supernode, "supernode", False), (antnode, "antnode", True)):
+            row = rows[peer]
+            assert (row["state"], row["role"], row["backup"], row["reachable"]) == (
+                "ONLINE",
+                role,
+                backup,
+                True,
+            )
+            hw = row["hardware"]
+            assert hw["device_kind"] == "cpu" and hw["threads"] == 1
+            assert (
+                hw["peak_flops"] > 1e8
+                and 0 < hw["speed_factor"] <= 10
+                and hw["d_cpu"] > 0
+                and hw["d_disk"] > 0
+            )
+            assert row["load"] == 0.0 and row["known_to_broker"] and row["in_dht"]
+        assert doc["jobs"] == []
+        assert {r["peer_id"] for r in doc["dht_compnodes"]} >= {supernode, antnode}
+        # the broker's Prometheus endpoint counts them too
+        port = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", swarm.broker.log_text())
+        assert port is not None, "the broker did not log its metrics port"
+        metrics = (
+            urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10).read().decode()
+        )
+        assert 'fusionnet_compnodes{state="ONLINE"} 2.0' in metrics
+        assert f'peer_id="{swarm.broker.peer_id}"' in metrics
+
+
+@pytest.mark.timeout(120)
+def test_late_compnode_appears_and_sigterm_shows_offline(swarm: Swarm, observer: Observer) -> None:
+    with print_logs_on_failure(swarm):
+        # a longer ttl of its own (3 x 3 s) keeps its goodbye readable in the DHT on a loaded machine; what is
+        # timed is the broker's refresh (1 s)
+        late = swarm.add_compnode("late", refresh_period=3.0)
+        wait_until(
+            lambda: broker_view(observer).get(late.peer_id, {}).get("state") == "ONLINE",
+            3 * REFRESH + 5,
+            "the broker to list the late compnode ONLINE",
+        )
+        late.send(signal.SIGTERM)
+        assert late.wait_exit(timeout=30) == 0
+        exited = time.monotonic()
+        # its goodbye is in the DHT as soon as it has exited ...
+        assert observer.records()[late.peer_id].state == "OFFLINE"
+        # ... and the broker picks it up at its next refresh (slack for polling and a loaded machine)
+        wait_until(
+            lambda: broker_view(observer)[late.peer_id]["state"] == "OFFLINE",
+            REFRESH + 2.0,
+            "the broker to show the stopped compnode OFFLINE",
+        )
+        assert time.monotonic() - exited < REFRESH + 2.0
+        assert "DRAINING" in late.log_text() or "announced OFFLINE" in late.log_text()
+        assert_left_nothing(late)
+
+
+@pytest.mark.timeout(120)
+def test_bad_rpc_requests_do_not_kill_daemons(swarm: Swarm, observer: Observer) -> None:
+    from hivemind.p2p import PeerID
+
+    with print_logs_on_failure(swarm):
+        compnode = swarm.compnodes[0].peer_id
+        with pytest.raises(WireError, match="unknown rpc method 'steal_weights'"):
+            observer.call(compnode, "steal_weights", {})
+
+        async def raw(peer: str, data: bytes) -> tuple[str, str]:
+            _, reader, writer = await observer.p2p.call_binary_stream_handler(
+                PeerID.from_base58(peer), STREAM_PROTOCOL
+            )
+            writer.write(data)
+            await writer.drain()
+            try:
+                return decode_response(await read_frame(reader, 1 << 20, 10.0, "answer")).error
+            finally:
+                writer.close()
+
+        for peer in (compnode, swarm.broker.peer_id):
+            assert "bad magic" in observer.run(raw(peer, b"GET / HTTP/1.1\r\n\r\n"))[1]
+            assert "exceeds the limit" in observer.run(raw(peer, frame_header(1 << 50)))[1]
+            assert "not valid msgpack" in observer.run(raw(peer, frame_header(2) + b"\xc1\xc1"))[1]
+            assert "must be a map" in observer.run(raw(peer, frame_header(1) + msgpack.packb(7)))[1]
+        assert observer.call(compnode, "ping", {"nonce": "n1"})["nonce"] == "n1"
+        assert swarm.broker.peer_id == observer.broker_status()["broker"]["peer_id"]
+        assert all(d.proc.poll() is None for d in (swarm.broker, *swarm.compnodes))
+
+
+@pytest.mark.timeout(120)
+def test_second_sigint_forces_exit(swarm: Swarm, observer: Observer) -> None:
+    from hivemind.p2p import PeerID
+
+    with print_logs_on_failure(swarm):
+        node = swarm.add_compnode("stubborn", extra=["--shutdown-grace", "120"])
+        # an upload that stalls half-way keeps one RPC call in flight; a graceful exit waits for it
+        _, _, writer = observer.run(
+            observer.p2p.call_binary_stream_handler(PeerID.from_base58(node.peer_id), STREAM_PROTOCOL)
+        )
+        writer.write(frame_header(1000) + b"x" * 10)
+        observer.run(writer.drain())
+        node.send(signal.SIGINT)
+        wait_until(
+            lambda: "in-flight RPC call" in node.log_text(), 20, "the graceful exit to wait for the call"
+        )
+        assert node.proc.poll() is None
+        node.send(signal.SIGINT)
+        start = time.monotonic()
+        assert node.wait_exit(timeout=15) == 130
+        assert time.monotonic() - start < 15
+        assert "forcing exit" in node.log_text() and "Traceback" not in node.log_text()
+        writer.close()
+        assert_left_nothing(node)
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_is_survived_and_leaves_no_orphans(swarm: Swarm, observer: Observer) -> None:
+    with print_logs_on_failure(swarm):
+        victim = swarm.add_compnode("victim", role="antnode")
+        wait_until(
+            lambda: broker_view(observer).get(victim.peer_id, {}).get("rtt_ms") is not None,
+            3 * REFRESH + 5,
+            "the broker to ping the victim",
+        )
+        victim.send(signal.SIGKILL)
+        victim.proc.wait(timeout=10)
+        # the DHT child notices its parent is gone and shuts down, taking p2pd with it, and removes the dead
+        # daemon's p2pd client socket
+        wait_until(
+            lambda: not any(alive(p) for p in victim.family), 20, "the victim's DHT child and p2pd to exit"
+        )
+        assert any("p2pclient" in path for path in victim.sockets), victim.sockets
+        assert not [path for path in victim.sockets if os.path.exists(path)], victim.sockets
+        wait_until(
+            lambda: broker_view(observer)[victim.peer_id]["state"] in ("UNREACHABLE", "OFFLINE"),
+            HEARTBEAT_TIMEOUT + 3.0,
+            "the broker to notice the killed compnode",
+        )
+        assert swarm.broker.proc.poll() is None
+        assert {
+            c["state"] for p, c in broker_view(observer).items() if p in {d.peer_id for d in swarm.compnodes}
+        } == {"ONLINE"}
+
+
+@pytest.mark.timeout(120)
+def test_graceful_stop_leaves_nothing_behind(swarm: Swarm, observer: Observer) -> None:
+    with print_logs_on_failure(swarm):
+        running = [d for d in swarm.daemons if d.proc.poll() is None]
+        assert {d.name for d in running} == {"broker", "compnode0", "compnode1"}
+        codes = swarm.stop_all()
+        for daemon in running:
+            assert codes[daemon.name] == 0, daemon.name
+            assert_left_nothing(daemon)
+            assert not daemon.address_file.exists(), f"{daemon.name} left its address file"
+        broker_log = swarm.broker.log_text()
+        assert "broker stopped" in broker_log and Path(swarm.broker.state_dir, "broker.sqlite3").exists()

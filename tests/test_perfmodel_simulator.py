@@ -1,0 +1,106 @@
+"""The schedule simulator against hand-computed GPipe and 1F1B timelines and against eq. (4)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fusionnet.errors import PlanError
+from fusionnet.perfmodel.simulator import Hop, StageTimes, simulate, stage_program
+from fusionnet.perfmodel.timing import pipelined_eq4
+
+
+def timeline(result):
+    return {(e.stage, e.kind, e.microbatch): (e.start, e.end) for e in result.events}
+
+
+def test_gpipe_two_stages_two_microbatches_by_hand():
+    # stage 0: F=1, B=2, U=0.5; stage 1: F=2, B=3, U=0.25; link: 0.5 forward, 1 backward
+    stages = [StageTimes(1, 2, 0.5), StageTimes(2, 3, 0.25)]
+    r = simulate(stages, [Hop(0, 1, 0.5, 1.0)], 2, schedule="gpipe", task="train", record=True)
+    t = timeline(r)
+    assert t[(0, "F", 0)] == (0, 1) and t[(0, "F", 1)] == (1, 2)
+    assert t[(1, "F", 0)] == (1.5, 3.5)  # arrives at 1.5
+    assert t[(1, "F", 1)] == (3.5, 5.5)  # arrived at 2.5, stage busy until 3.5
+    assert t[(1, "B", 1)] == (5.5, 8.5)  # GPipe: backwards in reverse micro-batch order
+    assert t[(1, "B", 0)] == (8.5, 11.5)
+    assert t[(0, "B", 1)] == (9.5, 11.5)  # gradient arrives 8.5 + 1
+    assert t[(0, "B", 0)] == (12.5, 14.5)  # arrives 11.5 + 1
+    assert t[(1, "U", -1)] == (11.5, 11.75)
+    assert t[(0, "U", -1)] == (14.5, 15.0)
+    assert r.step_seconds == pytest.approx(15.0)
+    assert r.peak_inflight == (2, 2)
+    assert r.stage_busy == pytest.approx((2 + 4 + 0.5, 4 + 6 + 0.25))
+
+
+def test_1f1b_two_stages_three_microbatches_by_hand():
+    stages = [StageTimes(1, 1), StageTimes(1, 1)]
+    r = simulate(stages, [Hop(0, 1, 0.0, 0.0)], 3, schedule="1f1b", task="grad", record=True)
+    t = timeline(r)
+    assert stage_program("1f1b", "grad", 0, 2, 3) == [
+        ("F", 0),
+        ("F", 1),
+        ("B", 0),
+        ("F", 2),
+        ("B", 1),
+        ("B", 2),
+    ]
+    assert stage_program("1f1b", "grad", 1, 2, 3) == [
+        ("F", 0),
+        ("B", 0),
+        ("F", 1),
+        ("B", 1),
+        ("F", 2),
+        ("B", 2),
+    ]
+    assert t[(1, "F", 0)] == (1, 2) and t[(1, "B", 0)] == (2, 3)
+    assert t[(0, "B", 0)] == (3, 4)  # stage 0 did F0, F1, waits for B0's gradient
+    assert t[(0, "F", 2)] == (4, 5) and t[(1, "F", 1)] == (3, 4)
+    assert r.step_seconds == pytest.approx(8.0)
+    assert r.peak_inflight == (2, 1)  # 1F1B: stage k holds at most S - k micro-batches
+
+
+def test_infer_chain_matches_eq4_exactly():
+    rng = random.Random(3)
+    for _ in range(20):
+        n = rng.randint(1, 6)
+        compute = [rng.uniform(0.1, 2.0) for _ in range(n)]
+        comm = [0.0] + [rng.uniform(0.0, 3.0) for _ in range(n - 1)]
+        m = rng.randint(1, 30)
+        hops = [Hop(i, i + 1, comm[i + 1]) for i in range(n - 1)]
+        r = simulate([StageTimes(c, 0.0) for c in compute], hops, m, task="infer")
+        assert r.step_seconds == pytest.approx(pipelined_eq4(compute, comm, m), rel=1e-12)
+        assert r.peak_inflight == (1,) * n
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_random_stage_dags_complete_and_respect_lower_bounds(schedule):
+    rng = random.Random(11)
+    for _ in range(30):
+        n = rng.randint(2, 6)
+        stages = [StageTimes(rng.uniform(0.1, 1), rng.uniform(0.1, 2), rng.uniform(0, 0.3)) for _ in range(n)]
+        pairs = {(i, i + 1) for i in range(n - 1)} | {
+            tuple(sorted(rng.sample(range(n), 2))) for _ in range(rng.randint(0, 3))
+        }
+        hops = [Hop(a, b, rng.uniform(0, 0.5), rng.uniform(0, 0.5)) for a, b in sorted(pairs)]
+        m = rng.randint(1, 6)
+        r = simulate(stages, hops, m, schedule=schedule, task="train")
+        for i, s in enumerate(stages):
+            assert r.stage_busy[i] == pytest.approx(m * (s.fp + s.bp) + s.update)
+            assert r.step_seconds >= r.stage_busy[i] - 1e-9
+        for h in hops:  # each directed link carries its transfers one after another
+            assert r.step_seconds >= m * max(h.fwd, h.bwd) - 1e-9
+        limit = [min(m, n - k) for k in range(n)] if schedule == "1f1b" else [m] * n
+        assert all(p <= lim for p, lim in zip(r.peak_inflight, limit))
+
+
+def test_simulator_refuses_bad_input():
+    with pytest.raises(PlanError, match="later one"):
+        simulate([StageTimes(1, 1), StageTimes(1, 1)], [Hop(1, 0, 1)], 2)
+    with pytest.raises(PlanError, match="twice"):
+        simulate([StageTimes(1, 1), StageTimes(1, 1)], [Hop(0, 1, 1), Hop(0, 1, 2)], 2)
+    with pytest.raises(PlanError, match="microbatches"):
+        simulate([StageTimes(1, 1)], [], 0)
+    with pytest.raises(PlanError, match="negative"):
+        simulate([StageTimes(-1, 1)], [], 1)

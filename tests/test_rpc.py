@@ -1,0 +1,213 @@
+"""The msgpack RPC layer over real hivemind P2P daemons (two p2pd processes on loopback, one test process).
+
+Every adversarial case (garbage, oversize, stalls, unknown methods, crashing handlers) must get an error
+response and leave the server serving: each scenario ends with a normal call that must still work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgpack
+import pytest
+from google.protobuf.wrappers_pb2 import BytesValue
+from hivemind.p2p import P2P
+
+from fusionnet.errors import PlanError, WireError
+from fusionnet.rpc import RPCClient, RPCContext, RPCError, RPCServer
+from fusionnet.rpc.protocol import (
+    STREAM_PROTOCOL,
+    UNARY_PROTOCOL,
+    decode_request,
+    decode_response,
+    encode_request,
+    frame_header,
+    parse_frame_header,
+)
+from fusionnet.rpc.streams import read_frame
+
+
+class EchoService:
+    """Handlers exercising each response path."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.calls: list[tuple[str, str]] = []
+
+    async def rpc_echo(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        self.calls.append((context.method, context.remote_peer))
+        return {"echo": payload, "from": context.remote_peer}
+
+    async def rpc_big(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        return {"blob": bytes(range(256)) * (payload["n"] // 256)}
+
+    async def rpc_plan_fails(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        raise PlanError("no feasible plan: compnode 3 lacks 2 GiB of memory")
+
+    async def rpc_crash(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        raise RuntimeError("boom")
+
+    async def rpc_bad_result(self, payload: dict[str, Any], context: RPCContext) -> Any:
+        return ["not", "a", "dict"]
+
+    async def rpc_wait(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        await self.release.wait()
+        return {}
+
+
+@contextlib.asynccontextmanager
+async def pair(**server_kwargs: Any) -> AsyncIterator[tuple[RPCServer, RPCClient, EchoService, P2P]]:
+    a = await P2P.create()
+    b = None
+    server = None
+    try:
+        b = await P2P.create(initial_peers=await a.get_visible_maddrs())
+        service = EchoService()
+        server = RPCServer(a, **server_kwargs)
+        server.add_handlers(service)
+        await server.start()
+        yield server, RPCClient(b, default_timeout=10.0), service, b
+    finally:
+        if server is not None:
+            await server.stop(grace=1.0)
+        if b is not None:
+            await b.shutdown()
+        await a.shutdown()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+# ---- pure protocol ----------------------------------------------------------------------------------
+def test_envelopes_roundtrip_and_refuse_garbage() -> None:
+    req = decode_request(encode_request("echo", {"x": [1, 2.5, b"\x00"], "y": None}))
+    assert req.method == "echo" and req.payload == {"x": [1, 2.5, b"\x00"], "y": None}
+    for garbage, needle in [
+        (b"\xc1\xff\x00", "not valid msgpack"),
+        (msgpack.packb([1, 2]), "must be a map"),
+        (msgpack.packb({"v": 99, "method": "echo", "payload": {}}), "protocol version 99"),
+        (msgpack.packb({"v": 1, "method": "../etc", "payload": {}}), "not an identifier"),
+        (msgpack.packb({"v": 1, "method": "echo", "payload": [1]}), "payload must be a map"),
+        (msgpack.packb({1: 2}), "not valid msgpack"),  # non-string map keys are refused by the decoder
+    ]:
+        with pytest.raises(WireError, match=needle):
+            decode_request(garbage)
+    with pytest.raises(WireError, match="cannot be encoded"):
+        encode_request("echo", {"x": object()})
+    with pytest.raises(WireError, match="lacks a 'result'"):
+        decode_response(msgpack.packb({"ok": True}))
+    assert parse_frame_header(frame_header(10), 10, "x") == 10
+    with pytest.raises(WireError, match="exceeds the limit of 9 bytes"):
+        parse_frame_header(frame_header(10), 9, "x")
+    with pytest.raises(WireError, match="bad magic"):
+        parse_frame_header(b"GET / HTTP/1", 9, "x")
+
+
+# ---- over p2pd --------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_calls_small_large_and_stashed_answers() -> None:
+    async def scenario() -> None:
+        async with pair() as (server, client, service, b):
+            peer = server.p2p.peer_id.to_base58()
+            out = await client.call(peer, "echo", {"a": 1})
+            assert out == {"echo": {"a": 1}, "from": b.peer_id.to_base58()}
+            assert service.calls == [("echo", b.peer_id.to_base58())]
+            blob = bytes(range(256)) * (3 * 4096)  # 3 MiB: over the unary limit -> chunked stream
+            assert (await client.call(peer, "echo", {"blob": blob}))["echo"]["blob"] == blob
+            # a small request whose answer is too big for a unary reply: stashed, then fetched over a stream
+            big = await client.call(peer, "big", {"n": 5 * 1024 * 1024})
+            assert big["blob"] == bytes(range(256)) * (5 * 1024 * 1024 // 256)
+            assert server._stash == {}
+
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_handler_errors_and_unknown_methods() -> None:
+    async def scenario() -> None:
+        async with pair() as (server, client, _, _b):
+            peer = server.p2p.peer_id.to_base58()
+            with pytest.raises(PlanError, match=r"^no feasible plan: compnode 3 lacks 2 GiB of memory$"):
+                await client.call(peer, "plan_fails", {})
+            with pytest.raises(RPCError, match="RuntimeError: boom") as info:
+                await client.call(peer, "crash", {})
+            assert info.value.kind == "RuntimeError" and info.value.method == "crash"
+            with pytest.raises(RPCError, match="not a dict"):
+                await client.call(peer, "bad_result", {})
+            with pytest.raises(
+                WireError, match=r"unknown rpc method 'nope'.*this peer serves: bad_result, big"
+            ):
+                await client.call(peer, "nope", {})
+            with pytest.raises(WireError, match="not an identifier"):
+                await client.call(peer, "no-such-name", {})
+            with pytest.raises(WireError, match="not valid base58"):
+                await client.call("0OIl", "echo", {})
+            assert (await client.call(peer, "echo", {"still": "alive"}))["echo"] == {"still": "alive"}
+
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_garbled_oversized_and_stalled_requests_get_errors() -> None:
+    async def raw_stream(b: P2P, peer: Any, data: bytes, close: bool = True) -> bytes:
+        _, reader, writer = await b.call_binary_stream_handler(peer, STREAM_PROTOCOL)
+        writer.write(data)
+        await writer.drain()
+        try:
+            return await read_frame(reader, 1 << 20, 10.0, "answer")
+        finally:
+            writer.close()
+
+    async def scenario() -> None:
+        async with pair(max_message_bytes=1 << 20, idle_timeout=0.5) as (server, client, _, b):
+            peer = server.p2p.peer_id
+            # unary transport, payload not msgpack
+            reply = await b.call_protobuf_handler(
+                peer, UNARY_PROTOCOL, BytesValue(value=b"\xc1garbage"), BytesValue
+            )
+            assert "not valid msgpack" in decode_response(reply.value).error[1]
+            # stream transport: bad magic, a 10 GiB header, a stalled upload, a valid frame with a bad body
+            resp = decode_response(await raw_stream(b, peer, b"HELO" + bytes(8)))
+            assert resp.error[0] == "WireError" and "bad magic" in resp.error[1]
+            resp = decode_response(await raw_stream(b, peer, frame_header(10 << 30)))
+            assert "10737418240 bytes exceeds the limit of 1048576 bytes" in resp.error[1]
+            resp = decode_response(await raw_stream(b, peer, frame_header(1000) + b"x" * 10))
+            assert "stalled after 10 of 1000 bytes" in resp.error[1]
+            resp = decode_response(await raw_stream(b, peer, frame_header(3) + msgpack.packb([1, 2])))
+            assert "must be a map" in resp.error[1]
+            # a real request over the server's limit, sent by a client that allows more
+            with pytest.raises(WireError, match="exceeds the limit of 1048576 bytes"):
+                await client.call(peer, "echo", {"blob": b"x" * (2 << 20)})
+            # the client's own limit is checked before sending anything
+            small = RPCClient(b, max_message_bytes=4096)
+            with pytest.raises(WireError, match="exceeds the limit of 4096 bytes"):
+                await small.call(peer, "echo", {"blob": b"x" * 5000})
+            assert (await client.call(peer, "echo", {"ok": True}))["echo"] == {"ok": True}
+
+    run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_timeouts_and_stop_cancels_in_flight_calls() -> None:
+    async def scenario() -> None:
+        async with pair() as (server, client, service, _b):
+            peer = server.p2p.peer_id.to_base58()
+            with pytest.raises(RPCError, match=r"no answer within 0\.3 s") as info:
+                await client.call(peer, "wait", {}, timeout=0.3)
+            assert info.value.kind == "Timeout"
+            pending = asyncio.create_task(client.call(peer, "wait", {}, timeout=10))
+            deadline = asyncio.get_running_loop().time() + 10
+            while server.in_flight == 0:  # wait until the call is being served
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+            await server.stop(grace=0.2)
+            assert server.in_flight == 0
+            with pytest.raises(RPCError):
+                await pending
+            service.release.set()
+
+    run(scenario())

@@ -1,0 +1,330 @@
+"""The direct TCP data path: delivery, ordering, and refusals that never disturb other connections or jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import Callable, Coroutine
+
+import pytest
+import torch
+import uvloop
+
+from fusionnet.errors import WireError
+from fusionnet.wire import (
+    NO_JOB,
+    DataPathClient,
+    DataPathServer,
+    PeerUnreachable,
+    TensorFrame,
+    parse_address,
+    read_frame,
+)
+from fusionnet.wire import pool as pool_module
+from tests.test_wire_support import KEY, OTHER_KEY, craft, frame, frame_bytes, reader_of, until
+
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def run(loop_name: str, coro: Coroutine) -> object:
+    with asyncio.Runner(loop_factory=LOOPS[loop_name]) as runner:
+        return runner.run(asyncio.wait_for(coro, 60))
+
+
+async def raw_send(address: tuple[str, int], data: bytes) -> bool:
+    """Writes bytes on a fresh connection; True if the server then closed it."""
+    reader, writer = await asyncio.open_connection(*address)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 10) == b""
+    finally:
+        writer.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("loop_name", sorted(LOOPS))
+def test_bad_frames_are_refused_and_counted_while_good_ones_keep_flowing(loop_name: str, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="fusionnet.wire")
+
+    async def scenario() -> None:
+        got1: list[TensorFrame] = []
+        got2: list[TensorFrame] = []
+
+        async def slow_handler(f: TensorFrame) -> None:  # awaitable handlers are awaited in order
+            await asyncio.sleep(0)
+            got2.append(f)
+
+        server = DataPathServer(peer_id="S", max_payload=1 << 20)
+        server.register_job("job1", KEY, {"A"}, got1.append)
+        server.register_job("job2", OTHER_KEY, {"A", "B"}, slow_handler)
+        addr = await server.start()
+        good, intruder, wrong_key = (DataPathClient(peer_id=p) for p in ("A", "Z", "A"))
+        sent1: list[torch.Tensor] = []
+        sent2: list[torch.Tensor] = []
+        closed: dict[str, bool] = {}
+
+        async def good_round(i: int) -> None:
+            t1, t2 = torch.full((4, 2), float(i)), torch.arange(i + 1, dtype=torch.int32)
+            await good.send(addr, frame(t1, job="job1", step=i), KEY)
+            await good.send(addr, frame(t2, job="job2", sender="A", step=i), OTHER_KEY)
+            sent1.append(t1)
+            sent2.append(t2)
+
+        async def raw(name: str, data: bytes) -> None:
+            closed[name] = await raw_send(addr, data)
+
+        attacks: list[tuple[str, str, Callable[[], Coroutine]]] = [
+            (
+                "job1",
+                "sender_not_allowed",
+                lambda: intruder.send(addr, frame(torch.ones(3), sender="Z"), KEY),
+            ),
+            ("job1", "bad_mac", lambda: wrong_key.send(addr, frame(torch.ones(3)), OTHER_KEY)),
+            ("job1", "size_mismatch", lambda: raw("mismatch", craft(b"abc", shape=[4]))),
+            (
+                "job2",
+                "oversized",
+                lambda: raw("oversized", craft(b"", job="job2", payload_len=2 << 20, shape=[2 << 20])),
+            ),
+            (
+                "job2",
+                "bad_dtype",
+                lambda: raw("dtype", craft(b"abcd", job="job2", dtype="complex64", shape=[1])),
+            ),
+            (NO_JOB, "bad_magic", lambda: raw("garbled", os.urandom(4096))),
+            (NO_JOB, "unknown_job", lambda: good.send(addr, frame(torch.ones(2), job="nojob"), KEY)),
+        ]
+        try:
+            for i, (job, reason, attack) in enumerate(attacks):
+                await good_round(i)
+                await attack()
+                await until(lambda j=job, r=reason: server.stats[j].frames_refused.get(r) == 1, what=reason)
+            await good_round(len(attacks))
+            await until(lambda: len(got1) == len(sent1) and len(got2) == len(sent2), what="good frames")
+        finally:
+            for c in (good, intruder, wrong_key):
+                await c.close()
+            await server.stop()
+
+        assert [f.step for f in got1] == list(range(len(sent1)))  # in order, none lost
+        assert all(torch.equal(f.tensor, t) for f, t in zip(got1, sent1))
+        assert all(torch.equal(f.tensor, t) for f, t in zip(got2, sent2))
+        assert server.stats["job1"].frames_refused == {
+            "sender_not_allowed": 1,
+            "bad_mac": 1,
+            "size_mismatch": 1,
+        }
+        assert server.stats["job2"].frames_refused == {"oversized": 1, "bad_dtype": 1}
+        assert server.stats[NO_JOB].frames_refused == {"bad_magic": 1, "unknown_job": 1}
+        assert server.stats["job1"].frames_accepted == len(sent1)
+        assert server.stats["job2"].bytes_accepted == sum(t.numel() * 4 for t in sent2)
+        # Streams that can no longer be trusted are closed; the raw senders saw their connection end.
+        assert closed == {"mismatch": True, "oversized": True, "dtype": True, "garbled": True}
+
+    run(loop_name, scenario())
+    messages = [r.getMessage() for r in caplog.records if r.name == "fusionnet.wire"]
+    for reason in ("sender_not_allowed", "bad_mac", "size_mismatch", "oversized", "bad_dtype", "bad_magic"):
+        assert any(reason in m and "127.0.0.1:" in m for m in messages), reason
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loop_name", sorted(LOOPS))
+def test_large_and_concurrent_frames_arrive_whole_and_in_order(loop_name: str) -> None:
+    gen = torch.Generator().manual_seed(3)
+    big = torch.randn(9 << 18, generator=gen)  # 9 MiB: threaded, chunked MAC on both ends
+    small = [torch.randn(100 + i, generator=gen) for i in range(40)]
+
+    async def scenario() -> list[TensorFrame]:
+        got: list[TensorFrame] = []
+        async with DataPathServer(peer_id="S") as server, DataPathClient(peer_id="A") as client:
+            server.register_job("job1", KEY, ["A"], got.append)
+            addr = await server.start()
+            await client.send(f"127.0.0.1:{addr[1]}", frame(big, name="big"), KEY)
+            # Concurrent sends share one connection; each frame is written whole under its lock.
+            await asyncio.gather(
+                *(client.send(addr, frame(t, name=f"c{i}"), KEY) for i, t in enumerate(small))
+            )
+            for i, t in enumerate(small):  # sequential sends keep their order
+                await client.send(addr, frame(t, name=f"s{i}", step=i), KEY)
+            await until(lambda: len(got) == 1 + 2 * len(small), what="all frames")
+            assert server.stats["job1"].frames_refused == {}
+        return got
+
+    got = run(loop_name, scenario())
+    assert got[0].name == "big" and torch.equal(got[0].tensor, big)
+    by_name = {f.name: f.tensor for f in got}
+    assert all(torch.equal(by_name[f"c{i}"], t) for i, t in enumerate(small))
+    assert [f.name for f in got[-len(small) :]] == [f"s{i}" for i in range(len(small))]
+
+
+@pytest.mark.timeout(60)
+def test_handler_errors_and_unregistered_jobs_do_not_break_the_connection() -> None:
+    async def scenario() -> None:
+        got: list[str] = []
+
+        def handler(f: TensorFrame) -> None:
+            if f.name == "boom":
+                raise RuntimeError("handler bug")
+            got.append(f.name)
+
+        async with DataPathServer(peer_id="S") as server, DataPathClient(peer_id="A") as client:
+            server.register_job("job1", KEY, {"A"}, handler)
+            server.register_job("job2", OTHER_KEY, {"A"}, lambda f: got.append(f.name))
+            addr = await server.start()
+            await client.send(addr, frame(torch.ones(1), name="boom"), KEY)
+            await client.send(addr, frame(torch.ones(1), name="after-boom"), KEY)
+            await until(lambda: got == ["after-boom"])
+            server.unregister_job("job1")
+            await client.send(addr, frame(torch.ones(1), name="late"), KEY)
+            await client.send(addr, frame(torch.ones(1), job="job2", name="other-job"), OTHER_KEY)
+            await until(lambda: got == ["after-boom", "other-job"])
+            assert server.stats["job1"].frames_refused == {"handler_error": 1, "unknown_job": 1}
+            assert len(server._sources) == 1  # the same connection carried all of it
+
+    run("asyncio", scenario())
+
+
+@pytest.mark.timeout(60)
+def test_client_reconnects_once_after_the_server_restarts() -> None:
+    async def scenario() -> None:
+        got: list[str] = []
+        async with DataPathClient(peer_id="A") as client:
+            first = DataPathServer(peer_id="S")
+            first.register_job("job1", KEY, {"A"}, lambda f: got.append(f.name))
+            addr = await first.start()
+            await client.send(addr, frame(torch.ones(1), name="one"), KEY)
+            await until(lambda: got == ["one"])
+            await first.stop()
+            with pytest.raises(PeerUnreachable, match=str(addr[1])):
+                await client.send(addr, frame(torch.ones(1), name="lost"), KEY)
+            second = DataPathServer(peer_id="S")
+            second.register_job("job1", KEY, {"A"}, lambda f: got.append(f.name))
+            await second.start(port=addr[1])
+            try:
+                await client.send(addr, frame(torch.ones(1), name="two"), KEY)
+                await until(lambda: got == ["one", "two"])
+            finally:
+                await second.stop()
+
+    run("asyncio", scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_write_that_breaks_is_retried_once_on_a_fresh_connection(monkeypatch) -> None:
+    real_write = pool_module.write_prepared
+    failures = {"left": 0}
+
+    async def flaky_write(writer, prepared, **kw):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionResetError("simulated reset")
+        await real_write(writer, prepared, **kw)
+
+    monkeypatch.setattr(pool_module, "write_prepared", flaky_write)
+
+    async def scenario() -> None:
+        got: list[str] = []
+        async with DataPathServer(peer_id="S") as server, DataPathClient(peer_id="A") as client:
+            server.register_job("job1", KEY, {"A"}, lambda f: got.append(f.name))
+            addr = await server.start()
+            await client.send(addr, frame(torch.ones(1), name="warm"), KEY)
+            failures["left"] = 1
+            await client.send(addr, frame(torch.ones(1), name="retried"), KEY)
+            await until(lambda: got == ["warm", "retried"])
+            failures["left"] = 2  # breaks on the pooled and on the fresh connection
+            with pytest.raises(PeerUnreachable, match="broke"):
+                await client.send(addr, frame(torch.ones(1), name="gone"), KEY)
+
+    run("asyncio", scenario())
+
+
+def test_client_checks_before_touching_the_network() -> None:
+    async def scenario() -> None:
+        async with DataPathClient(peer_id="A") as client:
+            with pytest.raises(WireError, match="claims sender"):
+                await client.send(("127.0.0.1", 1), frame(torch.ones(1), sender="B"), KEY)
+            with pytest.raises(WireError, match="key"):
+                await client.send(("127.0.0.1", 1), frame(torch.ones(1)), b"short")
+            with pytest.raises(PeerUnreachable):
+                await client.send(("127.0.0.1", 1), frame(torch.ones(1)), KEY)  # nothing listens on port 1
+
+    run("asyncio", scenario())
+
+
+@pytest.mark.parametrize(
+    "address, expected",
+    [("127.0.0.1:80", ("127.0.0.1", 80)), ("[::1]:9", ("::1", 9)), (("h", 5), ("h", 5))],
+)
+def test_parse_address(address, expected) -> None:
+    assert parse_address(address) == expected
+
+
+@pytest.mark.parametrize("address", ["host", "h:0", "h:70000", ":5", ("h", "5"), ("h", True), 5, "h:x"])
+def test_parse_address_refuses_bad_input(address) -> None:
+    with pytest.raises(WireError, match="address"):
+        parse_address(address)
+
+
+def test_register_job_checks_its_arguments() -> None:
+    server = DataPathServer(peer_id="S")
+    with pytest.raises(WireError, match="key"):
+        server.register_job("j", b"short", {"A"}, print)
+    with pytest.raises(WireError, match="collection"):
+        server.register_job("j", KEY, "A", print)
+    with pytest.raises(WireError, match="callable"):
+        server.register_job("j", KEY, {"A"}, None)  # type: ignore[arg-type]
+    with pytest.raises(WireError, match="reserved"):
+        server.register_job(NO_JOB, KEY, {"A"}, print)
+
+
+@pytest.mark.timeout(60)
+def test_stop_closes_every_connection_and_task() -> None:
+    async def scenario() -> None:
+        server = DataPathServer(peer_id="S")
+        addr = await server.start()
+        conns = [await asyncio.open_connection(*addr) for _ in range(3)]
+        await until(lambda: len(server._tasks) == 3, what="connections accepted")
+        await server.stop()
+        assert not server._tasks and not server._sources
+        for reader, writer in conns:
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+
+    run("asyncio", scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_close_the_event_loop_has_not_seen_yet_does_not_swallow_the_next_frame() -> None:
+    """The receiver here is a plain socket: its FIN reaches the kernel before the client's loop runs."""
+
+    async def scenario() -> None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        listener.settimeout(10)
+        addr = listener.getsockname()[:2]
+        first = frame_bytes(frame(torch.ones(3), name="first"))
+        try:
+            async with DataPathClient(peer_id="A") as client:
+                await client.send(addr, frame(torch.ones(3), name="first"), KEY)
+                conn, _ = listener.accept()
+                received = b""
+                while len(received) < len(first):
+                    received += conn.recv(1 << 16)
+                conn.close()  # a clean FIN; no await between this and the next send
+                await client.send(addr, frame(torch.arange(3.0), name="second"), KEY)
+                conn2, _ = listener.accept()  # the client saw the FIN and reconnected
+                conn2.settimeout(10)
+                data = b""
+                while chunk := conn2.recv(1 << 16):
+                    data += chunk
+                    if len(data) >= len(first):
+                        break
+                conn2.close()
+        finally:
+            listener.close()
+        f = await read_frame(await reader_of(data), lambda job: KEY, max_payload=1 << 20)
+        assert f.name == "second" and torch.equal(f.tensor, torch.arange(3.0))
+
+    run("asyncio", scenario())
