@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +124,12 @@ class DaemonProcess:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def metrics_url(self) -> str:
+        """``http://host:port`` of the metrics server (``--metrics-port``), read from the daemon's log."""
+        found = re.search(r"metrics on (http://[^/\s]+)/metrics", self.log_text())
+        assert found is not None, f"{self.name} did not log a metrics endpoint (no --metrics-port?)"
+        return found.group(1)
+
     def track(self) -> None:
         """Remembers the process tree (the DHT child and p2pd), to check later that none is left behind."""
         kids = descendants(self.pid)
@@ -179,9 +186,10 @@ class DaemonProcess:
 
 
 def start_daemon(
-    kind: str, workdir: Path, name: str, args: Sequence[str] = (), log_level: str = "INFO"
+    kind: str, workdir: Path, name: str, args: Sequence[str] = (), log_level: str | None = None
 ) -> DaemonProcess:
     """Starts ``fusionnet <kind>`` (not waiting for readiness: start several, then ``wait_ready`` each)."""
+    log_level = log_level or os.environ.get("FUSIONNET_TEST_LOG_LEVEL", "INFO")
     workdir.mkdir(parents=True, exist_ok=True)
     state_dir, address_file, log_path = (
         workdir / f"{name}.state",
@@ -333,6 +341,21 @@ class Observer:
         with contextlib.suppress(Exception):
             self._runner.run(self._observer.__aexit__(None, None, None))
         self._runner.close()
+
+
+def scrape(url: str, timeout: float = 10.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A Prometheus text endpoint as {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def run_status_cli(initial_peers: Sequence[str], timeout: float = 60.0) -> tuple[int, dict[str, Any]]:

@@ -7,9 +7,12 @@ their own extra compnodes. DHT refresh is 1 s, heartbeats every 0.5 s with a 3 s
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,13 +25,16 @@ from fusionnet.errors import WireError
 from fusionnet.rpc.protocol import STREAM_PROTOCOL, decode_response, frame_header
 from fusionnet.rpc.streams import read_frame
 from tests.swarm_utils import (
+    REPO,
     DaemonProcess,
     Observer,
     Swarm,
     alive,
+    descendants,
     print_logs_on_failure,
     run_status_cli,
     running_swarm,
+    scrape,
     wait_until,
 )
 
@@ -40,9 +46,10 @@ HEARTBEAT_TIMEOUT = 3.0
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
     workdir = tmp_path_factory.mktemp("swarm")
+    metrics = {"extra": ["--metrics-port", "0"]}
     with running_swarm(
         workdir,
-        [{}, {"role": "antnode", "backup": True}],
+        [metrics, {"role": "antnode", "backup": True, **metrics}],
         broker_kw={
             "refresh_period": REFRESH,
             "heartbeat_timeout": HEARTBEAT_TIMEOUT,
@@ -109,14 +116,76 @@ def test_status_shows_both_compnodes_online_with_hardware(swarm: Swarm, observer
             assert row["load"] == 0.0 and row["known_to_broker"] and row["in_dht"]
         assert doc["jobs"] == []
         assert {r["peer_id"] for r in doc["dht_compnodes"]} >= {supernode, antnode}
-        # the broker's Prometheus endpoint counts them too
-        port = re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", swarm.broker.log_text())
-        assert port is not None, "the broker did not log its metrics port"
-        metrics = (
-            urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10).read().decode()
-        )
-        assert 'fusionnet_compnodes{state="ONLINE"} 2.0' in metrics
-        assert f'peer_id="{swarm.broker.peer_id}"' in metrics
+
+        # the broker's Prometheus endpoint counts them too, and lists them for service discovery
+        broker_url = swarm.broker.metrics_url()
+        m = scrape(f"{broker_url}/metrics")
+        for role in ("supernode", "antnode"):
+            assert m[("fusionnet_swarm_compnodes", (("role", role), ("state", "online")))] == 1
+        assert m[("fusionnet_backup_pool_compnodes", ())] == 1
+        assert m[("fusionnet_heartbeat_rtt_seconds_count", ())] > 0
+        assert m[("fusionnet_node_info", (("peer_id", swarm.broker.peer_id),))] == 1
+        assert m[("fusionnet_jobs", (("state", "running"),))] == 0
+        with urllib.request.urlopen(f"{broker_url}/sd/compnodes", timeout=10) as response:
+            sd = {g["labels"]["peer"]: g for g in json.load(response)}
+        assert set(sd) == {supernode, antnode}
+        assert (sd[antnode]["labels"]["role"], sd[antnode]["labels"]["backup"]) == ("antnode", "true")
+        for daemon in swarm.compnodes:  # each target is that compnode's own endpoint
+            [target] = sd[daemon.peer_id]["targets"]
+            assert (
+                f"http://{target}"
+                == daemon.metrics_url()
+                == f"http://{rows[daemon.peer_id]['metrics_address']}"
+            )
+            c = scrape(f"http://{target}/metrics")
+            assert c[("fusionnet_compnode_state", (("state", "online"),))] == 1
+            assert c[("fusionnet_node_info", (("peer_id", daemon.peer_id),))] == 1
+            hw = rows[daemon.peer_id]["hardware"]
+            assert c[("fusionnet_compnode_speed_factor", ())] == pytest.approx(hw["speed_factor"])
+            assert c[("fusionnet_compnode_peak_flops", ())] == pytest.approx(hw["peak_flops"])
+
+
+@pytest.mark.timeout(120)
+def test_status_watch_redraws_until_ctrl_c(swarm: Swarm, tmp_path: Path) -> None:
+    with print_logs_on_failure(swarm):
+        out_path = tmp_path / "watch.out"
+        with open(out_path, "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fusionnet.cli.main", "status", "--watch", "--interval", "0.5",
+                 "--initial-peers", *swarm.initial_peers],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
+                env=dict(os.environ, HIVEMIND_LOGLEVEL="WARNING"), start_new_session=True,
+            )  # fmt: skip
+        family: set[int] = set()
+        try:
+            peers = [c.peer_id for c in swarm.compnodes]
+
+            def frames() -> int:
+                family.update(descendants(proc.pid))
+                if proc.poll() is not None:
+                    raise AssertionError(
+                        f"status --watch exited with {proc.returncode}:\n{out_path.read_text()}"
+                    )
+                text = out_path.read_text(errors="replace")
+                blocks = [b for b in text.split("fusionnet status  ")[1:] if all(p[-8:] in b for p in peers)]
+                return len(blocks)
+
+            wait_until(lambda: frames() >= 3, 60, "three refreshes of status --watch listing both compnodes")
+            text = out_path.read_text()
+            assert "every 0.5 s" in text and "\x1b" not in text  # into a file: appended blocks, no escapes
+            assert "compnodes: " in text and "ONLINE" in text
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground process group
+            assert proc.wait(timeout=30) == 0, out_path.read_text()
+            assert "Traceback" not in out_path.read_text()
+            wait_until(lambda: not any(alive(p) for p in family), 15, "status --watch's DHT child to exit")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            for pid in family:
+                with contextlib.suppress(ProcessLookupError):
+                    if alive(pid):
+                        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(120)

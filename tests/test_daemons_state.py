@@ -4,6 +4,8 @@ configuration checks, state dir lock, address file, profile cache, and ``Daemon.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import sqlite3
 import time
 from pathlib import Path
@@ -12,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from fusionnet.broker.daemon import BrokerConfig
+from fusionnet.broker.daemon import BrokerConfig, BrokerDaemon
 from fusionnet.broker.registry import CompnodeRegistry, RegistryEvent
 from fusionnet.broker.store import SCHEMA_VERSION, BrokerStore, CompnodeRow, JobState
-from fusionnet.cli.cmd_status import format_tables, merge_status
-from fusionnet.compnode.daemon import CompnodeConfig
+from fusionnet.cli.cmd_status import CLEAR_BELOW, CLEAR_HOME, format_tables, merge_status, render_frame
+from fusionnet.compnode.daemon import CompnodeConfig, _maddr_host
 from fusionnet.daemon.base import Daemon
 from fusionnet.daemon.config import DaemonConfig
 from fusionnet.daemon.files import StateDir, read_address_file, write_address_file
@@ -24,6 +26,7 @@ from fusionnet.dht.announce import Found
 from fusionnet.dht.node import DHTConfig
 from fusionnet.dht.records import CompnodeRecord, HardwareInfo, NodeState, Role
 from fusionnet.errors import JobError
+from fusionnet.metrics import BrokerMetrics
 from fusionnet.rpc.server import RPCContext
 
 PEERS = [f"Qm{c * 44}" for c in "ABCD"]
@@ -42,6 +45,8 @@ def test_store_jobs_events_and_compnodes(tmp_path: Path) -> None:
     store.update_job("j1", step=3, loss=0.5)
     store.add_job_event("j1", "assigned", {"compnode": PEERS[1]})
     store.update_job("j1", state="FAILED", error="compnode lost")
+    store.create_job("j2", "other")
+    assert store.count_jobs_by_state() == {"FAILED": 1, "QUEUED": 1}
     with pytest.raises(JobError, match="already FAILED"):
         store.update_job("j1", state=JobState.RUNNING)
     with pytest.raises(JobError, match="no job with id 'nope'"):
@@ -58,7 +63,7 @@ def test_store_jobs_events_and_compnodes(tmp_path: Path) -> None:
     store.close()
 
     reopened = BrokerStore(tmp_path / "b.sqlite3")  # data and version survive a restart
-    [job] = reopened.list_jobs()
+    job = reopened.get_job("j1")
     assert (job["state"], job["step"], job["loss"], job["error"]) == ("FAILED", 3, 0.5, "compnode lost")
     [node] = reopened.list_compnodes()
     assert (node.state, node.first_seen, node.last_seen, node.hardware) == (
@@ -141,6 +146,74 @@ def test_registry_marks_silent_compnodes_unreachable_exactly_after_the_timeout()
     assert reg.check_timeouts(now=200) == []  # reported once
 
 
+# ---- broker metrics and service discovery --------------------------------------------------------------
+def test_broker_metrics_and_scrape_targets_follow_registry_and_store(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sd_file = tmp_path / "compnodes.json"
+    broker = BrokerDaemon(BrokerConfig(heartbeat_period=1, heartbeat_timeout=3, sd_file=sd_file))
+    assert isinstance(broker.metrics, BrokerMetrics)
+
+    def with_metrics(item: Found, address: str | None) -> Found:
+        return Found(item.record.model_copy(update={"metrics_address": address}), item.expires_at, item.owner)
+
+    broker.registry.update_records(
+        [
+            with_metrics(found(PEERS[0], NodeState.ONLINE, 1), "127.0.0.1:9701"),
+            with_metrics(found(PEERS[1], NodeState.ONLINE, 1, Role.ANTNODE, True), "compnode-1:9700"),
+            with_metrics(found(PEERS[2], NodeState.ONLINE, 1, backup=True), "0.0.0.0:9702"),
+            with_metrics(found(PEERS[3], NodeState.OFFLINE, 1), "127.0.0.1:9703"),
+        ],
+        now=10,
+    )
+    broker.registry.record_pong(PEERS[0], 0.01, now=12)
+    broker.registry.record_pong(PEERS[2], 0.01, now=12)
+    broker.registry.check_timeouts(now=14)  # PEERS[1] never answered
+    broker._update_swarm_metrics()
+    sample = broker.metrics.registry.get_sample_value
+    swarm = "fusionnet_swarm_compnodes"
+    assert sample(swarm, {"role": "supernode", "state": "online"}) == 2
+    assert sample(swarm, {"role": "antnode", "state": "unreachable"}) == 1
+    assert sample(swarm, {"role": "supernode", "state": "offline"}) == 1
+    assert sample(swarm, {"role": "antnode", "state": "online"}) == 0
+    assert sample("fusionnet_backup_pool_compnodes") == 1  # PEERS[2]; PEERS[1] is not answering
+
+    with caplog.at_level(logging.WARNING, logger="fusionnet.broker"):
+        asyncio.run(broker._update_scrape_targets())
+        asyncio.run(broker._update_scrape_targets())
+    # unreachable stays a target (up == 0 shows it); OFFLINE, no address and bind-all do not
+    expected = [
+        ("127.0.0.1", 9701, "supernode", False, PEERS[0]),
+        ("compnode-1", 9700, "antnode", True, PEERS[1]),
+    ]
+    assert [tuple(t) for t in broker.metrics_sd_source()()] == expected
+    doc = json.loads(sd_file.read_text())
+    assert [g["targets"] for g in doc] == [["127.0.0.1:9701"], ["compnode-1:9700"]]
+    assert doc[1]["labels"] == {"role": "antnode", "backup": "true", "peer": PEERS[1]}
+    assert len([r for r in caplog.records if "bind-all" in r.getMessage()]) == 1  # once, not per refresh
+
+    broker.store = BrokerStore(tmp_path / "b.sqlite3")
+    try:
+        for job_id, state in (("j1", None), ("j2", JobState.RUNNING), ("j3", JobState.FAILED)):
+            broker.store.create_job(job_id, "x")
+            if state is not None:
+                broker.store.update_job(job_id, state=state)
+        broker.refresh_job_metrics()
+        jobs = {
+            s: sample("fusionnet_jobs", {"state": s}) for s in ("queued", "running", "failed", "succeeded")
+        }
+        assert jobs == {"queued": 1, "running": 1, "failed": 1, "succeeded": 0}
+    finally:
+        broker.store.close()
+
+
+def test_compnode_metrics_host_from_multiaddrs() -> None:
+    assert _maddr_host(["/ip4/127.0.0.1/tcp/1/p2p/x", "/ip4/10.0.0.5/tcp/1/p2p/x"]) == "10.0.0.5"
+    assert _maddr_host(["/dns4/compnode-1/tcp/31337"]) == "compnode-1"
+    assert _maddr_host(["/ip4/0.0.0.0/tcp/1", "/ip4/127.0.0.1/tcp/1"]) == "127.0.0.1"
+    assert _maddr_host(["/ip6/::/tcp/1"]) is None and _maddr_host([]) is None
+
+
 # ---- status ---------------------------------------------------------------------------------------------
 def test_status_merge_prefers_the_broker_unless_the_node_said_goodbye() -> None:
     records = [
@@ -189,6 +262,19 @@ def test_status_merge_prefers_the_broker_unless_the_node_said_goodbye() -> None:
     )
 
 
+def test_status_watch_frames() -> None:
+    doc = {
+        "broker": {"peer_id": "QmB", "uptime": 5, "version": "0"},
+        "compnodes": [{"peer_id": PEERS[0], "role": "supernode", "backup": False, "state": "ONLINE"}],
+        "jobs": [{"job_id": "j1", "name": "n", "state": "RUNNING", "step": 1}],
+    }
+    tty = render_frame(doc, None, interval=2, tty=True)
+    assert tty.startswith(CLEAR_HOME) and tty.endswith(CLEAR_BELOW)  # redrawn in place, leftovers cleared
+    assert "every 2 s" in tty and "compnodes: 1 online; jobs running: 1" in tty and PEERS[0][:4] in tty
+    piped = render_frame(None, "TimeoutError: slow", interval=0.5, tty=False)
+    assert "\x1b" not in piped and "refresh failed: TimeoutError: slow" in piped and piped.endswith("\n\n")
+
+
 # ---- configuration and files ----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "make, needle",
@@ -200,6 +286,9 @@ def test_status_merge_prefers_the_broker_unless_the_node_said_goodbye() -> None:
         (lambda: BrokerConfig(heartbeat_period=5, heartbeat_timeout=5), "must exceed --heartbeat-period"),
         (lambda: CompnodeConfig(threads=0), "--threads"),
         (lambda: CompnodeConfig(role="queen"), "queen"),
+        (lambda: CompnodeConfig(metrics_announce_host="0.0.0.0"), "--metrics-announce-host"),
+        (lambda: CompnodeConfig(metrics_announce_host="a b"), "--metrics-announce-host"),
+        (lambda: BrokerConfig(sd_file=Path("/nonexistent-dir/sd.json")), "--sd-file"),
     ],
 )
 def test_config_errors_name_the_flag(make: Any, needle: str) -> None:

@@ -190,6 +190,28 @@ def test_dashboard_layout() -> None:
     assert doc["templating"]["list"][0]["query"] == "prometheus"
 
 
+def metric_label_names(registry: object) -> set[str]:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = generate_latest(registry).decode()
+    return {k for f in text_string_to_metric_families(text) for s in f.samples for k in s.labels}
+
+
+def test_target_labels_do_not_clash_with_metric_labels() -> None:
+    """A scraped label named like a target label is renamed exported_<name> by Prometheus, which breaks
+    every query on it: the SD labels of compnodes and the broker's static labels must stay clear."""
+    broker, compnode = (registry for _, registry in populated_registries())
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    jobs = {c["job_name"]: c for c in config["scrape_configs"]}
+    broker_target_labels = {"job", "instance"} | {
+        k for static in jobs["fusionnet-broker"]["static_configs"] for k in static.get("labels", {})
+    }
+    assert not metric_label_names(broker) & broker_target_labels
+    sd_labels = {"job", "instance", "role", "backup", "peer"}  # fusionnet.metrics.sd
+    assert not metric_label_names(compnode) & sd_labels
+
+
 def test_scrape_jobs_match_rules_and_dashboard() -> None:
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     jobs = {c["job_name"] for c in config["scrape_configs"]}

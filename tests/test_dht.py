@@ -64,6 +64,14 @@ def test_records_roundtrip_ignore_unknown_fields_and_refuse_bad_values() -> None
     ]:
         with pytest.raises(WireError, match=needle):
             decode_record(CompnodeRecord, msgpack.packb(bad), "x")
+    # metrics_address: optional (older records lack it) and lenient (a malformed one reads as None).
+    with_metrics = record.model_copy(update={"metrics_address": "[::1]:9701"})
+    assert decode_record(CompnodeRecord, encode_record(with_metrics), "x").metrics_address == "[::1]:9701"
+    assert "metrics_address" in newer and newer["metrics_address"] is None
+    older = {k: v for k, v in newer.items() if k != "metrics_address"}
+    assert decode_record(CompnodeRecord, msgpack.packb(older), "x") == record
+    for odd in ("compnode-1", "host:99999", 9701, ["a"], "a b:1"):
+        assert decode_record(CompnodeRecord, msgpack.packb(newer | {"metrics_address": odd}), "x") == record
     with pytest.raises(WireError, match="not valid msgpack"):
         decode_record(CompnodeRecord, b"\xc1", "x")
     with pytest.raises(WireError, match="expected msgpack bytes"):

@@ -139,8 +139,11 @@ def test_compnode_metrics_count_what_happens() -> None:
     for seconds in (0.002, 0.003):
         c.observe_compute("forward", seconds)
     c.observe_compute("BACKWARD", 0.01)
-    assert value(r, "fusionnet_compute_duration_seconds_count", phase="forward") == 2
-    assert value(r, "fusionnet_compute_duration_seconds_sum", phase="forward") == pytest.approx(0.005)
+    c.observe_compute("fp", 0.001)  # the paper's FP / BP names are accepted
+    c.observe_compute("bp", 0.02)
+    assert value(r, "fusionnet_compute_duration_seconds_count", phase="forward") == 3
+    assert value(r, "fusionnet_compute_duration_seconds_count", phase="backward") == 2
+    assert value(r, "fusionnet_compute_duration_seconds_sum", phase="forward") == pytest.approx(0.006)
     assert value(r, "fusionnet_compute_duration_seconds_count", phase="update") == 0
     c.count_data("tcp", "sent", 1000, frames=2)
     c.count_data("p2p", "received", 24)
@@ -160,7 +163,7 @@ def test_compnode_metrics_count_what_happens() -> None:
 def test_build_and_node_info() -> None:
     m = BrokerMetrics(process=False)
     build = [k for k in samples(m.registry) if k[0] == "fusionnet_build_info"]
-    assert len(build) == 1 and ("role", "broker") in build[0][1]
+    assert len(build) == 1 and ("daemon", "broker") in build[0][1]
     m.set_peer(PEER_A, started_at=123.0)
     m.set_peer(PEER_B, started_at=124.0)  # a restarted identity replaces, never adds, a series
     assert [k[1] for k in samples(m.registry) if k[0] == "fusionnet_node_info"] == [(("peer_id", PEER_B),)]

@@ -1,14 +1,18 @@
 """A real Prometheus server scraping FusionNet metrics endpoints on 127.0.0.1.
 
-Prometheus runs with a configuration generated from deploy/prometheus.yml (1 s intervals, targets
-rewritten to loopback, the deploy alert rules loaded) and is queried through its HTTP API with
-deadline-polling loops. Two tests:
+Prometheus runs with a configuration generated from deploy/prometheus.yml (1 s intervals, the broker
+target and its http_sd URL rewritten to loopback, the deploy alert rules loaded) and is queried through
+its HTTP API with deadline-polling loops. Two tests:
 
 - ``test_http_sd_discovers_compnodes``: metrics servers of this package in the test process (one broker
   registry serving http_sd, compnode registries); a compnode that joins mid-way is discovered through
   the broker's ``/sd/compnodes``, one that leaves is dropped; scraped values equal the values set.
-- ``test_real_swarm_is_scraped``: the real broker and compnode daemons (tests/swarm_utils.py), compnodes
-  found through file_sd, one joining mid-way; asserts the daemons' series through Prometheus.
+- ``test_real_swarm_is_scraped``: the real broker and compnode daemons (tests/swarm_utils.py). Compnodes
+  announce their metrics endpoints in the DHT and Prometheus finds them exactly as deploy/prometheus.yml
+  says, through the broker's http_sd (the broker's ``--sd-file`` is checked too): one joins mid-way,
+  one leaves; the daemons' series are asserted through Prometheus with plausible values. Job series
+  (steps, loss) come in through ``submit_job_for_metrics`` / ``assert_job_series`` once job submission
+  is part of the swarm tests.
 
 Skipped only when prometheus is missing and FUSIONNET_REQUIRE_PROMETHEUS is unset.
 """
@@ -17,11 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -36,11 +42,19 @@ from fusionnet.metrics import (
     SD_PATH,
     BrokerMetrics,
     CompnodeMetrics,
+    referenced_metrics,
     start_metrics_server,
     stop_metrics_server,
-    write_file_sd,
 )
-from tests.swarm_utils import REPO, running_swarm, wait_until
+from fusionnet.metrics.common import JOB_STATES
+from tests.swarm_utils import (
+    REPO,
+    DaemonProcess,
+    Swarm,
+    running_swarm,
+    wait_until,
+)
+from tests.test_deploy import alert_rules, dashboard_exprs
 
 DEPLOY = REPO / "deploy"
 PEERS = [f"12D3KooW{c * 44}" for c in "ABC"]
@@ -63,17 +77,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def live_config(broker_target: str, compnode_sd: dict[str, Any]) -> dict[str, Any]:
-    """deploy/prometheus.yml on loopback with 1 s intervals; compnode SD replaced by ``compnode_sd``."""
+def live_config(broker_target: str) -> dict[str, Any]:
+    """deploy/prometheus.yml on loopback with 1 s intervals; compnodes are discovered as deploy says, through
+    the broker's http_sd, whose URL moves to ``broker_target`` with the broker's scrape target."""
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
     config["rule_files"] = [str(DEPLOY / f) for f in config["rule_files"]]
     jobs = {c["job_name"]: c for c in config["scrape_configs"]}
-    jobs["fusionnet-broker"]["static_configs"][0]["targets"] = [broker_target]
+    [broker_static] = jobs["fusionnet-broker"]["static_configs"]
+    [deploy_broker] = broker_static["targets"]
+    broker_static["targets"] = [broker_target]
     compnodes = jobs["fusionnet-compnodes"]
     assert "http_sd_configs" in compnodes, "deploy/prometheus.yml discovers compnodes through the broker"
-    del compnodes["http_sd_configs"]
-    compnodes.update(compnode_sd)
+    [sd] = compnodes["http_sd_configs"]
+    url = urllib.parse.urlsplit(sd["url"])
+    # deploy asks the broker it scrapes, at the path the broker serves: only the address changes here
+    assert (url.netloc, url.path) == (deploy_broker, SD_PATH), sd["url"]
+    sd.update(url=url._replace(netloc=broker_target).geturl(), refresh_interval="1s")
     return config
 
 
@@ -198,12 +218,9 @@ def test_http_sd_discovers_compnodes(tmp_path: Path) -> None:
     try:
         join(PEERS[0], 0.5)
         join(PEERS[1], 0.25)
-        sd = {
-            "http_sd_configs": [
-                {"url": f"http://127.0.0.1:{broker_endpoint.port}{SD_PATH}", "refresh_interval": "1s"}
-            ]
-        }
-        config = live_config(f"127.0.0.1:{broker_endpoint.port}", sd)
+        config = live_config(f"127.0.0.1:{broker_endpoint.port}")
+        [sd] = config["scrape_configs"][1]["http_sd_configs"]
+        assert sd["url"] == f"http://127.0.0.1:{broker_endpoint.port}{SD_PATH}"
         with running_prometheus(tmp_path / "prom", config) as prom:
             prom.wait_for(
                 'up{job="fusionnet-broker"} == 1', lambda r: len(r) == 1, "the broker to be scraped"
@@ -253,55 +270,138 @@ def test_http_sd_discovers_compnodes(tmp_path: Path) -> None:
 
 
 # ---- the real daemons ------------------------------------------------------------------------------------
-def sd_entry(daemon: Any, port: int, role: str, backup: bool) -> tuple[str, int, str, bool, str]:
-    return ("127.0.0.1", port, role, backup, daemon.peer_id)
+def exposed_families(text: str) -> set[str]:
+    """Sample names a scrape of this exposition can hold, from its TYPE lines (families without series
+    yet, e.g. per-job gauges before any job, count as defined)."""
+    names = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(maxsplit=3)
+            names.update(
+                [f"{name}_bucket", f"{name}_sum", f"{name}_count"] if kind == "histogram" else [name]
+            )
+    return names
+
+
+def check_real_expositions(urls: list[str]) -> None:
+    """The daemons' own /metrics (not a test registry) pass ``promtool check metrics`` and together define
+    every metric the alert rules and the dashboard query."""
+    promtool = shutil.which("promtool")
+    exposed: set[str] = set()
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        exposed |= exposed_families(text)
+        if promtool is not None:
+            out = subprocess.run(
+                [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+            )
+            assert out.returncode == 0 and not (out.stdout + out.stderr).strip(), (
+                f"{url}: {out.stdout}{out.stderr}"
+            )
+    used = referenced_metrics([r["expr"] for r in alert_rules()] + dashboard_exprs())
+    assert used and not used - exposed, f"queried but not exported by the daemons: {sorted(used - exposed)}"
+
+
+def record_finished_job_in_store(broker: DaemonProcess, job_id: str) -> None:
+    """Writes a finished job straight into the running broker's SQLite store (WAL: a second connection is
+    safe), to check that ``fusionnet_jobs{state}`` follows the store without submitting a job."""
+    from fusionnet.broker.store import BrokerStore, JobState
+
+    store = BrokerStore(broker.state_dir / "broker.sqlite3")
+    try:
+        store.create_job(job_id, "metrics-probe", steps=0)
+        store.update_job(job_id, state=JobState.RUNNING)
+        store.update_job(job_id, state=JobState.SUCCEEDED)
+    finally:
+        store.close()
+
+
+def submit_job_for_metrics(swarm: Swarm, workdir: Path) -> tuple[str, int] | None:
+    """JOB PART of ``test_real_swarm_is_scraped``: run a small job on ``swarm`` to completion (``fusionnet
+    submit``) and return (job id, steps completed), or None while job submission is not wired into these
+    tests; the test then checks the job series with ``assert_job_series``."""
+    return None
+
+
+def assert_job_series(prom: Prometheus, job_id: str, steps: int) -> None:
+    """What a finished job leaves in Prometheus. Per-job gauges exist only while the job runs (removed by
+    ``forget_job``), so they are looked up over the last minutes; the all-jobs counters stay."""
+    prom.wait_for(
+        "fusionnet_steps_total", lambda r: r and float(r[0]["value"][1]) >= steps, f"{steps} steps counted"
+    )
+    prom.wait_for(
+        'fusionnet_jobs{state="succeeded"}', lambda r: r and float(r[0]["value"][1]) >= 1, "a succeeded job"
+    )
+    durations = prom.query("fusionnet_step_duration_seconds_sum / fusionnet_step_duration_seconds_count")
+    assert durations and 0 < float(durations[0]["value"][1]) < 600, durations
+    step = prom.query(f'max_over_time(fusionnet_job_step{{job_id="{job_id}"}}[10m])')
+    if step:  # scraped while running (a job shorter than one scrape interval may never be)
+        assert float(step[0]["value"][1]) <= steps
+        loss = prom.query(f'last_over_time(fusionnet_job_loss{{job_id="{job_id}"}}[10m])')
+        assert loss and math.isfinite(float(loss[0]["value"][1])), loss
+    forward = prom.query('sum(fusionnet_compute_duration_seconds_count{phase="forward"})')
+    assert forward and float(forward[0]["value"][1]) >= steps, forward
+    moved = prom.query("sum(fusionnet_data_bytes_total)")
+    assert moved and float(moved[0]["value"][1]) > 0, moved
+    done = prom.query('sum(fusionnet_compnode_subtasks_total{outcome="succeeded"})')
+    assert done and float(done[0]["value"][1]) >= steps, done
+
+
+def single(result: list[dict[str, Any]]) -> float:
+    assert len(result) == 1, result
+    return float(result[0]["value"][1])
 
 
 @pytest.mark.timeout(300)
 def test_real_swarm_is_scraped(tmp_path: Path) -> None:
     prometheus_binary()
-    ports = {name: free_port() for name in ("broker", "compnode0", "compnode1", "late")}
-    specs = [
-        {"role": "supernode", "extra": ["--metrics-port", str(ports["compnode0"])]},
-        {"role": "antnode", "extra": ["--metrics-port", str(ports["compnode1"])]},
-    ]
-    broker_kw = {"extra": ["--metrics-port", str(ports["broker"])]}
+    started = time.time()
+    broker_port = free_port()
     sd_file = tmp_path / "compnodes.json"
-    write_file_sd(sd_file, [])
-    sd = {"file_sd_configs": [{"files": [str(sd_file)], "refresh_interval": "1s"}]}
+    metrics = ["--metrics-port", "0"]  # compnodes announce the port they got; discovery does the rest
+    specs = [{"role": "supernode", "extra": metrics}, {"role": "antnode", "extra": metrics}]
+    broker_kw = {"extra": ["--metrics-port", str(broker_port), "--sd-file", str(sd_file)]}
     with running_swarm(tmp_path / "swarm", specs, broker_kw=broker_kw) as swarm:
-        entries = [
-            sd_entry(swarm.compnodes[0], ports["compnode0"], "supernode", False),
-            sd_entry(swarm.compnodes[1], ports["compnode1"], "antnode", False),
-        ]
-        write_file_sd(sd_file, entries)
-        config = live_config(f"127.0.0.1:{ports['broker']}", sd)
-        with running_prometheus(tmp_path / "prom", config) as prom:
+        config = live_config(f"127.0.0.1:{broker_port}")
+        with running_prometheus(tmp_path / "prom", config) as prom:  # running_swarm prints logs on failure
             prom.wait_for(
                 'up{job="fusionnet-broker"} == 1', lambda r: len(r) == 1, "the broker to be scraped"
             )
             up = 'up{job="fusionnet-compnodes"} == 1'
-            prom.wait_for(up, lambda r: len(r) == 2, "both compnodes to be scraped")
+            first = prom.wait_for(up, lambda r: len(r) == 2, "both compnodes discovered through the broker")
+            assert {r["metric"]["peer"] for r in first} == {d.peer_id for d in swarm.compnodes}
 
-            late = swarm.add_compnode(
-                "late", role="supernode", backup=True, extra=["--metrics-port", str(ports["late"])]
-            )
-            write_file_sd(sd_file, [*entries, sd_entry(late, ports["late"], "supernode", True)])
+            # A compnode joins mid-way: nothing but its DHT record tells Prometheus about it.
+            late = swarm.add_compnode("late", role="supernode", backup=True, extra=metrics)
+            everyone = {d.peer_id for d in [*swarm.compnodes, late]}
             found = prom.wait_for(up, lambda r: len(r) == 3, "the late compnode to be discovered")
-            assert {r["metric"]["peer"] for r in found} == {d.peer_id for d in [*swarm.compnodes, late]}
+            assert {r["metric"]["peer"] for r in found} == everyone
+            labels = {r["metric"]["peer"]: r["metric"] for r in found}
+            assert (labels[late.peer_id]["role"], labels[late.peer_id]["backup"]) == ("supernode", "true")
+            assert labels[late.peer_id]["instance"] == late.peer_id  # deploy relabels instance to the peer
+            # ... and the broker's --sd-file says the same (file_sd alternative)
+            wait_until(
+                lambda: {g["labels"]["peer"] for g in json.loads(sd_file.read_text())} == everyone,
+                10,
+                "the broker's --sd-file to list all three compnodes",
+            )
 
             # The daemons export the fusionnet.metrics set (names are the contract of deploy/).
-            for role in ("broker", "compnode"):
-                prom.wait_for(
-                    f'fusionnet_build_info{{role="{role}"}}',
-                    lambda r: len(r) >= 1,
-                    f"build info of the {role}",
-                )
+            for daemon, count in (("broker", 1), ("compnode", 3)):
+                build = prom.query(f'fusionnet_build_info{{daemon="{daemon}"}}')
+                assert len(build) == count, build
+            # No scraped label collided with a target label (Prometheus would have renamed it exported_*).
+            series = prom.query('{__name__=~"fusionnet_.+"}')
+            clashes = {k for r in series for k in r["metric"] if k.startswith("exported_")}
+            assert series and not clashes, clashes
             prom.wait_for(
                 'sum(fusionnet_swarm_compnodes{state="online"})',
                 lambda r: r and float(r[0]["value"][1]) == 3,
                 "the broker to count 3 online compnodes",
             )
+            by_role = prom.query('fusionnet_swarm_compnodes{state="online"}')
+            assert values_by(by_role, "role") == {"supernode": 2.0, "antnode": 1.0}
             prom.wait_for(
                 "fusionnet_backup_pool_compnodes",
                 lambda r: r and float(r[0]["value"][1]) == 1,
@@ -312,12 +412,46 @@ def test_real_swarm_is_scraped(tmp_path: Path) -> None:
                 lambda r: len(r) == 3,
                 "every compnode online",
             )
-            assert {r["metric"]["peer"] for r in online} == {d.peer_id for d in [*swarm.compnodes, late]}
+            assert {r["metric"]["peer"] for r in online} == everyone
             speed = prom.query("fusionnet_compnode_speed_factor")
             assert len(speed) == 3 and all(0 < float(r["value"][1]) <= 10 for r in speed), speed
-            rtt = prom.wait_for(
+            peak = prom.query("fusionnet_compnode_peak_flops")
+            assert len(peak) == 3 and all(1e8 < float(r["value"][1]) < 1e16 for r in peak), peak
+            assert values_by(prom.query("fusionnet_compnode_load"), "peer") == dict.fromkeys(everyone, 0.0)
+            pings = prom.wait_for(
                 "fusionnet_heartbeat_rtt_seconds_count",
-                lambda r: r and float(r[0]["value"][1]) > 0,
+                lambda r: r and float(r[0]["value"][1]) >= 3,
                 "heartbeats",
             )
-            assert rtt[0]["metric"]["job"] == "fusionnet-broker"
+            assert pings[0]["metric"]["job"] == "fusionnet-broker"
+            mean_rtt = single(
+                prom.query("fusionnet_heartbeat_rtt_seconds_sum / fusionnet_heartbeat_rtt_seconds_count")
+            )
+            assert 0 < mean_rtt < 1.0, mean_rtt  # loopback pings: milliseconds
+            for r in prom.query("fusionnet_start_time_seconds"):
+                assert started - 1 <= float(r["value"][1]) <= time.time(), r
+            for r in prom.query("process_resident_memory_bytes"):
+                assert 10e6 < float(r["value"][1]) < 16e9, r
+            jobs = values_by(prom.query("fusionnet_jobs"), "state")
+            assert set(jobs) == set(JOB_STATES)
+            record_finished_job_in_store(swarm.broker, "probe-1")
+            prom.wait_for(
+                'fusionnet_jobs{state="succeeded"}',
+                lambda r: r and float(r[0]["value"][1]) == jobs["succeeded"] + 1,
+                "the jobs gauge to follow the broker's store",
+            )
+            check_real_expositions([d.metrics_url() for d in [swarm.broker, *swarm.compnodes, late]])
+
+            job = submit_job_for_metrics(swarm, tmp_path)
+            if job is not None:
+                assert_job_series(prom, *job)
+
+            # A graceful leave (OFFLINE) removes the target: no 'up == 0' alert for a node that said goodbye.
+            late.stop()
+            prom.wait_for(
+                'count(up{job="fusionnet-compnodes"})',
+                lambda r: r and float(r[0]["value"][1]) == 2,
+                "the departed compnode's target to go away",
+            )
+            rules = prom.get("/api/v1/rules")["data"]["groups"]
+            assert all(r["health"] == "ok" for g in rules for r in g["rules"] if r.get("lastEvaluation"))

@@ -7,6 +7,18 @@ Job intake and orchestration plug in as a ``Service`` (see ``fusionnet.daemon.ba
 (``schedulable()``, ``add_listener()`` for failover), ``store`` (jobs and job events), ``call()`` to reach
 compnodes, ``spawn()``/``every()`` for owned background tasks. ``cmd_broker`` adds the service from
 ``fusionnet.broker.jobs.make_service(broker)`` when that module exists.
+
+Metrics (``broker.metrics``, a ``fusionnet.metrics.BrokerMetrics``): the daemon itself keeps the swarm
+gauges (compnodes by role and state, backup pool), the heartbeat RTT histogram and failure counter, and the
+jobs-by-state gauge (recounted from the store at every refresh). The job service reports the rest:
+``metrics.observe_step(job_id, step=, seconds=, samples=, loss=, predicted_seconds=, compnodes=)`` per
+step, ``metrics.forget_job(job_id)`` when a job ends, ``metrics.jobs_submitted.inc()``,
+``metrics.failovers.inc()`` and ``metrics.observe_recovery(phase, seconds)``; after changing a job's state
+in the store it may call ``refresh_job_metrics()`` rather than wait for the next refresh.
+
+Service discovery: compnodes announce ``metrics_address`` in their records; the broker serves them as
+Prometheus http_sd at ``/sd/compnodes`` on its metrics port, and rewrites ``--sd-file`` (file_sd) at
+every refresh, so compnodes that join later are scraped without touching Prometheus's configuration.
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fusionnet import __version__
@@ -23,8 +36,10 @@ from fusionnet.broker.registry import CompnodeEntry, CompnodeRegistry, RegistryE
 from fusionnet.broker.store import BrokerStore, CompnodeRow
 from fusionnet.daemon.base import Daemon
 from fusionnet.daemon.config import DaemonConfig
-from fusionnet.dht.records import BrokerRecord, CompnodeRecord, NodeState
+from fusionnet.dht.records import BrokerRecord, CompnodeRecord, NodeState, is_bind_all, split_host_port
 from fusionnet.errors import FusionNetError
+from fusionnet.metrics import BrokerMetrics, ScrapeTarget, write_file_sd
+from fusionnet.metrics.sd import TargetSource
 from fusionnet.rpc.server import RPCContext
 
 log = logging.getLogger("fusionnet.broker")
@@ -38,6 +53,7 @@ class BrokerConfig:
     heartbeat_period: float = 5.0  # seconds between ping rounds
     heartbeat_timeout: float = 15.0  # a compnode silent this long is unreachable
     ping_timeout: float | None = None  # one ping's limit; default min(heartbeat period, timeout)
+    sd_file: Path | None = None  # Prometheus file_sd target list of compnodes, rewritten at every refresh
 
     def __post_init__(self) -> None:
         if not self.heartbeat_period > 0:
@@ -49,24 +65,26 @@ class BrokerConfig:
             )
         if self.ping_timeout is None:
             self.ping_timeout = min(self.heartbeat_period, self.heartbeat_timeout)
+        if self.sd_file is not None:
+            self.sd_file = Path(self.sd_file)
+            if not self.sd_file.parent.is_dir():
+                raise ValueError(f"--sd-file {self.sd_file}: directory {self.sd_file.parent} does not exist")
 
 
 class BrokerDaemon(Daemon):
     role = "broker"
+    metrics: BrokerMetrics
 
-    def __init__(self, config: BrokerConfig):
-        super().__init__(config.common)
+    def __init__(self, config: BrokerConfig, metrics: BrokerMetrics | None = None):
+        super().__init__(config.common, metrics if metrics is not None else BrokerMetrics(process=False))
         self.settings = config
         self.registry = CompnodeRegistry(config.heartbeat_timeout)
         self.store: BrokerStore | None = None
         self.state = NodeState.JOINING
         self._maddrs: list[str] = []
-        self._compnode_gauge = self.metrics.gauge(
-            "fusionnet_compnodes", "Compnodes known, by state", ["state"]
-        )
-        self._rtt_gauge = self.metrics.gauge(
-            "fusionnet_heartbeat_rtt_seconds", "Smoothed ping RTT", ["peer_id"]
-        )
+        # Rebuilt by the event loop, read by the metrics server's thread: swapped whole, never mutated.
+        self._scrape_targets: tuple[ScrapeTarget, ...] = ()
+        self._bad_metrics_addresses: set[tuple[str, str]] = set()
         self.registry.add_listener(self._persist_event)
 
     # ---- startup / shutdown ----------------------------------------------------------------------
@@ -107,11 +125,9 @@ class BrokerDaemon(Daemon):
         now = time.time()
         self.registry.update_records(found, now)
         self._persist_all()
-        counts: dict[str, int] = {}
-        for entry in self.registry.entries():
-            counts[entry.effective_state] = counts.get(entry.effective_state, 0) + 1
-        for state in [*NodeState.__members__, "UNREACHABLE"]:
-            self._compnode_gauge.labels(state=state).set(counts.get(state, 0))
+        self._update_swarm_metrics()
+        self.refresh_job_metrics()
+        await self._update_scrape_targets()
 
     async def _heartbeat(self) -> None:
         """One ping round over every compnode that has not left; RTTs and silences go to the registry."""
@@ -119,12 +135,13 @@ class BrokerDaemon(Daemon):
         results = await asyncio.gather(*(self._ping(p) for p in peers))
         now = time.time()
         for peer_id, rtt in zip(peers, results):
+            self.metrics.observe_heartbeat(rtt)
             if rtt is None:
                 self.registry.record_failure(peer_id, now)
             else:
                 self.registry.record_pong(peer_id, rtt, now)
-                self._rtt_gauge.labels(peer_id=peer_id).set(rtt)
         self.registry.check_timeouts(now)
+        self._update_swarm_metrics()  # reachability may have changed
 
     async def _ping(self, peer_id: str) -> float | None:
         nonce = secrets.token_hex(8)
@@ -138,6 +155,51 @@ class BrokerDaemon(Daemon):
             log.warning("ping %s answered with the wrong nonce; counting it as lost", peer_id)
             return None
         return time.perf_counter() - start
+
+    # ---- metrics and service discovery ----------------------------------------------------------
+    def _update_swarm_metrics(self) -> None:
+        entries = self.registry.entries()
+        # The failover reserve: backups that take work (ONLINE, answering) and hold none now.
+        pool = sum(1 for e in entries if e.schedulable and e.record.backup and e.record.running_tasks == 0)
+        self.metrics.set_swarm(((e.record.role, e.effective_state) for e in entries), backup_pool=pool)
+
+    def refresh_job_metrics(self) -> None:
+        """Recount ``fusionnet_jobs{state}`` from the store (the source of truth, whoever changed it)."""
+        if self.store is not None:
+            self.metrics.set_jobs(self.store.count_jobs_by_state())
+
+    def metrics_sd_source(self) -> TargetSource:
+        return lambda: self._scrape_targets
+
+    def scrape_targets(self) -> list[ScrapeTarget]:
+        """Compnodes Prometheus should scrape: every one whose record is alive and names a metrics endpoint.
+        Unreachable ones stay listed (``up == 0`` is how a dead compnode shows); a graceful leave (OFFLINE)
+        or an expired record removes the target."""
+        targets = []
+        for entry in self.registry.entries():
+            record = entry.record
+            if entry.gone or record.state == NodeState.OFFLINE or record.metrics_address is None:
+                continue
+            host, port = split_host_port(record.metrics_address)
+            if is_bind_all(host):
+                key = (record.peer_id, record.metrics_address)
+                if key not in self._bad_metrics_addresses:  # one line per address, not one per refresh
+                    self._bad_metrics_addresses.add(key)
+                    log.warning(
+                        "compnode %s announces metrics at %s, a bind-all address; not a scrape target",
+                        record.peer_id,
+                        record.metrics_address,
+                    )
+                continue
+            targets.append(ScrapeTarget(host, port, record.role.value, record.backup, record.peer_id))
+        return targets
+
+    async def _update_scrape_targets(self) -> None:
+        targets = tuple(self.scrape_targets())
+        self._scrape_targets = targets
+        sd_file = self.settings.sd_file
+        if sd_file is not None and await asyncio.to_thread(write_file_sd, sd_file, targets):
+            log.info("wrote %d compnode scrape target(s) to %s", len(targets), self.settings.sd_file)
 
     # ---- persistence -----------------------------------------------------------------------------
     def _persist_event(self, event: RegistryEvent) -> None:

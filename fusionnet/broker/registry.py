@@ -98,6 +98,7 @@ class CompnodeEntry:
             "load": r.load,
             "running_tasks": r.running_tasks,
             "data_path_address": r.data_path_address,
+            "metrics_address": r.metrics_address,
             "version": r.version,
             "last_heartbeat_age": None
             if self.last_heartbeat is None

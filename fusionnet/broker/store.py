@@ -224,6 +224,11 @@ class BrokerStore:
         rows = self._db.execute("SELECT * FROM jobs ORDER BY updated_at DESC, job_id LIMIT ?", (limit,))
         return [dict(r) for r in rows.fetchall()]
 
+    def count_jobs_by_state(self) -> dict[str, int]:
+        """state -> number of jobs in it, over all jobs (``list_jobs`` is capped; this is not)."""
+        rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+        return {state: n for state, n in rows}
+
     def add_job_event(self, job_id: str, kind: str, detail: dict[str, Any] | None = None) -> None:
         self.get_job(job_id)  # refuse events for unknown jobs with a clear message
         with self._transaction():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -33,6 +34,13 @@ def add_parser(subparsers: Any) -> None:
         metavar="S",
         help="a compnode that has not answered a ping for this long is unreachable (default 15)",
     )
+    p.add_argument(
+        "--sd-file",
+        type=Path,
+        metavar="FILE",
+        help="rewrite this Prometheus file_sd JSON with the compnodes' metrics endpoints at every refresh "
+        "(the same targets are always served as http_sd at /sd/compnodes on --metrics-port)",
+    )
     p.set_defaults(func=run)
 
 
@@ -40,14 +48,17 @@ def run(args: argparse.Namespace) -> int:
     from fusionnet.broker.daemon import BrokerConfig, BrokerDaemon
     from fusionnet.daemon.config import common_config
     from fusionnet.daemon.plugins import BROKER_PLUGIN, add_plugin_services
+    from fusionnet.metrics import BROKER_METRICS
 
     try:
         config = BrokerConfig(
             common=common_config(args, "broker"),
             heartbeat_period=args.heartbeat_period,
             heartbeat_timeout=args.heartbeat_timeout,
+            sd_file=args.sd_file,
         )
-        broker = BrokerDaemon(config)
+        # One broker per process: its metrics are the process's set, so module-level users count too.
+        broker = BrokerDaemon(config, BROKER_METRICS)
         add_plugin_services(broker, BROKER_PLUGIN)
         return broker.serve()
     except ValueError as e:  # configuration and start-up problems (FusionNetErrors included): one line

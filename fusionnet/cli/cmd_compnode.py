@@ -30,6 +30,12 @@ def add_parser(subparsers: Any) -> None:
         "--data-port", type=int, default=0, metavar="PORT", help="port of the data path (0 = free)"
     )
     p.add_argument("--reprofile", action="store_true", help="ignore the cached hardware profile")
+    p.add_argument(
+        "--metrics-announce-host",
+        metavar="HOST",
+        help="host Prometheus reaches --metrics-port at, announced for service discovery (default: "
+        "--metrics-host, or the host of the first announced multiaddr when that binds every interface)",
+    )
     p.set_defaults(func=run)
 
 
@@ -37,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from fusionnet.compnode.daemon import CompnodeConfig, CompnodeDaemon
     from fusionnet.daemon.config import common_config
     from fusionnet.daemon.plugins import COMPNODE_PLUGIN, add_plugin_services
+    from fusionnet.metrics import COMPNODE_METRICS
 
     try:
         config = CompnodeConfig(
@@ -48,8 +55,10 @@ def run(args: argparse.Namespace) -> int:
             data_host=args.data_host,
             data_port=args.data_port,
             reprofile=args.reprofile,
+            metrics_announce_host=args.metrics_announce_host,
         )
-        compnode = CompnodeDaemon(config)
+        # One compnode per process: its metrics are the process's set, so module-level users count too.
+        compnode = CompnodeDaemon(config, COMPNODE_METRICS)
         add_plugin_services(compnode, COMPNODE_PLUGIN)
         return compnode.serve()
     except ValueError as e:  # configuration and start-up problems (FusionNetErrors included): one line

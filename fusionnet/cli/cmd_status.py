@@ -3,6 +3,11 @@
 Two sources, merged: the broker's registry (heartbeats, jobs) over RPC, and the compnode records in the
 DHT directly, so that a compnode the broker has not seen yet, or one that already said goodbye (OFFLINE),
 still shows. ``--json`` prints the merged document instead of tables.
+
+``--watch`` keeps one swarm client open and redraws every ``--interval`` seconds until Ctrl-C (exit 0): on a
+terminal the screen is cleared and redrawn in place; into a pipe or file each refresh is appended as a
+block (with ``--json``: one JSON document per line). A failed refresh shows its error and the next one
+tries again.
 """
 
 from __future__ import annotations
@@ -12,7 +17,11 @@ import asyncio
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
+
+CLEAR_HOME = "\x1b[H"  # cursor to the top left
+CLEAR_LINE_END = "\x1b[K"
+CLEAR_BELOW = "\x1b[J"
 
 
 def add_parser(subparsers: Any) -> None:
@@ -27,6 +36,16 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument(
         "--timeout", type=float, default=15.0, metavar="S", help="limit for the broker call (default 15)"
+    )
+    p.add_argument(
+        "--watch", action="store_true", help="keep refreshing (clear screen and redraw) until Ctrl-C"
+    )
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds between refreshes with --watch (default %(default)s)",
     )
     p.set_defaults(func=run)
 
@@ -48,6 +67,7 @@ def merge_status(broker: dict[str, Any] | None, records: list[Any], now: float) 
             "load": r.load,
             "running_tasks": r.running_tasks,
             "data_path_address": r.data_path_address,
+            "metrics_address": r.metrics_address,
             "version": r.version,
             "last_heartbeat_age": None,
             "rtt_ms": None,
@@ -126,34 +146,108 @@ def _render(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
 
 
-async def gather(initial_peers: list[str], timeout: float) -> dict[str, Any]:
-    from fusionnet.daemon.observer import SwarmObserver
+def summary(doc: dict[str, Any]) -> str:
+    """One line: how many compnodes in which state, how many jobs running."""
+    states: dict[str, int] = {}
+    for c in doc["compnodes"]:
+        states[c["state"]] = states.get(c["state"], 0) + 1
+    nodes = ", ".join(f"{n} {s.lower()}" for s, n in sorted(states.items())) or "none"
+    running = sum(1 for j in doc.get("jobs") or [] if j.get("state") == "RUNNING")
+    return f"compnodes: {nodes}; jobs running: {running}"
+
+
+def render_frame(doc: dict[str, Any] | None, error: str | None, *, interval: float, tty: bool) -> str:
+    """One refresh of ``--watch``: a header line, then the tables (or the error of this refresh)."""
+    stamp = time.strftime("%H:%M:%S")
+    header = f"fusionnet status  {stamp}  every {interval:g} s  (Ctrl-C to quit)"
+    body = f"refresh failed: {error}" if doc is None else f"{summary(doc)}\n\n{format_tables(doc)}"
+    lines = [header, "", *body.splitlines()]
+    if tty:  # redraw in place: home, overwrite each line, clear whatever the last frame left below
+        return CLEAR_HOME + "".join(f"{line}{CLEAR_LINE_END}\n" for line in lines) + CLEAR_BELOW
+    return "\n".join(lines) + "\n\n"
+
+
+async def collect(observer: Any, timeout: float) -> dict[str, Any]:
+    """The merged status document, read through an open ``SwarmObserver``."""
     from fusionnet.dht.records import CompnodeRecord
     from fusionnet.errors import FusionNetError
 
+    records = await observer.compnodes()
+    broker: dict[str, Any] | None = None
+    error = None
+    try:
+        broker = await observer.broker_status(timeout=timeout)
+    except FusionNetError as e:
+        error = str(e)
+    now = time.time()
+    return {
+        "broker": None if broker is None else broker["broker"],
+        "broker_error": error,
+        "compnodes": merge_status(broker, records, now),
+        "jobs": [] if broker is None else broker["jobs"],
+        "dht_compnodes": [
+            f.record.model_dump(mode="json") | {"expires_in": f.expires_at - now}
+            for f in records
+            if isinstance(f.record, CompnodeRecord)
+        ],
+    }
+
+
+async def gather(initial_peers: list[str], timeout: float) -> dict[str, Any]:
+    from fusionnet.daemon.observer import SwarmObserver
+
     async with SwarmObserver(initial_peers) as observer:
-        records = await observer.compnodes()
-        broker: dict[str, Any] | None = None
-        error = None
-        try:
-            broker = await observer.broker_status(timeout=timeout)
-        except FusionNetError as e:
-            error = str(e)
-        now = time.time()
-        return {
-            "broker": None if broker is None else broker["broker"],
-            "broker_error": error,
-            "compnodes": merge_status(broker, records, now),
-            "jobs": [] if broker is None else broker["jobs"],
-            "dht_compnodes": [
-                f.record.model_dump(mode="json") | {"expires_in": f.expires_at - now}
-                for f in records
-                if isinstance(f.record, CompnodeRecord)
-            ],
-        }
+        return await collect(observer, timeout)
+
+
+async def watch(
+    initial_peers: list[str], *, timeout: float, interval: float, as_json: bool, out: TextIO
+) -> None:
+    """Refreshes until cancelled (Ctrl-C), through one swarm client kept open between refreshes."""
+    from fusionnet.daemon.observer import SwarmObserver
+
+    tty = out.isatty() and not as_json
+    if tty:
+        out.write(f"{CLEAR_HOME}{CLEAR_BELOW}fusionnet status: joining the swarm ...\n")
+        out.flush()
+    async with SwarmObserver(initial_peers) as observer:
+        while True:
+            started = time.monotonic()
+            doc, error = None, None
+            try:
+                doc = await asyncio.wait_for(collect(observer, timeout), timeout + 10)
+            except Exception as e:  # a UI loop: show the failure, try again next time
+                error = f"{type(e).__name__}: {e}"
+            if as_json:
+                line = doc if doc is not None else {"error": error}
+                out.write(json.dumps(line | {"time": time.time()}, sort_keys=True) + "\n")
+            else:
+                out.write(render_frame(doc, error, interval=interval, tty=tty))
+            out.flush()
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.watch:
+        if not args.interval > 0:
+            print(f"fusionnet status: error: --interval must be > 0, got {args.interval}", file=sys.stderr)
+            return 2
+        try:
+            asyncio.run(
+                watch(
+                    args.initial_peers,
+                    timeout=args.timeout,
+                    interval=args.interval,
+                    as_json=args.json,
+                    out=sys.stdout,
+                )
+            )
+        except KeyboardInterrupt:  # the way out of --watch: asyncio.run has closed the swarm client
+            return 0
+        except ValueError as e:
+            print(f"fusionnet status: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         doc = asyncio.run(gather(args.initial_peers, args.timeout))
     except ValueError as e:  # bad multiaddrs, unreachable swarm (WireError): one line

@@ -11,12 +11,22 @@ adds ``fusionnet.compnode.tasks.make_service(compnode)`` when that module exists
 - its ``start()`` runs after profiling and before ONLINE: the place to start the data path server on
   ``settings.data_host``/``settings.data_port`` and report it with ``set_data_path_address("host:port")``;
 - ``set_load(load=, running_tasks=)`` updates what the next announcement says (``announce_now()`` to
-  publish at once); ``hardware`` holds the profile; ``stop()`` is the graceful hand-over.
+  publish at once); ``hardware`` holds the profile; ``stop()`` is the graceful hand-over;
+- ``metrics`` (a ``fusionnet.metrics.CompnodeMetrics``) takes what only the services see:
+  ``observe_compute(phase, seconds)`` per micro-batch phase (forward|backward|update, or fp|bp),
+  ``observe_prediction(measured_seconds, predicted_seconds)``, ``count_data(path, direction, nbytes,
+  frames=1)`` (path tcp|p2p, direction sent|received), ``count_refusal(reason)``, ``count_subtask(outcome)``.
+  State, load and hardware (speed factor, peak FLOPS) are kept by the daemon itself.
+
+With ``--metrics-port`` the record carries ``metrics_address`` ("host:port"), from which the broker builds
+Prometheus service discovery: ``--metrics-announce-host``, else ``--metrics-host`` unless that binds every
+interface, else the host of our first announced multiaddr.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,7 +36,16 @@ from fusionnet import __version__
 from fusionnet.compnode.profile import profile_hardware
 from fusionnet.daemon.base import Daemon
 from fusionnet.daemon.config import DaemonConfig
-from fusionnet.dht.records import CompnodeRecord, HardwareInfo, NodeState, Role
+from fusionnet.dht.records import (
+    CompnodeRecord,
+    HardwareInfo,
+    NodeState,
+    Role,
+    is_bind_all,
+    is_host_port,
+    join_host_port,
+)
+from fusionnet.metrics import CompnodeMetrics
 from fusionnet.rpc.server import RPCContext
 
 log = logging.getLogger("fusionnet.compnode")
@@ -42,6 +61,7 @@ class CompnodeConfig:
     data_host: str = "127.0.0.1"  # where the data path server listens (started by the execution service)
     data_port: int = 0  # 0 = any free port
     reprofile: bool = False  # ignore the cached hardware profile
+    metrics_announce_host: str | None = None  # where Prometheus reaches our metrics port; default: derived
 
     def __post_init__(self) -> None:
         self.role = Role(self.role)
@@ -51,32 +71,33 @@ class CompnodeConfig:
             raise ValueError(f"--data-port must be in 0..65535, got {self.data_port}")
         if not self.data_host:
             raise ValueError("--data-host must not be empty")
+        host = self.metrics_announce_host
+        if host is not None and (is_bind_all(host) or not is_host_port(join_host_port(host, 1))):
+            raise ValueError(f"--metrics-announce-host: {host!r} is not a host name or IP address to reach")
 
 
 class CompnodeDaemon(Daemon):
     role = "compnode"
+    metrics: CompnodeMetrics
 
-    def __init__(self, config: CompnodeConfig):
-        super().__init__(config.common)
+    def __init__(self, config: CompnodeConfig, metrics: CompnodeMetrics | None = None):
+        super().__init__(config.common, metrics if metrics is not None else CompnodeMetrics(process=False))
         self.settings = config
         self.state = NodeState.JOINING
         self.hardware: HardwareInfo | None = None
         self.load = 0.0
         self.running_tasks = 0
         self.data_path_address: str | None = None
+        self.metrics_address: str | None = None
         self._maddrs: list[str] = []
         self._announce_lock = asyncio.Lock()
-        self._state_gauge = self.metrics.gauge(
-            "fusionnet_compnode_state", "1 for the current state", ["state"]
-        )
-        self._load_gauge = self.metrics.gauge("fusionnet_compnode_load", "Announced load (0..1)")
 
     # ---- API for services ------------------------------------------------------------------------
     def set_load(self, *, load: float, running_tasks: int) -> None:
         if not 0.0 <= load <= 1.0 or running_tasks < 0:
             raise ValueError(f"load must be in [0, 1] and running_tasks >= 0, got {load}, {running_tasks}")
         self.load, self.running_tasks = load, running_tasks
-        self._load_gauge.set(load)
+        self.metrics.set_load(load, running_tasks)
 
     def set_data_path_address(self, address: str | None) -> None:
         self.data_path_address = address
@@ -92,6 +113,7 @@ class CompnodeDaemon(Daemon):
             load=self.load,
             running_tasks=self.running_tasks,
             data_path_address=self.data_path_address,
+            metrics_address=self.metrics_address,
             maddrs=self._maddrs,
             version=__version__,
         )
@@ -104,11 +126,11 @@ class CompnodeDaemon(Daemon):
             ok = await self.peer.announcer.announce(self.record(), ttl=self.config.record_ttl)
             if not ok:
                 log.warning("no DHT node accepted our %s record (will retry)", self.state.value)
-            for state in NodeState:
-                self._state_gauge.labels(state=state.value).set(1 if state == self.state else 0)
+            self.metrics.set_state(self.state)
 
     # ---- lifecycle hooks -------------------------------------------------------------------------
     async def on_startup(self) -> None:
+        self.metrics_address = await self._metrics_address()
         await self.announce_now()  # JOINING: visible while we profile
         if self.settings.threads is not None:
             import torch
@@ -120,6 +142,9 @@ class CompnodeDaemon(Daemon):
             device=self.settings.device,
             threads=self.settings.threads,
             refresh=self.settings.reprofile,
+        )
+        self.metrics.set_hardware(
+            speed_factor=self.hardware.speed_factor, peak_flops=self.hardware.peak_flops
         )
         await self.start_services()
         self.state = NodeState.ONLINE
@@ -136,6 +161,28 @@ class CompnodeDaemon(Daemon):
         await self.announce_now()
         log.info("announced OFFLINE")
 
+    async def _metrics_address(self) -> str | None:
+        """Where Prometheus can scrape us, as "host:port", or None without a metrics endpoint."""
+        if self.metrics_endpoint is None:
+            return None
+        host = self.settings.metrics_announce_host
+        if host is None and not is_bind_all(self.config.metrics_host):
+            host = self.config.metrics_host
+        if host is None:
+            assert self.peer is not None
+            announced = list(self.config.dht.announce_maddrs) or await self.peer.visible_maddrs()
+            host = _maddr_host(announced)
+        if host is None:
+            log.warning(
+                "--metrics-host %s binds every interface and no announced multiaddr names a host: "
+                "not announcing a metrics address (set --metrics-announce-host)",
+                self.config.metrics_host,
+            )
+            return None
+        address = join_host_port(host, self.metrics_endpoint.port)
+        log.info("announcing metrics endpoint %s", address)
+        return address
+
     # ---- RPC -------------------------------------------------------------------------------------
     async def rpc_ping(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
         """The broker's heartbeat (FusionAI 3.2): echoes the nonce, says how we are doing."""
@@ -151,3 +198,19 @@ class CompnodeDaemon(Daemon):
     async def rpc_info(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
         """Our current record, straight from us (no DHT round trip)."""
         return self.record().model_dump(mode="json")
+
+
+def _maddr_host(maddrs: list[str]) -> str | None:
+    """The first usable host in multiaddrs (/ip4/H, /ip6/H, /dns*/H), preferring non-loopback ones."""
+    hosts = []
+    for maddr in maddrs:
+        parts = maddr.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") and not is_bind_all(parts[2]):
+            hosts.append(parts[2])
+    for host in hosts:
+        try:
+            if not ipaddress.ip_address(host).is_loopback:
+                return host
+        except ValueError:
+            return host  # a DNS name
+    return hosts[0] if hosts else None

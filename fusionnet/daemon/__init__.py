@@ -1,4 +1,4 @@
-"""What every FusionNet daemon shares: lifecycle, swarm presence, files, metrics, logs.
+"""What every FusionNet daemon shares: lifecycle, swarm presence, files, logs (metrics: fusionnet.metrics).
 
 Map of the package:
 
@@ -11,6 +11,5 @@ Map of the package:
                    stopped together.
 - ``observer.py``  ``SwarmObserver``: a DHT client that reads records and asks the broker for its status.
 - ``files.py``     the locked state dir and the atomically written address file (the readiness signal).
-- ``metrics.py``   the Prometheus endpoint (a private registry per daemon).
 - ``logs.py``      ``[role peer_id]`` on every log line.
 """

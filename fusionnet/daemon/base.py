@@ -9,6 +9,10 @@ startup finished or not.
 Subclasses fill three hooks: ``on_startup`` (announce, start loops and services), ``on_draining`` (first
 step of a graceful exit) and ``on_stopped`` (the last word, e.g. an OFFLINE record).
 
+Metrics: ``self.metrics`` is the daemon's ``fusionnet.metrics`` set (``BrokerMetrics`` / ``CompnodeMetrics``),
+served on ``--metrics-port`` from just after the peer starts until shutdown (``metrics_endpoint`` says where);
+the broker adds Prometheus service discovery to that server (``metrics_sd_source``).
+
 Extension points for code outside the daemon (job intake on the broker, sub-task execution on a compnode):
 ``add_service(service)`` before ``serve()``; a service's ``rpc_<name>`` coroutines are served next to the
 daemon's own; it gets ``start()`` during startup and ``stop()`` during the graceful shutdown.
@@ -30,8 +34,10 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from fusionnet.daemon.config import DaemonConfig
 from fusionnet.daemon.files import StateDir, write_address_file
 from fusionnet.daemon.logs import install_peer_label
-from fusionnet.daemon.metrics import DaemonMetrics
 from fusionnet.daemon.swarm import SwarmPeer
+from fusionnet.metrics.common import BaseMetrics
+from fusionnet.metrics.sd import TargetSource
+from fusionnet.metrics.server import MetricsEndpoint, start_metrics_server, stop_metrics_server
 
 log = logging.getLogger("fusionnet.daemon")
 
@@ -53,10 +59,12 @@ class Service(Protocol):
 class Daemon:
     role: ClassVar[str] = "daemon"
 
-    def __init__(self, config: DaemonConfig):
+    def __init__(self, config: DaemonConfig, metrics: BaseMetrics | None = None):
         self.config = config
         self.state_dir = StateDir(config.state_dir, self.role)
-        self.metrics = DaemonMetrics(self.role)
+        # A fresh set per daemon unless given one: in-process test daemons keep their numbers apart.
+        self.metrics = metrics if metrics is not None else BaseMetrics(self.role, process=False)
+        self.metrics_endpoint: MetricsEndpoint | None = None
         self.services: list[Service] = []
         self.peer: SwarmPeer | None = None
         self.should_exit = asyncio.Event()
@@ -119,6 +127,11 @@ class Daemon:
     async def on_stopped(self) -> None:
         """Services are stopped and background tasks cancelled; RPC still serves, the DHT still runs."""
 
+    def metrics_sd_source(self) -> TargetSource | None:
+        """Scrape targets to serve as Prometheus http_sd next to ``/metrics`` (the broker's compnodes).
+        Called from the metrics server's thread: return a snapshot, never walk live daemon state."""
+        return None
+
     async def start_services(self) -> None:
         for service in self.services:
             await service.start()
@@ -170,9 +183,16 @@ class Daemon:
         for service in self.services:
             self.peer.server.add_handlers(service)
         await self.peer.server.start()
+        self.metrics.set_peer(self.peer_id, started_at=self.started_at)
         if self.config.metrics_port is not None:
-            self.metrics.start(self.config.metrics_port, self.config.metrics_host, self.peer_id)
+            self.metrics_endpoint = start_metrics_server(
+                self.metrics.registry,
+                self.config.metrics_port,
+                self.config.metrics_host,
+                sd_source=self.metrics_sd_source(),
+            )
         await self.on_startup()
+        self.metrics.up_since.set(time.time())
         maddrs = await self.peer.visible_maddrs()
         if self.config.address_file is not None:
             write_address_file(self.config.address_file, maddrs)
@@ -217,7 +237,9 @@ class Daemon:
                 if self.force_exit.is_set():
                     await self.peer.kill()
         await self._cancel_tasks()
-        self.metrics.stop()
+        if self.metrics_endpoint is not None:
+            stop_metrics_server(self.metrics_endpoint)
+            self.metrics_endpoint = None
         if self._state_locked:
             self.state_dir.release()
         log.info("%s stopped", self.role)

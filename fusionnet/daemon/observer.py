@@ -5,6 +5,7 @@ the broker, e.g. a job submitter).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -35,6 +36,9 @@ class SwarmObserver:
         if self.peer is not None:
             await self.peer.stop(rpc_grace=0.0)
             self.peer = None
+            # hivemind's P2P handles close themselves in __del__, which needs a running loop: collect
+            # them now rather than after asyncio.run() has closed it (noisy tracebacks otherwise).
+            gc.collect()
 
     def _peer(self) -> SwarmPeer:
         assert self.peer is not None, "use SwarmObserver as an async context manager"

@@ -46,7 +46,10 @@ class SwarmPeer:
                 p2p=p2p,
                 peer_id=peer_id,
                 announcer=Announcer(dht, validator, peer_id),
-                client=RPCClient(p2p, max_message_bytes=max_message_bytes),
+                # Every call on its own stream: p2pd's unary calls share one persistent control connection,
+                # and we saw it wedge for good after a unary call was cancelled by its timeout (a ping
+                # to a busy compnode); a stream that times out is simply closed.
+                client=RPCClient(p2p, max_message_bytes=max_message_bytes, unary_limit=0),
                 server=server,
             )
         except BaseException:

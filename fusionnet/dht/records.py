@@ -9,6 +9,7 @@ Units: FLOPS for speeds, bytes for memory sizes, bytes/s for bandwidths, seconds
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from enum import StrEnum
 from typing import Annotated, TypeVar
@@ -22,6 +23,33 @@ from fusionnet.errors import WireError
 MAX_RECORD_BYTES = 64 * 1024
 _PEER_ID_RE = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{20,128}$")  # base58
 _HOSTPORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+def is_host_port(value: str) -> bool:
+    """``host:port`` (``[v6]:port`` for IPv6) with a port in 1..65535."""
+    m = _HOSTPORT_RE.match(value)
+    return m is not None and 0 < int(m.group(2)) < 65536
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """``"host:port"`` -> (host, port), brackets of an IPv6 host removed; ValueError when malformed."""
+    if not is_host_port(value):
+        raise ValueError(f"expected 'host:port', got {value[:80]!r}")
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """(host, port) -> ``"host:port"``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_bind_all(host: str) -> bool:
+    """0.0.0.0 or ::, an address to listen on but not one a peer can connect to."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False  # a DNS name
 
 
 class NodeState(StrEnum):
@@ -79,6 +107,9 @@ class CompnodeRecord(_Record):
     load: float = Field(default=0.0, ge=0, le=1)  # fraction of capacity in use
     running_tasks: NonNegInt = 0  # sub-tasks running now
     data_path_address: str | None = None  # "host:port" of the direct tensor data path, if any
+    # "host:port" of the Prometheus endpoint, if any (the broker turns it into a scrape target). Optional
+    # and lenient: a malformed value from a peer reads as None instead of hiding the whole record.
+    metrics_address: str | None = None
     maddrs: list[str] = Field(default_factory=list, max_length=32)
     version: str = Field(default=__version__, max_length=64)
     updated_at: float = 0.0  # DHT time of the announcement
@@ -90,10 +121,14 @@ class CompnodeRecord(_Record):
     def _check_address(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        m = _HOSTPORT_RE.match(value)
-        if not m or not 0 < int(m.group(2)) < 65536:
+        if not is_host_port(value):
             raise ValueError(f"data_path_address must be 'host:port', got {value[:80]!r}")
         return value
+
+    @field_validator("metrics_address", mode="before")
+    @classmethod
+    def _lenient_metrics_address(cls, value: object) -> str | None:
+        return value if isinstance(value, str) and is_host_port(value) else None
 
 
 class BrokerRecord(_Record):

@@ -12,7 +12,7 @@ Each daemon exports its own registry (never the process-global default), so an i
 keeps its daemons' numbers apart by giving each a fresh ``BrokerMetrics()`` / ``CompnodeMetrics()``.
 
 Both daemons
-    fusionnet_build_info{version,role,python,torch,hivemind}   1; the build of this daemon
+    fusionnet_build_info{version,daemon,python,torch,hivemind} 1; the build (daemon: broker|compnode)
     fusionnet_node_info{peer_id}                 1; this daemon's libp2p peer id (one series per daemon)
     fusionnet_start_time_seconds                 Unix time the daemon became ready
     process_*                                    CPU seconds, resident memory, open fds of the process
@@ -50,7 +50,9 @@ Compnode (``COMPNODE_REGISTRY``)
     fusionnet_data_frames_total{path,direction}  tensor frames, same labels
     fusionnet_frames_refused_total{reason}       refused frames; reason: ``wire.refusal.REASONS``
 
-Scrape targets carry ``role``, ``backup`` and ``peer`` labels from service discovery (``sd.py``).
+Scrape targets carry ``role``, ``backup`` and ``peer`` labels from service discovery (``sd.py``), so no
+compnode metric may have a label of those names (Prometheus would rename it ``exported_<name>``); the
+broker's target carries none, since its own series use ``role``.
 """
 
 from fusionnet.metrics.broker import BROKER_METRICS, BROKER_REGISTRY, BrokerMetrics

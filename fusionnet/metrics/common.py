@@ -80,11 +80,15 @@ def _dist_version(name: str) -> str:
         return "absent"
 
 
-def build_labels(role: str) -> dict[str, str]:
-    """The versions that explain a behaviour difference between two nodes of one swarm."""
+def build_labels(daemon: str) -> dict[str, str]:
+    """The versions that explain a behaviour difference between two nodes of one swarm.
+
+    The daemon kind is labelled ``daemon``, not ``role``: ``role`` is the compnode class (supernode|antnode)
+    that service discovery attaches to every compnode target, and a scraped label of the same name would
+    be renamed ``exported_role`` by Prometheus."""
     return {
         "version": __version__,
-        "role": role,
+        "daemon": daemon,
         "python": platform.python_version(),
         "torch": _dist_version("torch"),
         "hivemind": _dist_version("hivemind"),

@@ -30,6 +30,8 @@ from fusionnet.metrics.common import (
 from fusionnet.wire.refusal import REASONS
 
 REFUSAL_REASONS = tuple(sorted(REASONS))
+# The paper's names for the phases (FusionAI: FP, BP, Update), accepted as well as the label values.
+PHASE_ALIASES = {"fp": "forward", "bp": "backward"}
 
 
 class CompnodeMetrics(BaseMetrics):
@@ -119,8 +121,9 @@ class CompnodeMetrics(BaseMetrics):
         self.peak_flops.set(peak_flops)
 
     def observe_compute(self, phase: str, seconds: float) -> None:
-        """One micro-batch's forward / backward, or one update, on this compnode."""
-        value = label_value(phase, COMPUTE_PHASES, "phase")
+        """One micro-batch's forward / backward, or one update, on this compnode (``fp``/``bp`` work too)."""
+        text = str(getattr(phase, "value", phase)).lower()
+        value = label_value(PHASE_ALIASES.get(text, text), COMPUTE_PHASES, "phase")
         if not (seconds >= 0 and math.isfinite(seconds)):
             raise ValueError(f"metrics: {value} duration must be a finite number >= 0, got {seconds}")
         self.compute_duration.labels(phase=value).observe(seconds)

@@ -25,7 +25,7 @@ from functools import cached_property
 from fusionnet.errors import PartitionError
 from fusionnet.perfmodel.memory import MemoryBreakdown, MemoryDemand, stage_memory
 from fusionnet.perfmodel.simulator import Hop, SimResult, StageTimes, simulate
-from fusionnet.perfmodel.timing import op_bp_seconds, op_fp_seconds, op_update_seconds
+from fusionnet.perfmodel.timing import op_bp_seconds, op_fp_seconds, op_update_seconds, stage_fixed_seconds
 from fusionnet.perfmodel.types import CostGraph, Swarm, Workload
 
 
@@ -249,13 +249,18 @@ def evaluate_assignment(
         idx = stage_ops[k]
         ops = [graph.ops[i] for i in idx]
         mem = stage_memory(ops, workload, stage_index=k, num_stages=n, in_bytes=in_b[k], out_bytes=out_b[k])
+        fixed_fp, fixed_bp, fixed_up = stage_fixed_seconds(
+            swarm.devices[d],
+            backward=workload.backward and any(grad[i] for i in idx),
+            update=workload.update and any(graph.ops[i].param_bytes for i in idx),
+        )
         stages.append(
             StageCost(
                 device=d,
                 ops=tuple(op.name for op in ops),
-                fp=sum(fp_t[i] for i in idx),
-                bp=sum(bp_t[i] for i in idx) if workload.backward else 0.0,
-                update=sum(up_t[i] for i in idx) if workload.update else 0.0,
+                fp=fixed_fp + sum(fp_t[i] for i in idx),
+                bp=fixed_bp + sum(bp_t[i] for i in idx) if workload.backward else 0.0,
+                update=fixed_up + sum(up_t[i] for i in idx) if workload.update else 0.0,
                 recv_fwd=recv_f[k],
                 recv_bwd=recv_b[k],
                 in_bytes=in_b[k],

@@ -13,6 +13,14 @@ Backward: ``flops_bwd / S(p)`` plus the traffic of reading the output gradient a
 and writing the input gradients (``2 * bytes_read + bytes_written``). Ops that no gradient reaches
 (see ``CostGraph.needs_grad``) have no backward. Update: the optimizer's per-element FLOPs and
 traffic over the op's parameters (``optimizers.py``).
+
+Small ops are dominated by what eq. (1) leaves out: the framework's fixed cost per op (dispatch,
+autograd bookkeeping, kernel launch) and each op class's distance from the roofline (a tiny conv
+runs at a few percent of peak). A device's ``Overheads`` add both: ``T = fixed(class) + (C + R + W) /
+efficiency(class)``, plus a fixed cost per parameter tensor in Update. With the default (zero)
+overheads the formulas are exactly PALEO's. The per-stage fixed costs (one forward call, one
+backward call and one optimizer step per sub-DAG) are added where stages are known
+(``stage_fixed_seconds``, used by ``assignment.py``).
 """
 
 from __future__ import annotations
@@ -49,20 +57,36 @@ def update_bytes(op: OpCost) -> int:
 
 
 def op_fp_seconds(op: OpCost, device: DeviceSpec) -> float:
-    """Eq. (1) with all parents local: local R + C + W for one micro-batch."""
-    return op.flops_fwd / device.speed + fp_bytes(op) / device.mem_bandwidth
+    """Eq. (1) with all parents local: local R + C + W for one micro-batch (plus the op class's
+    fixed cost and efficiency on this device)."""
+    cls = device.overheads.of(op.op_class)
+    roofline = op.flops_fwd / device.speed + fp_bytes(op) / device.mem_bandwidth
+    return cls.fp + roofline / cls.efficiency
 
 
 def op_bp_seconds(op: OpCost, device: DeviceSpec, needs_grad: bool = True) -> float:
     """Backward counterpart of eq. (1) for one micro-batch (0 when no gradient reaches the op)."""
     if not needs_grad:
         return 0.0
-    return op.flops_bwd / device.speed + bp_bytes(op) / device.mem_bandwidth
+    cls = device.overheads.of(op.op_class)
+    roofline = op.flops_bwd / device.speed + bp_bytes(op) / device.mem_bandwidth
+    return cls.bp + roofline / cls.efficiency
 
 
 def op_update_seconds(op: OpCost, device: DeviceSpec) -> float:
     """One optimizer step over the op's parameters."""
-    return update_flops(op) / device.speed + update_bytes(op) / device.mem_bandwidth
+    if op.param_bytes == 0:
+        return 0.0
+    fixed = op.tensors * device.overheads.tensor_update(op.optimizer)
+    return fixed + update_flops(op) / device.speed + update_bytes(op) / device.mem_bandwidth
+
+
+def stage_fixed_seconds(device: DeviceSpec, *, backward: bool, update: bool) -> tuple[float, float, float]:
+    """(FP per micro-batch, BP per micro-batch, Update per step) fixed costs of running one sub-DAG on
+    ``device``: one forward call, one backward call if a gradient reaches the stage, one optimizer
+    step if it owns parameters."""
+    oh = device.overheads
+    return oh.stage_fp, oh.stage_bp if backward else 0.0, oh.stage_update if update else 0.0
 
 
 def op_seconds(op: OpCost, device: DeviceSpec, phase: str = "fp", needs_grad: bool = True) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
 
@@ -20,6 +20,9 @@ from fusionnet.errors import IRError, PlanError
 from fusionnet.perfmodel.optimizers import optimizer_profile
 
 OP_KINDS = ("placeholder", "variable", "parametric", "non_parametric", "loss", "output")
+# How an op's time scales (``Overheads``): views move no data; matmul-like and conv ops run at their own
+# fraction of the FLOP peak; everything else (elementwise, norms, reductions, losses) is memory-bound.
+OP_CLASSES = ("view", "matmul", "conv", "other")
 DEVICE_KINDS = ("gpu", "cpu")
 TASKS = ("train", "grad", "infer")
 SCHEDULES = ("gpipe", "1f1b")
@@ -49,12 +52,20 @@ class OpCost:
     param_bytes: int  # trainable parameters this op owns
     activation_bytes: int  # output size: what backward keeps and what a user on another device receives
     optimizer: str | None = None  # torch.optim class name, lower-case, for ops owning params
+    op_class: str = "other"  # one of OP_CLASSES: which fixed overhead and efficiency apply
+    param_tensors: int = 0  # parameter tensors the op owns (0 with param_bytes > 0 counts as one)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise IRError(f"op name must be a non-empty string, got {self.name!r}")
         if self.kind not in OP_KINDS:
             raise IRError(f"op {self.name!r}: kind {self.kind!r} is not one of {', '.join(OP_KINDS)}")
+        if self.op_class not in OP_CLASSES:
+            raise IRError(
+                f"op {self.name!r}: op_class {self.op_class!r} is not one of {', '.join(OP_CLASSES)}"
+            )
+        if not _is_int(self.param_tensors) or self.param_tensors < 0:
+            raise IRError(f"op {self.name!r}: param_tensors must be a non-negative integer")
         for f in _INT_FIELDS:
             value = getattr(self, f)
             if not _is_int(value) or value < 0:
@@ -64,6 +75,11 @@ class OpCost:
                 optimizer_profile(self.optimizer)
             except PlanError as e:
                 raise PlanError(f"op {self.name!r}: {e}") from e
+
+    @property
+    def tensors(self) -> int:
+        """Parameter tensors one optimizer step updates for this op."""
+        return self.param_tensors or (1 if self.param_bytes else 0)
 
 
 @dataclass(frozen=True)
@@ -151,6 +167,113 @@ class CostGraph:
         )
 
 
+def _non_negative_seconds(value: object, what: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0:
+        raise PlanError(f"{what} must be a non-negative number of seconds, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ClassCost:
+    """How one op class runs on a device, beyond eq. (1)'s FLOPs / S(p) + bytes / bandwidth."""
+
+    fp: float = 0.0  # fixed seconds per forward execution (dispatch, autograd recording, kernel launch)
+    bp: float = 0.0  # fixed seconds per backward execution
+    efficiency: float = 1.0  # fraction of the roofline (FLOPs at S(p), bytes at mem_bandwidth) it reaches
+
+    def __post_init__(self) -> None:
+        _non_negative_seconds(self.fp, "op class fp overhead")
+        _non_negative_seconds(self.bp, "op class bp overhead")
+        if not _positive_finite(self.efficiency):
+            raise PlanError(f"op class efficiency must be a positive finite number, got {self.efficiency!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overheads:
+    """The fixed costs of a device's software stack that FLOP and byte counts miss.
+
+    They dominate small ops (a 16x32 matmul is 10 us of framework for 0.1 us of arithmetic), so a
+    prediction for small models is only as good as these. All zero (the default) is PALEO's pure
+    eq. (1). ``profile_overheads`` (``overheads.py``) measures them on the local machine.
+    """
+
+    view: ClassCost = ClassCost()
+    matmul: ClassCost = ClassCost()
+    conv: ClassCost = ClassCost()
+    other: ClassCost = ClassCost()
+    stage_fp: float = 0.0  # per sub-DAG forward call, per micro-batch
+    stage_bp: float = 0.0  # per sub-DAG backward call, per micro-batch (stages a gradient reaches)
+    stage_update: float = 0.0  # per optimizer step call of a stage that owns parameters
+    # optimizer name -> seconds per parameter tensor per step, beyond its FLOPs and bytes
+    update_tensor: tuple[tuple[str, float], ...] = ()
+    update_kernel: float = 0.0  # per-tensor kernel launch for optimizers missing from update_tensor
+
+    def __post_init__(self) -> None:
+        for f in OP_CLASSES:
+            if not isinstance(getattr(self, f), ClassCost):
+                raise PlanError(f"overheads.{f} must be a ClassCost")
+        for f in ("stage_fp", "stage_bp", "stage_update", "update_kernel"):
+            _non_negative_seconds(getattr(self, f), f"overheads.{f}")
+        object.__setattr__(self, "update_tensor", tuple(sorted((str(k), v) for k, v in self.update_tensor)))
+        for name, seconds in self.update_tensor:
+            _non_negative_seconds(seconds, f"overheads.update_tensor[{name!r}]")
+
+    def of(self, op_class: str) -> ClassCost:
+        if op_class not in OP_CLASSES:
+            raise PlanError(f"op class {op_class!r} is not one of {', '.join(OP_CLASSES)}")
+        return getattr(self, op_class)
+
+    def tensor_update(self, optimizer: str | None) -> float:
+        """Fixed seconds one optimizer step spends per parameter tensor."""
+        profile = optimizer_profile(optimizer)
+        for name, seconds in self.update_tensor:
+            if name == profile.name:
+                return seconds
+        return self.update_kernel * profile.kernels
+
+    def scaled(self, factor: float) -> Overheads:
+        """The same overheads on a machine ``factor`` times as fast (every duration divided by it)."""
+        if not _positive_finite(factor):
+            raise PlanError(f"scale factor must be a positive finite number, got {factor!r}")
+        classes = {
+            f: replace(c, fp=c.fp / factor, bp=c.bp / factor) for f in OP_CLASSES for c in (self.of(f),)
+        }
+        return replace(
+            self,
+            **classes,
+            stage_fp=self.stage_fp / factor,
+            stage_bp=self.stage_bp / factor,
+            stage_update=self.stage_update / factor,
+            update_tensor=tuple((k, v / factor) for k, v in self.update_tensor),
+            update_kernel=self.update_kernel / factor,
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {f: asdict(self.of(f)) for f in OP_CLASSES}
+        for f in ("stage_fp", "stage_bp", "stage_update", "update_kernel"):
+            out[f] = getattr(self, f)
+        out["update_tensor"] = dict(self.update_tensor)
+        return out
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, object]) -> Overheads:
+        """Inverse of ``to_dict``; ``PlanError`` on anything malformed."""
+        if not isinstance(doc, Mapping):
+            raise PlanError(f"overheads must be a mapping, got {type(doc).__name__}")
+        try:
+            kwargs: dict[str, object] = {f: ClassCost(**doc[f]) for f in OP_CLASSES if f in doc}  # type: ignore[arg-type]
+            for f in ("stage_fp", "stage_bp", "stage_update", "update_kernel"):
+                if f in doc:
+                    kwargs[f] = doc[f]
+            kwargs["update_tensor"] = tuple(dict(doc.get("update_tensor") or {}).items())  # type: ignore[call-overload]
+            return cls(**kwargs)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as e:
+            raise PlanError(f"malformed overheads: {e}") from e
+
+
+NO_OVERHEADS = Overheads()
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeviceSpec:
     """One compnode's hardware: S(p) = S*(p) * lambda_p (``peak_flops * speed_factor``) and memories.
@@ -167,9 +290,12 @@ class DeviceSpec:
     d_gpu: int  # bytes
     d_cpu: int  # bytes
     d_disk: int  # bytes
+    overheads: Overheads = NO_OVERHEADS  # fixed per-op / per-call costs (zero: pure eq. (1))
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
+        if not isinstance(self.overheads, Overheads):
+            raise PlanError(f"{where}: overheads must be an Overheads, got {type(self.overheads).__name__}")
         if not isinstance(self.name, str) or not self.name:
             raise PlanError(f"device name must be a non-empty string, got {self.name!r}")
         if self.kind not in DEVICE_KINDS:
@@ -193,6 +319,18 @@ class DeviceSpec:
     def compute_memory(self) -> int:
         """Bytes of the memory this device keeps parameters and activations in."""
         return self.d_gpu if self.kind == "gpu" else self.d_cpu
+
+    def scaled(self, factor: float) -> DeviceSpec:
+        """This device running ``factor`` times as fast as profiled: lambda_p, bandwidth and every fixed
+        overhead scale together (what one calibration measurement can tell about a busy machine)."""
+        if not _positive_finite(factor):
+            raise PlanError(f"device {self.name!r}: scale factor must be positive, got {factor!r}")
+        return replace(
+            self,
+            speed_factor=self.speed_factor * factor,
+            mem_bandwidth=self.mem_bandwidth * factor,
+            overheads=self.overheads.scaled(factor),
+        )
 
 
 @dataclass(frozen=True)

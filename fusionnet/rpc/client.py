@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 from google.protobuf.wrappers_pb2 import BytesValue
@@ -43,6 +44,10 @@ def as_peer_id(peer: str | PeerID) -> PeerID:
         raise WireError(f"peer id {peer!r} is not valid base58") from e
 
 
+log = logging.getLogger("fusionnet.rpc")
+TRANSIENT_KINDS = frozenset({"IncompleteReadError", "ConnectionResetError", "BrokenPipeError"})
+
+
 class RPCClient:
     def __init__(
         self,
@@ -64,9 +69,28 @@ class RPCClient:
         payload: dict[str, Any] | None = None,
         *,
         timeout: float | None = None,
+        retries: int = 2,
     ) -> dict[str, Any]:
-        """Calls ``rpc_<method>`` on ``peer`` and returns its result dict. ``timeout`` (seconds) bounds the
-        whole call, transfers included."""
+        """Calls ``rpc_<method>`` on ``peer`` and returns its result dict. ``timeout`` (seconds) bounds
+        each attempt, transfers included.
+
+        A stream that p2pd closes before the answer arrives (seen now and then on loopback under load)
+        is tried again up to ``retries`` times: every FusionNet method is safe to repeat (handlers that
+        change state recognise a repeated request). Timeouts and the peer's own errors are not retried.
+        """
+        for attempt in range(retries + 1):
+            try:
+                return await self._call_once(peer, method, payload, timeout)
+            except RPCError as e:
+                if attempt == retries or e.kind not in TRANSIENT_KINDS:
+                    raise
+                log.info("rpc %s to %s: %s; trying again", method, e.peer, e.kind)
+                await asyncio.sleep(0.05 * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    async def _call_once(
+        self, peer: str | PeerID, method: str, payload: dict[str, Any] | None, timeout: float | None
+    ) -> dict[str, Any]:
         peer_id = as_peer_id(peer)
         label = peer_id.to_base58()
         body = encode_request(method, payload)

@@ -21,8 +21,13 @@ class PreparedJob:
 
     @property
     def loss_reduction(self) -> str:
-        loss = self.job.spec.loss
-        return str(loss.kwargs.get("reduction", "mean")) if loss is not None else "mean"
+        return loss_reduction_of(self.job)
+
+
+def loss_reduction_of(job: LoadedJob) -> str:
+    """How the job's loss reduces over a batch (decides how micro-batch losses are weighted)."""
+    loss = job.spec.loss
+    return str(loss.kwargs.get("reduction", "mean")) if loss is not None else "mean"
 
 
 def example_microbatch(job: LoadedJob) -> tuple[torch.Tensor, torch.Tensor | None]:

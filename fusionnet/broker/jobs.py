@@ -1,0 +1,150 @@
+"""Job intake on the broker: ``submit_job``, ``job_status``, ``job_results`` (used by ``fusionnet submit``).
+
+A submission is validated completely before it is accepted (run spec, IR through the codec's
+allowlist, state against the IR, data against the spec), so a bad job is refused with one clear
+message and nothing runs. An accepted job gets an id, a row in SQLite, a folder for its results under
+``STATE_DIR/broker/jobs/<id>`` and a ``JobRun`` task the daemon owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from pathlib import Path
+from typing import Any
+
+from fusionnet.broker.jobrun import JobRun, SubmittedJob, check_submission
+from fusionnet.dag.codec import decode_ir
+from fusionnet.errors import JobError
+from fusionnet.rpc.server import RPCContext
+from fusionnet.runtime.blobs import unpack_tensors
+from fusionnet.runtime.jobwire import RunSpec
+
+log = logging.getLogger("fusionnet.broker.jobs")
+
+RESULT_FILES = (
+    "weights.safetensors",
+    "grads.safetensors",
+    "outputs.safetensors",
+    "metrics.jsonl",
+    "plan.json",
+)
+MAX_RUNNING_JOBS = 8
+
+
+class JobService:
+    name = "jobs"
+
+    def __init__(self, broker: Any) -> None:
+        self.broker = broker
+        self.runs: dict[str, JobRun] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._requests: dict[str, str] = {}  # submitter's request id -> job id (repeated submissions)
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.broker.state_dir.path / "jobs"
+
+    async def start(self) -> None:
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        # Jobs that were running when a previous broker process died cannot resume yet: say so.
+        for row in self.broker.store.list_jobs(10_000):
+            if row["state"] in ("QUEUED", "PLANNING", "RUNNING"):
+                self.broker.store.update_job(
+                    row["job_id"], state="FAILED", error="the broker restarted while the job was running"
+                )
+
+    async def stop(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    def _running(self) -> int:
+        return sum(1 for t in self._tasks.values() if not t.done())
+
+    # ---- RPC -------------------------------------------------------------------------------------
+    async def rpc_submit_job(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        if self._running() >= MAX_RUNNING_JOBS:
+            raise JobError(f"the broker already runs {MAX_RUNNING_JOBS} jobs; try again later")
+        request_id = payload.get("request_id")
+        if isinstance(request_id, str) and request_id in self._requests:
+            job_id = self._requests[request_id]  # a repeated submission whose answer was lost
+            return {"job_id": job_id, "steps": self.runs[job_id].job.spec.step_count}
+        spec = RunSpec.parse(payload.get("spec"))
+        graph = await asyncio.to_thread(decode_ir, payload.get("ir"))
+        if graph.task != spec.task:
+            raise JobError(
+                f"submission: the IR was traced for task {graph.task!r}, the spec says {spec.task!r}"
+            )
+        state = unpack_tensors(payload.get("state"), "submission: state")
+        data = unpack_tensors(payload.get("data"), "submission: data")
+        check_submission(graph, state, data, spec)
+        job_id = secrets.token_hex(6)
+        store = self.broker.store
+        store.create_job(job_id, spec.name, steps=spec.step_count, submitter=context.remote_peer)
+        job = SubmittedJob(
+            job_id=job_id,
+            spec=spec,
+            ir=bytes(payload["ir"]),
+            graph=graph,
+            state=state,
+            data=data,
+            submitter=context.remote_peer,
+        )
+        run = JobRun(self.broker, job, self.jobs_dir / job_id)
+        self.runs[job_id] = run
+        if isinstance(request_id, str) and len(request_id) <= 64:
+            self._requests[request_id] = job_id
+        task = asyncio.get_running_loop().create_task(run.run(), name=f"job-{job_id}")
+        self._tasks[job_id] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(job_id, None))
+        log.info(
+            "job %s (%s, %s, %d steps) accepted from %s",
+            job_id,
+            spec.name,
+            spec.task,
+            spec.step_count,
+            context.remote_peer,
+        )
+        return {"job_id": job_id, "steps": spec.step_count}
+
+    async def rpc_job_status(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        """The job's row, its per-step metrics from index ``since`` on, and where it runs."""
+        job_id = _job_id(payload)
+        row = self.broker.store.get_job(job_id)
+        since = payload.get("since", 0)
+        if not isinstance(since, int) or since < 0:
+            since = 0
+        run = self.runs.get(job_id)
+        return {
+            "job": row,
+            "metrics": [] if run is None else run.progress.metrics[since:],
+            "placement": [] if run is None else run.progress.placement,
+            "refused_frames": 0 if run is None else run.progress.refused_frames,
+        }
+
+    async def rpc_job_results(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        """The result files of a finished job (interface.md), as bytes by file name."""
+        job_id = _job_id(payload)
+        row = self.broker.store.get_job(job_id)
+        if row["state"] != "SUCCEEDED":
+            raise JobError(f"job {job_id} is {row['state']}; results exist only for SUCCEEDED jobs")
+        folder = self.jobs_dir / job_id
+        files = {}
+        for name in RESULT_FILES:
+            path = folder / name
+            if path.is_file():
+                files[name] = await asyncio.to_thread(path.read_bytes)
+        return {"files": files}
+
+
+def _job_id(payload: dict[str, Any]) -> str:
+    job_id = payload.get("job_id")
+    if not isinstance(job_id, str) or not job_id.isalnum() or len(job_id) > 64:
+        raise JobError(f"job_id must be an alphanumeric string, got {job_id!r}")
+    return job_id
+
+
+def make_service(broker: Any) -> JobService:
+    return JobService(broker)

@@ -1,0 +1,38 @@
+"""``fusionnet submit JOB.yaml --initial-peers MADDR... --output DIR``: run a job on a swarm."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "submit",
+        help="trace a job locally, run it on the swarm, download its results",
+        description="Traces the model of JOB.yaml on this machine, submits the IR, initial weights and data "
+        "to the swarm's broker, shows a progress bar (step, loss, samples/s) and writes the result files "
+        "(weights/grads/outputs.safetensors, metrics.jsonl, plan.json) to --output. Exit 0 on success; "
+        "non-zero with a one-line reason on failure.",
+    )
+    p.add_argument("job", type=Path, help="job definition file (YAML)")
+    p.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="MADDR",
+        help="multiaddrs of any swarm members (e.g. the broker's address file lines)",
+    )
+    p.add_argument("--output", type=Path, required=True, metavar="DIR", help="directory for the result files")
+    p.add_argument("--timeout", type=float, default=None, metavar="S", help="give up after S seconds")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fusionnet.runtime.submit import submit_and_wait, summary
+
+    outcome = asyncio.run(submit_and_wait(args.job, args.initial_peers, args.output, timeout=args.timeout))
+    print(summary(outcome))
+    return 0

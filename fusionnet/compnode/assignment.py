@@ -1,0 +1,238 @@
+"""One job's sub-DAG on a compnode: decoded and checked IR, rebuilt executor, network channel, data.
+
+Built from the broker's ``assign`` message (see ``fusionnet.broker.jobrun``), which carries the whole
+IR, the node -> sub-DAG assignment, this node's sub-DAG index, the job's peers (peer id and data-path
+address per sub-DAG), a fresh per-job key for the data path, this sub-DAG's initial state, the dataset
+fields its placeholders read, and the ``RunSpec``. Every part is validated before anything runs: the IR
+by the codec (allowlisted ops only), the partition by ``build_partition``, the state against the IR's
+parameter table, the data against the run spec.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from fusionnet.compnode.netchannel import NetChannel, check_against_meta
+from fusionnet.dag.channel import MessageKey
+from fusionnet.dag.codec import decode_ir
+from fusionnet.dag.executor import StepReport, SubDagExecutor
+from fusionnet.dag.ir import IRGraph, dtype_name
+from fusionnet.dag.partition import SubDag, build_partition
+from fusionnet.errors import JobError, WireError
+from fusionnet.job.optim import build_optimizers, resolve_param_optimizers
+from fusionnet.runtime.blobs import pack_tensors, unpack_tensors
+from fusionnet.runtime.jobwire import RunSpec, select_fields
+from fusionnet.wire.frames import TensorFrame
+
+log = logging.getLogger("fusionnet.compnode.assignment")
+
+SendFrame = Callable[[str, str | None, TensorFrame, bytes], Awaitable[str]]  # -> path used
+
+
+@dataclass
+class JobPeer:
+    peer_id: str
+    data_address: str | None
+
+
+@dataclass
+class JobAssignment:
+    job_id: str
+    broker: str  # the peer that assigned the job: the only one that may drive or release it
+    spec: RunSpec
+    graph: IRGraph
+    subdag: SubDag
+    peers: list[JobPeer]
+    key: bytes
+    fields: dict[str, torch.Tensor]
+    executor: SubDagExecutor
+    channel: NetChannel
+    example_batch: int
+    steps_done: set[int] = field(default_factory=set)
+    last_report: StepReport | None = None
+    last_reply: dict[str, Any] | None = None  # answer to the last step, for a repeated request
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def index(self) -> int:
+        return self.subdag.index
+
+    def allowed_senders(self) -> list[str]:
+        return [p.peer_id for i, p in enumerate(self.peers) if i != self.index]
+
+    async def run_step(self, step: int) -> StepReport:
+        wanted = {self.graph.node(p).target for p in self.subdag.placeholders}
+        data = select_fields(self.fields, wanted, self.spec, step)
+        report = await self.executor.run_step(step, data, self.spec.microbatch_sizes(step))
+        self.channel.mailbox.forget_step(step)
+        self.steps_done.add(step)
+        self.last_report = report
+        return report
+
+    def validate(self, src: int, key: MessageKey, value: Any) -> None:
+        """Checks a received value against the IR: an activation must look like the producer's output,
+        a gradient list like the flattened value it is the gradient of (``None`` allowed per part)."""
+        kind, _step, _mb, node_name = key
+        try:
+            node = self.graph.node(node_name)
+        except KeyError:
+            raise WireError(f"sub-DAG {src} sent a value for unknown node {node_name!r}") from None
+        where = f"{kind} {node_name!r} from sub-DAG {src}"
+        if kind == "act":
+            if node_name not in self.subdag.outer_required or self.subdag.sources.get(node_name) != src:
+                raise WireError(f"{where}: this sub-DAG does not read that value from that sub-DAG")
+            check_against_meta(value, node.meta, self.example_batch, where)
+            return
+        if node_name not in self.subdag.outwards or src not in self.subdag.consumers.get(node_name, ()):
+            raise WireError(f"{where}: that sub-DAG does not consume this value")
+        metas = _flatten_meta(node.meta)
+        parts, _ = tree_flatten(value)
+        if len(parts) != len(metas):
+            raise WireError(f"{where}: {len(parts)} gradient parts, expected {len(metas)}")
+        for i, (g, m) in enumerate(zip(parts, metas)):
+            if g is not None:
+                check_against_meta(g, m, self.example_batch, f"{where}[{i}]")
+
+    def state_blob(self) -> bytes:
+        return pack_tensors(self.executor.state())
+
+    def grads_blob(self) -> bytes:
+        return pack_tensors(self.executor.gradients())
+
+
+def _flatten_meta(meta: Any) -> list[Any]:
+    if isinstance(meta, dict) and "$seq" in meta:
+        return [m for child in meta["$seq"] for m in _flatten_meta(child)]
+    return [meta]
+
+
+def _peers(doc: object) -> list[JobPeer]:
+    if not isinstance(doc, list) or not doc or len(doc) > 4096:
+        raise JobError("assign: peers must be a non-empty list")
+    peers = []
+    for i, p in enumerate(doc):
+        if not isinstance(p, dict) or not isinstance(p.get("peer_id"), str):
+            raise JobError(f"assign: peers[{i}] must be a map with a peer_id")
+        address = p.get("data_address")
+        if address is not None and not isinstance(address, str):
+            raise JobError(f"assign: peers[{i}].data_address must be HOST:PORT or null")
+        peers.append(JobPeer(p["peer_id"], address))
+    return peers
+
+
+def build_assignment(
+    payload: dict[str, Any],
+    *,
+    own_peer_id: str,
+    broker: str,
+    send: Callable[[int, TensorFrame], Awaitable[None]],
+) -> JobAssignment:
+    """Validates an ``assign`` message and builds the executor. Raises ``JobError``/``IRError``/
+    ``WireError``/``PartitionError`` with a message naming the bad part; nothing is kept on failure."""
+    job_id = payload.get("job_id")
+    if not isinstance(job_id, str) or not 0 < len(job_id) <= 64:
+        raise JobError("assign: job_id must be a string of 1..64 characters")
+    spec = RunSpec.parse(payload.get("spec"))
+    ir = payload.get("ir")
+    if not isinstance(ir, bytes):
+        raise JobError(f"assign {job_id}: ir must be bytes")
+    graph = decode_ir(ir)
+    assignment = payload.get("assignment")
+    if not isinstance(assignment, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in assignment.items()
+    ):
+        raise JobError(f"assign {job_id}: assignment must map node names to sub-DAG indices")
+    partition = build_partition(graph, assignment)
+    index = payload.get("subdag")
+    if not isinstance(index, int) or not 0 <= index < len(partition.subdags):
+        raise JobError(f"assign {job_id}: subdag must be in 0..{len(partition.subdags) - 1}")
+    peers = _peers(payload.get("peers"))
+    if len(peers) != len(partition.subdags):
+        raise JobError(f"assign {job_id}: {len(peers)} peers for {len(partition.subdags)} sub-DAGs")
+    if peers[index].peer_id != own_peer_id:
+        raise JobError(f"assign {job_id}: sub-DAG {index} is for {peers[index].peer_id}, not this node")
+    key = payload.get("key")
+    if not isinstance(key, bytes) or len(key) < 16:
+        raise JobError(f"assign {job_id}: key must be at least 16 random bytes")
+    subdag = partition.subdags[index]
+    state = unpack_tensors(payload.get("state"), f"assign {job_id}: state")
+    _check_state(graph, subdag, state, job_id)
+    fields = unpack_tensors(payload.get("data"), f"assign {job_id}: data")
+    _check_fields(graph, subdag, fields, spec, job_id)
+    example_batch = spec.microbatch_sizes(0)[0]
+
+    holder: dict[str, JobAssignment] = {}
+    channel = NetChannel(
+        job_id=job_id,
+        peer_id=own_peer_id,
+        subdag_of_peer={p.peer_id: i for i, p in enumerate(peers) if i != index},
+        send_frame=send,
+        validate=lambda src, k, v: holder["a"].validate(src, k, v),
+    )
+    opt_spec = spec.optimizer_spec()
+    make_optimizers = None
+    if spec.task == "train" and opt_spec is not None:
+
+        def make_optimizers(named: dict[str, torch.nn.Parameter]) -> list[torch.optim.Optimizer]:
+            return build_optimizers(named, resolve_param_optimizers(opt_spec, list(named)))
+
+    executor = SubDagExecutor(
+        graph,
+        subdag,
+        state,
+        channel,
+        task=spec.task,
+        make_optimizers=make_optimizers,
+        loss_reduction=spec.loss_reduction,
+    )
+    job = JobAssignment(
+        job_id=job_id,
+        broker=broker,
+        spec=spec,
+        graph=graph,
+        subdag=subdag,
+        peers=peers,
+        key=key,
+        fields=fields,
+        executor=executor,
+        channel=channel,
+        example_batch=example_batch,
+    )
+    holder["a"] = job
+    return job
+
+
+def _check_state(graph: IRGraph, subdag: SubDag, state: dict[str, torch.Tensor], job_id: str) -> None:
+    for k in (*subdag.params, *subdag.buffers):
+        if k not in state:
+            raise JobError(f"assign {job_id}: state lacks {k!r} of sub-DAG {subdag.index}")
+        want = graph.params.get(k) or graph.buffers.get(k)
+        if want is not None and (
+            list(state[k].shape) != list(want["shape"]) or dtype_name(state[k].dtype) != want["dtype"]
+        ):
+            raise JobError(
+                f"assign {job_id}: state {k!r} is {dtype_name(state[k].dtype)}{list(state[k].shape)}, "
+                f"the IR says {want['dtype']}{want['shape']}"
+            )
+
+
+def _check_fields(
+    graph: IRGraph, subdag: SubDag, fields: dict[str, torch.Tensor], spec: RunSpec, job_id: str
+) -> None:
+    wanted = {graph.node(p).target for p in subdag.placeholders}
+    for name in wanted:
+        if name not in fields:
+            raise JobError(f"assign {job_id}: data lacks field {name!r} read by sub-DAG {subdag.index}")
+    for name, t in fields.items():
+        if t.dim() == 0 or t.shape[0] != spec.n_samples:
+            raise JobError(
+                f"assign {job_id}: data field {name!r} has {t.shape[0] if t.dim() else 0} samples, "
+                f"the run spec says {spec.n_samples}"
+            )

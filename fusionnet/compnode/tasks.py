@@ -1,0 +1,217 @@
+"""Sub-task execution on a compnode (FusionAI 3.6): the service behind the broker's ``assign``,
+``step``, ``collect`` and ``release`` calls, and the data path its executors talk over.
+
+The data path is a direct TCP server (``fusionnet.wire.DataPathServer``) announced in the compnode's
+record, with hivemind P2P streams as the fallback when a peer's TCP address cannot be reached. Frames
+are authenticated with the per-job key the broker hands out in ``assign``, and only the job's other
+compnodes may send: anything else is refused and counted, and the job goes on.
+
+Only the peer that assigned a job may drive it (``step``), read it (``collect``) or end it
+(``release``); a call about a job from anyone else is refused with a ``JobError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from torch.utils._pytree import tree_flatten
+
+from fusionnet.compnode.assignment import JobAssignment, build_assignment
+from fusionnet.compnode.daemon import CompnodeDaemon
+from fusionnet.errors import JobError
+from fusionnet.rpc.server import RPCContext
+from fusionnet.runtime.blobs import pack_tensors
+from fusionnet.wire.datapath import DataPathClient, DataPathServer
+from fusionnet.wire.frames import TensorFrame
+from fusionnet.wire.refusal import PeerUnreachable
+
+log = logging.getLogger("fusionnet.compnode.tasks")
+
+MAX_JOBS = 16  # assignments held at once; a broker gone wild cannot exhaust our memory
+
+
+class SubtaskService:
+    name = "subtasks"
+
+    def __init__(self, compnode: CompnodeDaemon) -> None:
+        self.node = compnode
+        self.jobs: dict[str, JobAssignment] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.server: DataPathServer | None = None
+        self.client: DataPathClient | None = None
+        self.p2p: Any = None  # P2PDataPath, imported lazily (hivemind import cost)
+        self._tcp_down: set[str] = set()  # peers whose TCP address failed: use P2P for them
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        from fusionnet.wire.p2p_path import P2PDataPath
+
+        settings = self.node.settings
+        self.server = DataPathServer(peer_id=self.node.peer_id)
+        host, port = await self.server.start(settings.data_host, settings.data_port)
+        self.client = DataPathClient(peer_id=self.node.peer_id)
+        assert self.node.peer is not None
+        self.p2p = P2PDataPath(self.node.peer.p2p, self.node.peer_id)
+        await self.p2p.start()
+        self.node.set_data_path_address(f"{host}:{port}")
+
+    async def stop(self) -> None:
+        for job_id in list(self.jobs):
+            self._release(job_id, "the compnode is shutting down")
+        if self.client is not None:
+            await self.client.close()
+        if self.p2p is not None:
+            await self.p2p.stop()
+        if self.server is not None:
+            await self.server.stop()
+
+    # ---- transport -------------------------------------------------------------------------------
+    async def _send(self, job: JobAssignment, dst: int, frame: TensorFrame) -> None:
+        peer = job.peers[dst]
+        nbytes = frame.tensor.numel() * frame.tensor.element_size()
+        if peer.data_address and peer.peer_id not in self._tcp_down:
+            assert self.client is not None
+            try:
+                await self.client.send(peer.data_address, frame, job.key)
+                self.node.metrics.count_data("tcp", "sent", nbytes)
+                return
+            except PeerUnreachable as e:
+                log.warning("job %s: TCP to %s failed (%s); using P2P streams", job.job_id, peer.peer_id, e)
+                self._tcp_down.add(peer.peer_id)
+        await self.p2p.send(peer.peer_id, frame, job.key)
+        self.node.metrics.count_data("p2p", "sent", nbytes)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _job(self, payload: dict[str, Any], context: RPCContext) -> JobAssignment:
+        job_id = payload.get("job_id")
+        job = self.jobs.get(job_id) if isinstance(job_id, str) else None
+        if job is None:
+            raise JobError(f"no job {job_id!r} is assigned to this compnode")
+        if context.remote_peer != job.broker:
+            raise JobError(
+                f"job {job_id} was assigned by {job.broker}; {context.remote_peer} may not drive it"
+            )
+        return job
+
+    def _release(self, job_id: str, why: str) -> None:
+        job = self.jobs.pop(job_id, None)
+        self._locks.pop(job_id, None)
+        if job is None:
+            return
+        for path in (self.server, self.p2p):
+            if path is not None:
+                path.unregister_job(job_id)
+        job.channel.mailbox.fail_all(JobError(f"job {job_id} was released: {why}"))
+        self._set_load()
+        log.info("job %s: released (%s)", job_id, why)
+
+    def _set_load(self) -> None:
+        self.node.set_load(load=min(1.0, len(self.jobs) / MAX_JOBS), running_tasks=len(self.jobs))
+
+    def _refused(self, job_id: str) -> int:
+        total = 0
+        for path in (self.server, self.p2p):
+            stats = None if path is None else path.stats.get(job_id)
+            total += 0 if stats is None else stats.refused_total
+        job = self.jobs.get(job_id)
+        return total + (job.channel.refused if job else 0)
+
+    # ---- RPC -------------------------------------------------------------------------------------
+    async def rpc_assign(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        job_id = payload.get("job_id")
+        if isinstance(job_id, str) and job_id in self.jobs:
+            held = self.jobs[job_id]
+            if held.broker == context.remote_peer and payload.get("subdag") == held.index:
+                return {"subdag": held.index, "nodes": len(held.subdag.nodes)}  # a repeated request
+            raise JobError(f"job {job_id} is already assigned here")
+        if len(self.jobs) >= MAX_JOBS:
+            raise JobError(f"this compnode already runs {MAX_JOBS} jobs")
+        holder: dict[str, JobAssignment] = {}
+
+        async def send(dst: int, frame: TensorFrame) -> None:
+            await self._send(holder["job"], dst, frame)
+
+        job = await asyncio.to_thread(
+            build_assignment, payload, own_peer_id=self.node.peer_id, broker=context.remote_peer, send=send
+        )
+        holder["job"] = job
+        allowed = job.allowed_senders()
+        for path in (self.server, self.p2p):
+            assert path is not None
+            path.register_job(job.job_id, job.key, allowed, job.channel.on_frame)
+        self.jobs[job.job_id] = job
+        self._locks[job.job_id] = asyncio.Lock()
+        self._set_load()
+        log.info(
+            "job %s: sub-DAG %d assigned by %s (%d nodes, %d parameters)",
+            job.job_id,
+            job.index,
+            context.remote_peer,
+            len(job.subdag.nodes),
+            len(job.subdag.params),
+        )
+        return {"subdag": job.index, "nodes": len(job.subdag.nodes)}
+
+    async def rpc_step(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        """Runs one GPipe step (FP of every micro-batch, BP, Update) of the caller's job."""
+        job = self._job(payload, context)
+        step = payload.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise JobError(f"job {job.job_id}: step must be an integer")
+        async with self._locks[job.job_id]:
+            if step in job.steps_done:
+                if job.last_reply is not None and job.last_reply["step"] == step:
+                    return job.last_reply  # a repeated request whose answer was lost on the way
+                raise JobError(f"job {job.job_id}: step {step} already ran on sub-DAG {job.index}")
+            try:
+                report = await job.run_step(step)
+            except Exception:
+                self.node.metrics.count_subtask("failed")
+                raise
+        for phase, seconds in (
+            ("fp", report.fp_seconds),
+            ("bp", report.bp_seconds),
+            ("update", report.update_seconds),
+        ):
+            if job.spec.task != "infer" or phase == "fp":
+                self.node.metrics.observe_compute(phase, seconds)
+        self.node.metrics.count_subtask("succeeded")
+        reply: dict[str, Any] = {
+            "step": step,
+            "loss": report.loss,
+            "fp_seconds": report.fp_seconds,
+            "bp_seconds": report.bp_seconds,
+            "update_seconds": report.update_seconds,
+            "refused": self._refused(job.job_id),
+            "outputs": None,
+        }
+        if report.outputs:
+            tensors = {}
+            for mb, value in enumerate(report.outputs):
+                for i, leaf in enumerate(tree_flatten(value)[0]):
+                    tensors[f"{mb}/{i}"] = leaf
+            reply["outputs"] = pack_tensors(tensors)
+        job.last_reply = reply
+        return reply
+
+    async def rpc_collect(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        """The sub-DAG's current parameters and buffers, and (task grad) the last step's gradients."""
+        job = self._job(payload, context)
+        reply: dict[str, Any] = {"state": job.state_blob(), "grads": None}
+        if job.spec.task == "grad":
+            reply["grads"] = job.grads_blob()
+        return reply
+
+    async def rpc_release(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        if payload.get("job_id") not in self.jobs:
+            return {"released": False, "refused": 0}  # released already (a repeated request) or never here
+        job = self._job(payload, context)
+        refused = self._refused(job.job_id)
+        self._release(job.job_id, str(payload.get("reason", "done"))[:200])
+        return {"released": True, "refused": refused}
+
+
+def make_service(compnode: CompnodeDaemon) -> SubtaskService:
+    return SubtaskService(compnode)

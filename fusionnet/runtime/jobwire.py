@@ -1,0 +1,105 @@
+"""What travels with a job between ``submit``, the broker and compnodes, validated on arrival.
+
+A job on the wire is: the IR (msgpack bytes, ``fusionnet.dag.codec``), the initial state and the
+dataset (safetensors bytes, ``blobs``), and a ``RunSpec``: the few job-file settings the execution
+plane needs. Everything a peer sends is checked here with pydantic (strict, unknown keys refused)
+before anything acts on it; the model's code itself never travels (the IR does).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fusionnet.errors import JobError
+from fusionnet.job.batches import batch_indices, infer_batches, split_microbatches
+from fusionnet.job.loader import LoadedJob
+from fusionnet.job.schema import OptimizerSpec
+
+MAX_STEPS = 10_000_000
+
+
+class RunSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=200)
+    task: Literal["train", "grad", "infer"]
+    batch_size: int = Field(ge=1, le=1 << 24)
+    microbatches: int = Field(ge=1, le=1 << 16)
+    steps: int = Field(ge=1, le=MAX_STEPS)
+    n_samples: int = Field(ge=1, le=1 << 40)
+    loss_reduction: Literal["mean", "sum", "none"] = "mean"
+    compnodes: int = Field(ge=1, le=4096)
+    optimizer: dict[str, Any] | None = None  # an OptimizerSpec document, re-validated by ``optimizer_spec``
+
+    def optimizer_spec(self) -> OptimizerSpec | None:
+        if self.optimizer is None:
+            return None
+        try:
+            return OptimizerSpec.model_validate(self.optimizer)
+        except (ValidationError, ValueError) as e:
+            raise JobError(f"job {self.name!r}: optimizer: {_first_error(e)}") from None
+
+    @property
+    def step_count(self) -> int:
+        """Steps actually run: ``steps`` for train/grad, one pass over the data for infer."""
+        if self.task == "infer":
+            return len(infer_batches(self.n_samples, self.batch_size))
+        return self.steps
+
+    def microbatch_slices(self, step: int) -> tuple[Any, list[slice]]:
+        """Sample indices of ``step`` and their micro-batch slices (interface.md semantics)."""
+        if not 0 <= step < self.step_count:
+            raise JobError(f"job {self.name!r}: step {step} outside 0..{self.step_count - 1}")
+        if self.task == "infer":
+            idx = infer_batches(self.n_samples, self.batch_size)[step]
+        else:
+            idx = batch_indices(step, self.batch_size, self.n_samples)
+        return idx, split_microbatches(len(idx), min(self.microbatches, len(idx)))
+
+    def microbatch_sizes(self, step: int) -> list[int]:
+        idx, slices = self.microbatch_slices(step)
+        return [len(idx[s]) for s in slices]
+
+    @classmethod
+    def parse(cls, doc: object) -> RunSpec:
+        if not isinstance(doc, dict):
+            raise JobError(f"run spec must be a map, got {type(doc).__name__}")
+        try:
+            spec = cls.model_validate(doc)
+        except ValidationError as e:
+            raise JobError(f"run spec: {_first_error(e)}") from None
+        spec.optimizer_spec()
+        if spec.task == "train" and spec.optimizer is None:
+            raise JobError(f"job {spec.name!r}: task train needs an optimizer")
+        return spec
+
+
+def run_spec_of(job: LoadedJob, loss_reduction: str) -> RunSpec:
+    spec = job.spec
+    return RunSpec(
+        name=spec.name,
+        task=spec.task,
+        batch_size=spec.data.batch_size,
+        microbatches=spec.data.microbatches,
+        steps=spec.steps,
+        n_samples=int(job.inputs.shape[0]),
+        loss_reduction=loss_reduction,  # type: ignore[arg-type]
+        compnodes=spec.placement.compnodes,
+        optimizer=None if spec.optimizer is None else spec.optimizer.model_dump(mode="json"),
+    )
+
+
+def select_fields(fields: dict[str, Any], wanted: set[str], spec: RunSpec, step: int) -> list[dict[str, Any]]:
+    """The dataset ``fields`` a sub-DAG reads (``wanted``), cut into ``step``'s micro-batches."""
+    idx, slices = spec.microbatch_slices(step)
+    return [{k: fields[k][idx[s]] for k in wanted if k in fields} for s in slices]
+
+
+def _first_error(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ())) or "(root)"
+        return f"{where}: {err.get('msg', 'invalid')}"
+    return str(e)

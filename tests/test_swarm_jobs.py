@@ -1,0 +1,217 @@
+"""Jobs on a real swarm: a broker and compnodes as separate processes over hivemind, jobs submitted with
+``fusionnet submit``; results must equal ``run --local`` and plain PyTorch.
+
+One swarm (broker + 3 compnodes) serves the whole module; tests that change membership start their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fusionnet.job.loader import load_job
+from fusionnet.reference import run_reference
+from fusionnet.runtime.local import run_local
+from fusionnet.wire.datapath import DataPathClient
+from fusionnet.wire.frames import TensorFrame
+from tests.jobfiles import example_job
+from tests.swarm_utils import REPO, Observer, Swarm, running_swarm, wait_until
+
+pytestmark = pytest.mark.swarm
+TOL = 1e-5
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b), f"keys differ: {sorted(set(a) ^ set(b))}"
+    return max(((a[k].double() - b[k].double()).abs().max().item() for k in a), default=0.0)
+
+
+def _online(observer: Observer, n: int) -> None:
+    def ready() -> bool:
+        st = observer.broker_status()
+        return sum(1 for c in st["compnodes"] if c["state"] == "ONLINE" and c["data_path_address"]) >= n
+
+    wait_until(ready, 60, f"{n} compnodes ONLINE at the broker")
+
+
+def _submit_cmd(job: Path, swarm: Swarm, out: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "fusionnet.cli.main", "submit", str(job),
+        "--initial-peers", *swarm.initial_peers, "--output", str(out), "--timeout", "240",
+    ]  # fmt: skip
+
+
+def _submit(job: Path, swarm: Swarm, out: Path) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        _submit_cmd(job, swarm, out), capture_output=True, text=True, cwd=REPO, timeout=300, env=_env()
+    )
+    assert done.returncode == 0, f"submit failed:\n{done.stdout}\n{done.stderr}\n{swarm.dump_logs()[-6000:]}"
+    return done
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, Observer]]:
+    with running_swarm(tmp_path_factory.mktemp("swarm"), [{}, {}, {}]) as swarm:
+        observer = Observer(swarm.initial_peers)
+        try:
+            _online(observer, 3)
+            yield swarm, observer
+        finally:
+            observer.close()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "example,overrides",
+    [
+        ("mlp", {"steps": 4, "placement": {"compnodes": 3}}),
+        ("figure3", {"steps": 3}),
+        ("gpt", {"steps": 3, "optimizer": {"name": "sgd", "lr": 0.05, "kwargs": {"momentum": 0.9}}}),
+        ("figure3", {"task": "grad", "steps": 2}),
+        ("mlp", {"task": "infer", "placement": {"compnodes": 3}}),
+    ],
+)
+def test_submitted_job_equals_local_run_and_plain_pytorch(
+    swarm: tuple[Swarm, Observer], example: str, overrides: dict, tmp_path: Path
+) -> None:
+    sw, _ = swarm
+    job_path = example_job(example, tmp_path, **overrides)
+    try:
+        out = tmp_path / "out"
+        done = _submit(job_path, sw, out)
+        assert "SUCCEEDED" in done.stdout
+        job = load_job(job_path)
+        local = run_local(load_job(job_path), job.spec.placement.compnodes)
+        ref = run_reference(job)
+    finally:
+        job_path.unlink()
+    task = job.spec.task
+    if task == "infer":
+        got = load_file(out / "outputs.safetensors")["outputs"]
+        assert (got - ref.outputs).abs().max().item() <= TOL
+        assert (got - local.outputs).abs().max().item() <= TOL
+        return
+    weights = load_file(out / "weights.safetensors")
+    assert sorted(weights) == sorted(job.model.state_dict())  # safetensors files keep keys sorted
+    assert _max_diff(weights, ref.weights) <= TOL
+    assert _max_diff(weights, local.weights) <= TOL  # compnodes run 1 thread: reductions may differ
+    if task == "grad":
+        grads = load_file(out / "grads.safetensors")
+        assert _max_diff(grads, ref.grads) <= TOL
+    import json
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(job.spec.steps))
+    assert all(abs(r["loss"] - want) <= 1e-5 for r, want in zip(rows, ref.losses))
+    plan = json.loads((out / "plan.json").read_text())
+    assert len({s["compnode"] for s in plan["subdags"]}) == len(plan["subdags"])
+    assert all(s["measured_seconds"] > 0 for s in plan["subdags"])
+
+
+@pytest.mark.timeout(300)
+def test_foreign_and_malformed_frames_are_refused_while_the_job_completes(
+    swarm: tuple[Swarm, Observer], tmp_path: Path
+) -> None:
+    sw, observer = swarm
+    # SGD: AdamW turns rounding-size differences into lr-size ones over 25 steps (see test_exactness).
+    sgd = {"name": "sgd", "lr": 0.05, "kwargs": {"momentum": 0.9}}
+    job_path = example_job("gpt", tmp_path, steps=25, optimizer=sgd)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        _submit_cmd(job_path, sw, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        broker = sw.broker.peer_id
+
+        def running_job() -> dict | None:
+            jobs = [j for j in observer.broker_status()["jobs"] if j["state"] == "RUNNING"]
+            return jobs[0] if jobs else None
+
+        job = wait_until(running_job, 120, "the job RUNNING")
+        addresses = [
+            c["data_path_address"] for c in observer.broker_status()["compnodes"] if c["data_path_address"]
+        ]
+
+        async def attack() -> None:
+            rogue = DataPathClient(peer_id="QmRogueRogueRogueRogueRogueRogueRogueRogueRogue1")
+            try:
+                for address in addresses:
+                    frame = TensorFrame(
+                        job_id=job["job_id"], sender=rogue.peer_id, kind="act", step=0, microbatch=0,
+                        name="x", tensor=torch.ones(4, 4),
+                    )  # fmt: skip
+                    await rogue.send(address, frame, secrets.token_bytes(32))
+            finally:
+                await rogue.close()
+
+        refused = 0
+        deadline = time.monotonic() + 60
+        while refused == 0 and time.monotonic() < deadline:
+            asyncio.run(attack())
+            for address in addresses:  # garbage straight onto the socket
+                host, port = address.rsplit(":", 1)
+                with socket.create_connection((host, int(port)), timeout=5) as s:
+                    s.sendall(b"GARBAGE" * 100)
+            status = observer.call(broker, "job_status", {"job_id": job["job_id"]})
+            refused = status["refused_frames"]
+            if status["job"]["state"] != "RUNNING":
+                break
+        stdout, stderr = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"{stdout}\n{stderr}"
+        assert refused > 0, "no compnode reported the foreign frames as refused"
+        logs = sw.dump_logs()
+        assert "refused a frame" in logs
+        job_spec = load_job(job_path)
+        ref = run_reference(job_spec)
+        assert _max_diff(load_file(out / "weights.safetensors"), ref.weights) <= TOL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        job_path.unlink()
+
+
+@pytest.mark.timeout(300)
+def test_late_compnode_is_used_by_the_next_job_and_a_leaver_shows_offline(tmp_path: Path) -> None:
+    with running_swarm(tmp_path / "swarm", [{}]) as sw:
+        observer = Observer(sw.initial_peers)
+        try:
+            _online(observer, 1)
+            job_path = example_job("mlp", tmp_path, steps=2, placement={"compnodes": 2})
+            try:
+                _submit(job_path, sw, tmp_path / "one")
+                late = sw.add_compnode("late")
+                _online(observer, 2)
+                _submit(job_path, sw, tmp_path / "two")
+            finally:
+                job_path.unlink()
+            import json
+
+            first = json.loads((tmp_path / "one" / "plan.json").read_text())
+            second = json.loads((tmp_path / "two" / "plan.json").read_text())
+            assert len(first["subdags"]) == 1
+            assert late.peer_id in {s["compnode"] for s in second["subdags"]}
+            late.stop()  # SIGTERM: graceful leave
+
+            def offline() -> bool:
+                st = observer.broker_status()
+                return any(c["peer_id"] == late.peer_id and c["state"] == "OFFLINE" for c in st["compnodes"])
+
+            wait_until(offline, 5.0, "the leaver OFFLINE at the broker")  # refresh period is 1 s
+        finally:
+            observer.close()
