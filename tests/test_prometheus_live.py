@@ -321,7 +321,19 @@ def submit_job_for_metrics(swarm: Swarm, workdir: Path) -> tuple[str, int] | Non
     """JOB PART of ``test_real_swarm_is_scraped``: run a small job on ``swarm`` to completion (``fusionnet
     submit``) and return (job id, steps completed), or None while job submission is not wired into these
     tests; the test then checks the job series with ``assert_job_series``."""
-    return None
+    import asyncio
+
+    from fusionnet.runtime.submit import submit_and_wait
+    from tests.jobfiles import example_job
+
+    job_path = example_job("mlp", workdir, steps=6, placement={"compnodes": 2})
+    try:
+        outcome = asyncio.run(
+            submit_and_wait(job_path, swarm.initial_peers, workdir / "job-out", timeout=240)
+        )
+    finally:
+        job_path.unlink()
+    return outcome.job_id, len(outcome.metrics)
 
 
 def assert_job_series(prom: Prometheus, job_id: str, steps: int) -> None:

@@ -12,14 +12,18 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "plan",
         help="print the sub-DAG plan and predicted step time without running anything",
-        description="Traces JOB.yaml, cuts it into sub-DAGs and prints FusionAI's Table 3 for the plan "
-        "with the performance model's predictions. With --nodes, plans for the swarm described in "
-        "NODES.yaml (devices from the catalog or explicit specs) instead of placement.compnodes local "
-        "CPU compnodes.",
+        description="Traces JOB.yaml, lets the scheduler cut it into sub-DAGs and place them, and prints "
+        "FusionAI's Table 3 for the plan with the performance model's predictions: FP, BP and Update "
+        "seconds per sub-DAG, memory per device, the bottleneck and the predicted step time. With --nodes, "
+        "plans for the swarm described in NODES.yaml (catalog devices such as 'RTX 3080' or explicit "
+        "specs, and the network; see README); without it, for placement.compnodes compnodes like this "
+        "machine (profiled once in a few seconds, then cached under ~/.cache/fusionnet) on loopback links.",
     )
     p.add_argument("job", type=Path, help="job definition file (YAML)")
     p.add_argument("--nodes", type=Path, metavar="NODES.yaml", help="swarm to plan for (see README)")
-    p.add_argument("--json", type=Path, metavar="FILE", help="also write the plan as JSON to FILE")
+    p.add_argument(
+        "--json", type=Path, metavar="FILE", help="also write the plan as JSON to FILE (plan.json's format)"
+    )
     p.set_defaults(func=run)
 
 

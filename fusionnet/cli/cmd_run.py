@@ -14,7 +14,9 @@ def add_parser(subparsers: Any) -> None:
         help="run a job in one process on N virtual compnodes (debugging, dry runs)",
         description="Runs JOB.yaml in this process on N virtual compnodes: the same tracer, planner and "
         "executor as the swarm, with an in-memory channel instead of the network. Writes the result files "
-        "(weights/grads/outputs.safetensors, metrics.jsonl, plan.json) to --output.",
+        "(weights/grads/outputs.safetensors, metrics.jsonl, plan.json) to --output. plan.json holds each "
+        "sub-DAG's measured FP+BP+Update seconds per step next to the performance model's prediction for "
+        "this machine (profiled once, a few seconds, then cached) and the relative error.",
     )
     p.add_argument("job", type=Path, help="job definition file (YAML)")
     p.add_argument(
@@ -22,6 +24,11 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--output", type=Path, required=True, metavar="DIR", help="directory for the result files")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    p.add_argument(
+        "--no-predict",
+        action="store_true",
+        help="skip the performance model's predictions (and the one-time profiling of this machine)",
+    )
     p.set_defaults(func=run)
 
 
@@ -45,6 +52,19 @@ def run(args: argparse.Namespace) -> int:
         rate = row["samples"] / row["seconds"] if row["seconds"] > 0 else float("inf")
         print(f"step {row['step'] + 1}{loss} samples/s={rate:.1f}", file=sys.stderr)
 
-    run_local(job, args.local, args.output, prepared=prepared, on_step=progress)
+    device = None
+    if not args.no_predict:
+        from fusionnet.runtime.planning import local_device_spec
+
+        device = local_device_spec()
+    result = run_local(job, args.local, args.output, prepared=prepared, on_step=progress, device=device)
+    if not args.quiet and result.predicted_seconds is not None:
+        for i, measured in sorted(result.measured_seconds.items()):
+            predicted = result.predicted_seconds.get(i)
+            error = f"{(predicted - measured) / measured:+.0%}" if predicted is not None and measured else "-"
+            print(
+                f"sub-DAG {i}: measured {measured * 1e3:.3f} ms/step, predicted "
+                f"{(predicted or 0.0) * 1e3:.3f} ms/step ({error})"
+            )
     print(f"results written to {args.output}")
     return 0

@@ -2,11 +2,17 @@
 
 Same tracer, partitioner and executor as the swarm; only the channel differs (``LocalHub``). Each
 executor runs as its own asyncio task, so FP/BP messages flow exactly as they do between compnodes.
+
+plan.json gets each sub-DAG's measured FP + BP + Update seconds per step (the median over the steps
+after the first, which pays for lazy initialisation such as optimizer state) and, when a device is
+given (``fusionnet run`` profiles this machine), the performance model's prediction next to it with
+the relative error ``(predicted - measured) / measured``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,7 +25,8 @@ from fusionnet.dag.channel import LocalHub
 from fusionnet.dag.executor import StepReport, SubDagExecutor
 from fusionnet.job.loader import LoadedJob
 from fusionnet.job.optim import build_optimizers, resolve_param_optimizers
-from fusionnet.runtime.batches import iter_steps
+from fusionnet.perfmodel.types import DeviceSpec
+from fusionnet.runtime.batches import StepData, iter_steps
 from fusionnet.runtime.prepare import PreparedJob, prepare_job
 from fusionnet.runtime.results import assemble_state, plan_document, write_json, write_metrics, write_tensors
 
@@ -31,7 +38,10 @@ class RunResult:
     outputs: torch.Tensor | None
     metrics: list[dict[str, Any]]
     plan: dict[str, Any]
-    measured_seconds: dict[int, float] = field(default_factory=dict)
+    measured_seconds: dict[int, float] = field(default_factory=dict)  # median step, after the first
+    # per sub-DAG, per step: (FP, BP, Update) seconds summed over the step's micro-batches
+    phase_seconds: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)
+    predicted_seconds: dict[int, float] | None = None
 
 
 def optimizer_factory(
@@ -47,6 +57,45 @@ def optimizer_factory(
     return make
 
 
+class LocalSwarm:
+    """The executors of one prepared job over an in-memory hub, stepped one batch at a time."""
+
+    def __init__(self, prepared: PreparedJob) -> None:
+        job, graph, partition = prepared.job, prepared.traced.graph, prepared.partition
+        self.prepared = prepared
+        self.hub = LocalHub(len(partition.subdags))
+        make_optimizers = optimizer_factory(job)
+        self.executors = [
+            SubDagExecutor(
+                graph,
+                s,
+                prepared.traced.state,
+                self.hub.channel(s.index),
+                task=job.spec.task,
+                make_optimizers=make_optimizers,
+                loss_reduction=prepared.loss_reduction,
+            )
+            for s in partition.subdags
+        ]
+
+    def steps(self, count: int | None = None) -> list[StepData]:
+        """The job's batches (``count`` of them instead of ``steps`` when given)."""
+        spec, job = self.prepared.job.spec, self.prepared.job
+        n = spec.steps if count is None else count
+        return list(
+            iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, spec.data.microbatches, n)
+        )
+
+    async def step(self, data: StepData) -> list[StepReport]:
+        """Runs one batch on every executor; reports in sub-DAG order."""
+        reports: list[StepReport] = await asyncio.gather(
+            *(ex.run_step(data.step, _fields_for(ex, data.microbatches), data.sizes) for ex in self.executors)
+        )
+        for ex in self.executors:
+            self.hub.mailboxes[ex.subdag.index].forget_step(data.step)
+        return reports
+
+
 def run_local(
     job: LoadedJob,
     pieces: int,
@@ -54,55 +103,62 @@ def run_local(
     *,
     prepared: PreparedJob | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    device: DeviceSpec | None = None,
 ) -> RunResult:
+    """Runs ``job`` on ``pieces`` virtual compnodes; with ``device``, plan.json also gets the
+    performance model's prediction for each sub-DAG on that device."""
     prepared = prepared or prepare_job(job, pieces)
-    return asyncio.run(_run(prepared, output_dir, on_step))
+    predicted = None
+    if device is not None:
+        from fusionnet.runtime.planning import job_optimizers, predict_subdags
+
+        graph = prepared.traced.graph
+        predicted = predict_subdags(
+            graph,
+            prepared.partition,
+            [device],
+            microbatches=job.spec.data.microbatches,
+            optimizer=job_optimizers(job, graph),
+        )
+    return asyncio.run(_run(prepared, output_dir, on_step, predicted, device))
+
+
+def steady_seconds(per_step: list[float]) -> float:
+    """A sub-DAG's measured seconds per step: the median after the first (warm-up) step."""
+    if not per_step:
+        return 0.0
+    return statistics.median(per_step[1:] if len(per_step) > 1 else per_step)
 
 
 async def _run(
-    prepared: PreparedJob, output_dir: Path | None, on_step: Callable[[dict[str, Any]], None] | None
+    prepared: PreparedJob,
+    output_dir: Path | None,
+    on_step: Callable[[dict[str, Any]], None] | None,
+    predicted: dict[int, float] | None = None,
+    device: DeviceSpec | None = None,
 ) -> RunResult:
     job, graph, partition = prepared.job, prepared.traced.graph, prepared.partition
     spec = job.spec
-    hub = LocalHub(len(partition.subdags))
-    make_optimizers = optimizer_factory(job)
-    executors = [
-        SubDagExecutor(
-            graph,
-            s,
-            prepared.traced.state,
-            hub.channel(s.index),
-            task=spec.task,
-            make_optimizers=make_optimizers,
-            loss_reduction=prepared.loss_reduction,
-        )
-        for s in partition.subdags
-    ]
+    swarm = LocalSwarm(prepared)
+    executors = swarm.executors
     metrics: list[dict[str, Any]] = []
     outputs: list[Any] = []
-    busy = dict.fromkeys(range(len(executors)), 0.0)
-    steps = 0
-    for data in iter_steps(
-        spec.task, job.inputs, job.labels, spec.data.batch_size, spec.data.microbatches, spec.steps
-    ):
+    phases: dict[int, list[tuple[float, float, float]]] = {i: [] for i in range(len(executors))}
+    for data in swarm.steps():
         started = time.perf_counter()
-        reports: list[StepReport] = await asyncio.gather(
-            *(ex.run_step(data.step, _fields_for(ex, data.microbatches), data.sizes) for ex in executors)
-        )
+        reports = await swarm.step(data)
         seconds = time.perf_counter() - started
         for ex, r in zip(executors, reports):
-            busy[ex.subdag.index] += r.fp_seconds + r.bp_seconds + r.update_seconds
+            phases[ex.subdag.index].append((r.fp_seconds, r.bp_seconds, r.update_seconds))
             outputs.extend(r.outputs)
-            hub.mailboxes[ex.subdag.index].forget_step(data.step)
         row: dict[str, Any] = {"step": data.step, "seconds": seconds, "samples": sum(data.sizes)}
         loss = next((r.loss for r in reports if r.loss is not None), None)
         if loss is not None:
             row["loss"] = loss
         metrics.append(row)
-        steps += 1
         if on_step:
             on_step(row)
-    measured = {i: t / max(steps, 1) for i, t in busy.items()}
+    measured = {i: steady_seconds([sum(p) for p in rows]) for i, rows in phases.items()}
     weights = assemble_state(
         graph.state_keys, [ex.state() for ex in executors], job.model.state_dict(), graph.aliases
     )
@@ -110,9 +166,19 @@ async def _run(
     if spec.task == "grad":
         grads = assemble_state(graph.state_keys, [ex.gradients() for ex in executors], None, graph.aliases)
     out_tensor = torch.cat([o for o in outputs], dim=0) if spec.task == "infer" and outputs else None
-    plan = plan_document(
-        partition, measured=measured, extra={"job": spec.name, "task": spec.task, "frontend": graph.frontend}
-    )
+    extra: dict[str, Any] = {"job": spec.name, "task": spec.task, "frontend": graph.frontend}
+    extra["measured_seconds_are"] = "FP+BP+Update seconds per step: median over the steps after the first"
+    if device is not None:
+        extra["predicted_for"] = {
+            "device": device.name,
+            "peak_flops": device.peak_flops,
+            "speed": device.speed,
+        }
+    plan = plan_document(partition, predicted=predicted, measured=measured, extra=extra)
+    if predicted is not None:
+        for row in plan["subdags"]:
+            want, got = predicted.get(row["subdag"]), measured.get(row["subdag"])
+            row["prediction_error"] = (want - got) / got if want is not None and got else None
     result = RunResult(
         weights=weights,
         grads=grads,
@@ -120,6 +186,8 @@ async def _run(
         metrics=metrics,
         plan=plan,
         measured_seconds=measured,
+        phase_seconds=phases,
+        predicted_seconds=predicted,
     )
     if output_dir is not None:
         write_results(Path(output_dir), result, spec.task)
