@@ -7,21 +7,25 @@ sub-DAG's measured FP+BP+Update seconds per step is compared with the model's pr
 - The device: this machine, profiled at the start of the run (``profile_local_device`` and
   ``profile_overheads``: matmul speed, memory bandwidth, fixed per-op / per-call costs per op class;
   micro-benchmarks that are none of the jobs below).
-- Lambda: the machine's speed drifts (it is shared: a co-tenant on the other hyperthread halves it
-  for seconds at a time), so the device's speed factor is fitted for each configuration on a
-  separate calibration job (a small conv + MLP model that is none of the examples) whose steps run
-  interleaved with the measured job's (``fit_speed_factor`` over its sub-DAGs; ``DeviceSpec.scaled``
-  applies it). The measured job's own timings are never used to fit anything.
-- Statistic: a sub-DAG's seconds per step is the fastest of ``--steps`` steps after ``WARMUP``
-  (timeit's rule: other processes only ever slow a step down). The median-step figures are printed
-  too.
+- Lambda: the device's speed factor (``DeviceSpec.scaled``: FLOP rate, bandwidth and fixed costs
+  together) is fitted with ``fit_speed_factor`` on a separate calibration job (a conv + MLP model
+  that is none of the examples, 3 sub-DAGs) whose steps run interleaved with the measured jobs' all
+  through the run, so both see the same machine. The measured jobs' own timings are never used to
+  fit anything. (The machine is shared: a co-tenant on the other hyperthread slows it down for
+  seconds at a time, so a profile taken a minute earlier can be off by 30%.) A lambda fitted per
+  configuration, on only the calibration steps interleaved with it, is printed too.
+- Statistic: a sub-DAG's seconds per step is the fastest of its measured steps (``--passes`` sweeps
+  over all configurations, ``--steps`` steps each after ``WARMUP``; timeit's rule: other processes
+  only ever slow a step down), and the same for the calibration job. The median-step figures are
+  printed too.
 - One torch thread: with two, the OpenMP barrier of a matmul waits for a thread a co-tenant has
   descheduled and single steps take 10x longer, which no model of this machine predicts.
 
-Prints a table and a final JSON line with ``median_rel_error`` and ``p90_rel_error`` (fitted lambda),
-the profile-only figures beside them, and the median-step figures.
+Prints a table and a final JSON line with ``median_rel_error`` and ``p90_rel_error`` (|predicted /
+measured - 1| over every sub-DAG, lambda fitted on the calibration job), the other variants beside
+them. Takes about 30 s.
 
-    python benchmarks/perfmodel_accuracy.py [--steps 60] [--pieces 4] [--profile-seconds 2]
+    python benchmarks/perfmodel_accuracy.py [--steps 30] [--passes 4] [--pieces 4] [--profile-seconds 2]
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from safetensors.torch import save_file
 
 from fusionnet.job.loader import load_job
 from fusionnet.perfmodel.fitting import fit_speed_factor
-from fusionnet.perfmodel.types import DeviceSpec
+from fusionnet.perfmodel.types import OP_CLASSES, DeviceSpec
 from fusionnet.runtime.local import LocalSwarm
 from fusionnet.runtime.planning import job_optimizers, local_device_spec, predict_subdags
 from fusionnet.runtime.prepare import PreparedJob, prepare_job, trace_job
@@ -50,6 +54,13 @@ from fusionnet.runtime.prepare import PreparedJob, prepare_job, trace_job
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = ("mlp", "figure3", "gpt")
 WARMUP = 3
+CALIBRATION_PIECES = 3
+ERRORS = {
+    "error": "lambda fitted on the calibration job (headline)",
+    "per_config_error": "lambda fitted per configuration (its interleaved steps)",
+    "profile_error": "profile only (no lambda)",
+    "median_step_error": "headline prediction against median (not fastest) steps",
+}
 
 CALIBRATION_MODEL = '''
 import torch
@@ -63,10 +74,10 @@ class Calibration(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(2, 4, 3, padding=1)
-        self.fc1 = nn.Linear(4 * 6 * 6, 96)
-        self.norm = nn.LayerNorm(96)
-        self.fc2 = nn.Linear(96, 48)
-        self.fc3 = nn.Linear(48, 5)
+        self.fc1 = nn.Linear(4 * 6 * 6, 384)
+        self.norm = nn.LayerNorm(384)
+        self.fc2 = nn.Linear(384, 384)  # the compute-heavy part, so that FLOPs and fixed costs both show
+        self.fc3 = nn.Linear(384, 5)
 
     def forward(self, x):
         h = torch.tanh(self.conv(x)).flatten(1)
@@ -94,7 +105,7 @@ def calibration_job(folder: Path) -> Path:
         "data": {"path": "data.safetensors", "batch_size": 16, "microbatches": 2},
         "optimizer": {"name": "rmsprop", "lr": 0.001},
         "steps": 1,
-        "placement": {"compnodes": 2},
+        "placement": {"compnodes": CALIBRATION_PIECES},
     }
     path = folder / "job.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -112,16 +123,37 @@ def predict(prepared: PreparedJob, device: DeviceSpec) -> dict[int, float]:
     )
 
 
-async def interleaved(target: LocalSwarm, calib: LocalSwarm, steps: int) -> tuple[list, list]:
-    """Per step: one calibration step, then one measured step. Returns per-step totals per sub-DAG."""
-    t_data, c_data = target.steps(steps), calib.steps(steps)
+async def interleaved(
+    target: LocalSwarm, t_data: list, calib: LocalSwarm, c_data: list, steps: int
+) -> tuple[list, list]:
+    """Per step: one calibration step, then one measured step (each the next of its data: step numbers
+    only ever grow, as the executors expect). Returns per-step FP+BP+Update seconds per sub-DAG of
+    both, warm-up steps dropped."""
     t_rows, c_rows = [], []
-    for s in range(steps):
-        reports = await calib.step(c_data[s])
+    for _ in range(steps):
+        reports = await calib.step(c_data.pop(0))
         c_rows.append([r.fp_seconds + r.bp_seconds + r.update_seconds for r in reports])
-        reports = await target.step(t_data[s])
+        reports = await target.step(t_data.pop(0))
         t_rows.append([r.fp_seconds + r.bp_seconds + r.update_seconds for r in reports])
     return t_rows[WARMUP:], c_rows[WARMUP:]
+
+
+async def measure_all(
+    configs: list[PreparedJob], calib: LocalSwarm, steps: int, passes: int
+) -> list[tuple[list, list]]:
+    """``passes`` sweeps over every configuration, in one event loop (the in-memory hub's futures
+    belong to one loop). A slow spell of the machine then spoils one pass of a configuration, not all
+    of its steps. Returns, per configuration, the steps of every pass (measured, calibration)."""
+    calib_data = calib.steps(passes * len(configs) * steps)
+    swarms = [LocalSwarm(prepared) for prepared in configs]
+    data = [swarm.steps(passes * steps) for swarm in swarms]
+    out: list[tuple[list, list]] = [([], []) for _ in configs]
+    for _ in range(passes):
+        for i, swarm in enumerate(swarms):
+            t_rows, c_rows = await interleaved(swarm, data[i], calib, calib_data, steps)
+            out[i][0].extend(t_rows)
+            out[i][1].extend(c_rows)
+    return out
 
 
 def errors_summary(errs: list[float]) -> tuple[float, float]:
@@ -131,81 +163,105 @@ def errors_summary(errs: list[float]) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=60, help="measured steps per configuration (default 60)")
+    p.add_argument("--steps", type=int, default=30, help="measured steps per configuration and pass (30)")
+    p.add_argument("--passes", type=int, default=4, help="sweeps over all configurations (default 4)")
     p.add_argument("--pieces", type=int, default=4, help="split every job 1..PIECES ways (default 4)")
-    p.add_argument("--profile-seconds", type=float, default=1.0, help="profiling budget (default 1)")
+    p.add_argument("--profile-seconds", type=float, default=2.0, help="profiling budget (default 2)")
     args = p.parse_args(argv)
     started = time.perf_counter()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         device = local_device_spec(seconds_budget=args.profile_seconds, cache_dir=Path(tmp) / "profile")
+        oh = device.overheads
+        print(
+            f"profile: peak {device.peak_flops / 1e9:.3g} GFLOP/s x lambda {device.speed_factor:.3g}, memory "
+            f"{device.mem_bandwidth / 1e9:.3g} GB/s; per call fp {oh.stage_fp * 1e6:.1f} us, bp "
+            f"{oh.stage_bp * 1e6:.1f} us, step {oh.stage_update * 1e6:.1f} us; per op fp/bp us (efficiency): "
+            + ", ".join(
+                f"{c} {oh.of(c).fp * 1e6:.1f}/{oh.of(c).bp * 1e6:.1f} ({oh.of(c).efficiency:.2f})"
+                for c in OP_CLASSES
+                if c != "other"
+            )
+        )
         calib_dir = Path(tmp) / "calibration"
         calib_dir.mkdir()
         calib_job = load_job(calibration_job(calib_dir))
-        calib_prepared = prepare_job(calib_job, 2)
+        calib_prepared = prepare_job(calib_job, CALIBRATION_PIECES)
         calib_pred = predict(calib_prepared, device)
         calib = LocalSwarm(calib_prepared)
-        rows = []
-        lambdas = []
+        configs: list[tuple[str, int, PreparedJob]] = []
         for name in EXAMPLES:
             job = load_job(REPO / "examples" / name / "job.yaml")
             traced = trace_job(job)
-            for k in range(1, args.pieces + 1):
-                prepared = prepare_job(job, k, traced=traced)
-                t_rows, c_rows = asyncio.run(interleaved(LocalSwarm(prepared), calib, args.steps + WARMUP))
-                c_best = [min(r[i] for r in c_rows) for i in range(len(calib_pred))]
-                # lambda relative to the profile: measured = predicted(profile) / lambda
-                factor = fit_speed_factor(
-                    [(calib_pred[i] * device.speed, c_best[i]) for i in calib_pred], device.speed
-                )
-                lambdas.append(factor)
-                fitted = predict(prepared, device.scaled(factor))
-                profile_only = predict(prepared, device)
-                for s in prepared.partition.subdags:
-                    per_step = [r[s.index] for r in t_rows]
-                    rows.append(
-                        {
-                            "job": name,
-                            "pieces": k,
-                            "subdag": s.index,
-                            "ops": len(s.nodes),
-                            "measured": min(per_step),
-                            "measured_median": statistics.median(per_step),
-                            "predicted": fitted[s.index],
-                            "profile_only": profile_only[s.index],
-                            "lambda": factor,
-                        }
-                    )
+            configs += [(name, k, prepare_job(job, k, traced=traced)) for k in range(1, args.pieces + 1)]
+    measured = asyncio.run(measure_all([c[2] for c in configs], calib, args.steps + WARMUP, args.passes))
+
+    def fit_lambda(c_rows: list[list[float]]) -> float:
+        """lambda relative to the profile (measured = predicted / lambda), from calibration steps only."""
+        best = [min(r[i] for r in c_rows) for i in range(len(calib_pred))]
+        return fit_speed_factor([(calib_pred[i] * device.speed, best[i]) for i in calib_pred], device.speed)
+
+    all_calib = [r for _t, c_rows in measured for r in c_rows]
+    global_lambda = fit_lambda(all_calib)
+    rows, lambdas = [], []
+    for (name, k, prepared), (t_rows, c_rows) in zip(configs, measured):
+        factor = fit_lambda(c_rows)
+        lambdas.append(factor)
+        fitted = predict(prepared, device.scaled(global_lambda))
+        per_config = predict(prepared, device.scaled(factor))
+        profile_only = predict(prepared, device)
+        for s in prepared.partition.subdags:
+            per_step = [r[s.index] for r in t_rows]
+            rows.append(
+                {
+                    "job": name,
+                    "pieces": k,
+                    "subdag": s.index,
+                    "ops": len(s.nodes),
+                    "measured": min(per_step),
+                    "measured_median": statistics.median(per_step),
+                    "predicted": fitted[s.index],
+                    "per_config": per_config[s.index],
+                    "profile_only": profile_only[s.index],
+                    "lambda": factor,
+                }
+            )
     print(
         f"{'job':<8} {'k':>2} {'sub':>3} {'nodes':>5} {'measured ms':>11} {'predicted ms':>12} {'error':>7} "
-        f"{'profile-only':>12} {'error':>7} {'lambda':>6}"
+        f"{'per-config':>10} {'profile-only':>12} {'lambda':>6}"
     )
     for r in rows:
         r["error"] = r["predicted"] / r["measured"] - 1
+        r["per_config_error"] = r["per_config"] / r["measured"] - 1
         r["profile_error"] = r["profile_only"] / r["measured"] - 1
         r["median_step_error"] = r["predicted"] / r["measured_median"] - 1
         print(
             f"{r['job']:<8} {r['pieces']:>2} {r['subdag']:>3} {r['ops']:>5} {r['measured'] * 1e3:>11.3f} "
-            f"{r['predicted'] * 1e3:>12.3f} {r['error']:>+7.1%} {r['profile_only'] * 1e3:>12.3f} "
-            f"{r['profile_error']:>+7.1%} {r['lambda']:>6.2f}"
+            f"{r['predicted'] * 1e3:>12.3f} {r['error']:>+7.1%} {r['per_config_error']:>+10.1%} "
+            f"{r['profile_error']:>+12.1%} {r['lambda']:>6.2f}"
         )
-    med, p90 = errors_summary([r["error"] for r in rows])
-    pmed, pp90 = errors_summary([r["profile_error"] for r in rows])
-    mmed, mp90 = errors_summary([r["median_step_error"] for r in rows])
+    summary = {key: errors_summary([r[key] for r in rows]) for key in ERRORS}
     print(
-        f"\n{len(rows)} sub-DAGs: fitted lambda median {med:.1%}, p90 {p90:.1%}; profile only median {pmed:.1%}, "
-        f"p90 {pp90:.1%}; against median steps median {mmed:.1%}, p90 {mp90:.1%}"
+        f"\n{len(rows)} sub-DAGs, lambda {global_lambda:.3f} (per configuration {min(lambdas):.3f} .. "
+        f"{max(lambdas):.3f}); |relative error| median / p90:"
     )
+    for key, label in ERRORS.items():
+        print(f"  {label:<58} {summary[key][0]:>6.1%} / {summary[key][1]:>6.1%}")
     result = {
-        "median_rel_error": med,
-        "p90_rel_error": p90,
+        "median_rel_error": summary["error"][0],
+        "p90_rel_error": summary["error"][1],
         "subdags": len(rows),
-        "profile_only_median_rel_error": pmed,
-        "profile_only_p90_rel_error": pp90,
-        "median_step_median_rel_error": mmed,
-        "median_step_p90_rel_error": mp90,
-        "lambda_min": min(lambdas),
-        "lambda_max": max(lambdas),
+        "lambda": global_lambda,
+        **{
+            f"{key.removesuffix('_error')}_median_rel_error": v[0]
+            for key, v in summary.items()
+            if key != "error"
+        },
+        **{
+            f"{key.removesuffix('_error')}_p90_rel_error": v[1]
+            for key, v in summary.items()
+            if key != "error"
+        },
         "seconds": time.perf_counter() - started,
     }
     print(json.dumps(result))

@@ -186,7 +186,12 @@ class DaemonProcess:
 
 
 def start_daemon(
-    kind: str, workdir: Path, name: str, args: Sequence[str] = (), log_level: str | None = None
+    kind: str,
+    workdir: Path,
+    name: str,
+    args: Sequence[str] = (),
+    log_level: str | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> DaemonProcess:
     """Starts ``fusionnet <kind>`` (not waiting for readiness: start several, then ``wait_ready`` each)."""
     log_level = log_level or os.environ.get("FUSIONNET_TEST_LOG_LEVEL", "INFO")
@@ -203,6 +208,7 @@ def start_daemon(
     env = dict(
         os.environ, PYTHONUNBUFFERED="1", HIVEMIND_LOGLEVEL=os.environ.get("HIVEMIND_LOGLEVEL", "WARNING")
     )
+    env.update(extra_env or {})
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd,
@@ -255,8 +261,11 @@ class Swarm:
     def daemons(self) -> list[DaemonProcess]:
         return [*self.compnodes, *self.extra, self.broker]
 
-    def add_compnode(self, name: str, wait: bool = True, **kwargs: Any) -> DaemonProcess:
-        daemon = start_daemon("compnode", self.workdir, name, compnode_args(self.initial_peers, **kwargs))
+    def add_compnode(
+        self, name: str, wait: bool = True, env: dict[str, str] | None = None, **kwargs: Any
+    ) -> DaemonProcess:
+        args = compnode_args(self.initial_peers, **kwargs)
+        daemon = start_daemon("compnode", self.workdir, name, args, extra_env=env)
         self.extra.append(daemon)
         return daemon.wait_ready() if wait else daemon
 
@@ -297,7 +306,13 @@ def running_swarm(
         with print_logs_on_failure(swarm):
             broker.wait_ready()
             swarm.compnodes = [
-                start_daemon("compnode", workdir, f"compnode{i}", compnode_args(broker.maddrs(), **kw))
+                start_daemon(
+                    "compnode",
+                    workdir,
+                    f"compnode{i}",
+                    compnode_args(broker.maddrs(), **{k: v for k, v in kw.items() if k != "env"}),
+                    extra_env=kw.get("env"),
+                )
                 for i, kw in enumerate(compnodes)
             ]
             for daemon in swarm.compnodes:

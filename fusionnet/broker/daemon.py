@@ -50,8 +50,9 @@ DB_FILE = "broker.sqlite3"
 @dataclass
 class BrokerConfig:
     common: DaemonConfig = field(default_factory=DaemonConfig)
-    heartbeat_period: float = 5.0  # seconds between ping rounds
-    heartbeat_timeout: float = 15.0  # a compnode silent this long is unreachable
+    heartbeat_period: float = 1.0  # seconds between ping rounds
+    heartbeat_timeout: float = 3.0  # a compnode silent this long is unreachable
+    sync_every: int = 1  # train jobs: checkpoint parameters and optimizer state every this many steps
     ping_timeout: float | None = None  # one ping's limit; default min(heartbeat period, timeout)
     sd_file: Path | None = None  # Prometheus file_sd target list of compnodes, rewritten at every refresh
 
@@ -63,6 +64,8 @@ class BrokerConfig:
                 f"--heartbeat-timeout ({self.heartbeat_timeout} s) must exceed --heartbeat-period "
                 f"({self.heartbeat_period} s), or every compnode looks unreachable between pings"
             )
+        if self.sync_every < 1:
+            raise ValueError(f"--sync-every must be >= 1 step, got {self.sync_every}")
         if self.ping_timeout is None:
             self.ping_timeout = min(self.heartbeat_period, self.heartbeat_timeout)
         if self.sd_file is not None:

@@ -1,12 +1,20 @@
-"""One job on the broker, from plan to results (FusionAI 3.4-3.6).
+"""One job on the broker, from plan to results, surviving compnodes that die or leave (FusionAI 3.2-3.6).
 
-PLANNING: pick compnodes from the registry and cut the IR into that many sub-DAGs; assign each
-sub-DAG to its compnode (IR, assignment, peers, a fresh per-job data-path key, its slice of the
-initial state and the dataset fields its placeholders read). RUNNING: drive the steps: every
-compnode runs the step's GPipe schedule and exchanges activations and gradients with its peers
-directly; the broker only starts the step and gathers losses and timings. Then it collects the
-sub-DAGs' state (and gradients or outputs) and writes the result files of interface.md into the
-job's folder under the broker's state dir. Every outcome ends with a ``release`` on every compnode.
+PLANNING: pick compnodes and cut the IR into that many sub-DAGs; assign each its sub-DAG (IR,
+assignment, peers, a fresh per-job data-path key, its slice of the checkpoint, the dataset fields its
+placeholders read). RUNNING: drive steps; every compnode runs the step's GPipe schedule and exchanges
+activations and gradients with its peers directly. Every ``sync_every`` steps (train) the broker
+collects parameters and optimizer state into a checkpoint on disk (``checkpoints.py``).
+
+Failure handling (Confidant's passive recovery, made exact):
+- detection: a step or sync call fails, or the registry reports an assigned compnode unreachable or
+  gone (heartbeats); the broker then pings every assigned compnode to learn which are dead;
+- redistribution: survivors are released, lost slots go to backups (``placement.py``), every sub-DAG
+  is assigned again (a new ``attempt``) from the last checkpoint;
+- replay: the steps after the checkpoint run again. Steps are deterministic and micro-batch messages
+  idempotent, so the result equals a fault-free run.
+Proactive leave: a compnode on SIGTERM calls ``leaving``; at the next step boundary the broker syncs
+and moves its sub-DAG to a replacement, with nothing to replay.
 """
 
 from __future__ import annotations
@@ -21,10 +29,13 @@ from typing import Any
 
 import torch
 
+from fusionnet.broker.checkpoints import Checkpoint, JobFiles
+from fusionnet.broker.placement import Candidate, first_placement, grown_placement, replacement_placement
+from fusionnet.broker.registry import RegistryEvent
 from fusionnet.broker.store import JobState
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition, balanced_assignment, build_partition
-from fusionnet.errors import FusionNetError, JobError, PlanError
+from fusionnet.errors import ExecutionError, FusionNetError, JobError
 from fusionnet.runtime.blobs import pack_tensors, unpack_tensors
 from fusionnet.runtime.jobwire import RunSpec
 from fusionnet.runtime.local import RunResult, write_results
@@ -34,7 +45,9 @@ log = logging.getLogger("fusionnet.broker.jobs")
 
 ASSIGN_TIMEOUT = 120.0
 STEP_TIMEOUT = 600.0
-RELEASE_TIMEOUT = 10.0
+RELEASE_TIMEOUT = 5.0
+PROBE_TIMEOUT = 1.5
+MAX_RECOVERIES = 50
 
 
 @dataclass
@@ -53,40 +66,84 @@ class JobProgress:
     """What ``job_status`` reports beyond the store's row."""
 
     metrics: list[dict[str, Any]] = field(default_factory=list)
-    placement: list[dict[str, Any]] = field(default_factory=list)  # per sub-DAG: peer, nodes, predicted
+    placement: list[dict[str, Any]] = field(default_factory=list)  # per sub-DAG: peer, nodes, params
     refused_frames: int = 0
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # per failover: phase seconds
     results: Path | None = None
 
 
+class PeerFailure(Exception):
+    def __init__(self, dead: set[str], why: str, started: float) -> None:
+        super().__init__(why)
+        self.dead, self.why, self.started = dead, why, started
+
+
 class JobRun:
-    def __init__(self, broker: Any, job: SubmittedJob, out_dir: Path) -> None:
+    def __init__(self, broker: Any, job: SubmittedJob, folder: Path, *, resume: bool = False) -> None:
         self.broker = broker
         self.job = job
-        self.out_dir = out_dir
+        self.files = JobFiles(folder)
+        self.out_dir = folder
         self.progress = JobProgress()
         self.peers: list[str] = []
         self.partition: Partition | None = None
+        self.attempt = 0
+        self.resume = resume
+        self.leaving: set[str] = set()
+        self.dead: set[str] = set()
+        self._fault = asyncio.Event()
+        self._fault_peer: str | None = None
+        self._outputs: dict[int, dict[str, torch.Tensor]] = {}
+        self._busy: dict[int, float] = {}
+        self._assignment: dict[str, int] | None = None
+        self._lost: set[str] = set()  # peers whose sub-DAGs the next placement must move
+        self._next_peers: list[str] | None = None  # a grown placement decided at a step boundary
+        self._replay_started = 0.0
+        self._handover_started: float | None = None
+        broker.registry.add_listener(self._on_registry_event)
+
+    @property
+    def sync_every(self) -> int:
+        return int(getattr(self.broker.settings, "sync_every", 1))
 
     # ---- orchestration ---------------------------------------------------------------------------
     async def run(self) -> None:
         job, store = self.job, self.broker.store
         try:
+            ckpt = self._initial_checkpoint()
             store.update_job(job.job_id, state=JobState.PLANNING)
-            self.partition, self.peers, predicted = self.plan()
-            store.add_job_event(job.job_id, "planned", {"compnodes": self.peers, "predicted": predicted})
-            await self._assign_all()
-            store.update_job(job.job_id, state=JobState.RUNNING, step=0)
-            busy = [0.0] * len(self.peers)
-            outputs: list[dict[str, torch.Tensor]] = []
-            for step in range(job.spec.step_count):
-                await self._step(step, busy, outputs)
-            result = await self._collect(busy, outputs, predicted)
+            step = ckpt.step
+            recovering: PeerFailure | None = None
+            while step < job.spec.step_count:
+                if self.partition is None:
+                    await self._place_and_assign(ckpt, recovering)
+                    store.update_job(job.job_id, state=JobState.RUNNING, step=step)
+                try:
+                    await self._guarded(self._step(step))
+                    step += 1
+                    if job.spec.task != "train":
+                        ckpt = Checkpoint(step, ckpt.state, ckpt.optim, list(self.progress.metrics))
+                    elif step % self.sync_every == 0 or step == job.spec.step_count or self._leavers():
+                        ckpt = await self._guarded(self._sync(step))
+                    if recovering is not None and step > recovering["failed_step"]:
+                        self._finish_recovery(recovering)
+                        recovering = None
+                    if self._leavers():
+                        self._hand_over(ckpt)
+                    elif self._grow():
+                        self.partition = None
+                except PeerFailure as failure:
+                    if recovering is not None:  # failed again before the replay was over
+                        recovering["superseded"] = True
+                    recovering = self._on_failure(failure, ckpt, step)
+                    step = ckpt.step
+            result = await self._collect_results(ckpt)
             await asyncio.to_thread(write_results, self.out_dir, result, job.spec.task)
             self.progress.results = self.out_dir
-            store.update_job(job.job_id, state=JobState.SUCCEEDED)
+            store.update_job(job.job_id, state=JobState.SUCCEEDED, step=step)
             log.info("job %s: succeeded; results in %s", job.job_id, self.out_dir)
         except asyncio.CancelledError:
-            self._fail("the broker stopped while the job was running")
+            self._stopped()
             raise
         except FusionNetError as e:
             self._fail(str(e))
@@ -94,8 +151,24 @@ class JobRun:
             log.exception("job %s: internal error", job.job_id)
             self._fail(f"internal error: {type(e).__name__}: {e}")
         finally:
-            await self._release_all()
+            self.broker.registry.remove_listener(self._on_registry_event)
+            await self._release_all("the job ended")
             self._update_job_gauges()
+
+    def _initial_checkpoint(self) -> Checkpoint:
+        if self.resume:
+            loaded = self.files.load_checkpoint()
+            if loaded is not None:
+                ckpt, self.attempt = loaded
+                self.progress.metrics = list(ckpt.metrics)
+                log.info("job %s: resuming from the checkpoint before step %d", self.job.job_id, ckpt.step)
+                self.broker.store.add_job_event(self.job.job_id, "resumed", {"step": ckpt.step})
+                return ckpt
+        return Checkpoint(0, self.job.state, {}, [])
+
+    def _stopped(self) -> None:
+        # A broker that stops leaves the job resumable (RUNNING, with its checkpoint on disk).
+        log.warning("job %s: the broker stopped; the job resumes when it is back", self.job.job_id)
 
     def _fail(self, reason: str) -> None:
         log.warning("job %s: failed: %s", self.job.job_id, reason)
@@ -104,44 +177,218 @@ class JobRun:
 
     def _update_job_gauges(self) -> None:
         self.broker.metrics.forget_job(self.job.job_id)
-        if self.broker.store is not None:
-            counts: dict[str, int] = {}
-            for row in self.broker.store.list_jobs(10_000):
-                counts[row["state"]] = counts.get(row["state"], 0) + 1
-            self.broker.metrics.set_jobs(counts)
+        refresh = getattr(self.broker, "refresh_job_metrics", None)
+        if refresh is not None and self.broker.store is not None:
+            refresh()
 
-    # ---- planning --------------------------------------------------------------------------------
-    def plan(self) -> tuple[Partition, list[str], dict[int, float] | None]:
-        """Picks compnodes and cuts the graph. The scheduler (performance model) is used when every
-        candidate has announced its hardware; otherwise the cost-balanced default policy."""
-        candidates = [
-            e
-            for e in self.broker.registry.schedulable(backup=False)
-            if e.record.data_path_address is not None
-        ]
-        candidates.sort(key=lambda e: e.peer_id)
-        if not candidates:
-            raise PlanError("no ONLINE compnode with a data path is registered with the broker")
-        ops = sum(1 for n in self.job.graph.nodes if n.kind not in ("placeholder", "variable", "output"))
-        want = min(self.job.spec.compnodes, len(candidates), max(ops, 1))
-        if want < self.job.spec.compnodes:
-            self.broker.store.add_job_event(
-                self.job.job_id,
-                "placement",
-                {"asked": self.job.spec.compnodes, "using": want, "online": len(candidates)},
-            )
-        chosen = candidates[:want]
-        assignment = balanced_assignment(self.job.graph, want)
-        partition = build_partition(self.job.graph, assignment)
-        peers = [e.peer_id for e in chosen]
+    # ---- failure detection -----------------------------------------------------------------------
+    def _on_registry_event(self, event: RegistryEvent) -> None:
+        if event.peer_id in self.peers and event.kind in ("unreachable", "left"):
+            self._fault_peer = event.peer_id
+            self._fault.set()
+        elif event.kind == "state" and event.peer_id in self.peers:
+            entry = self.broker.registry.get(event.peer_id)
+            if entry is not None and entry.effective_state == "OFFLINE" and event.peer_id not in self.leaving:
+                self._fault_peer = event.peer_id
+                self._fault.set()
+
+    async def _guarded(self, coro: Any) -> Any:
+        """Runs a step or sync; a failed call or a registry alarm about one of the job's compnodes becomes
+        a ``PeerFailure`` naming the dead ones (found by pinging them all)."""
+        started = time.monotonic()
+        work = asyncio.ensure_future(coro)
+        while True:
+            alarm = asyncio.ensure_future(self._fault.wait())
+            try:
+                await asyncio.wait({work, alarm}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                alarm.cancel()
+            if work.done():
+                if work.exception() is None:
+                    return work.result()
+                error = work.exception()
+                dead = await self._probe()
+                if not dead:
+                    raise error  # type: ignore[misc]  # a real error, not a lost compnode
+                raise PeerFailure(dead, str(error), started)
+            self._fault.clear()
+            dead = await self._probe()
+            if dead:
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                raise PeerFailure(dead, f"compnode {self._fault_peer} stopped answering heartbeats", started)
+            # A false alarm (the peer answers now): keep waiting for the work.
+
+    async def _probe(self) -> set[str]:
+        async def alive(peer: str) -> bool:
+            entry = self.broker.registry.get(peer)
+            if entry is None or entry.effective_state in ("OFFLINE", "UNREACHABLE"):
+                return False
+            try:
+                await self.broker.call(peer, "ping", {"nonce": "probe"}, timeout=PROBE_TIMEOUT, retries=0)
+                return True
+            except FusionNetError:
+                return False
+
+        answers = await asyncio.gather(*(alive(p) for p in self.peers))
+        return {p for p, ok in zip(self.peers, answers) if not ok}
+
+    def _on_failure(self, failure: PeerFailure, ckpt: Checkpoint, failed_step: int) -> dict[str, Any]:
+        detected = time.monotonic()
+        self.dead |= failure.dead
+        self._lost = failure.dead
+        recoveries = len(self.progress.recoveries)
+        if recoveries >= MAX_RECOVERIES:
+            raise ExecutionError(f"job {self.job.job_id}: gave up after {recoveries} recoveries")
+        info = {
+            "lost": sorted(failure.dead),
+            "why": failure.why[:300],
+            "detection": detected - failure.started,
+            "detected_at": time.time(),
+            "replay_from": ckpt.step,
+            "failed_step": failed_step,
+        }
+        log.warning(
+            "job %s: detection: lost %s (%s) after %.2f s; replaying from step %d",
+            self.job.job_id,
+            ", ".join(sorted(failure.dead)),
+            failure.why[:200],
+            info["detection"],
+            ckpt.step,
+        )
+        self.broker.metrics.failovers.inc(len(failure.dead))
+        self.broker.metrics.observe_recovery("detection", info["detection"])
+        self.progress.metrics = [r for r in self.progress.metrics if r["step"] < ckpt.step]
+        self._outputs = {s: o for s, o in self._outputs.items() if s < ckpt.step}
+        self.partition = None
+        self.progress.recoveries.append(info)
+        return info
+
+    def _finish_recovery(self, info: dict[str, Any]) -> None:
+        info["replay"] = time.monotonic() - self._replay_started
+        self.broker.metrics.observe_recovery("replay", info["replay"])
+        self.broker.store.add_job_event(self.job.job_id, "recovered", info)
+        log.info(
+            "job %s: replay: steps from %d redone in %.2f s; recovered",
+            self.job.job_id,
+            info["replay_from"],
+            info["replay"],
+        )
+
+    # ---- placement -------------------------------------------------------------------------------
+    def _candidates(self) -> list[Candidate]:
+        out = []
+        for e in self.broker.registry.schedulable():
+            if e.record.data_path_address is None or e.peer_id in self.dead or e.peer_id in self.leaving:
+                continue
+            speed = e.record.hardware.flops if e.record.hardware is not None else 0.0
+            out.append(Candidate(e.peer_id, e.record.backup, speed))
+        return out
+
+    def _leavers(self) -> set[str]:
+        return self.leaving & set(self.peers)
+
+    def _hand_over(self, ckpt: Checkpoint) -> None:
+        """Proactive: the checkpoint was just taken at this boundary; move the leavers' sub-DAGs."""
+        self._lost = self._leavers()
+        log.info(
+            "job %s: hand-over of %s at step %d", self.job.job_id, ", ".join(sorted(self._lost)), ckpt.step
+        )
+        self.broker.store.add_job_event(
+            self.job.job_id, "hand-over", {"leaving": sorted(self._lost), "step": ckpt.step}
+        )
+        self._handover_started = time.monotonic()
+        self.partition = None
+
+    def _grow(self) -> bool:
+        grown = grown_placement(self.peers, self.job.spec.compnodes, self._candidates())
+        if grown is None:
+            return False
+        log.info(
+            "job %s: %d new compnode(s) joined; re-planning at this step boundary",
+            self.job.job_id,
+            len(grown) - len(self.peers),
+        )
+        self.broker.store.add_job_event(
+            self.job.job_id, "re-plan", {"from": len(self.peers), "to": len(grown)}
+        )
+        self._lost = set()
+        self._next_peers = grown
+        return True
+
+    async def _place_and_assign(self, ckpt: Checkpoint, recovering: dict[str, Any] | None) -> None:
+        started = time.monotonic()
+        graph = self.job.graph
+        lost, next_peers = self._lost, self._next_peers
+        if next_peers is not None:
+            peers, keep_cut = next_peers, False
+            self._next_peers = None
+        elif not self.peers:
+            peers = first_placement(self._candidates(), self._max_pieces())
+            keep_cut = False
+        else:
+            peers, keep_cut = replacement_placement(self.peers, lost, self._candidates())
+        old = self.peers
+        if old:
+            # Leavers are released too: that is their signal that the hand-over is done and they may
+            # exit. Dead peers are skipped by ``_release_all``.
+            await self._release_all("re-assigned", only=list(old))
+        if keep_cut and self._assignment is not None:
+            assignment = self._assignment
+        else:
+            assignment = balanced_assignment(graph, len(peers))
+        self._assignment = assignment
+        self.partition = build_partition(graph, assignment)
+        self.peers = peers
+        self.attempt += 1
         self.progress.placement = [
             {"subdag": s.index, "peer_id": peers[s.index], "nodes": len(s.nodes), "params": len(s.params)}
-            for s in partition.subdags
+            for s in self.partition.subdags
         ]
-        return partition, peers, None
+        self.broker.store.add_job_event(
+            self.job.job_id, "planned", {"compnodes": peers, "attempt": self.attempt}
+        )
+        await self._guarded_assign(ckpt)
+        seconds = time.monotonic() - started
+        if recovering is not None:
+            recovering["redistribution"] = seconds
+            self.broker.metrics.observe_recovery("redistribution", seconds)
+            log.info(
+                "job %s: redistribution: %d sub-DAGs re-assigned in %.2f s",
+                self.job.job_id,
+                len(peers),
+                seconds,
+            )
+        if self._handover_started is not None:
+            stall = time.monotonic() - self._handover_started
+            log.info("job %s: hand-over done: the job stalled %.2f s", self.job.job_id, stall)
+            self.broker.store.add_job_event(self.job.job_id, "handed-over", {"stall": stall})
+            self.progress.recoveries.append({"handover_stall": stall, "lost": sorted(lost)})
+            self._handover_started = None
+        self._lost = set()
+        self._replay_started = time.monotonic()
 
-    # ---- assignment ------------------------------------------------------------------------------
-    async def _assign_all(self) -> None:
+    def _max_pieces(self) -> int:
+        ops = sum(1 for n in self.job.graph.nodes if n.kind not in ("placeholder", "variable", "output"))
+        return min(self.job.spec.compnodes, max(ops, 1))
+
+    async def _guarded_assign(self, ckpt: Checkpoint) -> None:
+        for _ in range(MAX_RECOVERIES):
+            try:
+                await self._guarded(self._assign_all(ckpt))
+                return
+            except PeerFailure as failure:  # a chosen compnode died before it got its sub-DAG
+                self.dead |= failure.dead
+                self._lost = failure.dead
+                peers, keep_cut = replacement_placement(self.peers, failure.dead, self._candidates())
+                self.peers = peers
+                if not keep_cut:
+                    self._assignment = balanced_assignment(self.job.graph, len(peers))
+                self.partition = build_partition(self.job.graph, self._assignment)
+                self.attempt += 1
+        raise ExecutionError(f"job {self.job.job_id}: could not assign its sub-DAGs")
+
+    async def _assign_all(self, ckpt: Checkpoint) -> None:
         assert self.partition is not None
         job, registry = self.job, self.broker.registry
         key = secrets.token_bytes(32)
@@ -155,38 +402,43 @@ class JobRun:
         calls = []
         for s in self.partition.subdags:
             wanted = {job.graph.node(p).target for p in s.placeholders}
+            state, optim = ckpt.for_subdag(s.params, s.buffers)
             payload = {
                 "job_id": job.job_id,
+                "attempt": self.attempt,
                 "spec": spec_doc,
                 "ir": job.ir,
                 "assignment": assignment,
                 "subdag": s.index,
                 "peers": peers_doc,
                 "key": key,
-                "state": pack_tensors({k: job.state[k] for k in (*s.params, *s.buffers)}),
+                "state": pack_tensors(state),
+                "optim": pack_tensors(optim) if optim else None,
                 "data": pack_tensors({k: v for k, v in job.data.items() if k in wanted}),
             }
             calls.append(self._call(self.peers[s.index], "assign", payload, ASSIGN_TIMEOUT))
-        await self._gather(calls, "assign")
+        await self._gather(calls)
 
-    # ---- steps -----------------------------------------------------------------------------------
-    async def _step(self, step: int, busy: list[float], outputs: list[dict[str, torch.Tensor]]) -> None:
+    # ---- steps and syncs -------------------------------------------------------------------------
+    async def _step(self, step: int) -> None:
         job = self.job
         started = time.perf_counter()
         replies = await self._gather(
-            [self._call(p, "step", {"job_id": job.job_id, "step": step}, STEP_TIMEOUT) for p in self.peers],
-            f"step {step}",
+            [self._call(p, "step", {"job_id": job.job_id, "step": step}, STEP_TIMEOUT) for p in self.peers]
         )
         seconds = time.perf_counter() - started
         samples = sum(job.spec.microbatch_sizes(step))
         row: dict[str, Any] = {"step": step, "seconds": seconds, "samples": samples}
         loss = None
         for i, r in enumerate(replies):
-            busy[i] += _seconds(r, "fp_seconds") + _seconds(r, "bp_seconds") + _seconds(r, "update_seconds")
+            busy = _seconds(r, "fp_seconds") + _seconds(r, "bp_seconds") + _seconds(r, "update_seconds")
+            self._busy[i] = self._busy.get(i, 0.0) + busy
             if r.get("loss") is not None:
                 loss = _float(r["loss"], f"step {step} loss from {self.peers[i]}")
             if r.get("outputs") is not None:
-                outputs.append(unpack_tensors(r["outputs"], f"step {step} outputs from {self.peers[i]}"))
+                self._outputs[step] = unpack_tensors(
+                    r["outputs"], f"step {step} outputs from {self.peers[i]}"
+                )
         self.progress.refused_frames = sum(int(r.get("refused") or 0) for r in replies)
         if loss is not None:
             row["loss"] = loss
@@ -196,27 +448,38 @@ class JobRun:
             job.job_id, step=step + 1, seconds=seconds, samples=samples, loss=loss, compnodes=len(self.peers)
         )
 
-    # ---- results ---------------------------------------------------------------------------------
-    async def _collect(
-        self, busy: list[float], outputs: list[dict[str, torch.Tensor]], predicted: dict[int, float] | None
-    ) -> RunResult:
-        assert self.partition is not None
-        job = self.job
+    async def _sync(self, step: int) -> Checkpoint:
+        """Parameters and optimizer state of every sub-DAG after ``step - 1``: the new checkpoint, on disk."""
         replies = await self._gather(
-            [self._call(p, "collect", {"job_id": job.job_id}, ASSIGN_TIMEOUT) for p in self.peers], "collect"
+            [self._call(p, "collect", {"job_id": self.job.job_id}, ASSIGN_TIMEOUT) for p in self.peers]
         )
-        states = [unpack_tensors(r.get("state"), f"state from {p}") for p, r in zip(self.peers, replies)]
-        graph = job.graph
-        weights = assemble_state(graph.state_keys, states, job.state, graph.aliases)
+        state = dict(self.job.state)
+        optim: dict[str, torch.Tensor] = {}
+        for peer, r in zip(self.peers, replies):
+            state.update(unpack_tensors(r.get("state"), f"state from {peer}"))
+            if r.get("optim") is not None:
+                optim.update(unpack_tensors(r["optim"], f"optimizer state from {peer}"))
+        ckpt = Checkpoint(step, state, optim, list(self.progress.metrics))
+        await asyncio.to_thread(self.files.save_checkpoint, ckpt, self.attempt)
+        return ckpt
+
+    # ---- results ---------------------------------------------------------------------------------
+    async def _collect_results(self, ckpt: Checkpoint) -> RunResult:
+        assert self.partition is not None
+        job, graph = self.job, self.job.graph
         grads = None
         if job.spec.task == "grad":
+            replies = await self._gather(
+                [self._call(p, "collect", {"job_id": job.job_id}, ASSIGN_TIMEOUT) for p in self.peers]
+            )
             pieces = [unpack_tensors(r.get("grads"), f"grads from {p}") for p, r in zip(self.peers, replies)]
             grads = assemble_state(graph.state_keys, pieces, None, graph.aliases)
+        weights = assemble_state(graph.state_keys, [ckpt.state], job.state, graph.aliases)
         steps = max(job.spec.step_count, 1)
-        measured = {i: t / steps for i, t in enumerate(busy)}
+        measured = {i: t / steps for i, t in self._busy.items() if i < len(self.peers)}
         plan = plan_document(
             self.partition,
-            predicted=predicted,
+            predicted=None,
             measured=measured,
             extra={
                 "job": job.spec.name,
@@ -224,10 +487,12 @@ class JobRun:
                 "task": job.spec.task,
                 "frontend": graph.frontend,
                 "compnodes": dict(enumerate(self.peers)),
+                "recoveries": self.progress.recoveries,
             },
         )
         for doc in plan["subdags"]:
             doc["compnode"] = self.peers[doc["subdag"]]
+        outputs = [self._outputs[s] for s in sorted(self._outputs)]
         return RunResult(
             weights=weights,
             grads=grads,
@@ -237,19 +502,23 @@ class JobRun:
             measured_seconds=measured,
         )
 
-    async def _release_all(self) -> None:
-        if not self.peers:
+    async def _release_all(self, why: str, only: list[str] | None = None) -> None:
+        peers = self.peers if only is None else only
+        if not peers:
             return
         results = await asyncio.gather(
             *(
-                self.broker.call(p, "release", {"job_id": self.job.job_id}, timeout=RELEASE_TIMEOUT)
-                for p in self.peers
+                self.broker.call(
+                    p, "release", {"job_id": self.job.job_id, "reason": why}, timeout=RELEASE_TIMEOUT
+                )
+                for p in peers
+                if p not in self.dead
             ),
             return_exceptions=True,
         )
-        for peer, r in zip(self.peers, results):
+        for r in results:
             if isinstance(r, BaseException):
-                log.debug("job %s: release on %s: %s", self.job.job_id, peer, r)
+                log.debug("job %s: release: %s", self.job.job_id, r)
 
     # ---- calls -----------------------------------------------------------------------------------
     async def _call(self, peer: str, method: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -258,7 +527,7 @@ class JobRun:
         except FusionNetError as e:
             raise type(e)(f"compnode {peer} ({method}): {e}") from e
 
-    async def _gather(self, calls: list[Any], what: str) -> list[dict[str, Any]]:
+    async def _gather(self, calls: list[Any]) -> list[dict[str, Any]]:
         """All calls, or the first failure (the rest are cancelled: their compnodes get a release)."""
         tasks = [asyncio.ensure_future(c) for c in calls]
         try:
@@ -304,10 +573,9 @@ def check_submission(
                 )
     if "inputs" not in data:
         raise JobError("submission: data lacks the 'inputs' tensor")
-    if spec.task != "infer" and graph.loss_node() is not None and "labels" not in data:
-        needs_labels = any(n.kind == "placeholder" and n.target == "labels" for n in graph.nodes)
-        if needs_labels:
-            raise JobError("submission: data lacks the 'labels' tensor the loss reads")
+    needs_labels = any(n.kind == "placeholder" and n.target == "labels" for n in graph.nodes)
+    if needs_labels and "labels" not in data:
+        raise JobError("submission: data lacks the 'labels' tensor the loss reads")
     for name, t in data.items():
         if t.dim() == 0 or t.shape[0] != spec.n_samples:
             raise JobError(

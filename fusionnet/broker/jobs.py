@@ -14,6 +14,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from fusionnet.broker.checkpoints import JobFiles
 from fusionnet.broker.jobrun import JobRun, SubmittedJob, check_submission
 from fusionnet.dag.codec import decode_ir
 from fusionnet.errors import JobError
@@ -48,12 +49,42 @@ class JobService:
 
     async def start(self) -> None:
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
-        # Jobs that were running when a previous broker process died cannot resume yet: say so.
+        # Jobs a previous broker process left unfinished resume from their last checkpoint; the
+        # compnodes re-attach when they get the new round's assignment.
         for row in self.broker.store.list_jobs(10_000):
-            if row["state"] in ("QUEUED", "PLANNING", "RUNNING"):
+            if row["state"] not in ("QUEUED", "PLANNING", "RUNNING"):
+                continue
+            try:
+                job = self._load(row["job_id"], row.get("submitter") or "")
+            except Exception as e:
                 self.broker.store.update_job(
-                    row["job_id"], state="FAILED", error="the broker restarted while the job was running"
+                    row["job_id"], state="FAILED", error=f"cannot resume after a broker restart: {e}"
                 )
+                continue
+            log.info("job %s: resuming after a broker restart", job.job_id)
+            self._launch(job, resume=True)
+
+    def _load(self, job_id: str, submitter: str) -> SubmittedJob:
+        files = JobFiles(self.jobs_dir / job_id)
+        if not files.has_submission():
+            raise JobError("its submission was not saved")
+        spec_doc, ir, state, data = files.load_submission()
+        return SubmittedJob(
+            job_id=job_id,
+            spec=RunSpec.parse(spec_doc),
+            ir=ir,
+            graph=decode_ir(ir),
+            state=state,
+            data=data,
+            submitter=submitter,
+        )
+
+    def _launch(self, job: SubmittedJob, *, resume: bool = False) -> None:
+        run = JobRun(self.broker, job, self.jobs_dir / job.job_id, resume=resume)
+        self.runs[job.job_id] = run
+        task = asyncio.get_running_loop().create_task(run.run(), name=f"job-{job.job_id}")
+        self._tasks[job.job_id] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(job.job_id, None))
 
     async def stop(self) -> None:
         for task in list(self._tasks.values()):
@@ -92,13 +123,16 @@ class JobService:
             data=data,
             submitter=context.remote_peer,
         )
-        run = JobRun(self.broker, job, self.jobs_dir / job_id)
-        self.runs[job_id] = run
+        await asyncio.to_thread(
+            JobFiles(self.jobs_dir / job_id).save_submission,
+            spec.model_dump(mode="json"),
+            job.ir,
+            state,
+            data,
+        )
+        self._launch(job)
         if isinstance(request_id, str) and len(request_id) <= 64:
             self._requests[request_id] = job_id
-        task = asyncio.get_running_loop().create_task(run.run(), name=f"job-{job_id}")
-        self._tasks[job_id] = task
-        task.add_done_callback(lambda _t: self._tasks.pop(job_id, None))
         log.info(
             "job %s (%s, %s, %d steps) accepted from %s",
             job_id,
@@ -122,7 +156,21 @@ class JobService:
             "metrics": [] if run is None else run.progress.metrics[since:],
             "placement": [] if run is None else run.progress.placement,
             "refused_frames": 0 if run is None else run.progress.refused_frames,
+            "recoveries": [] if run is None else run.progress.recoveries,
+            "events": self.broker.store.job_events(job_id)[-50:],
         }
+
+    async def rpc_leaving(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        """A compnode going away gracefully (SIGTERM): its sub-DAG moves at the next step boundary."""
+        job_id = _job_id(payload)
+        run = self.runs.get(job_id)
+        if run is None or context.remote_peer not in run.peers:
+            raise JobError(f"{context.remote_peer} runs no sub-DAG of job {job_id}")
+        run.leaving.add(context.remote_peer)
+        log.info(
+            "job %s: compnode %s is leaving; its sub-DAG moves at the next step", job_id, context.remote_peer
+        )
+        return {"accepted": True}
 
     async def rpc_job_results(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
         """The result files of a finished job (interface.md), as bytes by file name."""

@@ -142,6 +142,10 @@ class CompnodeRegistry:
         """``listener(event)`` is called synchronously for every event; schedule async work yourself."""
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: Callable[[RegistryEvent], None]) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
     def _emit(self, events: list[RegistryEvent]) -> list[RegistryEvent]:
         for event in events:
             log.info(

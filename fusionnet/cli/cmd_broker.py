@@ -23,16 +23,25 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--heartbeat-period",
         type=float,
-        default=5.0,
+        default=1.0,
         metavar="S",
-        help="seconds between ping rounds (default 5)",
+        help="seconds between ping rounds (default 1)",
     )
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=15.0,
+        default=3.0,
         metavar="S",
-        help="a compnode that has not answered a ping for this long is unreachable (default 15)",
+        help="a compnode that has not answered a ping for this long is unreachable and its sub-DAGs "
+        "are moved (default 3)",
+    )
+    p.add_argument(
+        "--sync-every",
+        type=int,
+        default=1,
+        metavar="K",
+        help="train jobs: checkpoint parameters and optimizer state on the broker every K steps; after a "
+        "failure the steps since the last checkpoint are replayed (default 1: no step is ever lost)",
     )
     p.add_argument(
         "--sd-file",
@@ -55,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
             common=common_config(args, "broker"),
             heartbeat_period=args.heartbeat_period,
             heartbeat_timeout=args.heartbeat_timeout,
+            sync_every=args.sync_every,
             sd_file=args.sd_file,
         )
         # One broker per process: its metrics are the process's set, so module-level users count too.

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from fusionnet.compnode.netchannel import NetChannel, check_against_meta
 from fusionnet.dag.channel import MessageKey
+from fusionnet.dag.checkpoint import load_optimizer_tensors, optimizer_tensors
 from fusionnet.dag.codec import decode_ir
 from fusionnet.dag.executor import StepReport, SubDagExecutor
 from fusionnet.dag.ir import IRGraph, dtype_name
@@ -46,6 +47,7 @@ class JobPeer:
 class JobAssignment:
     job_id: str
     broker: str  # the peer that assigned the job: the only one that may drive or release it
+    attempt: int  # the broker's assignment round (a failover or re-plan starts a new one)
     spec: RunSpec
     graph: IRGraph
     subdag: SubDag
@@ -106,6 +108,9 @@ class JobAssignment:
     def grads_blob(self) -> bytes:
         return pack_tensors(self.executor.gradients())
 
+    def optim_blob(self) -> bytes:
+        return pack_tensors(optimizer_tensors(self.executor.optimizers, self.executor.named_params))
+
 
 def _flatten_meta(meta: Any) -> list[Any]:
     if isinstance(meta, dict) and "$seq" in meta:
@@ -158,6 +163,9 @@ def build_assignment(
         raise JobError(f"assign {job_id}: {len(peers)} peers for {len(partition.subdags)} sub-DAGs")
     if peers[index].peer_id != own_peer_id:
         raise JobError(f"assign {job_id}: sub-DAG {index} is for {peers[index].peer_id}, not this node")
+    attempt = payload.get("attempt", 0)
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        raise JobError(f"assign {job_id}: attempt must be a non-negative integer")
     key = payload.get("key")
     if not isinstance(key, bytes) or len(key) < 16:
         raise JobError(f"assign {job_id}: key must be at least 16 random bytes")
@@ -192,9 +200,13 @@ def build_assignment(
         make_optimizers=make_optimizers,
         loss_reduction=spec.loss_reduction,
     )
+    if payload.get("optim") is not None:
+        optim = unpack_tensors(payload["optim"], f"assign {job_id}: optimizer state")
+        load_optimizer_tensors(executor.optimizers, executor.named_params, optim)
     job = JobAssignment(
         job_id=job_id,
         broker=broker,
+        attempt=attempt,
         spec=spec,
         graph=graph,
         subdag=subdag,

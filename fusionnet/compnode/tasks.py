@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from fusionnet.compnode.assignment import JobAssignment, build_assignment
 from fusionnet.compnode.daemon import CompnodeDaemon
+from fusionnet.compnode.faults import FaultPoint, arm
 from fusionnet.errors import JobError
 from fusionnet.rpc.server import RPCContext
 from fusionnet.runtime.blobs import pack_tensors
@@ -30,6 +31,7 @@ from fusionnet.wire.refusal import PeerUnreachable
 log = logging.getLogger("fusionnet.compnode.tasks")
 
 MAX_JOBS = 16  # assignments held at once; a broker gone wild cannot exhaust our memory
+HANDOVER_TIMEOUT = 45.0  # a graceful leave waits this long for the broker to move our sub-DAGs
 
 
 class SubtaskService:
@@ -43,6 +45,8 @@ class SubtaskService:
         self.client: DataPathClient | None = None
         self.p2p: Any = None  # P2PDataPath, imported lazily (hivemind import cost)
         self._tcp_down: set[str] = set()  # peers whose TCP address failed: use P2P for them
+        self._released: dict[str, asyncio.Event] = {}
+        self.fault = FaultPoint.from_env()
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -58,6 +62,7 @@ class SubtaskService:
         self.node.set_data_path_address(f"{host}:{port}")
 
     async def stop(self) -> None:
+        await self._hand_over()
         for job_id in list(self.jobs):
             self._release(job_id, "the compnode is shutting down")
         if self.client is not None:
@@ -66,6 +71,27 @@ class SubtaskService:
             await self.p2p.stop()
         if self.server is not None:
             await self.server.stop()
+
+    async def _hand_over(self) -> None:
+        """Proactive leave (Confidant's proactive mode): tell each job's broker we are going, keep serving
+        until it has moved our sub-DAG elsewhere (it releases us at the next step boundary), then go."""
+        waits = []
+        for job in list(self.jobs.values()):
+            event = self._released.setdefault(job.job_id, asyncio.Event())
+            try:
+                await self.node.call(job.broker, "leaving", {"job_id": job.job_id}, timeout=10.0)
+            except Exception as e:  # the broker may be gone too: nothing to hand over to
+                log.warning("job %s: could not announce our leave to %s: %s", job.job_id, job.broker, e)
+                continue
+            log.info(
+                "job %s: leave announced; waiting for the broker to move sub-DAG %d", job.job_id, job.index
+            )
+            waits.append(event.wait())
+        if waits:
+            try:
+                await asyncio.wait_for(asyncio.gather(*waits), HANDOVER_TIMEOUT)
+            except TimeoutError:
+                log.warning("hand-over not finished within %.0f s; leaving anyway", HANDOVER_TIMEOUT)
 
     # ---- transport -------------------------------------------------------------------------------
     async def _send(self, job: JobAssignment, dst: int, frame: TensorFrame) -> None:
@@ -104,6 +130,8 @@ class SubtaskService:
             if path is not None:
                 path.unregister_job(job_id)
         job.channel.mailbox.fail_all(JobError(f"job {job_id} was released: {why}"))
+        if job_id in self._released:
+            self._released.pop(job_id).set()
         self._set_load()
         log.info("job %s: released (%s)", job_id, why)
 
@@ -123,9 +151,12 @@ class SubtaskService:
         job_id = payload.get("job_id")
         if isinstance(job_id, str) and job_id in self.jobs:
             held = self.jobs[job_id]
-            if held.broker == context.remote_peer and payload.get("subdag") == held.index:
+            if held.broker != context.remote_peer:
+                raise JobError(f"job {job_id} is already assigned here by {held.broker}")
+            if payload.get("attempt", 0) == held.attempt and payload.get("subdag") == held.index:
                 return {"subdag": held.index, "nodes": len(held.subdag.nodes)}  # a repeated request
-            raise JobError(f"job {job_id} is already assigned here")
+            # A new round of the same job (failover, re-plan, restarted broker): the old one is void.
+            self._release(job_id, f"superseded by attempt {payload.get('attempt')}")
         if len(self.jobs) >= MAX_JOBS:
             raise JobError(f"this compnode already runs {MAX_JOBS} jobs")
         holder: dict[str, JobAssignment] = {}
@@ -137,6 +168,7 @@ class SubtaskService:
             build_assignment, payload, own_peer_id=self.node.peer_id, broker=context.remote_peer, send=send
         )
         holder["job"] = job
+        arm(job.executor, self.fault)
         allowed = job.allowed_senders()
         for path in (self.server, self.p2p):
             assert path is not None
@@ -199,7 +231,9 @@ class SubtaskService:
     async def rpc_collect(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
         """The sub-DAG's current parameters and buffers, and (task grad) the last step's gradients."""
         job = self._job(payload, context)
-        reply: dict[str, Any] = {"state": job.state_blob(), "grads": None}
+        if self.fault is not None and job.steps_done:
+            self.fault.hit("sync")
+        reply: dict[str, Any] = {"state": job.state_blob(), "grads": None, "optim": job.optim_blob()}
         if job.spec.task == "grad":
             reply["grads"] = job.grads_blob()
         return reply

@@ -3,7 +3,7 @@
 Map of the package:
 
 - ``types.py``       the model's inputs: ``OpCost``, ``CostGraph``, ``DeviceSpec``, ``Link``, ``Swarm``,
-                     ``Workload`` (validated frozen dataclasses).
+                     ``Workload``, a device's fixed costs ``Overheads`` (validated frozen dataclasses).
 - ``optimizers.py``  per-optimizer state memory, update FLOPs and traffic.
 - ``timing.py``      eq. (1) per op (FP, BP, Update), section 3.7's sub-DAG bounds, eq. (3) latency and
                      eq. (4) pipelined time.
@@ -13,6 +13,8 @@ Map of the package:
 - ``assignment.py``  the cost of one op -> device assignment: stages, transfers, makespan, step time.
 - ``fitting.py``     lambda_p and alpha-beta fits from measurements; online lambda refinement.
 - ``profile.py``     short local profiling with torch (lazy import), cached per machine.
+- ``overheads.py``   micro-benchmarks of the fixed costs per op class, per sub-DAG call and per optimizer
+                     tensor (what dominates small models); ``local_device_spec`` = this machine.
 - ``catalog.py``     FusionAI Table 1 GPUs and other devices; size / bandwidth / latency parsing.
 - ``nodes.py``       ``load_nodes_file`` for ``fusionnet plan --nodes NODES.yaml``.
 - ``models.py``      analytic cost graphs of Bert-Large and a GPT-3-style model (blocks or fine ops).
@@ -27,6 +29,7 @@ from fusionnet.perfmodel.catalog import CATALOG, lookup
 from fusionnet.perfmodel.fitting import fit_link, fit_speed_factor, refine_speed_factor
 from fusionnet.perfmodel.memory import MemoryBreakdown, MemoryDemand, inflight_microbatches, stage_memory
 from fusionnet.perfmodel.nodes import load_nodes_file
+from fusionnet.perfmodel.overheads import local_device_spec, profile_overheads
 from fusionnet.perfmodel.simulator import Hop, SimResult, StageTimes, simulate
 from fusionnet.perfmodel.timing import (
     latency_eq3,
@@ -36,11 +39,21 @@ from fusionnet.perfmodel.timing import (
     pipelined_eq4,
     subdag_time_bounds,
 )
-from fusionnet.perfmodel.types import CostGraph, DeviceSpec, Link, OpCost, Swarm, Workload
+from fusionnet.perfmodel.types import (
+    ClassCost,
+    CostGraph,
+    DeviceSpec,
+    Link,
+    OpCost,
+    Overheads,
+    Swarm,
+    Workload,
+)
 
 __all__ = [
     "CATALOG",
     "AssignmentCost",
+    "ClassCost",
     "CostGraph",
     "DeviceSpec",
     "Hop",
@@ -48,6 +61,7 @@ __all__ = [
     "MemoryBreakdown",
     "MemoryDemand",
     "OpCost",
+    "Overheads",
     "SimResult",
     "StageTimes",
     "Swarm",
@@ -58,11 +72,13 @@ __all__ = [
     "inflight_microbatches",
     "latency_eq3",
     "load_nodes_file",
+    "local_device_spec",
     "lookup",
     "op_bp_seconds",
     "op_fp_seconds",
     "op_update_seconds",
     "pipelined_eq4",
+    "profile_overheads",
     "refine_speed_factor",
     "simulate",
     "stage_memory",

@@ -5,37 +5,60 @@ op, autograd bookkeeping, kernel launches, one module call and one ``autograd.ba
 and micro-batch, one ``optimizer.step()`` per step and a few kernels per parameter tensor in it.
 This module measures those on the local machine the way the executor runs sub-DAGs:
 
-- per op class (view, matmul, conv, other), a ``torch.fx.GraphModule`` chain of 1 and ``K`` ops on
-  a tiny input gives the fixed forward cost per op (slope) and per call (intercept); the same chain's
-  ``autograd.backward`` gives the backward ones. A medium-sized input then gives the class's
-  efficiency: its roofline time (FLOPs at S(p), bytes at the memory bandwidth, counted by the same
-  rules the tracer uses, ``fusionnet.dag.costs``) over the measured time beyond the fixed cost;
-- per optimizer (SGD, SGD with momentum, Adam, AdamW), ``step()`` over 1 and ``K`` small tensors
+- per op class (``types.OP_CLASSES``), a ``torch.fx.GraphModule`` of ``FAN`` ops of the class on an
+  input that is a leaf needing a gradient (as received activations are in the executor): a chain,
+  or for ops whose output cannot feed the next (losses, embeddings, cat) one op per input. Its
+  forward call and its ``autograd.backward``, minus the bare call (a module of one view, less that
+  view), give the class's fixed costs per op. The same
+  module on a medium-sized input gives the class's efficiency: its roofline time (FLOPs at S(p),
+  bytes at the memory bandwidth, counted by the tracer's own rules, ``fusionnet.dag.costs``) over
+  the measured time beyond the fixed costs (a max-pool reaches 1% of it, a matmul most of it);
+- matmul and conv also without an input gradient (a first layer's backward skips a kernel);
+- per optimizer (SGD, SGD with momentum, Adam, AdamW), ``step()`` over 1 and ``FAN`` small tensors
   gives the fixed cost per tensor and per call.
 
-Every figure is the best of a few batches of calls: other processes only ever make a run slower, so
-the minimum is what the machine can do, and the number that is stable from run to run. Results are
-cached as JSON next to ``profile.py``'s, keyed by the same machine description.
+Every figure is the best of many rounds that time a few calls of every measurement in turn (and
+stir the caches between calls, as other sub-DAGs' work does in the executor): other processes only
+ever slow a run down, so the best round is what the machine can do, and the figure that is stable
+from run to run. Results are cached as JSON next to ``profile.py``'s, keyed by the same machine
+description.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fusionnet.perfmodel.profile import _default_cache_dir, machine_key
+from fusionnet.errors import FusionNetError
+from fusionnet.perfmodel.profile import _default_cache_dir, machine_key, profile_local_device
 from fusionnet.perfmodel.timing import bp_bytes, fp_bytes
-from fusionnet.perfmodel.types import ClassCost, OpCost, Overheads
+from fusionnet.perfmodel.types import OP_CLASSES, ClassCost, DeviceSpec, OpCost, Overheads
 
-CHAIN = 6  # ops in the long chain (the short one has 1)
-CACHE_VERSION = 1
+FAN = 6  # ops per measured module
+CACHE_VERSION = 3
 TIMED_OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 _EFFICIENCY_RANGE = (0.02, 20.0)
+_SCRATCH: list[Any] = []
+
+
+def _disturb() -> None:
+    """What runs between two sub-DAG calls in the executor (other sub-DAGs, the channel, asyncio):
+    enough data and code to push the timed call's out of the caches, so calls are not timed hot."""
+    import torch
+
+    if not _SCRATCH:
+        _SCRATCH.append(torch.zeros(1 << 19))  # 2 MiB: more than a core's L2
+        _SCRATCH.append({i: str(i) for i in range(2000)})
+    _SCRATCH[0].add_(1.0)
+    sum(len(v) for v in _SCRATCH[1].values())
 
 
 class _Bench:
@@ -59,6 +82,7 @@ class _Bench:
             for name, (setup, timed, calls) in self.items.items():
                 total = 0.0
                 for _ in range(calls):
+                    _disturb()
                     state = setup()
                     t0 = time.perf_counter()
                     timed(state)
@@ -68,39 +92,58 @@ class _Bench:
         return self.best
 
 
-def _chain_ops(op_class: str, cols: int) -> list[tuple[Any, tuple[Any, ...], bool]]:
-    """The ops a chain cycles through: (target, constant args after the input, has weight+bias)."""
-    import torch
-    import torch.nn.functional as F
-
-    if op_class == "view":
-        return [("method:transpose", (0, 1), False)]
-    if op_class == "matmul":
-        return [(F.linear, (), True)]
-    if op_class == "conv":
-        return [(F.conv2d, (1, 1), True)]  # stride 1, padding 1: the shape is kept
-    return [
-        ("method:mul", (0.5,), False),
-        (F.softmax, (-1,), False),
-        (torch.relu, (), False),
-        (F.layer_norm, ((cols,),), False),
-    ]
-
-
-# op class -> (tiny input shape, medium input shape); weights keep the shape (square / same channels)
-_SHAPES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
-    "view": ((16, 16), (16, 16)),
+# op class -> (tiny input shape, medium input shape or None): the medium one measures efficiency
+_SHAPES: dict[str, tuple[tuple[int, ...], tuple[int, ...] | None]] = {
+    "view": ((16, 16), None),
+    "elementwise": ((16, 16), (128, 512)),
+    "norm": ((16, 16), (128, 512)),
+    "pool": ((2, 3, 8, 8), (8, 8, 16, 16)),
+    "loss": ((16, 8), (256, 256)),
+    "gather": ((4, 8), (64, 128)),
+    "copy": ((16, 16), (128, 512)),
     "matmul": ((16, 16), (128, 256)),
     "conv": ((2, 3, 8, 8), (8, 16, 16, 16)),
-    "other": ((16, 16), (128, 512)),
 }
 
 
-class _Chain:
-    """A GraphModule of ``k`` ops of one class on an input that is a leaf needing a gradient, as the
-    activations a sub-DAG receives are in the executor; plus the ops' costs by the tracer's rules."""
+def _op(op_class: str, i: int, shape: tuple[int, ...]) -> tuple[Any, tuple[Any, ...], list[Any]]:
+    """Op ``i`` of a class's module: (target, arguments after the input, parameter shapes)."""
+    import torch
+    import torch.nn.functional as F
 
-    def __init__(self, op_class: str, k: int, shape: tuple[int, ...]) -> None:
+    cols = shape[-1]
+    if op_class == "view":
+        return "method:transpose", (0, 1), []
+    if op_class == "elementwise":
+        return [(torch.relu, (), []), ("method:mul", (0.5,), []), (torch.tanh, (), [])][i % 3]
+    if op_class == "norm":
+        return [(F.layer_norm, ((cols,),), []), (F.softmax, (-1,), [])][i % 2]
+    if op_class == "pool":
+        return F.max_pool2d, (3, 1, 1), []
+    if op_class == "loss":
+        return F.cross_entropy, ("labels",), []
+    if op_class == "gather":
+        return F.embedding, (), [(32, 16)]  # the input holds indices: embedding(input, weight)
+    if op_class == "copy":
+        return torch.cat, (), []  # cat((x, x)): handled by the builder
+    if op_class == "matmul":
+        return F.linear, (), [(cols, cols), (cols,)]
+    if op_class == "conv":
+        return F.conv2d, (1, 1), [(shape[1], shape[1], 3, 3), (shape[1],)]
+    raise ValueError(f"no micro-benchmark for op class {op_class!r}")
+
+
+_FANNED = ("loss", "gather", "copy")  # ops whose output cannot feed the next one of the class
+
+
+class _Ops:
+    """A GraphModule of ``k`` ops of one class, plus the ops' costs by the tracer's rules.
+
+    Shape-keeping classes form a chain (each op reads the previous one's output, as in a real
+    sub-DAG; only the first input is a leaf). The others (a loss, an embedding, a cat) fan out: each
+    op reads its own input and every result is returned."""
+
+    def __init__(self, op_class: str, k: int, shape: tuple[int, ...], input_grad: bool = True) -> None:
         import torch
         import torch.fx as fx
         from torch import nn
@@ -108,71 +151,71 @@ class _Chain:
         from fusionnet.dag.costs import op_cost
 
         gen = torch.Generator().manual_seed(k)
+        fan = op_class in _FANNED
         root = nn.Module()
         graph = fx.Graph()
-        node = graph.placeholder("x")
-        value = torch.randn(shape, generator=gen)
-        self.x = value
-        self.ops: list[OpCost] = []
-        cycle = _chain_ops(op_class, shape[-1])
+        make = (lambda: torch.randint(0, 32, shape, generator=gen)) if op_class == "gather" else None
+        self.xs = [make() if make else torch.randn(shape, generator=gen) for _ in range(k if fan else 1)]
+        self.input_grad = input_grad and op_class != "gather"
+        labels = torch.randint(0, shape[-1], shape[:1], generator=gen)
+        root.register_buffer("labels", labels)
+        nodes = [graph.placeholder(f"x{i}") for i in range(len(self.xs))]
+        outs, self.ops = [], []
+        node, value = nodes[0], self.xs[0]
         for i in range(k):
-            target, extra, weighted = cycle[i % len(cycle)]
-            params: list[Any] = []
-            if weighted:
-                channels = shape[1] if op_class == "conv" else shape[-1]
-                w_shape = (channels, channels, 3, 3) if op_class == "conv" else (channels, channels)
-                for name, t in (
-                    (f"w{i}", torch.randn(w_shape, generator=gen) * 0.1),
-                    (f"b{i}", torch.zeros(channels)),
-                ):
-                    root.register_parameter(name, nn.Parameter(t))
-                    params.append((name, getattr(root, name)))
-            args_nodes = (node, *(graph.get_attr(n) for n, _ in params), *extra)
-            args_values = (value, *(p for _, p in params), *extra)
-            if isinstance(target, str):
-                node = graph.call_method(target.split(":", 1)[1], args_nodes)
-                out = getattr(value, target.split(":", 1)[1])(*extra)
+            if fan:
+                node, value = nodes[i], self.xs[i]
+            target, extra, param_shapes = _op(op_class, i, shape)
+            params = []
+            for j, ps in enumerate(param_shapes):
+                root.register_parameter(f"p{i}_{j}", nn.Parameter(torch.randn(ps, generator=gen) * 0.1))
+                params.append(getattr(root, f"p{i}_{j}"))
+            consts = tuple(labels if a == "labels" else a for a in extra)
+            nodes_extra = tuple(graph.get_attr("labels") if a == "labels" else a for a in extra)
+            if target is torch.cat:
+                values: tuple[Any, ...] = ((value, value),)
+                args: tuple[Any, ...] = ((node, node),)
             else:
-                node = graph.call_function(target, args_nodes)
+                values = (value, *params, *consts)
+                args = (node, *(graph.get_attr(f"p{i}_{j}") for j in range(len(params))), *nodes_extra)
+            if isinstance(target, str):
+                node = graph.call_method(target.split(":", 1)[1], args)
+                out = getattr(value, target.split(":", 1)[1])(*consts)
+            else:
+                node = graph.call_function(target, args)
                 with torch.no_grad():
-                    out = target(*args_values)
-            c = op_cost(
-                target, args_values, {}, out, param_bytes=sum(p.numel() * p.element_size() for _, p in params)
-            )
+                    out = target(*values)
+            outs.append(node)
+            param_bytes = sum(p.numel() * p.element_size() for p in params)
+            c = op_cost(target, values, {}, out, param_bytes=param_bytes)
             self.ops.append(
                 OpCost(
                     f"{op_class}{i}",
                     "parametric" if params else "non_parametric",
-                    c.flops_fwd,
-                    c.flops_bwd,
-                    c.bytes_read,
-                    c.bytes_written,
-                    c.param_bytes,
-                    c.activation_bytes,
+                    *(c.flops_fwd, c.flops_bwd, c.bytes_read, c.bytes_written, c.param_bytes, 0),
                 )
             )
             value = out.detach()
-        graph.output((node,))
+        graph.output(tuple(outs) if fan else (node,))
         self.module = fx.GraphModule(root, graph)
-        self.seed = torch.ones_like(value)
 
     def register(self, bench: _Bench, name: str, calls: int) -> None:
-        """Adds this chain's forward (``name/fp``) and backward (``name/bp``) to ``bench``."""
+        """Adds this module's forward (``name/fp``) and backward (``name/bp``) to ``bench``."""
         import torch
 
-        x = self.x.clone().requires_grad_(True)
+        def leaves() -> list[Any]:
+            return [x.clone().requires_grad_(self.input_grad) for x in self.xs]
 
-        def forward(_: Any) -> Any:
+        def forward(inputs: list[Any]) -> Any:
             with torch.enable_grad():
-                return self.module(x)
+                return self.module(*inputs)
 
-        def graph() -> Any:
-            leaf = self.x.clone().requires_grad_(True)
-            with torch.enable_grad():
-                return self.module(leaf)[0]
+        def graph() -> tuple[list[Any], list[Any]]:
+            outs = list(forward(leaves()))
+            return outs, [torch.ones_like(o) for o in outs]
 
-        bench.add(f"{name}/fp", lambda: None, forward, calls)
-        bench.add(f"{name}/bp", graph, lambda y: torch.autograd.backward([y], [self.seed]), calls)
+        bench.add(f"{name}/fp", leaves, forward, calls)
+        bench.add(f"{name}/bp", graph, lambda og: torch.autograd.backward(og[0], og[1]), calls)
 
 
 def _roofline(ops: list[OpCost], speed: float, bandwidth: float) -> tuple[float, float]:
@@ -193,7 +236,7 @@ def _register_optimizers(bench: _Bench) -> None:
     }
     for name in TIMED_OPTIMIZERS:
         cls_name, kwargs = settings[name]
-        for n in (1, CHAIN):
+        for n in (1, FAN):
             params = [torch.nn.Parameter(torch.zeros(64)) for _ in range(n)]
             grads = [torch.full_like(p, 1e-3) for p in params]
             opt = getattr(torch.optim, cls_name)(params, lr=1e-3, foreach=False, **kwargs)
@@ -218,43 +261,55 @@ def measure_overheads(speed: float, mem_bandwidth: float, seconds_budget: float 
     if not (speed > 0 and mem_bandwidth > 0):
         raise ValueError("speed and mem_bandwidth must be positive")
     bench = _Bench()
-    chains: dict[tuple[str, str], _Chain] = {}
+    fans: dict[tuple[str, str], _Ops] = {}
     for op_class, (tiny, medium) in _SHAPES.items():
-        sizes = [("k", CHAIN, tiny)]
-        if op_class == "view":  # views cost next to nothing: the 1-op chain is the bare call
-            sizes.append(("1", 1, tiny))
-        if medium != tiny:
-            sizes.append(("m", CHAIN, medium))
-        for tag, k, shape in sizes:
-            chain = chains[(op_class, tag)] = _Chain(op_class, k, shape)
-            chain.register(bench, f"{op_class}/{tag}", 2 if tag == "m" else 4)
+        sizes: list[tuple[str, int, tuple[int, ...], bool]] = [("k", FAN, tiny, True)]
+        if op_class == "view":  # views cost next to nothing: one view is the bare call
+            sizes.append(("1", 1, tiny, True))
+        if medium is not None:
+            sizes.append(("m", FAN, medium, True))
+        if op_class in ("matmul", "conv"):  # as a first layer: the data input needs no gradient
+            sizes.append(("n", FAN, tiny, False))
+        for tag, k, shape, grad in sizes:
+            fans[(op_class, tag)] = fan = _Ops(op_class, k, shape, input_grad=grad)
+            fan.register(bench, f"{op_class}/{tag}", 2 if tag == "m" else 4)
     _register_optimizers(bench)
     t = bench.run(seconds_budget)
+    _SCRATCH.clear()
 
     phases = ("fp", "bp")
-    # Per call: the 1-view chain minus one view (a view's own cost from the slope to the 6-view chain).
-    view_op = [max(0.0, (t[f"view/k/{ph}"] - t[f"view/1/{ph}"]) / (CHAIN - 1)) for ph in phases]
+    # The bare call: the 1-view module minus its view (a view's cost from the slope to FAN views).
+    view_op = [max(0.0, (t[f"view/k/{ph}"] - t[f"view/1/{ph}"]) / (FAN - 1)) for ph in phases]
     call = [max(0.0, t[f"view/1/{ph}"] - view_op[i]) for i, ph in enumerate(phases)]
     classes: dict[str, ClassCost] = {"view": ClassCost(fp=view_op[0], bp=view_op[1])}
+    efficiency: dict[str, float] = {}
+    for op_class in (c for c, (_tiny, medium) in _SHAPES.items() if medium is not None):
+        # t - call = FAN * fixed + roofline / efficiency, on the tiny and on the medium input
+        grow = sum(t[f"{op_class}/m/{ph}"] - t[f"{op_class}/k/{ph}"] for ph in phases)
+        rk = _roofline(fans[(op_class, "k")].ops, speed, mem_bandwidth)
+        rm = _roofline(fans[(op_class, "m")].ops, speed, mem_bandwidth)
+        eff = (sum(rm) - sum(rk)) / grow if grow > 0 else _EFFICIENCY_RANGE[1]
+        efficiency[op_class] = min(max(eff, _EFFICIENCY_RANGE[0]), _EFFICIENCY_RANGE[1])
     for op_class in _SHAPES:
         if op_class == "view":
             continue
-        # t - call = CHAIN * fixed + roofline / efficiency, on the tiny and on the medium input
-        spent_k = [t[f"{op_class}/k/{ph}"] - call[i] for i, ph in enumerate(phases)]
-        spent_m = [t[f"{op_class}/m/{ph}"] - call[i] for i, ph in enumerate(phases)]
-        rk = _roofline(chains[(op_class, "k")].ops, speed, mem_bandwidth)
-        rm = _roofline(chains[(op_class, "m")].ops, speed, mem_bandwidth)
-        grow = sum(spent_m) - sum(spent_k)
-        efficiency = (sum(rm) - sum(rk)) / grow if grow > 0 else _EFFICIENCY_RANGE[1]
-        efficiency = min(max(efficiency, _EFFICIENCY_RANGE[0]), _EFFICIENCY_RANGE[1])
-        fixed = [max(0.0, (spent_k[i] - rk[i] / efficiency) / CHAIN) for i in range(2)]
-        classes[op_class] = ClassCost(fp=fixed[0], bp=fixed[1], efficiency=efficiency)
+        eff = efficiency[op_class]
+        rk = _roofline(fans[(op_class, "k")].ops, speed, mem_bandwidth)
+        fixed = [
+            max(0.0, (t[f"{op_class}/k/{ph}"] - call[i] - rk[i] / eff) / FAN) for i, ph in enumerate(phases)
+        ]
+        bp_input = 0.0
+        if (op_class, "n") in fans:  # the module without an input gradient saves FAN of them
+            bp_input = min(fixed[1], max(0.0, (t[f"{op_class}/k/bp"] - t[f"{op_class}/n/bp"]) / FAN))
+        classes[op_class] = ClassCost(fp=fixed[0], bp=fixed[1], efficiency=eff, bp_input=bp_input)
+    classes["other"] = classes["elementwise"]  # ops without a rule: priced like elementwise ones
+    assert set(classes) == set(OP_CLASSES)
 
     per_tensor: dict[str, float] = {}
     step_calls, per_kernel = [], []
     for name in TIMED_OPTIMIZERS:
-        one, many = t[f"{name}/1"], t[f"{name}/{CHAIN}"]
-        slope = max(0.0, (many - one) / (CHAIN - 1))
+        one, many = t[f"{name}/1"], t[f"{name}/{FAN}"]
+        slope = max(0.0, (many - one) / (FAN - 1))
         per_tensor[name] = slope
         step_calls.append(max(0.0, one - slope))
         per_kernel.append(slope / optimizer_profile(name).kernels)
@@ -294,7 +349,7 @@ def profile_overheads(
             doc = json.loads(path.read_text())
             if doc.get("key") == key:
                 return Overheads.from_dict(doc["result"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, FusionNetError):
             pass  # unreadable cache: measure again and overwrite it
     result = measure_overheads(speed, mem_bandwidth, seconds_budget)
     folder.mkdir(parents=True, exist_ok=True)
@@ -302,3 +357,44 @@ def profile_overheads(
     tmp.write_text(json.dumps({"key": key, "result": result.to_dict()}, indent=2))
     tmp.replace(path)
     return result
+
+
+def _cache_dir(cache_dir: str | Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    folder = _default_cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / "fusionnet-profile"
+
+
+def local_device_spec(
+    name: str = "local", *, seconds_budget: float = 1.0, cache_dir: str | Path | None = None
+) -> DeviceSpec:
+    """This machine as a ``DeviceSpec``: speed, bandwidth and fixed overheads from short profiles
+    (cached per machine, so only the first call pays ~2 s), RAM and free disk as its memories."""
+    folder = _cache_dir(cache_dir)
+    prof = profile_local_device(seconds_budget, folder)
+    overheads = profile_overheads(
+        prof.peak_flops * prof.speed_factor, prof.mem_bandwidth, 2 * seconds_budget, folder
+    )
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 8 << 30
+    disk = shutil.disk_usage(folder if folder.exists() else Path.home()).free
+    return DeviceSpec(
+        name=name,
+        kind="cpu",
+        peak_flops=prof.peak_flops,
+        speed_factor=prof.speed_factor,
+        mem_bandwidth=prof.mem_bandwidth,
+        d_gpu=0,
+        d_cpu=int(ram),
+        d_disk=int(disk),
+        overheads=overheads,
+    )

@@ -70,7 +70,8 @@ def op_bp_seconds(op: OpCost, device: DeviceSpec, needs_grad: bool = True) -> fl
         return 0.0
     cls = device.overheads.of(op.op_class)
     roofline = op.flops_bwd / device.speed + bp_bytes(op) / device.mem_bandwidth
-    return cls.bp + roofline / cls.efficiency
+    fixed = cls.bp if op.input_grad else max(0.0, cls.bp - cls.bp_input)
+    return fixed + roofline / cls.efficiency
 
 
 def op_update_seconds(op: OpCost, device: DeviceSpec) -> float:

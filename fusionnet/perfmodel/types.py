@@ -20,9 +20,10 @@ from fusionnet.errors import IRError, PlanError
 from fusionnet.perfmodel.optimizers import optimizer_profile
 
 OP_KINDS = ("placeholder", "variable", "parametric", "non_parametric", "loss", "output")
-# How an op's time scales (``Overheads``): views move no data; matmul-like and conv ops run at their own
-# fraction of the FLOP peak; everything else (elementwise, norms, reductions, losses) is memory-bound.
-OP_CLASSES = ("view", "matmul", "conv", "other")
+# Families of ops with their own fixed costs and efficiency (``Overheads``): views move no data;
+# matmul-like and conv ops run at their own fraction of the FLOP peak; the rest is memory-bound, with
+# per-family fixed costs (a max-pool launches more work than a relu). "other": ops without a rule.
+OP_CLASSES = ("view", "elementwise", "norm", "pool", "loss", "gather", "copy", "matmul", "conv", "other")
 DEVICE_KINDS = ("gpu", "cpu")
 TASKS = ("train", "grad", "infer")
 SCHEDULES = ("gpipe", "1f1b")
@@ -54,6 +55,7 @@ class OpCost:
     optimizer: str | None = None  # torch.optim class name, lower-case, for ops owning params
     op_class: str = "other"  # one of OP_CLASSES: which fixed overhead and efficiency apply
     param_tensors: int = 0  # parameter tensors the op owns (0 with param_bytes > 0 counts as one)
+    input_grad: bool = True  # False: its data input needs no gradient (a first layer), a cheaper backward
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -180,10 +182,12 @@ class ClassCost:
     fp: float = 0.0  # fixed seconds per forward execution (dispatch, autograd recording, kernel launch)
     bp: float = 0.0  # fixed seconds per backward execution
     efficiency: float = 1.0  # fraction of the roofline (FLOPs at S(p), bytes at mem_bandwidth) it reaches
+    bp_input: float = 0.0  # part of ``bp`` spent on the data input's gradient (saved when none is needed)
 
     def __post_init__(self) -> None:
         _non_negative_seconds(self.fp, "op class fp overhead")
         _non_negative_seconds(self.bp, "op class bp overhead")
+        _non_negative_seconds(self.bp_input, "op class bp_input overhead")
         if not _positive_finite(self.efficiency):
             raise PlanError(f"op class efficiency must be a positive finite number, got {self.efficiency!r}")
 
@@ -198,6 +202,12 @@ class Overheads:
     """
 
     view: ClassCost = ClassCost()
+    elementwise: ClassCost = ClassCost()
+    norm: ClassCost = ClassCost()  # normalisations, softmax, reductions
+    pool: ClassCost = ClassCost()
+    loss: ClassCost = ClassCost()
+    gather: ClassCost = ClassCost()  # embedding, indexing
+    copy: ClassCost = ClassCost()  # cat, stack, materialising reshapes
     matmul: ClassCost = ClassCost()
     conv: ClassCost = ClassCost()
     other: ClassCost = ClassCost()
@@ -236,7 +246,9 @@ class Overheads:
         if not _positive_finite(factor):
             raise PlanError(f"scale factor must be a positive finite number, got {factor!r}")
         classes = {
-            f: replace(c, fp=c.fp / factor, bp=c.bp / factor) for f in OP_CLASSES for c in (self.of(f),)
+            f: replace(c, fp=c.fp / factor, bp=c.bp / factor, bp_input=c.bp_input / factor)
+            for f in OP_CLASSES
+            for c in (self.of(f),)
         }
         return replace(
             self,

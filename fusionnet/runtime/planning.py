@@ -17,10 +17,6 @@ loads and traces a job file):
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,12 +30,21 @@ from fusionnet.dag.partition import Partition, build_partition
 from fusionnet.dag.registry import REGISTRY
 from fusionnet.errors import FusionNetError, PlanError
 from fusionnet.perfmodel.memory import fmt_bytes
+from fusionnet.perfmodel.overheads import local_device_spec
 from fusionnet.perfmodel.types import CostGraph, DeviceSpec, Link, OpCost, Swarm, Workload
 
-log = logging.getLogger("fusionnet.runtime.planning")
-
 OPS = ("parametric", "non_parametric", "loss")  # IR kinds that become cost-graph ops
-_MATMUL_RULES = {"linear", "matmul", "addmm", "sdpa"}
+# flop_rules kind -> Overheads op class
+_RULE_CLASS = {
+    **dict.fromkeys(("linear", "matmul", "addmm", "sdpa"), "matmul"),
+    "conv": "conv",
+    **dict.fromkeys(("elementwise", "pow", "minmax", "dropout", "fill"), "elementwise"),
+    **dict.fromkeys(("norm", "softmax", "reduction"), "norm"),
+    "pool": "pool",
+    **dict.fromkeys(("loss", "cross_entropy"), "loss"),
+    "gather": "gather",
+    **dict.fromkeys(("copy", "view"), "copy"),  # a "view" rule that wrote bytes had to copy
+}
 LOOPBACK = Link.from_bandwidth(100e-6, 1e9)  # local compnodes: loopback TCP, design.md's figures
 IN_PROCESS = Link(alpha=0.0, beta=0.0)  # run --local: tensors are handed over in memory
 
@@ -57,7 +62,8 @@ class PlannedJob:
 
 
 def op_class(node: IRNode) -> str:
-    """Which ``Overheads`` class prices ``node``: view, matmul, conv or other."""
+    """Which ``Overheads`` class (``perfmodel.types.OP_CLASSES``) prices ``node``: by its cost rule's
+    kind; an op that neither computes nor writes anything is a view."""
     if not node.cost.get("flops_fwd") and not node.cost.get("bytes_written"):
         return "view"
     try:
@@ -65,11 +71,7 @@ def op_class(node: IRNode) -> str:
         rule = RULES.get(op_name(target))
     except FusionNetError:
         rule = None
-    if rule is not None and rule.kind in _MATMUL_RULES:
-        return "matmul"
-    if rule is not None and rule.kind == "conv":
-        return "conv"
-    return "other"
+    return _RULE_CLASS.get(rule.kind, "other") if rule is not None else "other"
 
 
 def optimizer_profile_name(cls_name: str, kwargs: Mapping[str, Any]) -> str:
@@ -113,6 +115,9 @@ def cost_graph(
             return optimizer
         return next((optimizer[k] for k in keys if k in optimizer), None)
 
+    needs: dict[str, bool] = {}  # a gradient flows into the node's output
+    for n in graph.nodes:
+        needs[n.name] = n.kind == "variable" or bool(n.param_keys()) or any(needs[s] for s in n.input_names())
     costs = []
     for n in ops:
         extra = folded.get(n.name, [])
@@ -134,6 +139,7 @@ def cost_graph(
                 optimizer=opt_of(keys) if param_bytes else None,
                 op_class=op_class(n),
                 param_tensors=len(keys),
+                input_grad=any(needs[s] for s in n.input_names() if graph.node(s).kind != "variable"),
             )
         )
     edges: dict[tuple[str, str], int] = {}
@@ -180,7 +186,7 @@ def _swarm(devices: Sequence[DeviceSpec], links: Links, default_link: Link | Non
     return Swarm(tuple(devices), dict(links or {}), default_link or LOOPBACK)
 
 
-def _ir_assignment(graph: IRGraph, cg: CostGraph, op_label: Mapping[str, int]) -> dict[str, int]:
+def _ir_assignment(graph: IRGraph, op_label: Mapping[str, int]) -> dict[str, int]:
     """Cost-graph op -> label, extended to every IR node: placeholders and variables go with the op
     they were folded into, the output with the producer of its last input (as build_partition does)."""
     owner = _owners(graph)
@@ -231,7 +237,7 @@ def plan_graph(
         cg, swarm, Workload(microbatches, graph.task), max_devices=max_devices, objective=objective
     )
     stage_of = {d: i for i, d in enumerate(plan.devices_used)}
-    labels = _ir_assignment(graph, cg, {op: stage_of[d] for op, d in plan.assignment.items()})
+    labels = _ir_assignment(graph, {op: stage_of[d] for op, d in plan.assignment.items()})
     partition = _partition(graph, labels)
     # sub-DAG i of the partition -> the stage (and device) it came from
     stage_for = {s.index: s.compnode for s in partition.subdags}
@@ -306,52 +312,6 @@ def job_optimizers(job: Any, graph: IRGraph) -> dict[str, str] | None:
     return {k: optimizer_profile_name(r.cls_name, r.kwargs) for k, r in resolved.items()}
 
 
-def _cache_dir(cache_dir: str | Path | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    from fusionnet.perfmodel.profile import _default_cache_dir
-
-    folder = _default_cache_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if os.access(folder, os.W_OK):
-            return folder
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / "fusionnet-profile"
-
-
-def local_device_spec(
-    name: str = "local", *, seconds_budget: float = 1.0, cache_dir: str | Path | None = None
-) -> DeviceSpec:
-    """This machine as a ``DeviceSpec``: speed, bandwidth and fixed overheads from short profiles
-    (cached per machine, so only the first call pays ~2 s), RAM and free disk as its memories."""
-    from fusionnet.perfmodel.overheads import profile_overheads
-    from fusionnet.perfmodel.profile import profile_local_device
-
-    folder = _cache_dir(cache_dir)
-    prof = profile_local_device(seconds_budget, folder)
-    overheads = profile_overheads(
-        prof.peak_flops * prof.speed_factor, prof.mem_bandwidth, 2 * seconds_budget, folder
-    )
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 8 << 30
-    disk = shutil.disk_usage(folder if folder.exists() else Path.home()).free
-    return DeviceSpec(
-        name=name,
-        kind="cpu",
-        peak_flops=prof.peak_flops,
-        speed_factor=prof.speed_factor,
-        mem_bandwidth=prof.mem_bandwidth,
-        d_gpu=0,
-        d_cpu=int(ram),
-        d_disk=int(disk),
-        overheads=overheads,
-    )
-
-
 @dataclass
 class JobPlan:
     """``plan_job``'s answer: the job partitioned as planned, the plan, its text and its JSON form."""
@@ -384,7 +344,7 @@ def plan_job(
     if nodes_file is not None:
         swarm = load_nodes_file(nodes_file)  # before tracing: a bad nodes file fails fast
         devices, links, default, cap = list(swarm.devices), dict(swarm.links), swarm.default_link, None
-        where = f"swarm of {len(devices)} device(s) from {nodes_file}"
+        where = f"the {len(devices)} device(s) of {nodes_file}"
     else:
         local = local_device_spec(seconds_budget=seconds_budget, cache_dir=cache_dir)
         n = spec.placement.compnodes
@@ -407,7 +367,7 @@ def plan_job(
         default_link=default,
     )
     prepared = prepare_job(job, len(planned.devices), traced=traced, assignment=planned.assignment)
-    explanation = f"planned for a {where}\n\n{planned.explanation}"
+    explanation = f"planned for {where}\n\n{planned.explanation}"
     used = [devices[d] for d in planned.devices]
     document = plan_document(
         prepared.partition,

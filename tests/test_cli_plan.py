@@ -1,0 +1,113 @@
+"""``fusionnet plan`` (local profile and ``--nodes``), ``fusionnet section4`` and the predictions that
+``fusionnet run --local`` writes into plan.json, through the real console entry point."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fusionnet.cli.main import main
+from tests.jobfiles import REPO
+
+MLP = REPO / "examples" / "mlp" / "job.yaml"
+GPT = REPO / "examples" / "gpt" / "job.yaml"
+
+NODES = """
+nodes:
+  - device: RTX 3080
+    count: 2
+  - name: laptop
+    kind: cpu
+    peak_flops: 200G
+    mem_bandwidth: 20GB/s
+    d_cpu: 8GiB
+network:
+  latency: 5ms
+  bandwidth: 1Gbps
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def profile_cache(tmp_path_factory):
+    """This machine is profiled once for the module, into a scratch cache (not the user's)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.mark.timeout(180)
+def test_plan_prints_table3_and_writes_the_json(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(MLP), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Sub-DAG" in text and "Outer required" in text  # Table 3
+    assert "like this machine" in text and "predicted step time" in text
+    doc = json.loads(out.read_text())
+    assert doc["job"] == "mlp" and doc["predicted_step_seconds"] > 0
+    assert 1 <= len(doc["subdags"]) <= 2  # placement.compnodes caps the sub-DAGs
+    assert all(s["predicted_seconds"] > 0 for s in doc["subdags"])
+    assert sum(len(s["nodes"]) for s in doc["subdags"]) == 9  # every IR node in exactly one sub-DAG
+    assert doc["plan"]["workload"]["microbatches"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_plan_for_a_nodes_file(tmp_path: Path, capsys) -> None:
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(NODES)
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(GPT), "--nodes", str(nodes), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"the 3 device(s) of {nodes}" in text
+    doc = json.loads(out.read_text())
+    names = {d["name"] for d in doc["devices"]}
+    assert names <= {"RTX 3080 #0", "RTX 3080 #1", "laptop"} and names
+    assert [s["subdag"] for s in doc["subdags"]] == list(range(len(doc["subdags"])))
+    assert all(s["predicted_seconds"] > 0 for s in doc["subdags"])
+
+
+@pytest.mark.timeout(120)
+def test_plan_refuses_bad_or_too_small_swarms_in_one_line(tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes:\n  - device: RTX 3080\n    colour: red\n")
+    assert main(["plan", str(MLP), "--nodes", str(bad)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "nodes[0]" in err and "colour" in err and len(err.splitlines()) == 1
+    small = tmp_path / "small.yaml"
+    small.write_text("- {name: tiny, kind: cpu, peak_flops: 1G, mem_bandwidth: 1GB/s, d_cpu: 4KiB}\n")
+    assert main(["plan", str(MLP), "--nodes", str(small)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "needs" in err and "d_cpu" in err and "tiny" in err
+
+
+def test_help_texts() -> None:
+    for command in ("plan", "section4"):
+        with pytest.raises(SystemExit) as e:
+            main([command, "--help"])
+        assert e.value.code == 0
+
+
+@pytest.mark.timeout(120)
+def test_section4_writes_the_plot_and_the_rows(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    assert main(["section4", "--output", str(tmp_path), "--n-batches", "8", "--no-simulate"]) == 0
+    png = tmp_path / "section4.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    rows = json.loads((tmp_path / "section4.json").read_text())
+    assert {r["model"] for r in rows} == {"bert-large", "gpt3-24l-4096"}
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["plot"] == str(png)
+
+
+@pytest.mark.timeout(180)
+def test_run_local_puts_predictions_next_to_measurements(tmp_path: Path, capsys) -> None:
+    assert main(["run", str(MLP), "--local", "2", "--output", str(tmp_path)]) == 0
+    assert "predicted" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["predicted_for"]["device"] == "local"
+    for s in doc["subdags"]:
+        assert s["predicted_seconds"] > 0 and s["measured_seconds"] > 0
+        assert s["prediction_error"] == pytest.approx(
+            (s["predicted_seconds"] - s["measured_seconds"]) / s["measured_seconds"]
+        )

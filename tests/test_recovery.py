@@ -1,0 +1,240 @@
+"""Fault tolerance on a real swarm (FusionAI 3.2/3.5, Confidant's passive and proactive recovery).
+
+Compnodes die for real: ``FUSIONNET_FAULT`` makes a compnode SIGKILL itself in FP, BP, Update or a
+parameter sync of its k-th step (seeded random points, 5 per swarm, 20 in the module), SIGTERM makes
+one leave gracefully, SIGSTOP cuts one off (its traffic is no longer answered), and the broker is
+SIGKILLed and restarted on its state dir. Every job must end with the weights of plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fusionnet.job.loader import load_job
+from fusionnet.reference import run_reference
+from fusionnet.runtime.submit import submission_payload, submit_and_wait
+from tests.jobfiles import example_job
+from tests.swarm_utils import Observer, Swarm, broker_args, running_swarm, start_daemon, wait_until
+
+pytestmark = pytest.mark.swarm
+TOL = 1e-5
+SGD = {"name": "sgd", "lr": 0.05, "kwargs": {"momentum": 0.9}}
+PHASES = ("fp", "bp", "update", "sync")
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _online(observer: Observer, n: int) -> None:
+    def ready() -> bool:
+        st = observer.broker_status()
+        return sum(1 for c in st["compnodes"] if c["state"] == "ONLINE" and c["data_path_address"]) >= n
+
+    wait_until(ready, 90, f"{n} compnodes ONLINE at the broker")
+
+
+def _check_weights(job_path: Path, out: Path) -> None:
+    ref = run_reference(load_job(job_path))
+    assert _max_diff(load_file(out / "weights.safetensors"), ref.weights) <= TOL
+
+
+def _fault_points(seed: int, n: int) -> list[str]:
+    rng = random.Random(seed)
+    phases = list(PHASES) + [rng.choice(PHASES) for _ in range(n - len(PHASES))]
+    rng.shuffle(phases)
+    points = []
+    for phase in phases[:n]:
+        k = rng.randrange(0, 3)
+        mb = f":{rng.randrange(0, 2)}" if phase in ("fp", "bp") else ""
+        points.append(f"{phase}:{k}{mb}")
+    return points
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_random_kills_in_fp_bp_update_and_sync_lose_nothing(seed: int, tmp_path: Path) -> None:
+    """3 working compnodes and 3 backups; 5 of the 6 die at seeded points. The first deaths are replaced
+    from the backup pool, the later ones (pool empty) are absorbed by re-planning over the survivors."""
+    points = _fault_points(seed, 5)
+    regular = [{"env": {"FUSIONNET_FAULT": p}} for p in points[:3]]
+    backups = [{"backup": True, "env": {"FUSIONNET_FAULT": p}} for p in points[3:]] + [{"backup": True}]
+    with running_swarm(tmp_path / "swarm", regular + backups) as sw:
+        observer = Observer(sw.initial_peers)
+        try:
+            _online(observer, 6)
+            job_path = example_job("mlp", tmp_path, steps=24, optimizer=SGD, placement={"compnodes": 3})
+            try:
+                out = tmp_path / "out"
+                asyncio.run(submit_and_wait(job_path, sw.initial_peers, out, timeout=300))
+                _check_weights(job_path, out)
+            finally:
+                job_path.unlink()
+            armed = sw.compnodes[:5]
+            died = [d.name for d in armed if d.proc.poll() is not None]
+            assert len(died) == 5, (
+                f"armed compnodes still alive: {[d.name for d in armed if d.name not in died]}"
+            )
+            logs = sw.dump_logs()
+            assert logs.count("fault injection: SIGKILL") == 5
+            plan = json.loads((out / "plan.json").read_text())
+            recoveries = [r for r in plan["recoveries"] if "lost" in r and "detection" in r]
+            assert recoveries and all("redistribution" in r for r in recoveries)
+            assert all("replay" in r or r.get("superseded") for r in recoveries)
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            assert [r["step"] for r in rows] == list(range(24))  # every step exactly once in the results
+        finally:
+            observer.close()
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_hands_the_sub_dag_over_without_replay(tmp_path: Path) -> None:
+    with running_swarm(tmp_path / "swarm", [{}, {}, {"backup": True}]) as sw:
+        observer = Observer(sw.initial_peers)
+        try:
+            _online(observer, 3)
+            job_path = example_job("gpt", tmp_path, steps=30, optimizer=SGD, placement={"compnodes": 2})
+            try:
+
+                leaver: list[str] = []
+
+                def sigterm(placement: list[dict]) -> None:
+                    daemon = next(d for d in sw.compnodes if d.peer_id == placement[0]["peer_id"])
+                    daemon.send(signal.SIGTERM)
+                    leaver.append(daemon.peer_id)
+
+                outcome = _run_with(sw, observer, job_path, tmp_path / "out", sigterm)
+                outcome["leaver"] = leaver[0]
+                _check_weights(job_path, tmp_path / "out")
+            finally:
+                job_path.unlink()
+            kinds = [e["kind"] for e in outcome["events"]]
+            assert "handed-over" in kinds and "recovered" not in kinds
+            leaver = next(d for d in sw.compnodes if d.peer_id == outcome["leaver"])
+            wait_until(lambda: leaver.proc.poll() is not None, 30, "the leaving compnode to exit")
+            assert leaver.proc.returncode == 0  # a clean exit right after the hand-over, not after the hand-over timeout
+        finally:
+            observer.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_compnode_cut_off_is_replaced_after_heartbeats_fail(tmp_path: Path) -> None:
+    with running_swarm(tmp_path / "swarm", [{}, {}, {"backup": True}]) as sw:
+        observer = Observer(sw.initial_peers)
+        frozen: list[Any] = []
+        try:
+            _online(observer, 3)
+            job_path = example_job("gpt", tmp_path, steps=30, optimizer=SGD, placement={"compnodes": 2})
+
+            def freeze(placement: list[dict]) -> None:
+                daemon = next(d for d in sw.compnodes if d.peer_id == placement[0]["peer_id"])
+                daemon.send(signal.SIGSTOP)  # no packet answered from now on: as if its cable were pulled
+                frozen.append(daemon)
+
+            try:
+                outcome = _run_with(sw, observer, job_path, tmp_path / "out", freeze)
+                _check_weights(job_path, tmp_path / "out")
+            finally:
+                job_path.unlink()
+            assert any(e["kind"] == "recovered" for e in outcome["events"])
+        finally:
+            for daemon in frozen:
+                with contextlib.suppress(ProcessLookupError):
+                    daemon.proc.kill()
+                    daemon.proc.send_signal(signal.SIGCONT)
+            observer.close()
+
+
+@pytest.mark.timeout(360)
+def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
+    workdir = tmp_path / "swarm"
+    with running_swarm(workdir, [{}, {}]) as sw:
+        observer = Observer(sw.initial_peers)
+        try:
+            _online(observer, 2)
+            job_path = example_job("gpt", tmp_path, steps=30, optimizer=SGD, placement={"compnodes": 2})
+            payload = submission_payload(load_job(job_path))
+            broker_id = sw.broker.peer_id
+            job_id = observer.call(broker_id, "submit_job", payload, timeout=60)["job_id"]
+            wait_until(
+                lambda: observer.call(broker_id, "job_status", {"job_id": job_id})["job"]["step"] >= 4,
+                120,
+                "step 4",
+            )
+            port = sw.broker.maddrs()[0].split("/tcp/")[1].split("/")[0]
+            sw.broker.send(signal.SIGKILL)
+            sw.broker.wait_exit(30)
+            sw.broker.reap()
+            maddr = f"/ip4/127.0.0.1/tcp/{port}"
+            sw.broker = start_daemon(
+                "broker",
+                workdir,
+                "broker",
+                broker_args(extra=["--host-maddrs", maddr, "--initial-peers", sw.compnodes[0].maddrs()[0]]),
+            ).wait_ready()
+            assert sw.broker.peer_id == broker_id  # same identity from the state dir
+
+            def finished() -> dict | None:
+                try:
+                    status = observer.call(broker_id, "job_status", {"job_id": job_id})
+                except Exception:
+                    return None
+                return status if status["job"]["state"] in ("SUCCEEDED", "FAILED") else None
+
+            status = wait_until(finished, 180, "the resumed job to finish")
+            assert status["job"]["state"] == "SUCCEEDED", status["job"]
+            files = observer.call(broker_id, "job_results", {"job_id": job_id}, timeout=60)["files"]
+            out = tmp_path / "out"
+            out.mkdir()
+            for name, blob in files.items():
+                (out / name).write_bytes(blob)
+            _check_weights(job_path, out)
+            assert any(e["kind"] == "resumed" for e in status["events"])
+            job_path.unlink()
+        finally:
+            observer.close()
+
+
+def _run_with(sw: Swarm, observer: Observer, job_path: Path, out: Path, act: Any) -> dict[str, Any]:
+    """Submits the job, waits until it has run a few steps, does ``act`` to one of its compnodes, and
+    returns the broker's final job status once ``submit`` finished."""
+    broker_id = sw.broker.peer_id
+
+    async def main() -> None:
+        await submit_and_wait(job_path, sw.initial_peers, out, timeout=240, show_plan=False)
+
+    errors: list[BaseException] = []
+
+    def submit() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # reported by the test thread
+            errors.append(e)
+
+    thread = threading.Thread(target=submit)
+    thread.start()
+    try:
+
+        def running() -> dict | None:
+            jobs = [j for j in observer.broker_status()["jobs"] if j["state"] == "RUNNING" and j["step"] >= 3]
+            return jobs[0] if jobs else None
+
+        job = wait_until(running, 120, "the job RUNNING past step 3")
+        status = observer.call(broker_id, "job_status", {"job_id": job["job_id"]})
+        act(status["placement"])
+    finally:
+        thread.join(timeout=260)
+    assert not errors, errors
+    return observer.call(broker_id, "job_status", {"job_id": job["job_id"]})
