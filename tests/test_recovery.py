@@ -107,7 +107,6 @@ def test_sigterm_hands_the_sub_dag_over_without_replay(tmp_path: Path) -> None:
             _online(observer, 3)
             job_path = example_job("gpt", tmp_path, steps=30, optimizer=SGD, placement={"compnodes": 2})
             try:
-
                 leaver: list[str] = []
 
                 def sigterm(placement: list[dict]) -> None:
@@ -124,7 +123,7 @@ def test_sigterm_hands_the_sub_dag_over_without_replay(tmp_path: Path) -> None:
             assert "handed-over" in kinds and "recovered" not in kinds
             leaver = next(d for d in sw.compnodes if d.peer_id == outcome["leaver"])
             wait_until(lambda: leaver.proc.poll() is not None, 30, "the leaving compnode to exit")
-            assert leaver.proc.returncode == 0  # a clean exit right after the hand-over, not after the hand-over timeout
+            assert leaver.proc.returncode == 0  # a clean exit right after the hand-over (not its timeout)
         finally:
             observer.close()
 
@@ -238,3 +237,47 @@ def _run_with(sw: Swarm, observer: Observer, job_path: Path, out: Path, act: Any
         thread.join(timeout=260)
     assert not errors, errors
     return observer.call(broker_id, "job_status", {"job_id": job["job_id"]})
+
+
+@pytest.mark.timeout(300)
+def test_a_compnode_joining_mid_job_is_used_after_a_replan(tmp_path: Path) -> None:
+    """Elastic join: the job starts on the only compnode; one that joins mid-job is taken in at a step
+    boundary because the model predicts a faster step (any gain counts here: --replan-gain 0)."""
+    broker_kw = {"extra": ["--replan-gain", "0"]}
+    with running_swarm(tmp_path / "swarm", [{}], broker_kw=broker_kw) as sw:
+        observer = Observer(sw.initial_peers)
+        try:
+            _online(observer, 1)
+            # A GPT big enough that a step lasts (the late compnode needs seconds to profile and join)
+            # and that two compnodes pipeline it clearly faster than one.
+            model = {
+                "entrypoint": "model.py:build",
+                "kwargs": {"vocab_size": 41, "block_size": 32, "n_layer": 4, "d_model": 128, "n_head": 4},
+            }
+            # Plain SGD: with momentum, 300 steps amplify float rounding (any change of summation order,
+            # even plain PyTorch's own) far beyond 1e-5; without it they stay at 1e-7.
+            job_path = example_job(
+                "gpt", tmp_path, steps=400, batch_size=32, microbatches=4, model=model, compnodes=2,
+                optimizer={"name": "sgd", "lr": 0.01},
+            )  # fmt: skip
+            late: list[Any] = []
+
+            def join(_placement: list[dict]) -> None:
+                late.append(sw.add_compnode("late"))
+                _online(observer, 2)
+                jobs = observer.broker_status()["jobs"]
+                late.append(max(j["step"] for j in jobs))  # the step the job was at when it could join
+
+            try:
+                outcome = _run_with(sw, observer, job_path, tmp_path / "out", join)
+                _check_weights(job_path, tmp_path / "out")
+            finally:
+                job_path.unlink()
+            assert late[1] < 350, f"the late compnode was ONLINE only at step {late[1]}: make the job longer"
+            replans = [e for e in outcome["events"] if e["kind"] == "re-plan"]
+            assert replans, [e["kind"] for e in outcome["events"]]
+            plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+            assert late[0].peer_id in {s["compnode"] for s in plan["subdags"]}
+            assert len(plan["subdags"]) == 2
+        finally:
+            observer.close()

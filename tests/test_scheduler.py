@@ -243,3 +243,26 @@ def test_bert_large_blocks_over_50_devices_plans_quickly():
     assert_acyclic_and_complete(graph, plan)
     assert len(plan.devices_used) > 1
     assert elapsed < 5.0  # the target is < 1 s; generous for a shared CI machine
+
+
+@pytest.mark.timeout(120)
+def test_fixed_stage_count_is_honoured_and_optimal_on_small_instances():
+    """A job that asks for exactly k compnodes: the scheduler picks the cuts and devices for k stages,
+    matching the exact optimum restricted to k stages."""
+    ratios = []
+    for k_inst, graph, swarm, workload in instances(11, 16):
+        k = 1 + k_inst % min(3, len(swarm.devices))
+        try:
+            best = exact_schedule(graph, swarm, workload, stages=k)
+        except PlanError:
+            continue
+        plan = schedule(graph, swarm, workload, stages=k)
+        assert_acyclic_and_complete(graph, plan)
+        assert len(plan.devices_used) == k
+        ratios.append(plan.predicted_step_seconds / best.predicted_step_seconds)
+    assert len(ratios) >= 10
+    assert min(ratios) >= 1 - 1e-9
+    assert max(ratios) <= 1.05
+    graph, swarm, workload = next(instances(3, 1))[1:]
+    with pytest.raises(PlanError, match="sub-DAGs"):
+        schedule(graph, swarm, workload, stages=len(graph.ops) + 1)

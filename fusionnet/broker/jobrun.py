@@ -30,15 +30,27 @@ from typing import Any
 import torch
 
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
-from fusionnet.broker.placement import Candidate, first_placement, grown_placement, replacement_placement
+from fusionnet.broker.placement import (
+    SCHEDULER,
+    Candidate,
+    JobShape,
+    Placement,
+    first_pool,
+    grown_pool,
+    plan_placement,
+    pool_after_loss,
+    predicted_step,
+    worth_replanning,
+)
 from fusionnet.broker.registry import RegistryEvent
 from fusionnet.broker.store import JobState
 from fusionnet.dag.ir import IRGraph
-from fusionnet.dag.partition import Partition, balanced_assignment, build_partition
+from fusionnet.dag.partition import Partition, build_partition
 from fusionnet.errors import ExecutionError, FusionNetError, JobError
 from fusionnet.runtime.blobs import pack_tensors, unpack_tensors
 from fusionnet.runtime.jobwire import RunSpec
 from fusionnet.runtime.local import RunResult, write_results
+from fusionnet.runtime.planning import optimizer_profiles
 from fusionnet.runtime.results import assemble_state, plan_document
 
 log = logging.getLogger("fusionnet.broker.jobs")
@@ -94,10 +106,21 @@ class JobRun:
         self._fault = asyncio.Event()
         self._fault_peer: str | None = None
         self._outputs: dict[int, dict[str, torch.Tensor]] = {}
-        self._busy: dict[int, float] = {}
-        self._assignment: dict[str, int] | None = None
+        self._busy: dict[int, float] = {}  # sub-DAG -> FP+BP+Update seconds over the steps below
+        self._busy_steps = 0
+        self._placement: Placement | None = None
         self._lost: set[str] = set()  # peers whose sub-DAGs the next placement must move
-        self._next_peers: list[str] | None = None  # a grown placement decided at a step boundary
+        self._next: Placement | None = None  # a re-plan decided at a step boundary
+        self._seen_candidates: set[str] = set()  # the compnodes offered at the last placement decision
+        self.shape = JobShape(
+            graph=job.graph,
+            wanted=job.spec.compnodes,
+            microbatches=job.spec.microbatches,
+            batch_size=job.spec.batch_size,
+            optimizer=optimizer_profiles(job.spec.optimizer_spec(), job.graph)
+            if job.spec.task == "train"
+            else None,
+        )
         self._replay_started = 0.0
         self._handover_started: float | None = None
         broker.registry.add_listener(self._on_registry_event)
@@ -105,6 +128,10 @@ class JobRun:
     @property
     def sync_every(self) -> int:
         return int(getattr(self.broker.settings, "sync_every", 1))
+
+    @property
+    def min_gain(self) -> float:
+        return float(getattr(self.broker.settings, "replan_gain", 0.1))
 
     # ---- orchestration ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -130,7 +157,7 @@ class JobRun:
                         recovering = None
                     if self._leavers():
                         self._hand_over(ckpt)
-                    elif self._grow():
+                    elif ckpt.step == step and step < job.spec.step_count and await self._grow():
                         self.partition = None
                 except PeerFailure as failure:
                     if recovering is not None:  # failed again before the replay was over
@@ -275,14 +302,17 @@ class JobRun:
             info["replay"],
         )
 
-    # ---- placement -------------------------------------------------------------------------------
+    # ---- placement (policy: ``placement.py``) -----------------------------------------------------
     def _candidates(self) -> list[Candidate]:
         out = []
         for e in self.broker.registry.schedulable():
             if e.record.data_path_address is None or e.peer_id in self.dead or e.peer_id in self.leaving:
                 continue
-            speed = e.record.hardware.flops if e.record.hardware is not None else 0.0
-            out.append(Candidate(e.peer_id, e.record.backup, speed))
+            try:
+                device = e.device_spec()
+            except FusionNetError:  # no (or unusable) hardware record: the balanced policy places it
+                device = None
+            out.append(Candidate(e.peer_id, e.record.backup, device))
         return out
 
     def _leavers(self) -> set[str]:
@@ -300,55 +330,84 @@ class JobRun:
         self._handover_started = time.monotonic()
         self.partition = None
 
-    def _grow(self) -> bool:
-        grown = grown_placement(self.peers, self.job.spec.compnodes, self._candidates())
-        if grown is None:
+    async def _grow(self) -> bool:
+        """Elastic join: at a checkpointed step boundary, re-plan over the job's compnodes plus the free
+        ones when the model predicts a step shorter by more than ``replan_gain``."""
+        if self._placement is None or self._placement.policy != SCHEDULER:
+            return False
+        candidates = self._candidates()
+        if {c.peer_id for c in candidates} == self._seen_candidates:
+            return False  # nothing joined (or left) since the last look: do not plan again
+        self._seen_candidates = {c.peer_id for c in candidates}
+        pool = grown_pool(self.peers, candidates)
+        if pool is None:
+            return False
+        try:
+            now = await asyncio.to_thread(predicted_step, self.shape, self._placement, candidates)
+            proposed = await asyncio.to_thread(plan_placement, self.shape, pool)
+        except FusionNetError as e:
+            log.info("job %s: no re-plan with the new compnodes: %s", self.job.job_id, e)
+            return False
+        gain = self.min_gain
+        if not worth_replanning(now, proposed, gain):
+            log.info(
+                "job %s: not re-planning for %d free compnode(s): predicted step %s -> %s s, gain below %g",
+                self.job.job_id,
+                len(pool) - len(self.peers),
+                "?" if now is None else f"{now:.4g}",
+                "?" if proposed.predicted_step is None else f"{proposed.predicted_step:.4g}",
+                gain,
+            )
             return False
         log.info(
-            "job %s: %d new compnode(s) joined; re-planning at this step boundary",
+            "job %s: re-planning at this step boundary: %d -> %d compnode(s), predicted step %.4g -> %.4g s",
             self.job.job_id,
-            len(grown) - len(self.peers),
+            len(self.peers),
+            len(proposed.peers),
+            now,
+            proposed.predicted_step,
         )
         self.broker.store.add_job_event(
-            self.job.job_id, "re-plan", {"from": len(self.peers), "to": len(grown)}
+            self.job.job_id,
+            "re-plan",
+            {"from": self.peers, "to": list(proposed.peers), "predicted": [now, proposed.predicted_step]},
         )
         self._lost = set()
-        self._next_peers = grown
+        self._next = proposed
         return True
+
+    def _plan(self) -> Placement:
+        """The next placement: a re-plan decided at a step boundary, the first one, or the one after a
+        loss or a leave (``self._lost``)."""
+        candidates = self._candidates()
+        if self._next is not None:
+            placement, self._next = self._next, None
+            return placement
+        if not self.peers:
+            return plan_placement(self.shape, first_pool(candidates))
+        pool = pool_after_loss(self.peers, self._lost, candidates)
+        return plan_placement(self.shape, pool, stages=min(len(self.peers), len(pool)))
 
     async def _place_and_assign(self, ckpt: Checkpoint, recovering: dict[str, Any] | None) -> None:
         started = time.monotonic()
-        graph = self.job.graph
-        lost, next_peers = self._lost, self._next_peers
-        if next_peers is not None:
-            peers, keep_cut = next_peers, False
-            self._next_peers = None
-        elif not self.peers:
-            peers = first_placement(self._candidates(), self._max_pieces())
-            keep_cut = False
+        lost = set(self._lost)
+        for _ in range(MAX_RECOVERIES):
+            placement = await asyncio.to_thread(self._plan)
+            old = self.peers
+            if old:
+                # Leavers are released too: that is their signal that the hand-over is done and they
+                # may exit. Dead peers are skipped by ``_release_all``.
+                await self._release_all("re-assigned", only=list(old))
+            self._adopt(placement)
+            try:
+                await self._guarded(self._assign_all(ckpt))
+                break
+            except PeerFailure as failure:  # a chosen compnode died before it got its sub-DAG
+                self.dead |= failure.dead
+                self._lost = set(failure.dead)
+                lost |= failure.dead
         else:
-            peers, keep_cut = replacement_placement(self.peers, lost, self._candidates())
-        old = self.peers
-        if old:
-            # Leavers are released too: that is their signal that the hand-over is done and they may
-            # exit. Dead peers are skipped by ``_release_all``.
-            await self._release_all("re-assigned", only=list(old))
-        if keep_cut and self._assignment is not None:
-            assignment = self._assignment
-        else:
-            assignment = balanced_assignment(graph, len(peers))
-        self._assignment = assignment
-        self.partition = build_partition(graph, assignment)
-        self.peers = peers
-        self.attempt += 1
-        self.progress.placement = [
-            {"subdag": s.index, "peer_id": peers[s.index], "nodes": len(s.nodes), "params": len(s.params)}
-            for s in self.partition.subdags
-        ]
-        self.broker.store.add_job_event(
-            self.job.job_id, "planned", {"compnodes": peers, "attempt": self.attempt}
-        )
-        await self._guarded_assign(ckpt)
+            raise ExecutionError(f"job {self.job.job_id}: could not assign its sub-DAGs")
         seconds = time.monotonic() - started
         if recovering is not None:
             recovering["redistribution"] = seconds
@@ -356,37 +415,47 @@ class JobRun:
             log.info(
                 "job %s: redistribution: %d sub-DAGs re-assigned in %.2f s",
                 self.job.job_id,
-                len(peers),
+                len(self.peers),
                 seconds,
             )
         if self._handover_started is not None:
             stall = time.monotonic() - self._handover_started
             log.info("job %s: hand-over done: the job stalled %.2f s", self.job.job_id, stall)
             self.broker.store.add_job_event(self.job.job_id, "handed-over", {"stall": stall})
+            self.broker.metrics.observe_recovery("handover", stall)
             self.progress.recoveries.append({"handover_stall": stall, "lost": sorted(lost)})
             self._handover_started = None
         self._lost = set()
+        self._seen_candidates = {c.peer_id for c in self._candidates()}
         self._replay_started = time.monotonic()
 
-    def _max_pieces(self) -> int:
-        ops = sum(1 for n in self.job.graph.nodes if n.kind not in ("placeholder", "variable", "output"))
-        return min(self.job.spec.compnodes, max(ops, 1))
-
-    async def _guarded_assign(self, ckpt: Checkpoint) -> None:
-        for _ in range(MAX_RECOVERIES):
-            try:
-                await self._guarded(self._assign_all(ckpt))
-                return
-            except PeerFailure as failure:  # a chosen compnode died before it got its sub-DAG
-                self.dead |= failure.dead
-                self._lost = failure.dead
-                peers, keep_cut = replacement_placement(self.peers, failure.dead, self._candidates())
-                self.peers = peers
-                if not keep_cut:
-                    self._assignment = balanced_assignment(self.job.graph, len(peers))
-                self.partition = build_partition(self.job.graph, self._assignment)
-                self.attempt += 1
-        raise ExecutionError(f"job {self.job.job_id}: could not assign its sub-DAGs")
+    def _adopt(self, placement: Placement) -> None:
+        self._placement = placement
+        self._busy, self._busy_steps = {}, 0  # measured times are per sub-DAG of this placement
+        self.partition = build_partition(self.job.graph, placement.assignment)
+        self.peers = list(placement.peers)
+        self.attempt += 1
+        self.progress.placement = [
+            {
+                "subdag": s.index,
+                "peer_id": self.peers[s.index],
+                "nodes": len(s.nodes),
+                "params": len(s.params),
+                "predicted_seconds": None if placement.predicted is None else placement.predicted[s.index],
+            }
+            for s in self.partition.subdags
+        ]
+        log.info("job %s: attempt %d: %s", self.job.job_id, self.attempt, placement.describe())
+        self.broker.store.add_job_event(
+            self.job.job_id,
+            "planned",
+            {
+                "compnodes": self.peers,
+                "attempt": self.attempt,
+                "policy": placement.policy,
+                "predicted_step": placement.predicted_step,
+            },
+        )
 
     async def _assign_all(self, ckpt: Checkpoint) -> None:
         assert self.partition is not None
@@ -427,6 +496,7 @@ class JobRun:
             [self._call(p, "step", {"job_id": job.job_id, "step": step}, STEP_TIMEOUT) for p in self.peers]
         )
         seconds = time.perf_counter() - started
+        self._busy_steps += 1
         samples = sum(job.spec.microbatch_sizes(step))
         row: dict[str, Any] = {"step": step, "seconds": seconds, "samples": samples}
         loss = None
@@ -445,7 +515,13 @@ class JobRun:
         self.progress.metrics.append(row)
         self.broker.store.update_job(job.job_id, step=step + 1, loss=loss)
         self.broker.metrics.observe_step(
-            job.job_id, step=step + 1, seconds=seconds, samples=samples, loss=loss, compnodes=len(self.peers)
+            job.job_id,
+            step=step + 1,
+            seconds=seconds,
+            samples=samples,
+            loss=loss,
+            compnodes=len(self.peers),
+            predicted_seconds=None if self._placement is None else self._placement.predicted_step,
         )
 
     async def _sync(self, step: int) -> Checkpoint:
@@ -475,11 +551,11 @@ class JobRun:
             pieces = [unpack_tensors(r.get("grads"), f"grads from {p}") for p, r in zip(self.peers, replies)]
             grads = assemble_state(graph.state_keys, pieces, None, graph.aliases)
         weights = assemble_state(graph.state_keys, [ckpt.state], job.state, graph.aliases)
-        steps = max(job.spec.step_count, 1)
-        measured = {i: t / steps for i, t in self._busy.items() if i < len(self.peers)}
+        steps = max(self._busy_steps, 1)
+        measured = {i: t / steps for i, t in self._busy.items()}
         plan = plan_document(
             self.partition,
-            predicted=None,
+            predicted=None if self._placement is None else self._placement.predicted,
             measured=measured,
             extra={
                 "job": job.spec.name,

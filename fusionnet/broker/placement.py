@@ -1,72 +1,177 @@
-"""Which compnodes run a job: the first placement, and the replacement after a failure or a leave.
+"""Which compnodes run a job and where its graph is cut: first placement, failover, hand-over, growth.
 
-Pure functions over ``Candidate`` values (peer id, backup flag, speed), so the policy is tested
-without a swarm. Rules:
+Pure functions of data (``Candidate`` values and the job's ``JobShape``), so the policy is tested
+without a swarm. Every placement is two steps, propose then plan:
 
-- a first placement uses regular compnodes (the backup pool stands by), the fastest first, up to the
-  job's ``placement.compnodes``; backups only when no regular compnode is free;
-- after a failure the survivors keep their sub-DAGs; each lost slot goes to the fastest backup, else
-  the fastest free regular compnode (the one that best keeps the balance of the plan); when nobody is
-  free the job is re-planned over the survivors, with fewer sub-DAGs;
-- a join is used at a step boundary when it adds a sub-DAG the job asked for and did not get.
+1. a *pool* of compnodes that may be used (``first_pool``, ``pool_after_loss``, ``grown_pool``):
+   - a first placement uses regular compnodes; the backup pool stands by, and is used only when no
+     regular compnode is free;
+   - after a failure or a leave the survivors stay in the pool and the free backups join it (free
+     regular compnodes only when the backups do not make up the loss); when nobody is free the job
+     goes on over the survivors, with fewer sub-DAGs;
+   - a compnode that joins mid-job is offered to the job at a step boundary (``grown_pool``).
+2. ``plan_placement`` cuts the graph into ``min(wanted, pool, ops)`` sub-DAGs: with the scheduler of
+   problem (2) and the performance model when every compnode of the pool has announced usable
+   hardware (which devices, where to cut, predicted seconds), else the cost-balanced default policy on
+   the fastest compnodes. Since every sub-DAG restarts from the broker's checkpoint at a new
+   placement, a re-plan may move any cut: nothing but the checkpoint ties a sub-DAG to its compnode.
+
+``worth_replanning`` is the elastic-join rule: a new plan is adopted only when the model predicts a
+step time shorter by more than a threshold (moving costs an assignment round).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from fusionnet.dag.ir import IRGraph
+from fusionnet.dag.partition import balanced_assignment
 from fusionnet.errors import PlanError
+from fusionnet.perfmodel.types import DeviceSpec
+
+SCHEDULER = "performance model"
+BALANCED = "balanced"
 
 
 @dataclass(frozen=True)
 class Candidate:
     peer_id: str
     backup: bool
-    speed: float  # effective FLOP/s (peak x fitted factor); 0 when unknown
+    device: DeviceSpec | None  # None: hardware not announced (or unusable for the model)
+
+    @property
+    def speed(self) -> float:
+        return 0.0 if self.device is None else self.device.speed
 
 
-def _fastest(cands: Iterable[Candidate]) -> list[Candidate]:
+@dataclass(frozen=True)
+class JobShape:
+    """What placement needs to know of a job."""
+
+    graph: IRGraph
+    wanted: int  # placement.compnodes
+    microbatches: int
+    batch_size: int
+    optimizer: Mapping[str, str] | None  # parameter key -> optimizer profile (train), else None
+
+    @property
+    def ops(self) -> int:
+        return sum(1 for n in self.graph.nodes if n.kind not in ("placeholder", "variable", "output"))
+
+
+@dataclass(frozen=True)
+class Placement:
+    peers: tuple[str, ...]  # sub-DAG i runs on peers[i]
+    assignment: dict[str, int]  # IR node -> sub-DAG
+    policy: str  # SCHEDULER or BALANCED
+    predicted: dict[int, float] | None = None  # sub-DAG -> predicted FP+BP+Update seconds per step
+    predicted_step: float | None = None  # predicted seconds per step (schedule simulator)
+
+    def describe(self) -> str:
+        text = f"{len(self.peers)} sub-DAG(s) by the {self.policy} policy"
+        if self.predicted_step is not None:
+            text += f", predicted step {self.predicted_step:.4g} s"
+        return text
+
+
+def _fastest(cands: Sequence[Candidate]) -> list[Candidate]:
     return sorted(cands, key=lambda c: (-c.speed, c.peer_id))
 
 
-def first_placement(candidates: Sequence[Candidate], wanted: int) -> list[str]:
+def first_pool(candidates: Sequence[Candidate]) -> list[Candidate]:
     if not candidates:
         raise PlanError("no ONLINE compnode with a data path is registered with the broker")
-    regular = _fastest(c for c in candidates if not c.backup)
-    backups = _fastest(c for c in candidates if c.backup)
-    chosen = (regular + backups)[: max(1, wanted)]
-    return [c.peer_id for c in chosen]
+    regular = _fastest([c for c in candidates if not c.backup])
+    return regular or _fastest([c for c in candidates if c.backup])
 
 
-def replacement_placement(
+def pool_after_loss(
     current: Sequence[str], lost: set[str], candidates: Sequence[Candidate]
-) -> tuple[list[str], bool]:
-    """The new peer list after losing ``lost`` from ``current``; True when its length is unchanged
-    (the old cut can be kept), False when the job must be re-planned over fewer compnodes."""
-    in_use = set(current)
-    free = [c for c in candidates if c.peer_id not in in_use and c.peer_id not in lost]
-    pool = _fastest(c for c in free if c.backup) + _fastest(c for c in free if not c.backup)
-    out: list[str] = []
-    shrunk = False
-    for peer in current:
-        if peer not in lost:
-            out.append(peer)
-        elif pool:
-            out.append(pool.pop(0).peer_id)
-        else:
-            shrunk = True
-    if not out:
+) -> list[Candidate]:
+    """Survivors first (in sub-DAG order), then free backups, then free regular compnodes up to the
+    number of sub-DAGs the job had."""
+    by_id = {c.peer_id: c for c in candidates}
+    survivors = [by_id[p] for p in current if p not in lost and p in by_id]
+    busy = set(current) | lost
+    free = [c for c in candidates if c.peer_id not in busy]
+    backups = _fastest([c for c in free if c.backup])
+    regular = _fastest([c for c in free if not c.backup])
+    pool = survivors + backups
+    short = len(current) - len(pool)
+    if short > 0:
+        pool += regular[:short]
+    if not pool:
         raise PlanError(f"every compnode of the job is gone ({len(lost)} lost) and none is free to take over")
-    return out, not shrunk
+    return pool
 
 
-def grown_placement(current: Sequence[str], wanted: int, candidates: Sequence[Candidate]) -> list[str] | None:
-    """More compnodes for a job that runs on fewer than it asked for, or None when nobody new is free."""
-    if len(current) >= wanted:
+def grown_pool(current: Sequence[str], candidates: Sequence[Candidate]) -> list[Candidate] | None:
+    """The job's compnodes plus every free regular one, or None when nobody new is free."""
+    by_id = {c.peer_id: c for c in candidates}
+    mine = [by_id[p] for p in current if p in by_id]
+    if len(mine) < len(current):
+        return None  # one of ours is not schedulable right now: failure handling comes first
+    free = _fastest([c for c in candidates if c.peer_id not in set(current) and not c.backup])
+    return mine + free if free else None
+
+
+def plan_placement(shape: JobShape, pool: Sequence[Candidate], *, stages: int | None = None) -> Placement:
+    """Cuts the job into ``stages`` sub-DAGs (default ``min(wanted, pool, ops)``) placed on the pool.
+
+    Raises ``PlanError`` when the performance model finds that nothing fits (naming the constraint)."""
+    if not pool:
+        raise PlanError("no compnode to place the job on")
+    k = stages if stages is not None else min(shape.wanted, len(pool), max(shape.ops, 1))
+    if not 1 <= k <= len(pool):
+        raise PlanError(f"cannot place {k} sub-DAG(s) on {len(pool)} compnode(s)")
+    if all(c.device is not None for c in pool):
+        from fusionnet.runtime.planning import plan_graph  # torch-free callers need not import it
+
+        planned = plan_graph(
+            shape.graph,
+            [c.device for c in pool],  # type: ignore[misc]
+            microbatches=shape.microbatches,
+            batch_size=shape.batch_size,
+            optimizer=shape.optimizer,
+            stages=k,
+        )
+        return Placement(
+            peers=tuple(pool[d].peer_id for d in planned.devices),
+            assignment=dict(planned.assignment),
+            policy=SCHEDULER,
+            predicted=dict(planned.predicted_seconds),
+            predicted_step=planned.predicted_step_seconds,
+        )
+    chosen = _fastest(pool)[:k]
+    return Placement(
+        peers=tuple(c.peer_id for c in chosen),
+        assignment=balanced_assignment(shape.graph, k),
+        policy=BALANCED,
+    )
+
+
+def predicted_step(shape: JobShape, placement: Placement, candidates: Sequence[Candidate]) -> float | None:
+    """The model's step time for an existing placement on the compnodes as they are announced now (their
+    speed factors may have been refined since it was planned), or None when it cannot say."""
+    by_id = {c.peer_id: c for c in candidates}
+    devices = [by_id[p].device if p in by_id else None for p in placement.peers]
+    if any(d is None for d in devices):
         return None
-    in_use = set(current)
-    free = _fastest(c for c in candidates if c.peer_id not in in_use and not c.backup)
-    if not free:
-        return None
-    return [*current, *(c.peer_id for c in free[: wanted - len(current)])]
+    from fusionnet.runtime.planning import predict_step
+
+    return predict_step(
+        shape.graph,
+        placement.assignment,
+        devices,  # type: ignore[arg-type]
+        microbatches=shape.microbatches,
+        batch_size=shape.batch_size,
+        optimizer=shape.optimizer,
+    )
+
+
+def worth_replanning(current_step: float | None, proposed: Placement, min_gain: float) -> bool:
+    """Adopt ``proposed`` when it is predicted faster than now by more than ``min_gain`` (a fraction)."""
+    if proposed.predicted_step is None or current_step is None or current_step <= 0:
+        return False
+    return proposed.predicted_step < current_step * (1.0 - min_gain)

@@ -67,13 +67,17 @@ class CompnodeEntry:
 
     def device_spec(self) -> DeviceSpec:
         """This compnode as the performance model's ``DeviceSpec`` (named by its peer id), for the planner."""
-        from fusionnet.perfmodel.types import DeviceSpec
+        from fusionnet.perfmodel.types import NO_OVERHEADS, DeviceSpec, Overheads
 
         hw = self.record.hardware
         if hw is None:
             raise PlanError(
                 f"compnode {self.peer_id} has not announced its hardware yet (state {self.record.state})"
             )
+        try:
+            overheads = NO_OVERHEADS if hw.overheads is None else Overheads.from_dict(hw.overheads)
+        except PlanError as e:
+            raise PlanError(f"compnode {self.peer_id} announced {e}") from None
         return DeviceSpec(
             name=self.peer_id,
             kind="cpu" if hw.device_kind == "cpu" else "gpu",
@@ -83,6 +87,7 @@ class CompnodeEntry:
             d_gpu=hw.d_gpu,
             d_cpu=hw.d_cpu,
             d_disk=hw.d_disk,
+            overheads=overheads,
         )
 
     def to_status(self, now: float) -> dict[str, Any]:

@@ -158,13 +158,14 @@ def _dp_candidates(
     return sorted(((est, len(set(k)), list(k)) for k, est in found.items()), key=lambda t: (t[0], t[1], t[2]))
 
 
-def _fallbacks(graph: CostGraph, swarm: Swarm, max_stages: int) -> list[list[int]]:
+def _fallbacks(graph: CostGraph, swarm: Swarm, max_stages: int, stages: int | None) -> list[list[int]]:
     """Plain plans tried only when no DP candidate fits (the DP's cut model over-counts tensors that
     skip stages, so on a DAG it can miss a plan that fits): FLOP-balanced pieces on the devices with
     the most memory, for every piece count."""
     by_memory = sorted(range(len(swarm.devices)), key=lambda d: (-swarm.devices[d].compute_memory, d))
     out = []
-    for k in range(1, min(max_stages, len(graph.ops), 128) + 1):
+    counts = [stages] if stages is not None else range(1, min(max_stages, len(graph.ops), 128) + 1)
+    for k in counts:
         pieces = balanced_split(graph, k)
         out.append([by_memory[pieces[op.name]] for op in graph.ops])
     return out
@@ -184,12 +185,24 @@ def schedule(
     *,
     max_devices: int | None = None,
     objective: str = "step_time",
+    stages: int | None = None,
 ) -> Plan:
-    """Plans ``graph`` onto ``swarm`` (see the module docstring); raises ``PlanError`` when nothing fits."""
+    """Plans ``graph`` onto ``swarm`` (see the module docstring); raises ``PlanError`` when nothing fits.
+
+    ``stages`` fixes the number of sub-DAGs (a job that asks for exactly k compnodes): the scheduler
+    then chooses only the cuts and which k devices run them."""
     max_stages = _check_args(graph, swarm, workload, max_devices, objective)
+    if stages is not None:
+        if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+            raise PlanError(f"stages must be a positive integer, got {stages!r}")
+        if stages > min(max_stages, len(graph.ops)):
+            raise PlanError(
+                f"cannot cut {len(graph.ops)} op(s) into {stages} sub-DAGs on {max_stages} device(s)"
+            )
+        max_stages = stages
     _check_single_ops(graph, swarm, workload)
     small = len(graph.ops) <= SMALL_GRAPH
-    evaluator = Evaluator(graph, swarm, workload, objective)
+    evaluator = Evaluator(graph, swarm, workload, objective, stages)
     candidates = _dp_candidates(graph, swarm, workload, max_stages, small, objective)
     budget = _budget(graph, workload, candidates[0][1] if candidates else 1)
     scored = []
@@ -198,7 +211,8 @@ def schedule(
         if val < float("inf"):
             scored.append((val, rank, assign))
     if not scored:
-        for rank, assign in enumerate(_fallbacks(graph, swarm, max_stages), start=len(candidates)):
+        fallbacks = _fallbacks(graph, swarm, max_stages, stages)
+        for rank, assign in enumerate(fallbacks, start=len(candidates)):
             val, _cost = evaluator(assign)
             if val < float("inf"):
                 scored.append((val, rank, assign))

@@ -47,12 +47,16 @@ def exact_schedule(
     objective: str = "step_time",
     max_devices: int | None = None,
     max_nodes: int = 2_000_000,
+    stages: int | None = None,
 ) -> Plan:
-    """The optimal plan over all acyclic assignments using at most ``max_devices`` devices."""
+    """The optimal plan over all acyclic assignments using at most ``max_devices`` devices (exactly
+    ``stages`` of them when given)."""
     if objective not in ("step_time", "makespan"):
         raise PlanError(f"objective {objective!r} must be 'step_time' or 'makespan'")
     n, nd = len(graph.ops), len(swarm.devices)
     limit = nd if max_devices is None else min(max_devices, nd)
+    if stages is not None:
+        limit = min(limit, stages)
     m = workload.microbatches
     grad = graph.needs_grad
     # per op x device: compute seconds per step, resident bytes at the smallest in-flight count
@@ -74,7 +78,7 @@ def exact_schedule(
     caps = [d.compute_memory for d in swarm.devices]
     classes = device_classes(swarm, list(range(nd)))
     out_b = graph.out_bytes
-    evaluate = Evaluator(graph, swarm, workload, objective)
+    evaluate = Evaluator(graph, swarm, workload, objective, stages)
 
     assign = [-1] * n
     load = [0.0] * nd

@@ -35,8 +35,11 @@ KICKS_WITHOUT_GAIN = 40  # iterated local search stops after this many perturbat
 class Evaluator:
     """Scores assignments (lists in op order); infeasible or cyclic ones score infinity."""
 
-    def __init__(self, graph: CostGraph, swarm: Swarm, workload: Workload, objective: str) -> None:
+    def __init__(
+        self, graph: CostGraph, swarm: Swarm, workload: Workload, objective: str, stages: int | None = None
+    ) -> None:
         self.graph, self.swarm, self.workload, self.objective = graph, swarm, workload, objective
+        self.stages = stages  # when set, only assignments with exactly this many stages are feasible
         self.evaluations = 0
         self.op_times = OpTimes(graph, swarm)
         self._cache: dict[tuple[int, ...], tuple[float, AssignmentCost | None]] = {}
@@ -46,6 +49,8 @@ class Evaluator:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
+        if self.stages is not None and len(set(key)) != self.stages:
+            return (float("inf"), None)
         self.evaluations += 1
         try:
             cost = evaluate_assignment(self.graph, self.swarm, self.workload, list(assign), self.op_times)

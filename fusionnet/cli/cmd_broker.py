@@ -44,6 +44,14 @@ def add_parser(subparsers: Any) -> None:
         "failure the steps since the last checkpoint are replayed (default 1: no step is ever lost)",
     )
     p.add_argument(
+        "--replan-gain",
+        type=float,
+        default=0.1,
+        metavar="F",
+        help="elastic join: a compnode that joins mid-job gets work when the performance model predicts "
+        "a step time shorter by more than this fraction (default 0.1: 10%%)",
+    )
+    p.add_argument(
         "--sd-file",
         type=Path,
         metavar="FILE",
@@ -65,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_period=args.heartbeat_period,
             heartbeat_timeout=args.heartbeat_timeout,
             sync_every=args.sync_every,
+            replan_gain=args.replan_gain,
             sd_file=args.sd_file,
         )
         # One broker per process: its metrics are the process's set, so module-level users count too.

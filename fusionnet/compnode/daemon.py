@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusionnet import __version__
-from fusionnet.compnode.profile import profile_hardware
+from fusionnet.compnode.profile import profile_hardware, profile_software_overheads
 from fusionnet.daemon.base import Daemon
 from fusionnet.daemon.config import DaemonConfig
 from fusionnet.dht.records import (
@@ -142,6 +142,9 @@ class CompnodeDaemon(Daemon):
             device=self.settings.device,
             threads=self.settings.threads,
             refresh=self.settings.reprofile,
+        )
+        self.hardware = await asyncio.to_thread(
+            profile_software_overheads, self.hardware, self.state_dir.path
         )
         self.metrics.set_hardware(
             speed_factor=self.hardware.speed_factor, peak_flops=self.hardware.peak_flops

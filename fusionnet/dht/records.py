@@ -12,7 +12,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from enum import StrEnum
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -91,6 +91,10 @@ class HardwareInfo(_Record):
     mem_bandwidth: NonNegFloat = 0.0  # measured device memory bandwidth, bytes/s
     link_bandwidth_estimate: NonNegFloat | None = None  # bytes/s; None until measured
     threads: NonNegInt | None = None  # compute threads the node uses
+    # Fixed per-op / per-call costs of the node's software stack (``perfmodel.types.Overheads.to_dict``),
+    # which the planner adds to eq. (1); checked by the planner, which ignores the node's hardware when
+    # they are malformed rather than hiding the whole record here.
+    overheads: dict[str, Any] | None = None
 
     @property
     def flops(self) -> float:

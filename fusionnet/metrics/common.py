@@ -29,7 +29,7 @@ JOB_STATES = ("queued", "planning", "running", "succeeded", "failed", "cancelled
 COMPUTE_PHASES = ("forward", "backward", "update")  # FusionAI's FP / BP / Update
 DATA_PATHS = ("tcp", "p2p")  # direct TCP data path, or the libp2p stream fallback
 DIRECTIONS = ("sent", "received")
-RECOVERY_PHASES = ("detection", "redistribution", "replay")
+RECOVERY_PHASES = ("detection", "redistribution", "replay", "handover")  # handover: proactive stall
 SUBTASK_OUTCOMES = ("succeeded", "failed", "cancelled")
 
 # Bucket layouts (seconds unless named otherwise). Chosen to span what a loopback CPU swarm and a

@@ -49,10 +49,12 @@ class LocalDaemon:
                 )
             time.sleep(0.05)
 
-    def stop(self, deadline: float) -> None:
+    def stop(self, deadline: float, *, signalled: bool = False) -> None:
+        """SIGTERM (unless ``signalled``: a second one would force the exit), SIGKILL after ``deadline``."""
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
+            if not signalled:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -69,6 +71,8 @@ class LocalSwarm:
     threads: int | None = 1
     log_level: str = "INFO"
     extra_compnode_args: list[str] = field(default_factory=list)
+    node_args: dict[int, list[str]] = field(default_factory=dict)  # compnode index -> more args (--backup)
+    node_env: dict[int, dict[str, str]] = field(default_factory=dict)  # compnode index -> more env vars
     broker: LocalDaemon | None = None
     nodes: list[LocalDaemon] = field(default_factory=list)
 
@@ -77,7 +81,7 @@ class LocalSwarm:
         assert self.broker is not None
         return self.broker.maddrs()
 
-    def _start(self, name: str, kind: str, args: list[str]) -> LocalDaemon:
+    def _start(self, name: str, kind: str, args: list[str], env: dict[str, str] | None = None) -> LocalDaemon:
         self.workdir.mkdir(parents=True, exist_ok=True)
         address_file = self.workdir / f"{name}.addr"
         address_file.unlink(missing_ok=True)
@@ -87,7 +91,8 @@ class LocalSwarm:
             sys.executable, "-m", "fusionnet.cli.main", "--log-level", self.log_level, kind,
             "--state-dir", str(self.workdir / f"{name}.state"), "--address-file", str(address_file), *args,
         ]  # fmt: skip
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         return LocalDaemon(name, proc, address_file, log_path, log)
 
     def start(self) -> LocalSwarm:
@@ -99,7 +104,8 @@ class LocalSwarm:
                 args = ["--initial-peers", *self.initial_peers, "--refresh-period", "2"]
                 if self.threads is not None:
                     args += ["--threads", str(self.threads)]
-                self.nodes.append(self._start(f"compnode{i}", "compnode", args + self.extra_compnode_args))
+                args += self.extra_compnode_args + self.node_args.get(i, [])
+                self.nodes.append(self._start(f"compnode{i}", "compnode", args, self.node_env.get(i)))
             for node in self.nodes:
                 node.wait_ready(deadline)
         except BaseException:
@@ -131,7 +137,7 @@ class LocalSwarm:
                 with contextlib.suppress(ProcessLookupError):
                     node.proc.send_signal(signal.SIGTERM)
         for node in self.nodes:
-            node.stop(deadline)
+            node.stop(deadline, signalled=True)
         if self.broker is not None:
             self.broker.stop(deadline + STOP_TIMEOUT)
 

@@ -218,6 +218,7 @@ def plan_graph(
     links: Links = None,
     default_link: Link | None = None,
     objective: str = "step_time",
+    stages: int | None = None,
 ) -> PlannedJob:
     """Plans ``graph`` onto ``devices`` with the scheduler of problem (2).
 
@@ -225,7 +226,8 @@ def plan_graph(
     had another size); ``optimizer`` one profile name (``"adam"``, ``"sgd_momentum"``, ...) or a map
     parameter key -> name; ``max_devices`` caps the sub-DAGs (default: every device may be used);
     ``links`` a map (i, j) of device indices -> ``Link`` (pairs not given use ``default_link``,
-    loopback by default) or one ``Link`` for every pair. Deterministic for equal inputs. Raises
+    loopback by default) or one ``Link`` for every pair; ``stages`` fixes the number of sub-DAGs (the
+    scheduler then picks only the cuts and the devices). Deterministic for equal inputs. Raises
     ``PlanError`` naming the binding constraint (an op or the model too big for the memories, ...)
     when no placement fits.
     """
@@ -234,7 +236,12 @@ def plan_graph(
     swarm = _swarm(devices, links, default_link)
     cg = cost_graph(graph, optimizer, scale=_scale(graph, batch_size, microbatches))
     plan = schedule(
-        cg, swarm, Workload(microbatches, graph.task), max_devices=max_devices, objective=objective
+        cg,
+        swarm,
+        Workload(microbatches, graph.task),
+        max_devices=max_devices,
+        objective=objective,
+        stages=stages,
     )
     stage_of = {d: i for i, d in enumerate(plan.devices_used)}
     labels = _ir_assignment(graph, {op: stage_of[d] for op, d in plan.assignment.items()})
@@ -301,15 +308,44 @@ def predict_subdags(
     return {s.device: s.compute_seconds for s in plan.stages}
 
 
-def job_optimizers(job: Any, graph: IRGraph) -> dict[str, str] | None:
-    """Parameter key -> optimizer profile name from a loaded job's optimizer section (train only)."""
+def predict_step(
+    graph: IRGraph,
+    assignment: Mapping[str, int],
+    devices: Sequence[DeviceSpec],
+    *,
+    microbatches: int,
+    batch_size: int | None = None,
+    optimizer: str | Mapping[str, str] | None = None,
+    links: Links = None,
+) -> float:
+    """Predicted seconds per step of an IR ``assignment`` (node -> sub-DAG ``i``, run on ``devices[i]``):
+    what a placement that exists already costs, to compare it with a new plan."""
+    cg = cost_graph(graph, optimizer, scale=_scale(graph, batch_size, microbatches))
+    plan = plan_for_assignment(
+        cg,
+        _swarm(devices, links, None),
+        Workload(microbatches, graph.task),
+        {op.name: assignment[op.name] for op in cg.ops},
+        check_memory=False,
+    )
+    return plan.predicted_step_seconds
+
+
+def optimizer_profiles(spec: Any, graph: IRGraph) -> dict[str, str] | None:
+    """Parameter key -> optimizer profile name from an ``OptimizerSpec`` (None: no optimizer)."""
     from fusionnet.job.optim import resolve_param_optimizers
 
-    spec = job.spec.optimizer
-    if job.spec.task != "train" or spec is None:
+    if spec is None or not graph.params:
         return None
     resolved = resolve_param_optimizers(spec, list(graph.params))
     return {k: optimizer_profile_name(r.cls_name, r.kwargs) for k, r in resolved.items()}
+
+
+def job_optimizers(job: Any, graph: IRGraph) -> dict[str, str] | None:
+    """Parameter key -> optimizer profile name from a loaded job's optimizer section (train only)."""
+    if job.spec.task != "train":
+        return None
+    return optimizer_profiles(job.spec.optimizer, graph)
 
 
 @dataclass

@@ -1,0 +1,117 @@
+"""The broker's placement policy as pure functions: pools for first placement, failover, hand-over and
+growth; the performance model choosing cuts and compnodes for a fixed number of sub-DAGs; the
+balanced fallback when hardware is unknown; the elastic-join threshold."""
+
+from __future__ import annotations
+
+import pytest
+
+from fusionnet.broker.placement import (
+    BALANCED,
+    SCHEDULER,
+    Candidate,
+    JobShape,
+    first_pool,
+    grown_pool,
+    plan_placement,
+    pool_after_loss,
+    predicted_step,
+    worth_replanning,
+)
+from fusionnet.dag.partition import balanced_assignment, build_partition
+from fusionnet.errors import PlanError
+from fusionnet.job.loader import load_job
+from fusionnet.runtime.planning import job_optimizers
+from fusionnet.runtime.prepare import trace_job
+from tests.jobfiles import REPO
+from tests.test_planning import device
+
+
+@pytest.fixture(scope="module")
+def gpt() -> JobShape:
+    job = load_job(REPO / "examples" / "gpt" / "job.yaml")
+    graph = trace_job(job).graph
+    return JobShape(
+        graph=graph,
+        wanted=3,
+        microbatches=job.spec.data.microbatches,
+        batch_size=job.spec.data.batch_size,
+        optimizer=job_optimizers(job, graph),
+    )
+
+
+def cand(peer: str, flops: float | None = 1e11, backup: bool = False) -> Candidate:
+    return Candidate(peer, backup, None if flops is None else device(peer, flops=flops))
+
+
+def test_first_pool_keeps_the_backups_standing_by() -> None:
+    pool = first_pool([cand("b1", 9e11, backup=True), cand("r1", 1e11), cand("r2", 2e11)])
+    assert [c.peer_id for c in pool] == ["r2", "r1"]  # fastest first, no backup
+    only_backups = first_pool([cand("b1", backup=True)])
+    assert [c.peer_id for c in only_backups] == ["b1"]
+    with pytest.raises(PlanError, match="no ONLINE compnode"):
+        first_pool([])
+
+
+def test_pool_after_loss_prefers_backups_then_free_regular_nodes() -> None:
+    everyone = [cand("a"), cand("b"), cand("c"), cand("bk", backup=True), cand("free", 5e11)]
+    pool = pool_after_loss(["a", "b", "c"], {"b"}, everyone)
+    assert [c.peer_id for c in pool] == ["a", "c", "bk"]  # the backup fills the hole, not "free"
+    no_backup = [c for c in everyone if c.peer_id != "bk"]
+    assert [c.peer_id for c in pool_after_loss(["a", "b", "c"], {"b"}, no_backup)] == ["a", "c", "free"]
+    alone = [cand("a"), cand("b")]
+    assert [c.peer_id for c in pool_after_loss(["a", "b"], {"b"}, alone)] == ["a"]  # shrink
+    with pytest.raises(PlanError, match="every compnode of the job is gone"):
+        pool_after_loss(["a"], {"a"}, [])
+
+
+def test_grown_pool_offers_only_free_regular_nodes() -> None:
+    assert grown_pool(["a"], [cand("a"), cand("bk", backup=True)]) is None
+    assert [c.peer_id for c in grown_pool(["a"], [cand("a"), cand("n", 3e11)])] == ["a", "n"]
+    assert grown_pool(["a", "gone"], [cand("a"), cand("n")]) is None  # a failure is handled first
+
+
+def test_performance_model_places_more_work_on_the_faster_node(gpt: JobShape) -> None:
+    pool = [cand("slow", 2e10), cand("fast", 2e11)]
+    placement = plan_placement(gpt, pool)
+    assert placement.policy == SCHEDULER
+    assert len(placement.peers) == 2  # wanted 3, but only 2 compnodes
+    partition = build_partition(gpt.graph, placement.assignment)
+    flops = [sum(gpt.graph.node(n).cost.get("flops_fwd", 0) for n in s.nodes) for s in partition.subdags]
+    fast = placement.peers.index("fast")
+    assert flops[fast] > 2 * flops[1 - fast]
+    # ... and it beats the equal (FLOP-balanced) split on the same two compnodes, as the model sees it
+    balanced = plan_placement(gpt, [cand("slow", None), cand("fast", 2e11)])
+    assert balanced.policy == BALANCED and balanced.predicted_step is None
+    equal = predicted_step(gpt, balanced, pool)
+    assert equal is not None and placement.predicted_step is not None
+    assert placement.predicted_step < 0.8 * equal
+    assert set(placement.predicted or {}) == {0, 1}
+
+
+def test_fixed_stage_count_and_determinism(gpt: JobShape) -> None:
+    pool = [cand(f"n{i}", 1e11 * (i + 1)) for i in range(4)]
+    one = plan_placement(gpt, pool, stages=3)
+    assert len(one.peers) == 3 and one == plan_placement(gpt, pool, stages=3)
+    assert len(build_partition(gpt.graph, one.assignment).subdags) == 3
+    with pytest.raises(PlanError, match="cannot place"):
+        plan_placement(gpt, pool, stages=5)
+
+
+def test_balanced_fallback_when_hardware_is_unknown(gpt: JobShape) -> None:
+    placement = plan_placement(gpt, [cand("x", None), cand("y", 1e11), cand("z", None)])
+    assert placement.policy == BALANCED
+    assert placement.peers[0] == "y"  # the one with a known speed first
+    assert placement.assignment == balanced_assignment(gpt.graph, 3)
+
+
+def test_replanning_needs_a_predicted_gain_above_the_threshold(gpt: JobShape) -> None:
+    now = plan_placement(gpt, [cand("a", 1e11)])
+    grown = plan_placement(gpt, [cand("a", 1e11), cand("b", 1e11), cand("c", 1e11)])
+    assert now.predicted_step is not None and grown.predicted_step is not None
+    gain = 1 - grown.predicted_step / now.predicted_step
+    assert gain > 0.1  # three compnodes pipeline the step, less the transfers they add
+    assert worth_replanning(now.predicted_step, grown, gain - 0.01)
+    assert not worth_replanning(now.predicted_step, grown, gain + 0.01)
+    assert not worth_replanning(None, grown, 0.0)
+    assert not worth_replanning(now.predicted_step, now, 0.0)  # equal is no gain
