@@ -115,3 +115,14 @@ def test_replanning_needs_a_predicted_gain_above_the_threshold(gpt: JobShape) ->
     assert not worth_replanning(now.predicted_step, grown, gain + 0.01)
     assert not worth_replanning(None, grown, 0.0)
     assert not worth_replanning(now.predicted_step, now, 0.0)  # equal is no gain
+
+
+def test_balanced_policy_on_known_hardware_is_predicted_and_slower_on_unequal_nodes(gpt: JobShape) -> None:
+    pool = [cand("slow", 2e10), cand("fast", 2e11)]
+    balanced = plan_placement(gpt, pool, policy=BALANCED)
+    model = plan_placement(gpt, pool)
+    assert balanced.policy == BALANCED and balanced.assignment == balanced_assignment(gpt.graph, 2)
+    assert balanced.predicted_step == pytest.approx(predicted_step(gpt, balanced, pool))
+    assert model.predicted_step is not None and balanced.predicted_step > model.predicted_step
+    with pytest.raises(PlanError, match="placement policy"):
+        plan_placement(gpt, pool, policy="random")

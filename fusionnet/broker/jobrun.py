@@ -383,10 +383,11 @@ class JobRun:
         if self._next is not None:
             placement, self._next = self._next, None
             return placement
+        policy = getattr(self.broker.settings, "placement_policy", SCHEDULER)
         if not self.peers:
-            return plan_placement(self.shape, first_pool(candidates))
+            return plan_placement(self.shape, first_pool(candidates), policy=policy)
         pool = pool_after_loss(self.peers, self._lost, candidates)
-        return plan_placement(self.shape, pool, stages=min(len(self.peers), len(pool)))
+        return plan_placement(self.shape, pool, stages=min(len(self.peers), len(pool)), policy=policy)
 
     async def _place_and_assign(self, ckpt: Checkpoint, recovering: dict[str, Any] | None) -> None:
         started = time.monotonic()
@@ -563,6 +564,8 @@ class JobRun:
                 "task": job.spec.task,
                 "frontend": graph.frontend,
                 "compnodes": dict(enumerate(self.peers)),
+                "policy": None if self._placement is None else self._placement.policy,
+                "predicted_step_seconds": None if self._placement is None else self._placement.predicted_step,
                 "recoveries": self.progress.recoveries,
             },
         )

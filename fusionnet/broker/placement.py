@@ -23,7 +23,7 @@ step time shorter by more than a threshold (moving costs an assignment round).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import balanced_assignment
@@ -116,16 +116,22 @@ def grown_pool(current: Sequence[str], candidates: Sequence[Candidate]) -> list[
     return mine + free if free else None
 
 
-def plan_placement(shape: JobShape, pool: Sequence[Candidate], *, stages: int | None = None) -> Placement:
-    """Cuts the job into ``stages`` sub-DAGs (default ``min(wanted, pool, ops)``) placed on the pool.
+def plan_placement(
+    shape: JobShape, pool: Sequence[Candidate], *, stages: int | None = None, policy: str = SCHEDULER
+) -> Placement:
+    """Cuts the job into ``stages`` sub-DAGs (default ``min(wanted, pool, ops)``) placed on the pool, by
+    the performance model (``policy=SCHEDULER``, when every compnode's hardware is known) or by cost
+    balance on the fastest compnodes (``BALANCED``: the plain default policy, for comparison).
 
     Raises ``PlanError`` when the performance model finds that nothing fits (naming the constraint)."""
+    if policy not in (SCHEDULER, BALANCED):
+        raise PlanError(f"placement policy {policy!r} must be {SCHEDULER!r} or {BALANCED!r}")
     if not pool:
         raise PlanError("no compnode to place the job on")
     k = stages if stages is not None else min(shape.wanted, len(pool), max(shape.ops, 1))
     if not 1 <= k <= len(pool):
         raise PlanError(f"cannot place {k} sub-DAG(s) on {len(pool)} compnode(s)")
-    if all(c.device is not None for c in pool):
+    if policy == SCHEDULER and all(c.device is not None for c in pool):
         from fusionnet.runtime.planning import plan_graph  # torch-free callers need not import it
 
         planned = plan_graph(
@@ -144,11 +150,25 @@ def plan_placement(shape: JobShape, pool: Sequence[Candidate], *, stages: int | 
             predicted_step=planned.predicted_step_seconds,
         )
     chosen = _fastest(pool)[:k]
-    return Placement(
+    placement = Placement(
         peers=tuple(c.peer_id for c in chosen),
         assignment=balanced_assignment(shape.graph, k),
         policy=BALANCED,
     )
+    if any(c.device is None for c in chosen):
+        return placement
+    # Known hardware: predict the balanced split too, so that plan.json compares it with what ran.
+    from fusionnet.runtime.planning import predict_assignment
+
+    per_subdag, step = predict_assignment(
+        shape.graph,
+        placement.assignment,
+        [c.device for c in chosen],  # type: ignore[misc]
+        microbatches=shape.microbatches,
+        batch_size=shape.batch_size,
+        optimizer=shape.optimizer,
+    )
+    return replace(placement, predicted=per_subdag, predicted_step=step)
 
 
 def predicted_step(shape: JobShape, placement: Placement, candidates: Sequence[Candidate]) -> float | None:

@@ -44,6 +44,14 @@ def add_parser(subparsers: Any) -> None:
         "failure the steps since the last checkpoint are replayed (default 1: no step is ever lost)",
     )
     p.add_argument(
+        "--placement",
+        choices=("model", "balanced"),
+        default="model",
+        help="how jobs are cut and placed: 'model' = the scheduler of problem (2) with the performance "
+        "model (default); 'balanced' = FLOP-balanced pieces on the fastest compnodes (the plain policy, "
+        "for comparison)",
+    )
+    p.add_argument(
         "--replan-gain",
         type=float,
         default=0.1,
@@ -63,6 +71,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fusionnet.broker.daemon import BrokerConfig, BrokerDaemon
+    from fusionnet.broker.placement import BALANCED, SCHEDULER
     from fusionnet.daemon.config import common_config
     from fusionnet.daemon.plugins import BROKER_PLUGIN, add_plugin_services
     from fusionnet.metrics import BROKER_METRICS
@@ -74,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_timeout=args.heartbeat_timeout,
             sync_every=args.sync_every,
             replan_gain=args.replan_gain,
+            placement_policy=BALANCED if args.placement == "balanced" else SCHEDULER,
             sd_file=args.sd_file,
         )
         # One broker per process: its metrics are the process's set, so module-level users count too.

@@ -320,6 +320,29 @@ def predict_step(
 ) -> float:
     """Predicted seconds per step of an IR ``assignment`` (node -> sub-DAG ``i``, run on ``devices[i]``):
     what a placement that exists already costs, to compare it with a new plan."""
+    return predict_assignment(
+        graph,
+        assignment,
+        devices,
+        microbatches=microbatches,
+        batch_size=batch_size,
+        optimizer=optimizer,
+        links=links,
+    )[1]
+
+
+def predict_assignment(
+    graph: IRGraph,
+    assignment: Mapping[str, int],
+    devices: Sequence[DeviceSpec],
+    *,
+    microbatches: int,
+    batch_size: int | None = None,
+    optimizer: str | Mapping[str, str] | None = None,
+    links: Links = None,
+) -> tuple[dict[int, float], float]:
+    """(sub-DAG -> predicted FP+BP+Update seconds per step, predicted step seconds) of an IR assignment
+    whose sub-DAG ``i`` runs on ``devices[i]``."""
     cg = cost_graph(graph, optimizer, scale=_scale(graph, batch_size, microbatches))
     plan = plan_for_assignment(
         cg,
@@ -328,7 +351,7 @@ def predict_step(
         {op.name: assignment[op.name] for op in cg.ops},
         check_memory=False,
     )
-    return plan.predicted_step_seconds
+    return {s.device: s.compute_seconds for s in plan.stages}, plan.predicted_step_seconds
 
 
 def optimizer_profiles(spec: Any, graph: IRGraph) -> dict[str, str] | None:
