@@ -1,22 +1,23 @@
-"""One job on the broker, from plan to results, surviving compnodes that die or leave (FusionAI 3.2-3.6).
+"""One job on the broker, plan to results, surviving compnodes that die, leave or join (FusionAI 3.2-3.6).
 
-PLANNING: pick compnodes and cut the IR into that many sub-DAGs; assign each its sub-DAG (IR,
+PLANNING: the performance model places the job (``placement.py``); each compnode gets its sub-DAG (IR,
 assignment, peers, a fresh per-job data-path key, its slice of the checkpoint, the dataset fields its
 placeholders read). RUNNING: drive steps; every compnode runs the step's GPipe schedule and exchanges
 activations and gradients with its peers directly. Every ``sync_every`` steps (train) the broker
 collects parameters and optimizer state into a checkpoint on disk (``checkpoints.py``).
 
-Failure handling (Confidant's passive recovery, made exact):
+Failure handling (Confidant's passive recovery, made exact; detection and phase records in
+``failures.py``):
 - detection: a step or sync call fails, or the registry reports an assigned compnode unreachable or
   gone (heartbeats); the broker then pings every assigned compnode to learn which are dead;
-- redistribution: survivors are released, lost slots go to backups (``placement.py``), every sub-DAG
-  is assigned again (a new ``attempt``) from the last checkpoint;
+- redistribution: survivors are released and the job re-planned over them and the free backups; every
+  sub-DAG is assigned again (a new ``attempt``) from the last checkpoint;
 - replay: the steps after the checkpoint run again. Steps are deterministic and micro-batch messages
   idempotent, so the result equals a fault-free run.
 Proactive leave: a compnode on SIGTERM calls ``leaving``; at the next step boundary the broker syncs
-and moves its sub-DAG to a replacement, with nothing to replay.
+and moves its sub-DAG to a replacement, with nothing to replay. Elastic join: at a checkpointed step
+boundary a newly joined compnode is taken in when the model predicts a gain above ``replan_gain``.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
+from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog
 from fusionnet.broker.placement import (
     SCHEDULER,
     Candidate,
@@ -42,13 +44,11 @@ from fusionnet.broker.placement import (
     predicted_step,
     worth_replanning,
 )
-from fusionnet.broker.registry import RegistryEvent
 from fusionnet.broker.store import JobState
-from fusionnet.dag.ir import IRGraph
+from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.partition import Partition, build_partition
 from fusionnet.errors import ExecutionError, FusionNetError, JobError
 from fusionnet.runtime.blobs import pack_tensors, unpack_tensors
-from fusionnet.runtime.jobwire import RunSpec
 from fusionnet.runtime.local import RunResult, write_results
 from fusionnet.runtime.planning import optimizer_profiles
 from fusionnet.runtime.results import assemble_state, plan_document
@@ -58,19 +58,6 @@ log = logging.getLogger("fusionnet.broker.jobs")
 ASSIGN_TIMEOUT = 120.0
 STEP_TIMEOUT = 600.0
 RELEASE_TIMEOUT = 5.0
-PROBE_TIMEOUT = 1.5
-MAX_RECOVERIES = 50
-
-
-@dataclass
-class SubmittedJob:
-    job_id: str
-    spec: RunSpec
-    ir: bytes
-    graph: IRGraph
-    state: dict[str, torch.Tensor]
-    data: dict[str, torch.Tensor]
-    submitter: str
 
 
 @dataclass
@@ -82,12 +69,6 @@ class JobProgress:
     refused_frames: int = 0
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # per failover: phase seconds
     results: Path | None = None
-
-
-class PeerFailure(Exception):
-    def __init__(self, dead: set[str], why: str, started: float) -> None:
-        super().__init__(why)
-        self.dead, self.why, self.started = dead, why, started
 
 
 class JobRun:
@@ -103,8 +84,6 @@ class JobRun:
         self.resume = resume
         self.leaving: set[str] = set()
         self.dead: set[str] = set()
-        self._fault = asyncio.Event()
-        self._fault_peer: str | None = None
         self._outputs: dict[int, dict[str, torch.Tensor]] = {}
         self._busy: dict[int, float] = {}  # sub-DAG -> FP+BP+Update seconds over the steps below
         self._busy_steps = 0
@@ -121,9 +100,9 @@ class JobRun:
             if job.spec.task == "train"
             else None,
         )
-        self._replay_started = 0.0
-        self._handover_started: float | None = None
-        broker.registry.add_listener(self._on_registry_event)
+        self.watch = FailureWatch(broker, lambda: self.peers, self.leaving)
+        self.recoveries = RecoveryLog(broker, job.job_id, self.progress.recoveries)
+        self.watch.attach()
 
     @property
     def sync_every(self) -> int:
@@ -140,7 +119,7 @@ class JobRun:
             ckpt = self._initial_checkpoint()
             store.update_job(job.job_id, state=JobState.PLANNING)
             step = ckpt.step
-            recovering: PeerFailure | None = None
+            recovering: dict[str, Any] | None = None
             while step < job.spec.step_count:
                 if self.partition is None:
                     await self._place_and_assign(ckpt, recovering)
@@ -153,7 +132,7 @@ class JobRun:
                     elif step % self.sync_every == 0 or step == job.spec.step_count or self._leavers():
                         ckpt = await self._guarded(self._sync(step))
                     if recovering is not None and step > recovering["failed_step"]:
-                        self._finish_recovery(recovering)
+                        self.recoveries.replayed(recovering)
                         recovering = None
                     if self._leavers():
                         self._hand_over(ckpt)
@@ -178,7 +157,7 @@ class JobRun:
             log.exception("job %s: internal error", job.job_id)
             self._fail(f"internal error: {type(e).__name__}: {e}")
         finally:
-            self.broker.registry.remove_listener(self._on_registry_event)
+            self.watch.detach()
             await self._release_all("the job ended")
             self._update_job_gauges()
 
@@ -208,99 +187,19 @@ class JobRun:
         if refresh is not None and self.broker.store is not None:
             refresh()
 
-    # ---- failure detection -----------------------------------------------------------------------
-    def _on_registry_event(self, event: RegistryEvent) -> None:
-        if event.peer_id in self.peers and event.kind in ("unreachable", "left"):
-            self._fault_peer = event.peer_id
-            self._fault.set()
-        elif event.kind == "state" and event.peer_id in self.peers:
-            entry = self.broker.registry.get(event.peer_id)
-            if entry is not None and entry.effective_state == "OFFLINE" and event.peer_id not in self.leaving:
-                self._fault_peer = event.peer_id
-                self._fault.set()
-
+    # ---- failures (detection and the phase record: ``failures.py``) ------------------------------
     async def _guarded(self, coro: Any) -> Any:
-        """Runs a step or sync; a failed call or a registry alarm about one of the job's compnodes becomes
-        a ``PeerFailure`` naming the dead ones (found by pinging them all)."""
-        started = time.monotonic()
-        work = asyncio.ensure_future(coro)
-        while True:
-            alarm = asyncio.ensure_future(self._fault.wait())
-            try:
-                await asyncio.wait({work, alarm}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                alarm.cancel()
-            if work.done():
-                if work.exception() is None:
-                    return work.result()
-                error = work.exception()
-                dead = await self._probe()
-                if not dead:
-                    raise error  # type: ignore[misc]  # a real error, not a lost compnode
-                raise PeerFailure(dead, str(error), started)
-            self._fault.clear()
-            dead = await self._probe()
-            if dead:
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-                raise PeerFailure(dead, f"compnode {self._fault_peer} stopped answering heartbeats", started)
-            # A false alarm (the peer answers now): keep waiting for the work.
-
-    async def _probe(self) -> set[str]:
-        async def alive(peer: str) -> bool:
-            entry = self.broker.registry.get(peer)
-            if entry is None or entry.effective_state in ("OFFLINE", "UNREACHABLE"):
-                return False
-            try:
-                await self.broker.call(peer, "ping", {"nonce": "probe"}, timeout=PROBE_TIMEOUT, retries=0)
-                return True
-            except FusionNetError:
-                return False
-
-        answers = await asyncio.gather(*(alive(p) for p in self.peers))
-        return {p for p, ok in zip(self.peers, answers) if not ok}
+        return await self.watch.guarded(coro)
 
     def _on_failure(self, failure: PeerFailure, ckpt: Checkpoint, failed_step: int) -> dict[str, Any]:
-        detected = time.monotonic()
+        info = self.recoveries.failed(failure, ckpt.step, failed_step)
         self.dead |= failure.dead
-        self._lost = failure.dead
-        recoveries = len(self.progress.recoveries)
-        if recoveries >= MAX_RECOVERIES:
-            raise ExecutionError(f"job {self.job.job_id}: gave up after {recoveries} recoveries")
-        info = {
-            "lost": sorted(failure.dead),
-            "why": failure.why[:300],
-            "detection": detected - failure.started,
-            "detected_at": time.time(),
-            "replay_from": ckpt.step,
-            "failed_step": failed_step,
-        }
-        log.warning(
-            "job %s: detection: lost %s (%s) after %.2f s; replaying from step %d",
-            self.job.job_id,
-            ", ".join(sorted(failure.dead)),
-            failure.why[:200],
-            info["detection"],
-            ckpt.step,
-        )
-        self.broker.metrics.failovers.inc(len(failure.dead))
-        self.broker.metrics.observe_recovery("detection", info["detection"])
+        self._lost = set(failure.dead)
+        # The steps after the checkpoint run again: their rows and outputs are recorded again.
         self.progress.metrics = [r for r in self.progress.metrics if r["step"] < ckpt.step]
         self._outputs = {s: o for s, o in self._outputs.items() if s < ckpt.step}
         self.partition = None
-        self.progress.recoveries.append(info)
         return info
-
-    def _finish_recovery(self, info: dict[str, Any]) -> None:
-        info["replay"] = time.monotonic() - self._replay_started
-        self.broker.metrics.observe_recovery("replay", info["replay"])
-        self.broker.store.add_job_event(self.job.job_id, "recovered", info)
-        log.info(
-            "job %s: replay: steps from %d redone in %.2f s; recovered",
-            self.job.job_id,
-            info["replay_from"],
-            info["replay"],
-        )
 
     # ---- placement (policy: ``placement.py``) -----------------------------------------------------
     def _candidates(self) -> list[Candidate]:
@@ -321,13 +220,7 @@ class JobRun:
     def _hand_over(self, ckpt: Checkpoint) -> None:
         """Proactive: the checkpoint was just taken at this boundary; move the leavers' sub-DAGs."""
         self._lost = self._leavers()
-        log.info(
-            "job %s: hand-over of %s at step %d", self.job.job_id, ", ".join(sorted(self._lost)), ckpt.step
-        )
-        self.broker.store.add_job_event(
-            self.job.job_id, "hand-over", {"leaving": sorted(self._lost), "step": ckpt.step}
-        )
-        self._handover_started = time.monotonic()
+        self.recoveries.handing_over(self._lost, ckpt.step)
         self.partition = None
 
     async def _grow(self) -> bool:
@@ -409,26 +302,9 @@ class JobRun:
                 lost |= failure.dead
         else:
             raise ExecutionError(f"job {self.job.job_id}: could not assign its sub-DAGs")
-        seconds = time.monotonic() - started
-        if recovering is not None:
-            recovering["redistribution"] = seconds
-            self.broker.metrics.observe_recovery("redistribution", seconds)
-            log.info(
-                "job %s: redistribution: %d sub-DAGs re-assigned in %.2f s",
-                self.job.job_id,
-                len(self.peers),
-                seconds,
-            )
-        if self._handover_started is not None:
-            stall = time.monotonic() - self._handover_started
-            log.info("job %s: hand-over done: the job stalled %.2f s", self.job.job_id, stall)
-            self.broker.store.add_job_event(self.job.job_id, "handed-over", {"stall": stall})
-            self.broker.metrics.observe_recovery("handover", stall)
-            self.progress.recoveries.append({"handover_stall": stall, "lost": sorted(lost)})
-            self._handover_started = None
+        self.recoveries.placed(recovering, time.monotonic() - started, len(self.peers), lost)
         self._lost = set()
         self._seen_candidates = {c.peer_id for c in self._candidates()}
-        self._replay_started = time.monotonic()
 
     def _adopt(self, placement: Placement) -> None:
         self._placement = placement
@@ -636,28 +512,3 @@ def _join_outputs(per_step: list[dict[str, torch.Tensor]]) -> torch.Tensor | Non
         keys = sorted(blob, key=lambda k: tuple(int(x) for x in k.split("/")))
         rows.extend(blob[k] for k in keys if k.endswith("/0"))
     return torch.cat(rows, dim=0) if rows else None
-
-
-def check_submission(
-    graph: IRGraph, state: dict[str, torch.Tensor], data: dict[str, torch.Tensor], spec: RunSpec
-) -> None:
-    """Refuses a submission whose parts disagree: state vs the IR's parameters, data vs the spec."""
-    for table in (graph.params, graph.buffers):
-        for k, meta in table.items():
-            if k not in state:
-                raise JobError(f"submission: state lacks {k!r}, which the IR reads")
-            if list(state[k].shape) != list(meta["shape"]):
-                raise JobError(
-                    f"submission: state {k!r} has shape {list(state[k].shape)}, the IR says {meta['shape']}"
-                )
-    if "inputs" not in data:
-        raise JobError("submission: data lacks the 'inputs' tensor")
-    needs_labels = any(n.kind == "placeholder" and n.target == "labels" for n in graph.nodes)
-    if needs_labels and "labels" not in data:
-        raise JobError("submission: data lacks the 'labels' tensor the loss reads")
-    for name, t in data.items():
-        if t.dim() == 0 or t.shape[0] != spec.n_samples:
-            raise JobError(
-                f"submission: data {name!r} has {t.shape[0] if t.dim() else 0} samples, "
-                f"the spec says {spec.n_samples}"
-            )

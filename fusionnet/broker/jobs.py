@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from fusionnet.broker.checkpoints import JobFiles
-from fusionnet.broker.jobrun import JobRun, SubmittedJob, check_submission
+from fusionnet.broker.jobrun import JobRun
+from fusionnet.broker.submission import SubmittedJob, check_submission
 from fusionnet.dag.codec import decode_ir
 from fusionnet.errors import JobError
 from fusionnet.rpc.server import RPCContext

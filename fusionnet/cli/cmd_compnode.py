@@ -31,6 +31,14 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--reprofile", action="store_true", help="ignore the cached hardware profile")
     p.add_argument(
+        "--slowdown",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="emulate a device F (>= 1) times slower: sleep (F-1)x the time of each FP/BP/Update and "
+        "announce the profile divided by F, for heterogeneous swarms on one machine (default: 1)",
+    )
+    p.add_argument(
         "--metrics-announce-host",
         metavar="HOST",
         help="host Prometheus reaches --metrics-port at, announced for service discovery (default: "
@@ -55,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             data_host=args.data_host,
             data_port=args.data_port,
             reprofile=args.reprofile,
+            slowdown=args.slowdown,
             metrics_announce_host=args.metrics_announce_host,
         )
         # One compnode per process: its metrics are the process's set, so module-level users count too.

@@ -34,6 +34,7 @@ from typing import Any
 
 from fusionnet import __version__
 from fusionnet.compnode.profile import profile_hardware, profile_software_overheads
+from fusionnet.compnode.throttle import check_slowdown, slowed_hardware
 from fusionnet.daemon.base import Daemon
 from fusionnet.daemon.config import DaemonConfig
 from fusionnet.dht.records import (
@@ -62,6 +63,7 @@ class CompnodeConfig:
     data_port: int = 0  # 0 = any free port
     reprofile: bool = False  # ignore the cached hardware profile
     metrics_announce_host: str | None = None  # where Prometheus reaches our metrics port; default: derived
+    slowdown: float = 1.0  # emulate a device this many times slower (``fusionnet.compnode.throttle``)
 
     def __post_init__(self) -> None:
         self.role = Role(self.role)
@@ -71,6 +73,7 @@ class CompnodeConfig:
             raise ValueError(f"--data-port must be in 0..65535, got {self.data_port}")
         if not self.data_host:
             raise ValueError("--data-host must not be empty")
+        self.slowdown = check_slowdown(self.slowdown)
         host = self.metrics_announce_host
         if host is not None and (is_bind_all(host) or not is_host_port(join_host_port(host, 1))):
             raise ValueError(f"--metrics-announce-host: {host!r} is not a host name or IP address to reach")
@@ -146,6 +149,16 @@ class CompnodeDaemon(Daemon):
         self.hardware = await asyncio.to_thread(
             profile_software_overheads, self.hardware, self.state_dir.path
         )
+        if self.settings.slowdown != 1.0:
+            # Announce the device we emulate (the cached profile stays the real machine's).
+            self.hardware = slowed_hardware(self.hardware, self.settings.slowdown)
+            log.info(
+                "--slowdown %g: emulating a device %g times slower (announced λ=%.3g, overheads x%g)",
+                self.settings.slowdown,
+                self.settings.slowdown,
+                self.hardware.speed_factor,
+                self.settings.slowdown,
+            )
         self.metrics.set_hardware(
             speed_factor=self.hardware.speed_factor, peak_flops=self.hardware.peak_flops
         )

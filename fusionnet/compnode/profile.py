@@ -109,6 +109,12 @@ def measure(device: str, threads: int | None, disk_path: Path) -> HardwareInfo:
     """Runs the profiling: about half a second."""
     import torch
 
+    if threads is not None:
+        # The daemon profiles in a worker thread (asyncio.to_thread), and MKL's thread count is per
+        # thread: without this, a ``--threads 1`` node timed its matmul on every core (1.7 cores busy on
+        # a 2-core machine) while its sub-DAGs run on one, and announced a speed that was off by the
+        # core count, or by 10x when the cores were contended (the threads then wait for each other).
+        torch.set_num_threads(threads)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: CUDA is not available on this machine")
@@ -158,7 +164,7 @@ def profile_hardware(
         "cpu": cpu_model(),
         "torch": torch.__version__,
         "fusionnet": __version__,
-        "method": "fastest-call",  # a profile taken by an older method is measured again
+        "method": "fastest-call-own-threads",  # a profile taken by an older method is measured again
     }
     cache = state_dir / CACHE_FILE
     if not refresh and cache.exists():
@@ -193,8 +199,12 @@ def profile_software_overheads(hw: HardwareInfo, state_dir: Path) -> HardwareInf
     on the CPU). A failure costs only precision: the record goes out without them."""
     if hw.device_kind != "cpu":
         return hw
+    import torch
+
     from fusionnet.perfmodel.overheads import profile_overheads
 
+    if hw.threads:
+        torch.set_num_threads(hw.threads)  # this runs in a worker thread too: see ``measure``
     start = time.perf_counter()
     try:
         overheads = profile_overheads(hw.flops, hw.mem_bandwidth, 0.5, cache_dir=state_dir)

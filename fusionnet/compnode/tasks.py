@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 from fusionnet.compnode.assignment import JobAssignment, build_assignment
 from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, arm
+from fusionnet.compnode.throttle import throttle
 from fusionnet.errors import JobError
 from fusionnet.rpc.server import RPCContext
 from fusionnet.runtime.blobs import pack_tensors
@@ -169,6 +170,7 @@ class SubtaskService:
         )
         holder["job"] = job
         arm(job.executor, self.fault)
+        throttle(job.executor, self.node.settings.slowdown)  # --slowdown: nothing wrapped at 1
         allowed = job.allowed_senders()
         for path in (self.server, self.p2p):
             assert path is not None

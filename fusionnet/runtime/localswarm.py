@@ -73,6 +73,7 @@ class LocalSwarm:
     extra_compnode_args: list[str] = field(default_factory=list)
     node_args: dict[int, list[str]] = field(default_factory=dict)  # compnode index -> more args (--backup)
     node_env: dict[int, dict[str, str]] = field(default_factory=dict)  # compnode index -> more env vars
+    broker_args: list[str] = field(default_factory=list)  # more broker args (--placement balanced)
     broker: LocalDaemon | None = None
     nodes: list[LocalDaemon] = field(default_factory=list)
 
@@ -98,7 +99,7 @@ class LocalSwarm:
     def start(self) -> LocalSwarm:
         deadline = time.monotonic() + READY_TIMEOUT
         try:
-            self.broker = self._start("broker", "broker", ["--refresh-period", "2"])
+            self.broker = self._start("broker", "broker", ["--refresh-period", "2", *self.broker_args])
             self.broker.wait_ready(deadline)
             for i in range(self.compnodes):
                 args = ["--initial-peers", *self.initial_peers, "--refresh-period", "2"]

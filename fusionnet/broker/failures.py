@@ -1,0 +1,185 @@
+"""Noticing that a job lost a compnode, and the record of each recovery (Confidant's Table 7 phases).
+
+``FailureWatch`` runs a job's step, sync or assignment calls "guarded": a failed call, or an alarm from
+the broker's registry about one of the job's compnodes (heartbeats unanswered, record expired or
+OFFLINE), makes it ping every compnode of the job at once; the ones that do not answer are dead and
+the call ends in ``PeerFailure`` naming them. A failed call whose compnodes all answer is a real error
+and is re-raised as it is; an alarm about a compnode that answers after all is ignored.
+
+``RecoveryLog`` keeps, per failover, the phases FusionAI and Confidant name: detection (from the start
+of the call that failed to knowing who is dead), redistribution (placement and assignment of every
+sub-DAG again), replay (the steps since the checkpoint run again); and, for a proactive leave, the time
+the job stood still for the hand-over. Each phase is a log line, a job event, a histogram observation
+and an entry of ``recoveries`` in the job's status and ``plan.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from fusionnet.broker.registry import RegistryEvent
+from fusionnet.errors import ExecutionError, FusionNetError
+
+log = logging.getLogger("fusionnet.broker.jobs")
+
+PROBE_TIMEOUT = 1.5
+MAX_RECOVERIES = 50
+
+
+class PeerFailure(Exception):
+    """Compnodes of a job are gone: ``dead`` names them, ``started`` is when the failed call began."""
+
+    def __init__(self, dead: set[str], why: str, started: float) -> None:
+        super().__init__(why)
+        self.dead, self.why, self.started = dead, why, started
+
+
+class FailureWatch:
+    def __init__(
+        self,
+        broker: Any,
+        peers: Callable[[], Sequence[str]],
+        leaving: set[str],
+    ) -> None:
+        self.broker = broker
+        self._peers = peers  # the job's compnodes now (the placement changes)
+        self._leaving = leaving  # a compnode that announced its leave going OFFLINE is no alarm
+        self._alarm = asyncio.Event()
+        self._alarm_peer: str | None = None
+
+    def attach(self) -> None:
+        self.broker.registry.add_listener(self._on_registry_event)
+
+    def detach(self) -> None:
+        self.broker.registry.remove_listener(self._on_registry_event)
+
+    def _on_registry_event(self, event: RegistryEvent) -> None:
+        if event.peer_id not in self._peers():
+            return
+        if event.kind in ("unreachable", "left"):
+            self._raise_alarm(event.peer_id)
+        elif event.kind == "state" and event.peer_id not in self._leaving:
+            entry = self.broker.registry.get(event.peer_id)
+            if entry is not None and entry.effective_state == "OFFLINE":
+                self._raise_alarm(event.peer_id)
+
+    def _raise_alarm(self, peer: str) -> None:
+        self._alarm_peer = peer
+        self._alarm.set()
+
+    async def guarded(self, coro: Awaitable[Any]) -> Any:
+        """Runs ``coro``; a lost compnode of the job turns its failure (or an alarm) into ``PeerFailure``."""
+        started = time.monotonic()
+        work = asyncio.ensure_future(coro)
+        while True:
+            alarm = asyncio.ensure_future(self._alarm.wait())
+            try:
+                await asyncio.wait({work, alarm}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                alarm.cancel()
+            if work.done():
+                error = work.exception()
+                if error is None:
+                    return work.result()
+                dead = await self.probe()
+                if not dead:
+                    raise error  # a real error, not a lost compnode
+                raise PeerFailure(dead, str(error), started)
+            self._alarm.clear()
+            dead = await self.probe()
+            if dead:
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                raise PeerFailure(dead, f"compnode {self._alarm_peer} stopped answering heartbeats", started)
+            # A false alarm (the peer answers now): keep waiting for the work.
+
+    async def probe(self) -> set[str]:
+        """The job's compnodes that the registry has given up on or that do not answer a ping now."""
+        peers = list(self._peers())
+
+        async def alive(peer: str) -> bool:
+            entry = self.broker.registry.get(peer)
+            if entry is None or entry.effective_state in ("OFFLINE", "UNREACHABLE"):
+                return False
+            try:
+                await self.broker.call(peer, "ping", {"nonce": "probe"}, timeout=PROBE_TIMEOUT, retries=0)
+                return True
+            except FusionNetError:
+                return False
+
+        answers = await asyncio.gather(*(alive(p) for p in peers))
+        return {p for p, ok in zip(peers, answers) if not ok}
+
+
+class RecoveryLog:
+    """The phases of every recovery of one job (module docstring); ``entries`` is what status shows."""
+
+    def __init__(self, broker: Any, job_id: str, entries: list[dict[str, Any]]) -> None:
+        self.broker, self.job_id, self.entries = broker, job_id, entries
+        self._replay_started = 0.0
+        self._handover_started: float | None = None
+
+    def failed(self, failure: PeerFailure, replay_from: int, failed_step: int) -> dict[str, Any]:
+        """Detection is over: a new recovery (refused after ``MAX_RECOVERIES``)."""
+        if len(self.entries) >= MAX_RECOVERIES:
+            raise ExecutionError(f"job {self.job_id}: gave up after {len(self.entries)} recoveries")
+        info: dict[str, Any] = {
+            "lost": sorted(failure.dead),
+            "why": failure.why[:300],
+            "detection": time.monotonic() - failure.started,
+            "detected_at": time.time(),
+            "replay_from": replay_from,
+            "failed_step": failed_step,
+        }
+        log.warning(
+            "job %s: detection: lost %s (%s) after %.2f s; replaying from step %d",
+            self.job_id,
+            ", ".join(info["lost"]),
+            failure.why[:200],
+            info["detection"],
+            replay_from,
+        )
+        self.broker.metrics.failovers.inc(len(failure.dead))
+        self.broker.metrics.observe_recovery("detection", info["detection"])
+        self.entries.append(info)
+        return info
+
+    def handing_over(self, leaving: set[str], step: int) -> None:
+        log.info("job %s: hand-over of %s at step %d", self.job_id, ", ".join(sorted(leaving)), step)
+        self.broker.store.add_job_event(self.job_id, "hand-over", {"leaving": sorted(leaving), "step": step})
+        self._handover_started = time.monotonic()
+
+    def placed(
+        self, recovering: dict[str, Any] | None, seconds: float, subdags: int, moved: set[str]
+    ) -> None:
+        """A placement was assigned in ``seconds``: the redistribution of a recovery, the end of a
+        hand-over's stall, or neither (a first placement or a re-plan)."""
+        if recovering is not None:
+            recovering["redistribution"] = seconds
+            self.broker.metrics.observe_recovery("redistribution", seconds)
+            log.info(
+                "job %s: redistribution: %d sub-DAGs re-assigned in %.2f s", self.job_id, subdags, seconds
+            )
+        if self._handover_started is not None:
+            stall = time.monotonic() - self._handover_started
+            log.info("job %s: hand-over done: the job stalled %.2f s", self.job_id, stall)
+            self.broker.store.add_job_event(self.job_id, "handed-over", {"stall": stall})
+            self.broker.metrics.observe_recovery("handover", stall)
+            self.entries.append({"handover_stall": stall, "lost": sorted(moved)})
+            self._handover_started = None
+        self._replay_started = time.monotonic()
+
+    def replayed(self, info: dict[str, Any]) -> None:
+        info["replay"] = time.monotonic() - self._replay_started
+        self.broker.metrics.observe_recovery("replay", info["replay"])
+        self.broker.store.add_job_event(self.job_id, "recovered", info)
+        log.info(
+            "job %s: replay: steps from %d redone in %.2f s; recovered",
+            self.job_id,
+            info["replay_from"],
+            info["replay"],
+        )
