@@ -33,6 +33,7 @@ from typing import Any
 
 from fusionnet import __version__
 from fusionnet.broker.registry import CompnodeEntry, CompnodeRegistry, RegistryEvent
+from fusionnet.broker.speeds import SpeedBook
 from fusionnet.broker.store import BrokerStore, CompnodeRow
 from fusionnet.daemon.base import Daemon
 from fusionnet.daemon.config import DaemonConfig
@@ -88,6 +89,7 @@ class BrokerDaemon(Daemon):
         super().__init__(config.common, metrics if metrics is not None else BrokerMetrics(process=False))
         self.settings = config
         self.registry = CompnodeRegistry(config.heartbeat_timeout)
+        self.speeds = SpeedBook()  # compnode speeds as measured on real sub-tasks, across jobs
         self.store: BrokerStore | None = None
         self.state = NodeState.JOINING
         self._maddrs: list[str] = []

@@ -18,6 +18,7 @@ Proactive leave: a compnode on SIGTERM calls ``leaving``; at the next step bound
 and moves its sub-DAG to a replacement, with nothing to replay. Elastic join: at a checkpointed step
 boundary a newly joined compnode is taken in when the model predicts a gain above ``replan_gain``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,6 +45,7 @@ from fusionnet.broker.placement import (
     predicted_step,
     worth_replanning,
 )
+from fusionnet.broker.speeds import SpeedBook
 from fusionnet.broker.store import JobState
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.partition import Partition, build_partition
@@ -100,6 +102,8 @@ class JobRun:
             if job.spec.task == "train"
             else None,
         )
+        self.speeds: SpeedBook = getattr(broker, "speeds", None) or SpeedBook()
+        self._planned_slowness: list[float] = []  # per sub-DAG: its compnode's slowness when planned
         self.watch = FailureWatch(broker, lambda: self.peers, self.leaving)
         self.recoveries = RecoveryLog(broker, job.job_id, self.progress.recoveries)
         self.watch.attach()
@@ -208,7 +212,7 @@ class JobRun:
             if e.record.data_path_address is None or e.peer_id in self.dead or e.peer_id in self.leaving:
                 continue
             try:
-                device = e.device_spec()
+                device = self.speeds.device(e.peer_id, e.device_spec())
             except FusionNetError:  # no (or unusable) hardware record: the balanced policy places it
                 device = None
             out.append(Candidate(e.peer_id, e.record.backup, device))
@@ -311,6 +315,7 @@ class JobRun:
         self._busy, self._busy_steps = {}, 0  # measured times are per sub-DAG of this placement
         self.partition = build_partition(self.job.graph, placement.assignment)
         self.peers = list(placement.peers)
+        self._planned_slowness = [self.speeds.slowness(p) for p in self.peers]
         self.attempt += 1
         self.progress.placement = [
             {
@@ -380,6 +385,9 @@ class JobRun:
         for i, r in enumerate(replies):
             busy = _seconds(r, "fp_seconds") + _seconds(r, "bp_seconds") + _seconds(r, "update_seconds")
             self._busy[i] = self._busy.get(i, 0.0) + busy
+            predicted = None if self._placement is None else (self._placement.predicted or {}).get(i)
+            if predicted is not None:  # refine the compnode's speed online from this sub-task
+                self.speeds.observe(self.peers[i], self._planned_slowness[i], predicted, busy)
             if r.get("loss") is not None:
                 loss = _float(r["loss"], f"step {step} loss from {self.peers[i]}")
             if r.get("outputs") is not None:
@@ -441,6 +449,7 @@ class JobRun:
                 "frontend": graph.frontend,
                 "compnodes": dict(enumerate(self.peers)),
                 "policy": None if self._placement is None else self._placement.policy,
+                "slowness": {p: self.speeds.slowness(p) for p in self.peers},
                 "predicted_step_seconds": None if self._placement is None else self._placement.predicted_step,
                 "recoveries": self.progress.recoveries,
             },
