@@ -22,6 +22,14 @@ the end) to keep wall time down; a sync runs between steps and is not part of a 
 Both runs start from the same weights and see the same batches and are exact, so their final weights must
 agree (``exact``: max abs diff <= 1e-5, also checked against plain PyTorch, ``fusionnet.reference``).
 
+What the model does not see, and why the *ratio* still holds (2-core shared VM, F=3, one torch thread):
+steps measure 10-25% above the prediction under both policies, from the step RPCs and activation
+transfers (about 6 ms a step: a tiny job's steps take 7 ms for a predicted 1.5 ms) and from compute that
+runs in bursts between waits (measured in one process: 7.5 ms back to back, 8.2 ms after 28 ms idle), so
+most of it cancels in the ratio. The agreement is worst where the plans differ most in shape: at F=4 the
+model gives the slowed node nothing (one compute stream, +13% over its prediction) while the balanced
+pipeline idles between bursts on both nodes (+31%), so the measured speedup beats the predicted one.
+
 Prints the split and a table per F, then one JSON line. Logs and results stay in ``--workdir``.
 
     python benchmarks/heterogeneous.py [--slowdown 3] [--slowdown 2 3 4] [--steps 24] [--quick]
@@ -34,7 +42,6 @@ import asyncio
 import contextlib
 import io
 import json
-import os
 import signal
 import statistics
 import sys
@@ -44,13 +51,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from swarm_jobs import write_gpt_job  # noqa: E402
+
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
-from fusionnet.runtime.localswarm import LocalDaemon, LocalSwarm  # noqa: E402
+from fusionnet.runtime.localswarm import LocalSwarm  # noqa: E402
 from fusionnet.runtime.submit import submit_and_wait  # noqa: E402
 
 TOL = 1e-5
@@ -79,39 +86,22 @@ class Run:
 
 
 def write_job(workdir: Path, args: argparse.Namespace) -> Path:
-    """The GPT example, heavier, 2 compnodes, SGD; its paths made absolute so it can live in ``workdir``."""
-    src = REPO / "examples" / "gpt" / "job.yaml"
-    doc = yaml.safe_load(src.read_text())
-    where, _, attr = doc["model"]["entrypoint"].rpartition(":")
-    doc["model"]["entrypoint"] = f"{(src.parent / where).resolve()}:{attr}"
-    doc["model"]["kwargs"].update(n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head)
-    doc["data"]["path"] = str((src.parent / doc["data"]["path"]).resolve())
-    doc["data"].update(batch_size=args.batch_size, microbatches=args.microbatches)
-    doc.update(name="gpt-heterogeneous", steps=args.steps, optimizer=SGD, placement={"compnodes": 2})
-    path = workdir / "gpt-heterogeneous.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
-
-
-def peer_id(daemon: LocalDaemon) -> str:
-    return daemon.maddrs()[0].rsplit("/p2p/", 1)[1]
-
-
-def stop_swarm(swarm: LocalSwarm) -> None:
-    """The swarm's own stop, then SIGKILL to whatever is left in the daemons' process groups."""
-    try:
-        swarm.stop()
-    finally:
-        for daemon in [swarm.broker, *swarm.nodes]:
-            if daemon is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(daemon.proc.pid, signal.SIGKILL)
+    """The GPT example, heavier, 2 compnodes, SGD."""
+    return write_gpt_job(
+        workdir / "gpt-heterogeneous.yaml",
+        model={"n_layer": args.n_layer, "d_model": args.d_model, "n_head": args.n_head},
+        data={"batch_size": args.batch_size, "microbatches": args.microbatches},
+        name="gpt-heterogeneous",
+        steps=args.steps,
+        optimizer=SGD,
+        placement={"compnodes": 2},
+    )
 
 
 async def drive(swarm: LocalSwarm, job_path: Path, out: Path, run: Run, timeout: float) -> None:
     async with SwarmObserver(swarm.initial_peers) as observer:
         await swarm.wait_members(observer)
-        names = {peer_id(d): d.name for d in swarm.nodes}
+        names = {d.peer_id: d.name for d in swarm.nodes}
         for c in (await observer.broker_status())["compnodes"]:
             hw = c.get("hardware") or {}
             if c["peer_id"] in names and hw:
@@ -143,8 +133,8 @@ def run_once(slowdown: float, policy: str, job_path: Path, workdir: Path, args: 
     finally:
         names = {}
         with contextlib.suppress(Exception):
-            names = {peer_id(d): d.name for d in swarm.nodes}
-        stop_swarm(swarm)
+            names = {d.peer_id: d.name for d in swarm.nodes}
+        swarm.stop()
         run.wall_s = time.monotonic() - started
     plan = json.loads((out / "plan.json").read_text())
     run.plan_policy = plan.get("policy")
@@ -319,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(compare(runs["model"], runs["balanced"], args.warmup, ref))
 
     print_table(results)
-    first = results[0]
+    keys = ("slowdown", "measured_speedup", "predicted_speedup", "speedup_ratio")
+    sweep = len(results) > 1
     summary: dict[str, Any] = {
         "benchmark": "heterogeneous",
         "job": f"examples/gpt n_layer={args.n_layer} d_model={args.d_model} batch={args.batch_size} "
@@ -328,19 +319,20 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "threads": args.threads,
         "sync_every": args.sync_every,
-        **{k: first[k] for k in ("slowdown", "measured_speedup", "predicted_speedup", "speedup_ratio")},
+        # One slow-down: its figures; a sweep: one list entry per slow-down, in the order given.
+        **{k: [r[k] for r in results] if sweep else results[0][k] for k in keys},
         "within_15pct": all(r["within_15pct"] for r in results),
         "exact": all(r["exact"] for r in results),
-        "wall_s": round(time.monotonic() - t_start, 1),
     }
-    if len(results) > 1:
+    if sweep:
+        summary["within_15pct_each"] = [r["within_15pct"] for r in results]
         summary["sweep"] = [
-            {k: v for k, v in r.items() if k not in ("split", "speeds", "policies", "max_weight_diff")}
-            for r in results
+            {k: v for k, v in r.items() if k not in ("split", "speeds", "policies")} for r in results
         ]
     else:
-        keys = ("model_step_s", "balanced_step_s", "model_predicted_s", "balanced_predicted_s")
-        summary.update({k: first[k] for k in (*keys, "max_weight_diff", "errors")})
+        steps = ("model_step_s", "balanced_step_s", "model_predicted_s", "balanced_predicted_s")
+        summary.update({k: results[0][k] for k in (*steps, "max_weight_diff", "errors")})
+    summary["wall_s"] = round(time.monotonic() - t_start, 1)
     print(json.dumps(summary))
     return 0 if summary["within_15pct"] and summary["exact"] else 1
 

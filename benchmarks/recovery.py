@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import io
 import json
-import os
 import random
 import signal
 import statistics
@@ -45,10 +44,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from swarm_jobs import write_gpt_job  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
 from fusionnet.runtime.localswarm import LocalDaemon, LocalSwarm  # noqa: E402
@@ -85,37 +84,15 @@ class RunRecord:
 
 
 def write_job(workdir: Path, steps: int) -> Path:
-    """The GPT example with 2 compnodes, SGD and ``steps``; its paths made absolute so it can live here."""
-    src = REPO / "examples" / "gpt" / "job.yaml"
-    doc = yaml.safe_load(src.read_text())
-    where, _, attr = doc["model"]["entrypoint"].rpartition(":")
-    doc["model"]["entrypoint"] = f"{(src.parent / where).resolve()}:{attr}"
-    doc["data"]["path"] = str((src.parent / doc["data"]["path"]).resolve())
-    doc.update(steps=steps, optimizer=SGD, placement={"compnodes": 2})
-    path = workdir / "gpt-recovery.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
-
-
-def peer_id(daemon: LocalDaemon) -> str:
-    return daemon.maddrs()[0].rsplit("/p2p/", 1)[1]
+    """The GPT example with 2 compnodes, SGD and ``steps``."""
+    return write_gpt_job(
+        workdir / "gpt-recovery.yaml", steps=steps, optimizer=SGD, placement={"compnodes": 2}
+    )
 
 
 def log_time(line: str) -> float:
     """Wall time of a daemon log line (``%(asctime)s``: local time, milliseconds)."""
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-
-
-def stop_swarm(swarm: LocalSwarm) -> None:
-    """The swarm's own stop, then SIGKILL to whatever is left in the daemons' process groups (the DHT
-    and p2pd children of a compnode that was SIGKILLed outlive it)."""
-    try:
-        swarm.stop()
-    finally:
-        for daemon in [swarm.broker, *swarm.nodes]:
-            if daemon is not None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(daemon.proc.pid, signal.SIGKILL)
 
 
 async def wait_running(observer: SwarmObserver, step: int, deadline: float) -> str:
@@ -151,12 +128,12 @@ async def drive(swarm: LocalSwarm, job_path: Path, out: Path, rec: RunRecord, ti
                 status = await observer.call(broker, "job_status", {"job_id": running.result()}, timeout=10)
                 victim = max(status["placement"], key=lambda p: (p["params"], -p["subdag"]))
                 rec.moved = f"sub-DAG {victim['subdag']} ({victim['nodes']} nodes, {victim['params']} params)"
-                leaver = next(d for d in swarm.nodes if peer_id(d) == victim["peer_id"])
+                leaver = next(d for d in swarm.nodes if d.peer_id == victim["peer_id"])
                 sigterm_at = time.time()
                 leaver.proc.send_signal(signal.SIGTERM)
             outcome = await submit
             if rec.fault:
-                lost = [p for p in outcome.placement if p["peer_id"] == peer_id(swarm.nodes[0])]
+                lost = [p for p in outcome.placement if p["peer_id"] == swarm.nodes[0].peer_id]
                 rec.moved = "".join(
                     f"sub-DAG {p['subdag']} ({p['nodes']} nodes, {p['params']} params)" for p in lost
                 )
@@ -189,7 +166,7 @@ def run_once(
         rec.error = f"{type(e).__name__}: {e} (logs in {workdir / 'swarm'})"
         return rec
     finally:
-        stop_swarm(swarm)
+        swarm.stop()
         rec.wall_s = time.monotonic() - started
     plan = json.loads((out / "plan.json").read_text())
     rec.recoveries = plan.get("recoveries", [])

@@ -21,8 +21,9 @@ from fusionnet.perfmodel.types import ClassCost, Overheads
 class FakeClock:
     """Time that moves only when told: compute ``advance``s it, sleeping advances it by what was slept."""
 
-    def __init__(self) -> None:
+    def __init__(self, overshoot: float = 0.0) -> None:
         self.now = 0.0
+        self.overshoot = overshoot  # every sleep lasts this much longer than asked, as a busy loop's do
         self.sleeps: list[float] = []
 
     def __call__(self) -> float:
@@ -33,7 +34,7 @@ class FakeClock:
 
     async def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
-        self.now += seconds
+        self.now += seconds + self.overshoot
         await asyncio.sleep(0)  # a real await point, as asyncio.sleep is
 
 
@@ -138,12 +139,23 @@ def test_a_step_takes_factor_times_its_compute_plus_the_waits(factor: float) -> 
     waits = mbs * 2 * wait + mbs * wait  # FP: a recv and a send each; BP: a send each
     assert clock.now == pytest.approx(factor * compute + waits)
     assert sum(clock.sleeps) == pytest.approx((factor - 1) * compute)
-    assert all(s >= 0 for s in clock.sleeps) and debt.debt == 0
+    assert all(s >= 0 for s in clock.sleeps) and debt.debt == pytest.approx(0, abs=1e-9)
     # The step reports the slow device's compute times.
     assert report.fp_seconds == pytest.approx(factor * mbs * fp)
     assert report.bp_seconds == pytest.approx(factor * mbs * bp)
     assert report.update_seconds == pytest.approx(factor * up)
     assert executor.updates == 1
+
+
+def test_a_sleep_that_ran_long_is_credited_against_the_next_one() -> None:
+    clock = FakeClock(overshoot=0.5)
+    executor = FakeExecutor(clock, fp=1.0, bp=1.0, up=0.0, wait=0.0)
+    debt = throttle(executor, 2.0, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
+    assert debt is not None
+    asyncio.run(executor.run_step(0, [{}], [8]))
+    # FP: 1 s compute, asked 1 s, slept 1.5 s; BP: 1 s compute owes 1 s less the 0.5 s credit.
+    assert clock.sleeps == [pytest.approx(1.0), pytest.approx(0.5)]
+    assert clock.now == pytest.approx(2 * 2.0 + 0.5)  # only the last sleep's overshoot remains
 
 
 def test_the_wrapped_channel_passes_other_attributes_through() -> None:
@@ -186,7 +198,7 @@ def test_real_sleep_is_at_least_the_debt() -> None:
     started = time.perf_counter()
     asyncio.run(executor.forward(0, 0, {}))
     elapsed = time.perf_counter() - started
-    assert debt.charged >= 0.02 and debt.slept == pytest.approx(2 * debt.charged)
+    assert debt.charged >= 0.02 and debt.slept >= 2 * debt.charged * 0.99
     assert elapsed >= 3 * 0.02 * 0.95
 
 

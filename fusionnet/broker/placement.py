@@ -178,16 +178,16 @@ def predicted_step(shape: JobShape, placement: Placement, candidates: Sequence[C
     devices = [by_id[p].device if p in by_id else None for p in placement.peers]
     if any(d is None for d in devices):
         return None
-    from fusionnet.runtime.planning import predict_step
+    from fusionnet.runtime.planning import predict_assignment
 
-    return predict_step(
+    return predict_assignment(
         shape.graph,
         placement.assignment,
         devices,  # type: ignore[arg-type]
         microbatches=shape.microbatches,
         batch_size=shape.batch_size,
         optimizer=shape.optimizer,
-    )
+    )[1]
 
 
 def worth_replanning(current_step: float | None, proposed: Placement, min_gain: float) -> bool:

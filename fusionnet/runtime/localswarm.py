@@ -61,7 +61,16 @@ class LocalDaemon:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
+        # A daemon that died the hard way (SIGKILL in fault injection) leaves its DHT and p2pd children
+        # behind in its process group: they go too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.log.close()
+
+    @property
+    def peer_id(self) -> str:
+        """The daemon's libp2p peer id (from its address file; it must be ready)."""
+        return self.maddrs()[0].rsplit("/p2p/", 1)[1]
 
 
 @dataclass

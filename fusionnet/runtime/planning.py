@@ -308,29 +308,6 @@ def predict_subdags(
     return {s.device: s.compute_seconds for s in plan.stages}
 
 
-def predict_step(
-    graph: IRGraph,
-    assignment: Mapping[str, int],
-    devices: Sequence[DeviceSpec],
-    *,
-    microbatches: int,
-    batch_size: int | None = None,
-    optimizer: str | Mapping[str, str] | None = None,
-    links: Links = None,
-) -> float:
-    """Predicted seconds per step of an IR ``assignment`` (node -> sub-DAG ``i``, run on ``devices[i]``):
-    what a placement that exists already costs, to compare it with a new plan."""
-    return predict_assignment(
-        graph,
-        assignment,
-        devices,
-        microbatches=microbatches,
-        batch_size=batch_size,
-        optimizer=optimizer,
-        links=links,
-    )[1]
-
-
 def predict_assignment(
     graph: IRGraph,
     assignment: Mapping[str, int],

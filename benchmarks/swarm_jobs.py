@@ -1,0 +1,25 @@
+"""What the swarm benchmarks share: the bundled GPT example as a job file that can live anywhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write_gpt_job(path: Path, *, model: dict[str, Any] | None = None, **top: Any) -> Path:
+    """``examples/gpt/job.yaml`` with its paths made absolute, ``model`` merged into the model's kwargs,
+    ``data`` merged into its data section and the other keys (steps, optimizer, placement, ...) set."""
+    src = REPO / "examples" / "gpt" / "job.yaml"
+    doc = yaml.safe_load(src.read_text())
+    where, _, attr = doc["model"]["entrypoint"].rpartition(":")
+    doc["model"]["entrypoint"] = f"{(src.parent / where).resolve()}:{attr}"
+    doc["model"]["kwargs"].update(model or {})
+    doc["data"]["path"] = str((src.parent / doc["data"]["path"]).resolve())
+    doc["data"].update(top.pop("data", {}))
+    doc.update(top)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
