@@ -352,12 +352,21 @@ def assert_job_series(prom: Prometheus, job_id: str, steps: int) -> None:
         assert float(step[0]["value"][1]) <= steps
         loss = prom.query(f'last_over_time(fusionnet_job_loss{{job_id="{job_id}"}}[10m])')
         assert loss and math.isfinite(float(loss[0]["value"][1])), loss
-    forward = prom.query('sum(fusionnet_compute_duration_seconds_count{phase="forward"})')
-    assert forward and float(forward[0]["value"][1]) >= steps, forward
-    moved = prom.query("sum(fusionnet_data_bytes_total)")
-    assert moved and float(moved[0]["value"][1]) > 0, moved
-    done = prom.query('sum(fusionnet_compnode_subtasks_total{outcome="succeeded"})')
-    assert done and float(done[0]["value"][1]) >= steps, done
+    # The compnodes are scraped on their own schedule: the broker's count of steps can be ahead of
+    # what Prometheus has of theirs, so these wait (within a few scrape intervals) instead of one look.
+    prom.wait_for(
+        'sum(fusionnet_compute_duration_seconds_count{phase="forward"})',
+        lambda r: bool(r) and float(r[0]["value"][1]) >= steps,
+        f"the compnodes' forward passes of {steps} steps scraped",
+    )
+    prom.wait_for(
+        "sum(fusionnet_data_bytes_total)", lambda r: bool(r) and float(r[0]["value"][1]) > 0, "bytes moved"
+    )
+    prom.wait_for(
+        'sum(fusionnet_compnode_subtasks_total{outcome="succeeded"})',
+        lambda r: bool(r) and float(r[0]["value"][1]) >= steps,
+        f"{steps} succeeded sub-tasks scraped",
+    )
 
 
 def single(result: list[dict[str, Any]]) -> float:
