@@ -126,3 +126,19 @@ def test_balanced_policy_on_known_hardware_is_predicted_and_slower_on_unequal_no
     assert model.predicted_step is not None and balanced.predicted_step > model.predicted_step
     with pytest.raises(PlanError, match="placement policy"):
         plan_placement(gpt, pool, policy="random")
+
+
+def test_consider_growth_adopts_only_a_predicted_gain_from_new_free_nodes(gpt: JobShape) -> None:
+    from fusionnet.broker.placement import consider_growth
+
+    alone = [cand("a", 1e11)]
+    current = plan_placement(gpt, alone)
+    assert consider_growth(gpt, current, alone, 0.0) is None  # nobody new
+    assert consider_growth(gpt, current, [*alone, cand("bk", backup=True)], 0.0) is None  # backups wait
+    grown = consider_growth(gpt, current, [*alone, cand("b", 1e11)], 0.0)
+    assert grown is not None and grown.adopt and set(grown.proposed.peers) == {"a", "b"}
+    assert grown.now == pytest.approx(current.predicted_step)
+    assert not consider_growth(gpt, current, [*alone, cand("b", 1e11)], 0.99).adopt  # gain too small
+    balanced = plan_placement(gpt, alone, policy=BALANCED)
+    assert consider_growth(gpt, balanced, [*alone, cand("b", 1e11)], 0.0) is None  # not the model's plan
+    assert "predicted step" in grown.describe()

@@ -38,12 +38,10 @@ from fusionnet.broker.placement import (
     Candidate,
     JobShape,
     Placement,
+    consider_growth,
     first_pool,
-    grown_pool,
     plan_placement,
     pool_after_loss,
-    predicted_step,
-    worth_replanning,
 )
 from fusionnet.broker.speeds import SpeedBook
 from fusionnet.broker.store import JobState
@@ -53,7 +51,7 @@ from fusionnet.errors import ExecutionError, FusionNetError, JobError
 from fusionnet.runtime.blobs import pack_tensors, unpack_tensors
 from fusionnet.runtime.local import RunResult, write_results
 from fusionnet.runtime.planning import optimizer_profiles
-from fusionnet.runtime.results import assemble_state, plan_document
+from fusionnet.runtime.results import assemble_state, join_step_outputs, plan_document
 
 log = logging.getLogger("fusionnet.broker.jobs")
 
@@ -129,12 +127,12 @@ class JobRun:
                     await self._place_and_assign(ckpt, recovering)
                     store.update_job(job.job_id, state=JobState.RUNNING, step=step)
                 try:
-                    await self._guarded(self._step(step))
+                    await self.watch.guarded(self._step(step))
                     step += 1
                     if job.spec.task != "train":
                         ckpt = Checkpoint(step, ckpt.state, ckpt.optim, list(self.progress.metrics))
                     elif step % self.sync_every == 0 or step == job.spec.step_count or self._leavers():
-                        ckpt = await self._guarded(self._sync(step))
+                        ckpt = await self.watch.guarded(self._sync(step))
                     if recovering is not None and step > recovering["failed_step"]:
                         self.recoveries.replayed(recovering)
                         recovering = None
@@ -152,8 +150,8 @@ class JobRun:
             self.progress.results = self.out_dir
             store.update_job(job.job_id, state=JobState.SUCCEEDED, step=step)
             log.info("job %s: succeeded; results in %s", job.job_id, self.out_dir)
-        except asyncio.CancelledError:
-            self._stopped()
+        except asyncio.CancelledError:  # the broker stops: the job stays RUNNING, its checkpoint on disk
+            log.warning("job %s: the broker stopped; the job resumes when it is back", job.job_id)
             raise
         except FusionNetError as e:
             self._fail(str(e))
@@ -176,10 +174,6 @@ class JobRun:
                 return ckpt
         return Checkpoint(0, self.job.state, {}, [])
 
-    def _stopped(self) -> None:
-        # A broker that stops leaves the job resumable (RUNNING, with its checkpoint on disk).
-        log.warning("job %s: the broker stopped; the job resumes when it is back", self.job.job_id)
-
     def _fail(self, reason: str) -> None:
         log.warning("job %s: failed: %s", self.job.job_id, reason)
         if self.broker.store is not None:
@@ -192,9 +186,6 @@ class JobRun:
             refresh()
 
     # ---- failures (detection and the phase record: ``failures.py``) ------------------------------
-    async def _guarded(self, coro: Any) -> Any:
-        return await self.watch.guarded(coro)
-
     def _on_failure(self, failure: PeerFailure, ckpt: Checkpoint, failed_step: int) -> dict[str, Any]:
         info = self.recoveries.failed(failure, ckpt.step, failed_step)
         self.dead |= failure.dead
@@ -228,49 +219,41 @@ class JobRun:
         self.partition = None
 
     async def _grow(self) -> bool:
-        """Elastic join: at a checkpointed step boundary, re-plan over the job's compnodes plus the free
-        ones when the model predicts a step shorter by more than ``replan_gain``."""
-        if self._placement is None or self._placement.policy != SCHEDULER:
-            return False
+        """Elastic join (``placement.consider_growth``), looked at when the set of free compnodes changed."""
         candidates = self._candidates()
-        if {c.peer_id for c in candidates} == self._seen_candidates:
+        if self._placement is None or {c.peer_id for c in candidates} == self._seen_candidates:
             return False  # nothing joined (or left) since the last look: do not plan again
         self._seen_candidates = {c.peer_id for c in candidates}
-        pool = grown_pool(self.peers, candidates)
-        if pool is None:
-            return False
         try:
-            now = await asyncio.to_thread(predicted_step, self.shape, self._placement, candidates)
-            proposed = await asyncio.to_thread(plan_placement, self.shape, pool)
+            growth = await asyncio.to_thread(
+                consider_growth, self.shape, self._placement, candidates, self.min_gain
+            )
         except FusionNetError as e:
             log.info("job %s: no re-plan with the new compnodes: %s", self.job.job_id, e)
             return False
-        gain = self.min_gain
-        if not worth_replanning(now, proposed, gain):
+        if growth is None:
+            return False
+        if not growth.adopt:
             log.info(
-                "job %s: not re-planning for %d free compnode(s): predicted step %s -> %s s, gain below %g",
+                "job %s: not re-planning: %s, gain below %g",
                 self.job.job_id,
-                len(pool) - len(self.peers),
-                "?" if now is None else f"{now:.4g}",
-                "?" if proposed.predicted_step is None else f"{proposed.predicted_step:.4g}",
-                gain,
+                growth.describe(),
+                self.min_gain,
             )
             return False
         log.info(
-            "job %s: re-planning at this step boundary: %d -> %d compnode(s), predicted step %.4g -> %.4g s",
+            "job %s: re-planning at this step boundary: %d -> %d compnode(s), %s",
             self.job.job_id,
             len(self.peers),
-            len(proposed.peers),
-            now,
-            proposed.predicted_step,
+            len(growth.proposed.peers),
+            growth.describe(),
         )
+        detail = {"from": self.peers, "to": list(growth.proposed.peers)}
         self.broker.store.add_job_event(
-            self.job.job_id,
-            "re-plan",
-            {"from": self.peers, "to": list(proposed.peers), "predicted": [now, proposed.predicted_step]},
+            self.job.job_id, "re-plan", {**detail, "predicted": [growth.now, growth.proposed.predicted_step]}
         )
         self._lost = set()
-        self._next = proposed
+        self._next = growth.proposed
         return True
 
     def _plan(self) -> Placement:
@@ -298,7 +281,7 @@ class JobRun:
                 await self._release_all("re-assigned", only=list(old))
             self._adopt(placement)
             try:
-                await self._guarded(self._assign_all(ckpt))
+                await self.watch.guarded(self._assign_all(ckpt))
                 break
             except PeerFailure as failure:  # a chosen compnode died before it got its sub-DAG
                 self.dead |= failure.dead
@@ -460,7 +443,7 @@ class JobRun:
         return RunResult(
             weights=weights,
             grads=grads,
-            outputs=_join_outputs(outputs) if job.spec.task == "infer" else None,
+            outputs=join_step_outputs(outputs) if job.spec.task == "infer" else None,
             metrics=self.progress.metrics,
             plan=plan,
             measured_seconds=measured,
@@ -512,12 +495,3 @@ def _float(value: object, what: str) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise JobError(f"{what}: expected a number, got {type(value).__name__}")
     return float(value)
-
-
-def _join_outputs(per_step: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
-    """Micro-batch outputs ``"mb/leaf"`` of every step, in order, concatenated along the sample dim."""
-    rows: list[torch.Tensor] = []
-    for blob in per_step:
-        keys = sorted(blob, key=lambda k: tuple(int(x) for x in k.split("/")))
-        rows.extend(blob[k] for k in keys if k.endswith("/0"))
-    return torch.cat(rows, dim=0) if rows else None

@@ -195,3 +195,34 @@ def worth_replanning(current_step: float | None, proposed: Placement, min_gain: 
     if proposed.predicted_step is None or current_step is None or current_step <= 0:
         return False
     return proposed.predicted_step < current_step * (1.0 - min_gain)
+
+
+@dataclass(frozen=True)
+class Growth:
+    """The elastic-join decision: the model's step now and with the new compnodes, and the verdict."""
+
+    now: float | None
+    proposed: Placement
+    adopt: bool
+
+    def describe(self) -> str:
+        def fmt(v: float | None) -> str:
+            return "?" if v is None else f"{v:.4g}"
+
+        return f"predicted step {fmt(self.now)} -> {fmt(self.proposed.predicted_step)} s"
+
+
+def consider_growth(
+    shape: JobShape, current: Placement, candidates: Sequence[Candidate], min_gain: float
+) -> Growth | None:
+    """Elastic join: the job's compnodes plus the free regular ones, planned by the model, adopted when
+    the step gets shorter by more than ``min_gain``; None when nobody new is free (or the job is not
+    placed by the model). ``PlanError`` when the model cannot place the larger pool."""
+    if current.policy != SCHEDULER:
+        return None
+    pool = grown_pool(current.peers, candidates)
+    if pool is None:
+        return None
+    now = predicted_step(shape, current, candidates)
+    proposed = plan_placement(shape, pool)
+    return Growth(now, proposed, worth_replanning(now, proposed, min_gain))

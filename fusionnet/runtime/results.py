@@ -86,3 +86,13 @@ def plan_document(
 
 def write_json(path: Path, doc: Mapping[str, Any]) -> None:
     _atomic_write(path, lambda p: p.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n"))
+
+
+def join_step_outputs(per_step: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
+    """A swarm job's micro-batch outputs (``"mb/leaf"`` keys) of every step, in order, concatenated along
+    the sample dimension."""
+    rows: list[torch.Tensor] = []
+    for blob in per_step:
+        keys = sorted(blob, key=lambda k: tuple(int(x) for x in k.split("/")))
+        rows.extend(blob[k] for k in keys if k.endswith("/0"))
+    return torch.cat(rows, dim=0) if rows else None
