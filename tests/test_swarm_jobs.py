@@ -121,6 +121,10 @@ def test_submitted_job_equals_local_run_and_plain_pytorch(
     plan = json.loads((out / "plan.json").read_text())
     assert len({s["compnode"] for s in plan["subdags"]}) == len(plan["subdags"])
     assert all(s["measured_seconds"] > 0 for s in plan["subdags"])
+    # Placed by the performance model on the compnodes' announced hardware: predicted beside measured.
+    assert plan["policy"] == "performance model" and plan["predicted_step_seconds"] > 0
+    assert all(s["predicted_seconds"] is not None and s["predicted_seconds"] >= 0 for s in plan["subdags"])
+    assert set(plan["slowness"]) == {s["compnode"] for s in plan["subdags"]}
 
 
 @pytest.mark.timeout(300)
