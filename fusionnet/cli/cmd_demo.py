@@ -69,10 +69,13 @@ def _demo(args: argparse.Namespace, workdir: Path) -> int:
         outcome = asyncio.run(wait_and_submit())
         print("stopping the swarm ...")
     plan = load_plan(args.output)
-    print("\nplan as run (FusionAI Table 3):")
+    policy = plan.get("policy") or "?"
+    print(f"\nplan as run (FusionAI Table 3), placed by the {policy} policy:")
     for s in plan["subdags"]:
-        measured = s.get("measured_seconds")
+        measured, predicted = s.get("measured_seconds"), s.get("predicted_seconds")
         timing = f", {measured * 1000:.1f} ms/step busy" if measured else ""
+        if predicted is not None:
+            timing += f" (predicted {predicted * 1000:.1f})"
         print(
             f"  sub-DAG {s['subdag']} on {s['compnode'][:16]}...: {len(s['nodes'])} nodes, "
             f"{len(s['outer_required_data'])} outer inputs, {len(s['outwards_data'])} outwards{timing}"
