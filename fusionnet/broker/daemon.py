@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionnet import __version__
+from fusionnet.broker.placement import BALANCED, SCHEDULER
 from fusionnet.broker.registry import CompnodeEntry, CompnodeRegistry, RegistryEvent
 from fusionnet.broker.speeds import SpeedBook
 from fusionnet.broker.store import BrokerStore, CompnodeRow
@@ -54,7 +55,7 @@ class BrokerConfig:
     heartbeat_period: float = 1.0  # seconds between ping rounds
     heartbeat_timeout: float = 3.0  # a compnode silent this long is unreachable
     sync_every: int = 1  # train jobs: checkpoint parameters and optimizer state every this many steps
-    placement_policy: str = "performance model"  # or "balanced" (placement.BALANCED), for comparison
+    placement_policy: str = SCHEDULER  # or BALANCED (the plain equal split), for comparison
     replan_gain: float = 0.1  # a joining compnode triggers a re-plan when the step gets this much faster
     ping_timeout: float | None = None  # one ping's limit; default min(heartbeat period, timeout)
     sd_file: Path | None = None  # Prometheus file_sd target list of compnodes, rewritten at every refresh
@@ -71,7 +72,7 @@ class BrokerConfig:
             raise ValueError(f"--sync-every must be >= 1 step, got {self.sync_every}")
         if not 0.0 <= self.replan_gain < 1.0:
             raise ValueError(f"--replan-gain must be in [0, 1), got {self.replan_gain}")
-        if self.placement_policy not in ("performance model", "balanced"):
+        if self.placement_policy not in (SCHEDULER, BALANCED):
             raise ValueError(f"unknown placement policy {self.placement_policy!r}")
         if self.ping_timeout is None:
             self.ping_timeout = min(self.heartbeat_period, self.heartbeat_timeout)

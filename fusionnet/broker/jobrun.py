@@ -34,7 +34,6 @@ import torch
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
 from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog
 from fusionnet.broker.placement import (
-    SCHEDULER,
     Candidate,
     JobShape,
     Placement,
@@ -100,7 +99,7 @@ class JobRun:
             if job.spec.task == "train"
             else None,
         )
-        self.speeds: SpeedBook = getattr(broker, "speeds", None) or SpeedBook()
+        self.speeds: SpeedBook = broker.speeds
         self._planned_slowness: list[float] = []  # per sub-DAG: its compnode's slowness when planned
         self.watch = FailureWatch(broker, lambda: self.peers, self.leaving)
         self.recoveries = RecoveryLog(broker, job.job_id, self.progress.recoveries)
@@ -108,11 +107,11 @@ class JobRun:
 
     @property
     def sync_every(self) -> int:
-        return int(getattr(self.broker.settings, "sync_every", 1))
+        return self.broker.settings.sync_every
 
     @property
     def min_gain(self) -> float:
-        return float(getattr(self.broker.settings, "replan_gain", 0.1))
+        return self.broker.settings.replan_gain
 
     # ---- orchestration ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -263,7 +262,7 @@ class JobRun:
         if self._next is not None:
             placement, self._next = self._next, None
             return placement
-        policy = getattr(self.broker.settings, "placement_policy", SCHEDULER)
+        policy = self.broker.settings.placement_policy
         if not self.peers:
             return plan_placement(self.shape, first_pool(candidates), policy=policy)
         pool = pool_after_loss(self.peers, self._lost, candidates)
