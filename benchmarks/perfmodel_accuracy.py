@@ -47,8 +47,9 @@ from safetensors.torch import save_file
 from fusionnet.job.loader import load_job
 from fusionnet.perfmodel.fitting import fit_speed_factor
 from fusionnet.perfmodel.types import OP_CLASSES, DeviceSpec
+from fusionnet.runtime.calibration import local_device_spec
 from fusionnet.runtime.local import LocalSwarm
-from fusionnet.runtime.planning import job_optimizers, local_device_spec, predict_subdags
+from fusionnet.runtime.planning import job_optimizers, predict_subdags
 from fusionnet.runtime.prepare import PreparedJob, prepare_job, trace_job
 
 REPO = Path(__file__).resolve().parent.parent

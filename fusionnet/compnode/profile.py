@@ -193,23 +193,39 @@ def profile_hardware(
 
 
 def profile_software_overheads(hw: HardwareInfo, state_dir: Path) -> HardwareInfo:
-    """``hw`` with the fixed per-op costs of this node's software stack (``perfmodel.overheads``), which
-    dominate small ops and which the broker's planner adds to eq. (1). Measured in about a second
-    and cached in the state dir next to the hardware profile; CPU nodes only (the micro-benchmarks run
-    on the CPU). A failure costs only precision: the record goes out without them."""
+    """``hw`` with the fixed per-op costs of this node's software stack, which dominate small ops and
+    which the broker's planner adds to eq. (1): the micro-benchmarks of ``perfmodel.overheads``
+    refined by the executor calibration (``runtime.calibration``: synthetic models through the real
+    executor). About 1.5 s at the first start, then cached in the state dir next to the hardware
+    profile; CPU nodes only (both run on the CPU). A failure costs only precision: the record goes
+    out without them."""
     if hw.device_kind != "cpu":
         return hw
     import torch
 
     from fusionnet.perfmodel.overheads import profile_overheads
+    from fusionnet.perfmodel.types import DeviceSpec
+    from fusionnet.runtime.calibration import calibrated_overheads
 
     if hw.threads:
         torch.set_num_threads(hw.threads)  # this runs in a worker thread too: see ``measure``
     start = time.perf_counter()
     try:
-        overheads = profile_overheads(hw.flops, hw.mem_bandwidth, 0.5, cache_dir=state_dir)
+        base = profile_overheads(hw.flops, hw.mem_bandwidth, 0.5, cache_dir=state_dir)
+        device = DeviceSpec(
+            name=hw.device_name,
+            kind="cpu",
+            peak_flops=hw.peak_flops,
+            speed_factor=hw.speed_factor,
+            mem_bandwidth=hw.mem_bandwidth,
+            d_gpu=0,
+            d_cpu=hw.d_cpu,
+            d_disk=hw.d_disk,
+            overheads=base,
+        )
+        overheads = calibrated_overheads(device, 0.4, cache_dir=state_dir)
     except Exception as e:  # never worth refusing to start over
         log.warning("could not measure the per-op overheads (planning without them): %s", e)
         return hw
-    log.info("per-op overheads measured in %.2f s", time.perf_counter() - start)
+    log.info("per-op overheads measured and calibrated in %.2f s", time.perf_counter() - start)
     return hw.model_copy(update={"overheads": overheads.to_dict()})

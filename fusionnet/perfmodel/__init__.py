@@ -29,7 +29,7 @@ from fusionnet.perfmodel.catalog import CATALOG, lookup
 from fusionnet.perfmodel.fitting import fit_link, fit_speed_factor, refine_speed_factor
 from fusionnet.perfmodel.memory import MemoryBreakdown, MemoryDemand, inflight_microbatches, stage_memory
 from fusionnet.perfmodel.nodes import load_nodes_file
-from fusionnet.perfmodel.overheads import local_device_spec, profile_overheads
+from fusionnet.perfmodel.overheads import profile_overheads
 from fusionnet.perfmodel.simulator import Hop, SimResult, StageTimes, simulate
 from fusionnet.perfmodel.timing import (
     latency_eq3,
@@ -72,7 +72,6 @@ __all__ = [
     "inflight_microbatches",
     "latency_eq3",
     "load_nodes_file",
-    "local_device_spec",
     "lookup",
     "op_bp_seconds",
     "op_fp_seconds",

@@ -28,19 +28,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fusionnet.errors import FusionNetError
-from fusionnet.perfmodel.profile import _default_cache_dir, machine_key, profile_local_device
+from fusionnet.perfmodel.profile import _default_cache_dir, machine_key
 from fusionnet.perfmodel.timing import bp_bytes, fp_bytes
-from fusionnet.perfmodel.types import OP_CLASSES, ClassCost, DeviceSpec, OpCost, Overheads
+from fusionnet.perfmodel.types import OP_CLASSES, ClassCost, OpCost, Overheads
 
 FAN = 6  # ops per measured module
 CACHE_VERSION = 3
@@ -357,44 +354,3 @@ def profile_overheads(
     tmp.write_text(json.dumps({"key": key, "result": result.to_dict()}, indent=2))
     tmp.replace(path)
     return result
-
-
-def _cache_dir(cache_dir: str | Path | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    folder = _default_cache_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        if os.access(folder, os.W_OK):
-            return folder
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / "fusionnet-profile"
-
-
-def local_device_spec(
-    name: str = "local", *, seconds_budget: float = 1.0, cache_dir: str | Path | None = None
-) -> DeviceSpec:
-    """This machine as a ``DeviceSpec``: speed, bandwidth and fixed overheads from short profiles
-    (cached per machine, so only the first call pays ~2 s), RAM and free disk as its memories."""
-    folder = _cache_dir(cache_dir)
-    prof = profile_local_device(seconds_budget, folder)
-    overheads = profile_overheads(
-        prof.peak_flops * prof.speed_factor, prof.mem_bandwidth, 2 * seconds_budget, folder
-    )
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 8 << 30
-    disk = shutil.disk_usage(folder if folder.exists() else Path.home()).free
-    return DeviceSpec(
-        name=name,
-        kind="cpu",
-        peak_flops=prof.peak_flops,
-        speed_factor=prof.speed_factor,
-        mem_bandwidth=prof.mem_bandwidth,
-        d_gpu=0,
-        d_cpu=int(ram),
-        d_disk=int(disk),
-        overheads=overheads,
-    )

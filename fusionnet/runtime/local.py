@@ -23,6 +23,8 @@ import torch
 
 from fusionnet.dag.channel import LocalHub
 from fusionnet.dag.executor import StepReport, SubDagExecutor
+from fusionnet.dag.ir import IRGraph
+from fusionnet.dag.partition import Partition
 from fusionnet.job.loader import LoadedJob
 from fusionnet.job.optim import build_optimizers, resolve_param_optimizers
 from fusionnet.perfmodel.types import DeviceSpec
@@ -61,19 +63,55 @@ class LocalSwarm:
     """The executors of one prepared job over an in-memory hub, stepped one batch at a time."""
 
     def __init__(self, prepared: PreparedJob) -> None:
-        job, graph, partition = prepared.job, prepared.traced.graph, prepared.partition
         self.prepared = prepared
+        self._start(
+            prepared.traced.graph,
+            prepared.traced.state,
+            prepared.partition,
+            task=prepared.job.spec.task,
+            make_optimizers=optimizer_factory(prepared.job),
+            loss_reduction=prepared.loss_reduction,
+        )
+
+    @classmethod
+    def from_parts(
+        cls,
+        graph: IRGraph,
+        state: Mapping[str, torch.Tensor],
+        partition: Partition,
+        *,
+        task: str,
+        make_optimizers: Callable[[Mapping[str, torch.nn.Parameter]], list[torch.optim.Optimizer]] | None,
+        loss_reduction: str = "mean",
+    ) -> LocalSwarm:
+        """Executors for a traced graph and partition that no job file describes (the executor
+        calibration's synthetic models); ``steps()`` needs a job, so such a swarm is fed ``StepData``."""
+        swarm = cls.__new__(cls)
+        swarm._start(
+            graph, state, partition, task=task, make_optimizers=make_optimizers, loss_reduction=loss_reduction
+        )
+        return swarm
+
+    def _start(
+        self,
+        graph: IRGraph,
+        state: Mapping[str, torch.Tensor],
+        partition: Partition,
+        *,
+        task: str,
+        make_optimizers: Any,
+        loss_reduction: str,
+    ) -> None:
         self.hub = LocalHub(len(partition.subdags))
-        make_optimizers = optimizer_factory(job)
         self.executors = [
             SubDagExecutor(
                 graph,
                 s,
-                prepared.traced.state,
+                state,
                 self.hub.channel(s.index),
-                task=job.spec.task,
+                task=task,
                 make_optimizers=make_optimizers,
-                loss_reduction=prepared.loss_reduction,
+                loss_reduction=loss_reduction,
             )
             for s in partition.subdags
         ]

@@ -30,7 +30,6 @@ from fusionnet.dag.partition import Partition, build_partition
 from fusionnet.dag.registry import REGISTRY
 from fusionnet.errors import FusionNetError, PlanError
 from fusionnet.perfmodel.memory import fmt_bytes
-from fusionnet.perfmodel.overheads import local_device_spec
 from fusionnet.perfmodel.types import CostGraph, DeviceSpec, Link, OpCost, Swarm, Workload
 
 OPS = ("parametric", "non_parametric", "loss")  # IR kinds that become cost-graph ops
@@ -382,6 +381,8 @@ def plan_job(
         devices, links, default, cap = list(swarm.devices), dict(swarm.links), swarm.default_link, None
         where = f"the {len(devices)} device(s) of {nodes_file}"
     else:
+        from fusionnet.runtime.calibration import local_device_spec  # measures; imports the executor
+
         local = local_device_spec(seconds_budget=seconds_budget, cache_dir=cache_dir)
         n = spec.placement.compnodes
         devices = [replace(local, name=f"local #{i}") for i in range(n)]
