@@ -4,9 +4,10 @@ Every example job (examples/mlp, examples/figure3, examples/gpt) is split 1..4 w
 balanced policy and run on that many virtual compnodes (``fusionnet run --local``'s executors); each
 sub-DAG's measured FP+BP+Update seconds per step is compared with the model's prediction for it.
 
-- The device: this machine, profiled at the start of the run (``profile_local_device`` and
-  ``profile_overheads``: matmul speed, memory bandwidth, fixed per-op / per-call costs per op class;
-  micro-benchmarks that are none of the jobs below).
+- The device: this machine, profiled at the start of the run (``local_device_spec``: matmul speed,
+  memory bandwidth, each op class's efficiency from micro-benchmarks, and the fixed costs per op
+  class, per sub-DAG call and per optimizer tensor from the executor calibration, whose synthetic
+  models are none of the jobs below).
 - Lambda: the device's speed factor (``DeviceSpec.scaled``: FLOP rate, bandwidth and fixed costs
   together) is fitted with ``fit_speed_factor`` on a separate calibration job (a conv + MLP model
   that is none of the examples, 3 sub-DAGs) whose steps run interleaved with the measured jobs' all

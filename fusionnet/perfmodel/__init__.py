@@ -14,7 +14,9 @@ Map of the package:
 - ``fitting.py``     lambda_p and alpha-beta fits from measurements; online lambda refinement.
 - ``profile.py``     short local profiling with torch (lazy import), cached per machine.
 - ``overheads.py``   micro-benchmarks of the fixed costs per op class, per sub-DAG call and per optimizer
-                     tensor (what dominates small models); ``local_device_spec`` = this machine.
+                     tensor (what dominates small models) and of each class's efficiency.
+- ``overhead_fit.py`` the fixed costs refitted to sub-DAG times measured in the executor
+                     (``fusionnet.runtime.calibration`` measures them; ``local_device_spec`` there).
 - ``catalog.py``     FusionAI Table 1 GPUs and other devices; size / bandwidth / latency parsing.
 - ``nodes.py``       ``load_nodes_file`` for ``fusionnet plan --nodes NODES.yaml``.
 - ``models.py``      analytic cost graphs of Bert-Large and a GPT-3-style model (blocks or fine ops).

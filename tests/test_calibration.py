@@ -1,0 +1,69 @@
+"""The executor calibration (``runtime.calibration``): its synthetic models run through the real
+executor and cover what the performance model prices; its result is cached per machine and base."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusionnet.perfmodel.types import OP_CLASSES, ClassCost, DeviceSpec, Overheads
+from fusionnet.runtime import calibration
+from fusionnet.runtime.calibration_models import CALIBRATION_MODELS
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def samples() -> list:
+    torch.set_num_threads(1)
+    return calibration.measure_stage_samples(0.05)
+
+
+def test_every_model_split_every_way_yields_one_sample_per_sub_dag(samples) -> None:
+    assert len(samples) == len(CALIBRATION_MODELS) * sum(calibration.SPLITS)
+    for s in samples:
+        assert s.fp > 0 and s.microbatches >= 1
+        assert (s.bp > 0) == s.has_backward
+        assert s.update > 0 or not s.has_update
+
+
+def test_samples_cover_every_priced_op_class_optimizer_and_first_layers(samples) -> None:
+    classes = {op.op_class for s in samples for op in s.ops}
+    assert classes >= set(OP_CLASSES) - {"other"}
+    optimizers = {op.optimizer for s in samples for op in s.ops if op.param_bytes}
+    assert optimizers >= {"sgd", "sgd_momentum", "adam", "adamw", "rmsprop"}
+    first = {op.op_class for s in samples for op in s.ops if op.param_bytes and not op.input_grad}
+    assert first >= {"matmul", "conv"}
+
+
+def base_device(stage_fp: float) -> DeviceSpec:
+    return DeviceSpec(
+        name="cpu",
+        kind="cpu",
+        peak_flops=1e11,
+        mem_bandwidth=4e10,
+        d_gpu=0,
+        d_cpu=1 << 33,
+        d_disk=1 << 33,
+        overheads=Overheads(matmul=ClassCost(fp=5e-6, bp=9e-6, efficiency=0.9), stage_fp=stage_fp),
+    )
+
+
+def test_calibrated_overheads_are_cached_per_base(tmp_path, monkeypatch, samples) -> None:
+    calls = []
+
+    def fake_calibrate(device: DeviceSpec, seconds_budget: float = 1.0) -> Overheads:
+        calls.append(device.overheads.stage_fp)
+        return calibration.fit_overheads(samples, device)
+
+    monkeypatch.setattr(calibration, "calibrate_overheads", fake_calibrate)
+    first = calibration.calibrated_overheads(base_device(2e-6), 0.1, tmp_path)
+    assert calibration.calibrated_overheads(base_device(2e-6), 0.1, tmp_path) == first
+    assert calls == [2e-6]
+    calibration.calibrated_overheads(base_device(3e-6), 0.1, tmp_path)  # another base: measured again
+    assert calls == [2e-6, 3e-6]
+    # an unreadable cache is measured again and overwritten, never trusted
+    for path in tmp_path.glob("calibration-*.json"):
+        path.write_text("{not json")
+    assert calibration.calibrated_overheads(base_device(2e-6), 0.1, tmp_path) == first
+    assert calls == [2e-6, 3e-6, 2e-6]
