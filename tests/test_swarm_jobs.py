@@ -125,6 +125,13 @@ def test_submitted_job_equals_local_run_and_plain_pytorch(
     assert plan["policy"] == "performance model" and plan["predicted_step_seconds"] > 0
     assert all(s["predicted_seconds"] is not None and s["predicted_seconds"] >= 0 for s in plan["subdags"])
     assert set(plan["slowness"]) == {s["compnode"] for s in plan["subdags"]}
+    # Every link that carries activations was probed over the data path after the assignment.
+    peer_of = {s["subdag"]: s["compnode"] for s in plan["subdags"]}
+    measured = {(link["from"], link["to"]) for link in plan["links"]}
+    wanted = {(peer_of[s["subdag"]], peer_of[u]) for s in plan["subdags"] for u in s["compnode_users"]}
+    assert wanted <= measured, (wanted, measured)
+    for link in plan["links"]:
+        assert link["alpha_seconds"] > 0 and link["bandwidth_bytes_per_second"] > 1e7, link
 
 
 @pytest.mark.timeout(300)

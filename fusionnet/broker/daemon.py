@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionnet import __version__
+from fusionnet.broker.links import LinkBook
 from fusionnet.broker.placement import BALANCED, SCHEDULER
 from fusionnet.broker.registry import CompnodeEntry, CompnodeRegistry, RegistryEvent
 from fusionnet.broker.speeds import SpeedBook
@@ -91,6 +92,7 @@ class BrokerDaemon(Daemon):
         self.settings = config
         self.registry = CompnodeRegistry(config.heartbeat_timeout)
         self.speeds = SpeedBook()  # compnode speeds as measured on real sub-tasks, across jobs
+        self.links = LinkBook()  # links between compnodes as probed after placements, across jobs
         self.store: BrokerStore | None = None
         self.state = NodeState.JOINING
         self._maddrs: list[str] = []

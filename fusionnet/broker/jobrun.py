@@ -25,7 +25,7 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch
 
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
 from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog
+from fusionnet.broker.links import LinkBook, probe_placement
 from fusionnet.broker.placement import (
     Candidate,
     JobShape,
@@ -41,6 +42,7 @@ from fusionnet.broker.placement import (
     first_pool,
     plan_placement,
     pool_after_loss,
+    predicted_step,
 )
 from fusionnet.broker.speeds import SpeedBook
 from fusionnet.broker.store import JobState
@@ -100,6 +102,7 @@ class JobRun:
             else None,
         )
         self.speeds: SpeedBook = broker.speeds
+        self.links: LinkBook = broker.links
         self._planned_slowness: list[float] = []  # per sub-DAG: its compnode's slowness when planned
         self.watch = FailureWatch(broker, lambda: self.peers, self.leaving)
         self.recoveries = RecoveryLog(broker, job.job_id, self.progress.recoveries)
@@ -225,7 +228,7 @@ class JobRun:
         self._seen_candidates = {c.peer_id for c in candidates}
         try:
             growth = await asyncio.to_thread(
-                consider_growth, self.shape, self._placement, candidates, self.min_gain
+                consider_growth, self.shape, self._placement, candidates, self.min_gain, self.links.pairs()
             )
         except FusionNetError as e:
             log.info("job %s: no re-plan with the new compnodes: %s", self.job.job_id, e)
@@ -262,11 +265,12 @@ class JobRun:
         if self._next is not None:
             placement, self._next = self._next, None
             return placement
-        policy = self.broker.settings.placement_policy
+        policy, links = self.broker.settings.placement_policy, self.links.pairs()
         if not self.peers:
-            return plan_placement(self.shape, first_pool(candidates), policy=policy)
+            return plan_placement(self.shape, first_pool(candidates), policy=policy, links=links)
         pool = pool_after_loss(self.peers, self._lost, candidates)
-        return plan_placement(self.shape, pool, stages=min(len(self.peers), len(pool)), policy=policy)
+        stages = min(len(self.peers), len(pool))
+        return plan_placement(self.shape, pool, stages=stages, policy=policy, links=links)
 
     async def _place_and_assign(self, ckpt: Checkpoint, recovering: dict[str, Any] | None) -> None:
         started = time.monotonic()
@@ -291,6 +295,24 @@ class JobRun:
         self.recoveries.placed(recovering, time.monotonic() - started, len(self.peers), lost)
         self._lost = set()
         self._seen_candidates = {c.peer_id for c in self._candidates()}
+        await self._probe_links()
+
+    async def _probe_links(self) -> None:
+        """Times the links this placement's activations take that the broker has not measured lately
+        (``links.probe_placement``), then predicts the step again on them."""
+        assert self.partition is not None
+        consumers = {
+            s.index: {c for cs in s.consumers.values() for c in cs if c != s.index}
+            for s in self.partition.subdags
+        }
+        probed = await probe_placement(self.job.job_id, self.peers, consumers, self.links, self._call)
+        placement = self._placement
+        if probed and placement is not None and placement.predicted_step is not None:
+            step = await asyncio.to_thread(
+                predicted_step, self.shape, placement, self._candidates(), self.links.pairs()
+            )
+            if step is not None:
+                self._placement = replace(placement, predicted_step=step)
 
     def _adopt(self, placement: Placement) -> None:
         self._placement = placement
@@ -432,6 +454,7 @@ class JobRun:
                 "compnodes": dict(enumerate(self.peers)),
                 "policy": None if self._placement is None else self._placement.policy,
                 "slowness": {p: self.speeds.slowness(p) for p in self.peers},
+                "links": self.links.describe(self.peers),
                 "predicted_step_seconds": None if self._placement is None else self._placement.predicted_step,
                 "recoveries": self.progress.recoveries,
             },

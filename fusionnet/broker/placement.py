@@ -25,10 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from fusionnet.broker.links import index_links
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import balanced_assignment
 from fusionnet.errors import PlanError
-from fusionnet.perfmodel.types import DeviceSpec
+from fusionnet.perfmodel.types import DeviceSpec, Link
+
+PeerLinks = Mapping[tuple[str, str], Link]  # measured links by (from, to) compnode; others: loopback
 
 SCHEDULER = "performance model"
 BALANCED = "balanced"
@@ -117,11 +120,17 @@ def grown_pool(current: Sequence[str], candidates: Sequence[Candidate]) -> list[
 
 
 def plan_placement(
-    shape: JobShape, pool: Sequence[Candidate], *, stages: int | None = None, policy: str = SCHEDULER
+    shape: JobShape,
+    pool: Sequence[Candidate],
+    *,
+    stages: int | None = None,
+    policy: str = SCHEDULER,
+    links: PeerLinks | None = None,
 ) -> Placement:
     """Cuts the job into ``stages`` sub-DAGs (default ``min(wanted, pool, ops)``) placed on the pool, by
     the performance model (``policy=SCHEDULER``, when every compnode's hardware is known) or by cost
     balance on the fastest compnodes (``BALANCED``: the plain default policy, for comparison).
+    ``links`` are the measured links between compnodes (``links.LinkBook.pairs``).
 
     Raises ``PlanError`` when the performance model finds that nothing fits (naming the constraint)."""
     if policy not in (SCHEDULER, BALANCED):
@@ -141,6 +150,7 @@ def plan_placement(
             batch_size=shape.batch_size,
             optimizer=shape.optimizer,
             stages=k,
+            links=index_links((c.peer_id for c in pool), links),
         )
         return Placement(
             peers=tuple(pool[d].peer_id for d in planned.devices),
@@ -167,11 +177,14 @@ def plan_placement(
         microbatches=shape.microbatches,
         batch_size=shape.batch_size,
         optimizer=shape.optimizer,
+        links=index_links(placement.peers, links),
     )
     return replace(placement, predicted=per_subdag, predicted_step=step)
 
 
-def predicted_step(shape: JobShape, placement: Placement, candidates: Sequence[Candidate]) -> float | None:
+def predicted_step(
+    shape: JobShape, placement: Placement, candidates: Sequence[Candidate], links: PeerLinks | None = None
+) -> float | None:
     """The model's step time for an existing placement on the compnodes as they are announced now (their
     speed factors may have been refined since it was planned), or None when it cannot say."""
     by_id = {c.peer_id: c for c in candidates}
@@ -187,6 +200,7 @@ def predicted_step(shape: JobShape, placement: Placement, candidates: Sequence[C
         microbatches=shape.microbatches,
         batch_size=shape.batch_size,
         optimizer=shape.optimizer,
+        links=index_links(placement.peers, links),
     )[1]
 
 
@@ -213,7 +227,11 @@ class Growth:
 
 
 def consider_growth(
-    shape: JobShape, current: Placement, candidates: Sequence[Candidate], min_gain: float
+    shape: JobShape,
+    current: Placement,
+    candidates: Sequence[Candidate],
+    min_gain: float,
+    links: PeerLinks | None = None,
 ) -> Growth | None:
     """Elastic join: the job's compnodes plus the free regular ones, planned by the model, adopted when
     the step gets shorter by more than ``min_gain``; None when nobody new is free (or the job is not
@@ -223,6 +241,6 @@ def consider_growth(
     pool = grown_pool(current.peers, candidates)
     if pool is None:
         return None
-    now = predicted_step(shape, current, candidates)
-    proposed = plan_placement(shape, pool)
+    now = predicted_step(shape, current, candidates, links)
+    proposed = plan_placement(shape, pool, links=links)
     return Growth(now, proposed, worth_replanning(now, proposed, min_gain))

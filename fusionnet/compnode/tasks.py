@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 from fusionnet.compnode.assignment import JobAssignment, build_assignment
 from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, arm
+from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
 from fusionnet.compnode.throttle import throttle
 from fusionnet.errors import JobError
 from fusionnet.rpc.server import RPCContext
@@ -47,6 +48,7 @@ class SubtaskService:
         self.p2p: Any = None  # P2PDataPath, imported lazily (hivemind import cost)
         self._tcp_down: set[str] = set()  # peers whose TCP address failed: use P2P for them
         self._released: dict[str, asyncio.Event] = {}
+        self._probers: dict[str, LinkProber] = {}
         self.fault = FaultPoint.from_env()
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -125,6 +127,7 @@ class SubtaskService:
     def _release(self, job_id: str, why: str) -> None:
         job = self.jobs.pop(job_id, None)
         self._locks.pop(job_id, None)
+        self._probers.pop(job_id, None)
         if job is None:
             return
         for path in (self.server, self.p2p):
@@ -145,7 +148,8 @@ class SubtaskService:
             stats = None if path is None else path.stats.get(job_id)
             total += 0 if stats is None else stats.refused_total
         job = self.jobs.get(job_id)
-        return total + (job.channel.refused if job else 0)
+        prober = self._probers.get(job_id)
+        return total + (job.channel.refused if job else 0) + (prober.refused if prober else 0)
 
     # ---- RPC -------------------------------------------------------------------------------------
     async def rpc_assign(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
@@ -172,9 +176,15 @@ class SubtaskService:
         arm(job.executor, self.fault)
         throttle(job.executor, self.node.settings.slowdown)  # --slowdown: nothing wrapped at 1
         allowed = job.allowed_senders()
+        prober = LinkProber(job.job_id, self.node.peer_id, job.channel.subdag_of_peer, send)
+        self._probers[job.job_id] = prober
+
+        def route(frame: TensorFrame) -> Any:  # link probes to the prober, values to the executor
+            return prober.on_frame(frame) if frame.kind == "ctrl" else job.channel.on_frame(frame)
+
         for path in (self.server, self.p2p):
             assert path is not None
-            path.register_job(job.job_id, job.key, allowed, job.channel.on_frame)
+            path.register_job(job.job_id, job.key, allowed, route)
         self.jobs[job.job_id] = job
         self._locks[job.job_id] = asyncio.Lock()
         self._set_load()
@@ -229,6 +239,31 @@ class SubtaskService:
             reply["outputs"] = pack_tensors(tensors)
         job.last_reply = reply
         return reply
+
+    async def rpc_probe_links(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        """Times the links from this compnode to the job's sub-DAGs ``to`` (``linkprobe``): per
+        sub-DAG its ``alpha`` (s), ``beta`` (s/byte) and the fastest round trip per size."""
+        job = self._job(payload, context)
+        targets = payload.get("to")
+        if (
+            not isinstance(targets, list)
+            or not targets
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in targets)
+            or any(not 0 <= t < len(job.peers) or t == job.index for t in targets)
+        ):
+            why = f"job {job.job_id}: 'to' must list other sub-DAGs of the job, got {targets!r}"
+            raise JobError(why[:300])
+        sizes, repeats = check_probe_request(payload.get("sizes"), payload.get("repeats"))
+        prober = self._probers[job.job_id]
+        links = {}
+        for dst in sorted(set(targets)):
+            link, samples = await prober.measure(dst, sizes, repeats)
+            links[str(dst)] = {"alpha": link.alpha, "beta": link.beta, "round_trips": samples}
+            log.info(
+                "job %s: link to sub-DAG %d (%s): alpha %.0f us, %.3g GB/s",
+                job.job_id, dst, job.peers[dst].peer_id, link.alpha * 1e6, link.bandwidth / 1e9,
+            )  # fmt: skip
+        return {"links": links}
 
     async def rpc_collect(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
         """The sub-DAG's current parameters and buffers, and (task grad) the last step's gradients."""
