@@ -7,9 +7,11 @@ own work: every stretch of compute in FP, BP or Update is followed by a pause of
 so that it appears to take F times as long. Sleeping costs no CPU, so the other compnodes keep theirs
 and the emulation stays faithful even on an oversubscribed machine.
 
-What is charged: the wall time the executor spends *running* in ``forward``/``backward``/``update``,
-minus the time it waits in its channel (activations or gradients from peers that are not here yet, and
-sending, which is the network's business, not the device's). The debt is paid, asynchronously, at the
+What is charged: the CPU time (of the event-loop thread, where the executor runs) the executor spends
+*running* in ``forward``/``backward``/``update`` (not wall time: time the host's scheduler gives to
+other processes is contention on this machine, not slowness of the emulated device, and should not be
+multiplied by F-1), minus the time it waits in its channel (activations or gradients from peers that
+are not here yet, and sending, which is the network's business, not the device's). The debt is paid, asynchronously, at the
 next await point: before any message leaves (so a peer receives an activation when a slow device would
 have produced it), at the end of an FP or BP call, and at the end of the step for the Update (which runs
 on the event loop; ``time.sleep`` there would stall the node's heartbeats and data path). The step's
@@ -57,9 +59,17 @@ class Throttle:
 
     ``clock`` and ``sleep`` are injectable so that tests run on a fake clock instead of real time."""
 
-    def __init__(self, factor: float, *, clock: Clock = time.perf_counter, sleep: Sleep = asyncio.sleep):
+    def __init__(
+        self,
+        factor: float,
+        *,
+        clock: Clock = time.perf_counter,
+        sleep: Sleep = asyncio.sleep,
+        work_clock: Clock | None = None,
+    ):
         self.factor = check_slowdown(factor)
-        self.clock = clock
+        self.clock = clock  # wall time: what a sleep lasted
+        self.work_clock = work_clock or clock  # what a compute stretch cost the device
         self.sleep = sleep
         self.debt = 0.0  # seconds still to sleep (negative: slept too long, a credit)
         self.charged = 0.0  # compute seconds charged so far (the device's own time)
@@ -78,12 +88,12 @@ class Throttle:
 
     def start(self) -> None:
         """A compute stretch begins now."""
-        self._mark = self.clock()
+        self._mark = self.work_clock()
 
     def stop(self) -> None:
         """The compute stretch ends now (a wait begins, or the call returns): charge it."""
         if self._mark is not None:
-            self.charge(self.clock() - self._mark)
+            self.charge(self.work_clock() - self._mark)
             self._mark = None
 
     async def pay(self) -> None:
@@ -140,13 +150,17 @@ def throttle(
     *,
     clock: Clock = time.perf_counter,
     sleep: Sleep = asyncio.sleep,
+    work_clock: Clock | None = None,
 ) -> Throttle | None:
     """Makes ``executor`` emulate a device ``factor`` times slower (see the module docstring); returns the
-    ``Throttle`` (for its counters), or None when ``factor`` is 1 and nothing is wrapped."""
+    ``Throttle`` (for its counters), or None when ``factor`` is 1 and nothing is wrapped. Compute is
+    charged by ``work_clock``: the thread's CPU time on the real clock, ``clock`` itself on a fake one."""
     factor = check_slowdown(factor)
     if factor == 1.0:
         return None
-    debt = Throttle(factor, clock=clock, sleep=sleep)
+    if work_clock is None:
+        work_clock = time.thread_time if clock is time.perf_counter else clock
+    debt = Throttle(factor, clock=clock, sleep=sleep, work_clock=work_clock)
     executor.channel = ThrottledChannel(executor.channel, debt)
     forward, backward, update = executor.forward, executor.backward, executor.update
     run_step = executor.run_step
