@@ -98,6 +98,7 @@ class Wire:
     def __init__(self, alpha: float, beta: float) -> None:
         self.alpha, self.beta = alpha, beta
         self.sent: list[tuple[str, int, str, int]] = []
+        self.pending: set[asyncio.Task] = set()  # deliveries under way (kept referenced)
         self.a = LinkProber("job", "A", {"B": 1}, self._sender("A"))
         self.b = LinkProber("job", "B", {"A": 0}, self._sender("B"))
 
@@ -106,12 +107,10 @@ class Wire:
             nbytes = frame.tensor.numel()
             self.sent.append((me, dst, frame.name, nbytes))
             other = self.b if dst == 1 else self.a
-
-            async def deliver() -> None:
-                await asyncio.sleep(self.alpha + self.beta * nbytes)  # the simulated link's delay
-                await other.on_frame(frame)
-
-            asyncio.get_running_loop().create_task(deliver())
+            loop = asyncio.get_running_loop()
+            # the simulated link: the frame arrives alpha + beta * bytes seconds later
+            arrive = lambda: self.pending.add(loop.create_task(other.on_frame(frame)))
+            loop.call_later(self.alpha + self.beta * nbytes, arrive)
 
         return send
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from fusionnet.broker.assignments import assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
 from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog
 from fusionnet.broker.links import LinkBook, probe_placement
@@ -49,7 +49,7 @@ from fusionnet.broker.store import JobState
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.partition import Partition, build_partition
 from fusionnet.errors import ExecutionError, FusionNetError, JobError
-from fusionnet.runtime.blobs import pack_tensors, unpack_tensors
+from fusionnet.runtime.blobs import unpack_tensors
 from fusionnet.runtime.local import RunResult, write_results
 from fusionnet.runtime.planning import optimizer_profiles
 from fusionnet.runtime.results import assemble_state, join_step_outputs, plan_document
@@ -345,33 +345,13 @@ class JobRun:
 
     async def _assign_all(self, ckpt: Checkpoint) -> None:
         assert self.partition is not None
-        job, registry = self.job, self.broker.registry
-        key = secrets.token_bytes(32)
-        peers_doc = []
+        registry = self.broker.registry
+        addresses = {}
         for peer_id in self.peers:
             entry = registry.get(peer_id)
-            address = None if entry is None else entry.record.data_path_address
-            peers_doc.append({"peer_id": peer_id, "data_address": address})
-        assignment = {n: s.index for s in self.partition.subdags for n in s.nodes}
-        spec_doc = job.spec.model_dump(mode="json")
-        calls = []
-        for s in self.partition.subdags:
-            wanted = {job.graph.node(p).target for p in s.placeholders}
-            state, optim = ckpt.for_subdag(s.params, s.buffers)
-            payload = {
-                "job_id": job.job_id,
-                "attempt": self.attempt,
-                "spec": spec_doc,
-                "ir": job.ir,
-                "assignment": assignment,
-                "subdag": s.index,
-                "peers": peers_doc,
-                "key": key,
-                "state": pack_tensors(state),
-                "optim": pack_tensors(optim) if optim else None,
-                "data": pack_tensors({k: v for k, v in job.data.items() if k in wanted}),
-            }
-            calls.append(self._call(self.peers[s.index], "assign", payload, ASSIGN_TIMEOUT))
+            addresses[peer_id] = None if entry is None else entry.record.data_path_address
+        payloads = assignment_payloads(self.job, self.partition, self.peers, addresses, self.attempt, ckpt)
+        calls = [self._call(self.peers[i], "assign", doc, ASSIGN_TIMEOUT) for i, doc in enumerate(payloads)]
         await self._gather(calls)
 
     # ---- steps and syncs -------------------------------------------------------------------------

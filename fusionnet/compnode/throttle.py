@@ -11,11 +11,12 @@ What is charged: the CPU time (of the event-loop thread, where the executor runs
 *running* in ``forward``/``backward``/``update`` (not wall time: time the host's scheduler gives to
 other processes is contention on this machine, not slowness of the emulated device, and should not be
 multiplied by F-1), minus the time it waits in its channel (activations or gradients from peers that
-are not here yet, and sending, which is the network's business, not the device's). The debt is paid, asynchronously, at the
-next await point: before any message leaves (so a peer receives an activation when a slow device would
-have produced it), at the end of an FP or BP call, and at the end of the step for the Update (which runs
-on the event loop; ``time.sleep`` there would stall the node's heartbeats and data path). The step's
-reported FP/BP/Update seconds are multiplied by F, as the slow device would measure them.
+are not here yet, and sending, which is the network's business, not the device's). The debt is paid,
+asynchronously, at the next await point: before any message leaves (so a peer receives an activation
+when a slow device would have produced it), at the end of an FP or BP call, and at the end of the step
+for the Update (which runs on the event loop; ``time.sleep`` there would stall the node's heartbeats
+and data path). The step's reported FP/BP/Update seconds are multiplied by F, as the slow device would
+measure them.
 
 The announced profile says the same (``slowed_hardware``): λp and the memory bandwidth divided by F, the
 fixed per-op overheads multiplied by F, so that the broker's performance model sees the device it gets.

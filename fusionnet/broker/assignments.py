@@ -1,0 +1,59 @@
+"""What the broker sends each compnode of a placement in ``assign`` (FusionAI 3.5-3.6).
+
+One payload per sub-DAG: the job's spec and IR, the whole op -> sub-DAG assignment (so every compnode
+knows where its inputs come from and its outputs go), its own sub-DAG index, every peer with its data
+path address, a fresh per-placement data-path key (frames of an earlier placement no longer
+authenticate), its slice of the checkpoint (parameters, buffers and optimizer state it owns) and the
+dataset fields its placeholders read. A pure function of data, so the wire contract is tested without
+a swarm.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fusionnet.broker.checkpoints import Checkpoint
+from fusionnet.broker.submission import SubmittedJob
+from fusionnet.dag.partition import Partition
+from fusionnet.runtime.blobs import pack_tensors
+
+KEY_BYTES = 32
+
+
+def assignment_payloads(
+    job: SubmittedJob,
+    partition: Partition,
+    peers: Sequence[str],
+    data_addresses: Mapping[str, str | None],
+    attempt: int,
+    ckpt: Checkpoint,
+    *,
+    key: bytes | None = None,
+) -> list[dict[str, Any]]:
+    """The ``assign`` payload of every sub-DAG, in sub-DAG order (sub-DAG ``i`` runs on ``peers[i]``)."""
+    key = secrets.token_bytes(KEY_BYTES) if key is None else key
+    peers_doc = [{"peer_id": p, "data_address": data_addresses.get(p)} for p in peers]
+    assignment = {n: s.index for s in partition.subdags for n in s.nodes}
+    spec_doc = job.spec.model_dump(mode="json")
+    payloads = []
+    for s in partition.subdags:
+        wanted = {job.graph.node(p).target for p in s.placeholders}
+        state, optim = ckpt.for_subdag(s.params, s.buffers)
+        payloads.append(
+            {
+                "job_id": job.job_id,
+                "attempt": attempt,
+                "spec": spec_doc,
+                "ir": job.ir,
+                "assignment": assignment,
+                "subdag": s.index,
+                "peers": peers_doc,
+                "key": key,
+                "state": pack_tensors(state),
+                "optim": pack_tensors(optim) if optim else None,
+                "data": pack_tensors({k: v for k, v in job.data.items() if k in wanted}),
+            }
+        )
+    return payloads
