@@ -26,16 +26,13 @@ description.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fusionnet.errors import FusionNetError
-from fusionnet.perfmodel.profile import _default_cache_dir, machine_key
+from fusionnet.perfmodel.profile import cached_measurement, machine_key
 from fusionnet.perfmodel.timing import bp_bytes, fp_bytes
 from fusionnet.perfmodel.types import OP_CLASSES, ClassCost, OpCost, Overheads
 
@@ -338,19 +335,12 @@ def profile_overheads(
         "speed": round(float(speed), 3),
         "mem_bandwidth": round(float(mem_bandwidth), 3),
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    folder = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    path = folder / f"overheads-{digest}.json"
-    if not refresh and path.exists():
-        try:
-            doc = json.loads(path.read_text())
-            if doc.get("key") == key:
-                return Overheads.from_dict(doc["result"])
-        except (OSError, ValueError, KeyError, TypeError, FusionNetError):
-            pass  # unreadable cache: measure again and overwrite it
-    result = measure_overheads(speed, mem_bandwidth, seconds_budget)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "result": result.to_dict()}, indent=2))
-    tmp.replace(path)
-    return result
+    return cached_measurement(
+        cache_dir,
+        "overheads",
+        key,
+        lambda: measure_overheads(speed, mem_bandwidth, seconds_budget),
+        Overheads.to_dict,
+        Overheads.from_dict,
+        refresh=refresh,
+    )

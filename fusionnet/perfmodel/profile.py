@@ -20,9 +20,11 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
+from fusionnet.errors import FusionNetError
 from fusionnet.perfmodel.fitting import fit_speed_factor
 
 MATMUL_SIZES = (64, 128, 256, 384, 512, 768, 1024)
@@ -61,6 +63,40 @@ def machine_key(torch_threads: int, torch_version: str) -> dict[str, str | int]:
 
 def _default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fusionnet" / "profile"
+
+
+T = TypeVar("T")
+
+
+def cached_measurement(
+    cache_dir: str | Path | None,
+    prefix: str,
+    key: Mapping[str, Any],
+    measure: Callable[[], T],
+    encode: Callable[[T], Any],
+    decode: Callable[[Any], T],
+    *,
+    refresh: bool = False,
+) -> T:
+    """``measure()``, or its result from ``<cache_dir>/<prefix>-<digest of key>.json`` when that file
+    holds the same key. An unreadable or foreign file is measured again and overwritten (atomically:
+    two processes profiling at once never leave half a file)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    folder = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    path = folder / f"{prefix}-{digest}.json"
+    if not refresh and path.exists():
+        try:
+            doc = json.loads(path.read_text())
+            if doc.get("key") == key:
+                return decode(doc["result"])
+        except (OSError, ValueError, KeyError, TypeError, FusionNetError):
+            pass  # unreadable cache: measure again and overwrite it
+    result = measure()
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": dict(key), "result": encode(result)}, indent=2))
+    tmp.replace(path)
+    return result
 
 
 def _measure(seconds_budget: float) -> tuple[list[tuple[float, float]], float]:
@@ -105,25 +141,15 @@ def profile_local_device(
         raise ValueError(f"seconds_budget must be in (0, 600], got {seconds_budget!r}")
     import torch
 
+    def measure() -> LocalProfile:
+        samples, bandwidth = _measure(float(seconds_budget))
+        peak = max(f / t for f, t in samples)
+        return LocalProfile(peak, fit_speed_factor(samples, peak), bandwidth)
+
+    def decode(r: Any) -> LocalProfile:
+        return LocalProfile(float(r["peak_flops"]), float(r["speed_factor"]), float(r["mem_bandwidth"]))
+
     key = machine_key(torch.get_num_threads(), torch.__version__)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    folder = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    path = folder / f"profile-{digest}.json"
-    if not refresh and path.exists():
-        try:
-            doc = json.loads(path.read_text())
-            if doc.get("key") == key:
-                r = doc["result"]
-                return LocalProfile(
-                    float(r["peak_flops"]), float(r["speed_factor"]), float(r["mem_bandwidth"])
-                )
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # unreadable cache: measure again and overwrite it
-    samples, bandwidth = _measure(float(seconds_budget))
-    peak = max(f / t for f, t in samples)
-    result = LocalProfile(peak, fit_speed_factor(samples, peak), bandwidth)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "result": result._asdict(), "samples": len(samples)}, indent=2))
-    tmp.replace(path)
-    return result
+    return cached_measurement(
+        cache_dir, "profile", key, measure, lambda r: r._asdict(), decode, refresh=refresh
+    )

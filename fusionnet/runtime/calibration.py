@@ -15,8 +15,6 @@ come from here; results are cached per machine next to the hardware profile.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -29,12 +27,16 @@ import torch
 
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.dag.trace import trace_model
-from fusionnet.errors import FusionNetError
 from fusionnet.job.losses import make_loss_fn
 from fusionnet.job.optim import ResolvedOptim, build_optimizers, canonical_name
 from fusionnet.perfmodel.overhead_fit import StageSample, fit_overheads
 from fusionnet.perfmodel.overheads import profile_overheads
-from fusionnet.perfmodel.profile import _default_cache_dir, machine_key, profile_local_device
+from fusionnet.perfmodel.profile import (
+    _default_cache_dir,
+    cached_measurement,
+    machine_key,
+    profile_local_device,
+)
 from fusionnet.perfmodel.types import DeviceSpec, Overheads
 from fusionnet.runtime.batches import StepData
 from fusionnet.runtime.calibration_models import CALIBRATION_MODELS, CalibrationModel
@@ -157,22 +159,15 @@ def calibrated_overheads(
         "mem_bandwidth": round(float(device.mem_bandwidth), 3),
         "base": device.overheads.to_dict(),
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    folder = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    path = folder / f"calibration-{digest}.json"
-    if not refresh and path.exists():
-        try:
-            doc = json.loads(path.read_text())
-            if doc.get("key") == key:
-                return Overheads.from_dict(doc["result"])
-        except (OSError, ValueError, KeyError, TypeError, FusionNetError):
-            pass  # unreadable cache: calibrate again and overwrite it
-    result = calibrate_overheads(device, seconds_budget)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "result": result.to_dict()}, indent=2))
-    tmp.replace(path)
-    return result
+    return cached_measurement(
+        cache_dir,
+        "calibration",
+        key,
+        lambda: calibrate_overheads(device, seconds_budget),
+        Overheads.to_dict,
+        Overheads.from_dict,
+        refresh=refresh,
+    )
 
 
 def _cache_dir(cache_dir: str | Path | None) -> Path:
