@@ -48,6 +48,16 @@ def test_book_blends_measurements_and_assumes_symmetry_for_the_unmeasured_direct
     assert book.pairs() == {}
 
 
+def test_book_reports_every_change_of_the_probed_links() -> None:
+    seen: list[dict] = []
+    book = LinkBook(on_change=seen.append)
+    book.record("a", "b", Link(1e-4, 1e-9))
+    book.record("b", "c", Link(2e-4, 1e-9))
+    assert seen[-1] == {("a", "b"): Link(1e-4, 1e-9), ("b", "c"): Link(2e-4, 1e-9)}  # no symmetric stand-ins
+    book.forget("a")
+    assert seen[-1] == {("b", "c"): Link(2e-4, 1e-9)} and len(seen) == 3
+
+
 def test_probe_replies_are_validated_before_they_reach_the_planner() -> None:
     good = {"alpha": 1e-4, "beta": 1e-9, "round_trips": [[1, 2e-4]]}
     reply = {"links": {"1": good, "2": {"alpha": -1, "beta": 0}, "x": good, "3": {"alpha": float("nan")}}}

@@ -125,6 +125,21 @@ def test_step_series_exist_only_while_the_job_runs() -> None:
     assert value(r, "fusionnet_steps_total") == 2  # the all-jobs counters keep counting
 
 
+def test_link_gauges_are_replaced_as_a_whole_and_refuse_bad_values() -> None:
+    m = BrokerMetrics(process=False)
+    r = m.registry
+    m.set_links({("a", "b"): (2e-4, 2.5e9), ("b", "c"): (3e-4, 1e9)})
+    assert value(r, "fusionnet_link_latency_seconds", src="a", dst="b") == pytest.approx(2e-4)
+    assert value(r, "fusionnet_link_bandwidth_bytes_per_second", src="b", dst="c") == pytest.approx(1e9)
+    m.set_links({("a", "b"): (1e-4, 3e9)})  # a forgotten pair disappears, it does not go stale
+    assert value(r, "fusionnet_link_latency_seconds", src="a", dst="b") == pytest.approx(1e-4)
+    assert not [key for key in samples(r) if ("src", "b") in key[1]]
+    for bad in ({("a", "b"): (-1.0, 1e9)}, {("a", "b"): (1e-4, 0.0)}, {("", "b"): (1e-4, 1e9)}):
+        with pytest.raises(ValueError):
+            m.set_links(bad)
+    assert value(r, "fusionnet_link_latency_seconds", src="a", dst="b") == pytest.approx(1e-4)  # kept
+
+
 def test_compnode_metrics_count_what_happens() -> None:
     c = CompnodeMetrics(process=False)
     r = c.registry

@@ -367,6 +367,14 @@ def assert_job_series(prom: Prometheus, job_id: str, steps: int) -> None:
         lambda r: bool(r) and float(r[0]["value"][1]) >= steps,
         f"{steps} succeeded sub-tasks scraped",
     )
+    # the job ran on two compnodes: the broker probed the link between them and exports it
+    prom.wait_for(
+        "fusionnet_link_bandwidth_bytes_per_second",
+        lambda r: bool(r) and all(float(x["value"][1]) > 1e6 for x in r),
+        "the probed link between the job's compnodes",
+    )
+    latency = prom.query("fusionnet_link_latency_seconds")
+    assert latency and all(0 < float(x["value"][1]) < 1 for x in latency), latency
 
 
 def single(result: list[dict[str, Any]]) -> float:

@@ -43,6 +43,7 @@ from fusionnet.dht.records import BrokerRecord, CompnodeRecord, NodeState, is_bi
 from fusionnet.errors import FusionNetError
 from fusionnet.metrics import BrokerMetrics, ScrapeTarget, write_file_sd
 from fusionnet.metrics.sd import TargetSource
+from fusionnet.perfmodel.types import Link
 from fusionnet.rpc.server import RPCContext
 
 log = logging.getLogger("fusionnet.broker")
@@ -92,7 +93,8 @@ class BrokerDaemon(Daemon):
         self.settings = config
         self.registry = CompnodeRegistry(config.heartbeat_timeout)
         self.speeds = SpeedBook()  # compnode speeds as measured on real sub-tasks, across jobs
-        self.links = LinkBook()  # links between compnodes as probed after placements, across jobs
+        # links between compnodes as probed after placements, across jobs (exported as gauges)
+        self.links = LinkBook(on_change=self._export_links)
         self.store: BrokerStore | None = None
         self.state = NodeState.JOINING
         self._maddrs: list[str] = []
@@ -100,6 +102,9 @@ class BrokerDaemon(Daemon):
         self._scrape_targets: tuple[ScrapeTarget, ...] = ()
         self._bad_metrics_addresses: set[tuple[str, str]] = set()
         self.registry.add_listener(self._persist_event)
+
+    def _export_links(self, links: dict[tuple[str, str], Link]) -> None:
+        self.metrics.set_links({pair: (k.alpha, k.bandwidth) for pair, k in links.items()})
 
     # ---- startup / shutdown ----------------------------------------------------------------------
     async def on_startup(self) -> None:

@@ -56,12 +56,24 @@ def parse_probe_reply(reply: object) -> dict[int, Link]:
 
 
 class LinkBook:
-    def __init__(self, weight: float = WEIGHT, clock: Callable[[], float] = time.monotonic) -> None:
+    """``on_change`` (optional) gets the probed links after every change (the broker's metrics)."""
+
+    def __init__(
+        self,
+        weight: float = WEIGHT,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[dict[tuple[str, str], Link]], None] | None = None,
+    ) -> None:
         if not 0.0 < weight <= 1.0:
             raise ValueError(f"weight must be in (0, 1], got {weight}")
         self.weight = weight
         self.clock = clock
+        self.on_change = on_change
         self._links: dict[tuple[str, str], MeasuredLink] = {}
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.measured())
 
     def record(self, src: str, dst: str, link: Link) -> Link:
         """A new measurement of ``src -> dst``; returns the blended estimate."""
@@ -73,6 +85,7 @@ class LinkBook:
                 beta=_blend(old.link.beta, link.beta, w),
             )
         self._links[(src, dst)] = MeasuredLink(link, self.clock(), 1 if old is None else old.probes + 1)
+        self._changed()
         return link
 
     def get(self, src: str, dst: str) -> Link | None:
@@ -90,9 +103,14 @@ class LinkBook:
         out.update({pair: m.link for pair, m in self._links.items()})
         return out
 
+    def measured(self) -> dict[tuple[str, str], Link]:
+        """The directed pairs actually probed (no symmetric stand-ins)."""
+        return {pair: m.link for pair, m in self._links.items()}
+
     def forget(self, peer: str) -> None:
         for pair in [p for p in self._links if peer in p]:
             del self._links[pair]
+        self._changed()
 
     def describe(self, peers: Sequence[str]) -> list[dict[str, object]]:
         """The estimates between ``peers`` for ``plan.json``: from, to, alpha (s), bandwidth (B/s)."""

@@ -114,6 +114,18 @@ class BrokerMetrics(BaseMetrics):
             buckets=RECOVERY_BUCKETS,
             registry=r,
         )
+        self.link_latency = Gauge(
+            "fusionnet_link_latency_seconds",
+            "One direction's latency (alpha) of a link between two compnodes, as last probed",
+            ["src", "dst"],
+            registry=r,
+        )
+        self.link_bandwidth = Gauge(
+            "fusionnet_link_bandwidth_bytes_per_second",
+            "Bandwidth (1 / beta) of a link between two compnodes, as last probed",
+            ["src", "dst"],
+            registry=r,
+        )
         for state in JOB_STATES:
             self.jobs.labels(state=state)
         for role in ROLES:
@@ -203,6 +215,22 @@ class BrokerMetrics(BaseMetrics):
         """One phase of one failover; count the failover itself with ``failovers.inc()`` once."""
         value = label_value(phase, RECOVERY_PHASES, "phase")
         self.recovery_phase.labels(phase=value).observe(_non_negative(seconds, f"recovery {value}"))
+
+    # ---- links -------------------------------------------------------------------------------------
+    def set_links(self, links: Mapping[tuple[str, str], tuple[float, float]]) -> None:
+        """Replace the link gauges: (from peer, to peer) -> (latency seconds, bandwidth bytes/s)."""
+        for (src, dst), (latency, bandwidth) in links.items():
+            for peer in (src, dst):
+                if not peer or len(peer) > _MAX_JOB_ID or not peer.isprintable():
+                    raise ValueError(f"metrics: {peer[:40]!r} is not a peer id")
+            _non_negative(latency, f"link {src} -> {dst} latency")
+            if not bandwidth > 0:
+                raise ValueError(f"metrics: link {src} -> {dst} bandwidth must be > 0, got {bandwidth}")
+        self.link_latency.clear()
+        self.link_bandwidth.clear()
+        for (src, dst), (latency, bandwidth) in links.items():
+            self.link_latency.labels(src=src, dst=dst).set(latency)
+            self.link_bandwidth.labels(src=src, dst=dst).set(bandwidth)
 
 
 def _check_job_id(job_id: str) -> None:
