@@ -9,6 +9,7 @@ import torch
 from fusionnet.perfmodel.types import OP_CLASSES, ClassCost, DeviceSpec, Overheads
 from fusionnet.runtime import calibration
 from fusionnet.runtime.calibration_models import CALIBRATION_MODELS
+from tests.test_overhead_fit import device
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,16 +38,7 @@ def test_samples_cover_every_priced_op_class_optimizer_and_first_layers(samples)
 
 
 def base_device(stage_fp: float) -> DeviceSpec:
-    return DeviceSpec(
-        name="cpu",
-        kind="cpu",
-        peak_flops=1e11,
-        mem_bandwidth=4e10,
-        d_gpu=0,
-        d_cpu=1 << 33,
-        d_disk=1 << 33,
-        overheads=Overheads(matmul=ClassCost(fp=5e-6, bp=9e-6, efficiency=0.9), stage_fp=stage_fp),
-    )
+    return device(Overheads(matmul=ClassCost(fp=5e-6, bp=9e-6, efficiency=0.9), stage_fp=stage_fp))
 
 
 def test_calibrated_overheads_are_cached_per_base(tmp_path, monkeypatch, samples) -> None:
