@@ -48,9 +48,10 @@ from safetensors.torch import save_file
 from fusionnet.job.loader import load_job
 from fusionnet.perfmodel.fitting import fit_speed_factor
 from fusionnet.perfmodel.types import OP_CLASSES, DeviceSpec
-from fusionnet.runtime.calibration import local_device_spec
+from fusionnet.planning.optimizers import job_optimizers
+from fusionnet.planning.predict import predict_subdags
+from fusionnet.profiling.calibration import local_device_spec
 from fusionnet.runtime.local import LocalSwarm
-from fusionnet.runtime.planning import job_optimizers, predict_subdags
 from fusionnet.runtime.prepare import PreparedJob, prepare_job, trace_job
 
 REPO = Path(__file__).resolve().parent.parent

@@ -24,13 +24,13 @@ import statistics
 import sys
 import time
 
-from fusionnet.broker.scheduler import balanced_split, chain_dp, plan_for_assignment, schedule
-from fusionnet.broker.scheduler_exact import exact_schedule
 from fusionnet.errors import PartitionError, PlanError
 from fusionnet.perfmodel.catalog import CATALOG
 from fusionnet.perfmodel.models import BERT_LARGE, transformer_blocks, transformer_fine
 from fusionnet.perfmodel.synthetic import random_chain, random_dag, random_swarm, random_workload
 from fusionnet.perfmodel.types import CostGraph, Link, Swarm, Workload
+from fusionnet.planning.scheduler import balanced_split, chain_dp, plan_for_assignment, schedule
+from fusionnet.planning.scheduler_exact import exact_schedule
 
 GiB = 1 << 30
 OBJECTIVES = ("step_time", "makespan")

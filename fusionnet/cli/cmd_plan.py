@@ -29,7 +29,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fusionnet.job.loader import load_job
-    from fusionnet.runtime.planning import plan_job
+    from fusionnet.runtime.planjob import plan_job
 
     job = load_job(args.job)
     planned = plan_job(job, nodes_file=args.nodes)

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = None
     if not args.no_predict:
-        from fusionnet.runtime.calibration import local_device_spec
+        from fusionnet.profiling.calibration import local_device_spec
 
         device = local_device_spec()
     result = run_local(job, args.local, args.output, prepared=prepared, on_step=progress, device=device)

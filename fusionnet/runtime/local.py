@@ -28,6 +28,8 @@ from fusionnet.dag.partition import Partition
 from fusionnet.job.loader import LoadedJob
 from fusionnet.job.optim import build_optimizers, resolve_param_optimizers
 from fusionnet.perfmodel.types import DeviceSpec
+from fusionnet.planning.optimizers import job_optimizers
+from fusionnet.planning.predict import predict_subdags
 from fusionnet.runtime.batches import StepData, iter_steps
 from fusionnet.runtime.prepare import PreparedJob, prepare_job
 from fusionnet.runtime.results import assemble_state, plan_document, write_json, write_metrics, write_tensors
@@ -148,8 +150,6 @@ def run_local(
     prepared = prepared or prepare_job(job, pieces)
     predicted = None
     if device is not None:
-        from fusionnet.runtime.planning import job_optimizers, predict_subdags
-
         graph = prepared.traced.graph
         predicted = predict_subdags(
             graph,

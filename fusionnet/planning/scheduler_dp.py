@@ -34,8 +34,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from fusionnet.broker.scheduler_linear import LinearModel
 from fusionnet.perfmodel.types import DeviceSpec, Swarm, Workload
+from fusionnet.planning.scheduler_linear import LinearModel
 
 INF = math.inf
 Segments = list[tuple[int, int, int]]  # (start position, end position, device index)

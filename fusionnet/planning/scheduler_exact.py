@@ -17,13 +17,13 @@ Exponential by nature; ``max_nodes`` bounds the search and ``PlanError`` says wh
 
 from __future__ import annotations
 
-from fusionnet.broker.scheduler_dp import device_classes
-from fusionnet.broker.scheduler_plan import Plan, plan_from_cost
-from fusionnet.broker.scheduler_refine import Evaluator
 from fusionnet.errors import PlanError
 from fusionnet.perfmodel.memory import inflight_microbatches, optimizer_state_bytes
 from fusionnet.perfmodel.timing import op_bp_seconds, op_fp_seconds, op_update_seconds
 from fusionnet.perfmodel.types import CostGraph, Swarm, Workload
+from fusionnet.planning.scheduler_dp import device_classes
+from fusionnet.planning.scheduler_plan import Plan, plan_from_cost
+from fusionnet.planning.scheduler_refine import Evaluator
 
 
 def _reaches(edges: dict[int, dict[int, int]], src: int, dst: int) -> bool:
