@@ -1,8 +1,16 @@
-"""Driving jobs end to end, shared by the commands.
+"""Driving jobs end to end from the submitter's machine, shared by the commands.
 
-Map:
-- ``prepare.py``  job -> traced IR + initial state + partition (what ``plan``, ``run`` and ``submit`` share)
-- ``batches.py``  the data a step feeds to each sub-DAG, micro-batch by micro-batch
-- ``local.py``    ``fusionnet run --local N``: N executors in one process over the in-memory channel
-- ``results.py``  the result files of interface.md (weights, grads, outputs, metrics.jsonl, plan.json)
+Map of the package:
+
+- ``prepare.py``     job -> traced IR + initial state + partition (what ``plan``, ``run`` and ``submit``
+                     share).
+- ``planjob.py``     ``fusionnet plan``: the job traced and planned (``fusionnet.planning``) for a nodes
+                     file or for compnodes like this machine (``fusionnet.profiling``).
+- ``batches.py``     the data a step feeds to each sub-DAG, micro-batch by micro-batch.
+- ``local.py``       ``fusionnet run --local N``: N executors in one process over the in-memory channel.
+- ``results.py``     the result files of interface.md (weights, grads, outputs, metrics.jsonl, plan.json).
+- ``submit.py``      ``fusionnet submit``: send the IR, state and data to a broker, follow, download.
+- ``localswarm.py``  a broker and N compnodes as local processes (``fusionnet demo``, benchmarks).
+- ``blobs.py``       tensors <-> bytes for job messages (safetensors, never pickle).
+- ``jobwire.py``     what travels with a job between ``submit``, the broker and the compnodes.
 """
