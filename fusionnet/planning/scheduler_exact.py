@@ -39,6 +39,134 @@ def _reaches(edges: dict[int, dict[int, int]], src: int, dst: int) -> bool:
     return False
 
 
+class _Search:
+    """The branch and bound's state: ops placed so far, per-device load and memory, the sub-DAG
+    graph (edge counts, to undo) and the bytes each directed link carries per micro-batch."""
+
+    def __init__(
+        self,
+        graph: CostGraph,
+        swarm: Swarm,
+        workload: Workload,
+        evaluate: Evaluator,
+        limit: int,
+        max_nodes: int,
+    ) -> None:
+        self.graph, self.swarm, self.evaluate = graph, swarm, evaluate
+        self.limit, self.max_nodes = limit, max_nodes
+        self.m = m = workload.microbatches
+        grad = graph.needs_grad
+        # per op x device: compute seconds per step, resident bytes at the smallest in-flight count
+        self.work = [
+            [
+                m * (op_fp_seconds(op, d) + (op_bp_seconds(op, d, grad[i]) if workload.backward else 0.0))
+                + (op_update_seconds(op, d) if workload.update else 0.0)
+                for d in swarm.devices
+            ]
+            for i, op in enumerate(graph.ops)
+        ]
+        low_inflight = inflight_microbatches(workload, 0, 1)
+        self.resident = [
+            op.param_bytes * (2 if workload.backward else 1)
+            + (optimizer_state_bytes(op) if workload.update else 0)
+            + low_inflight * op.activation_bytes
+            for op in graph.ops
+        ]
+        nd = len(swarm.devices)
+        self.caps = [d.compute_memory for d in swarm.devices]
+        self.classes = device_classes(swarm, list(range(nd)))
+        self.out_b = graph.out_bytes
+        self.assign = [-1] * len(graph.ops)
+        self.load = [0.0] * nd
+        self.mem = [0] * nd
+        self.qedges: dict[int, dict[int, int]] = {}
+        self.sent: dict[tuple[int, int], int] = {}  # (producer op, consumer device) -> uses
+        self.link_bytes: dict[tuple[int, int], int] = {}
+        self.best_value = float("inf")
+        self.best: list[int] | None = None
+        self.nodes = 0
+
+    def link_bound(self) -> float:
+        worst = 0.0
+        for (a, b), nbytes in self.link_bytes.items():
+            worst = max(worst, self.m * self.swarm.link(a, b).time(nbytes))
+        return worst
+
+    def options(self, i: int) -> list[int]:
+        used = set(self.assign[:i])
+        opts = sorted(used)
+        if len(used) < self.limit:
+            # a class's devices are taken in index order, so its first unused one stands for all
+            for group in self.classes:
+                fresh = next((d for d in group if d not in used), None)
+                if fresh is not None:
+                    opts.append(fresh)
+        return opts
+
+    def new_edges(self, i: int, d: int) -> list[tuple[int, int]] | None:
+        """(producer op, its device) for every input of op ``i`` that would cross to device ``d``,
+        or None when that closes a cycle in the sub-DAG graph."""
+        added: list[tuple[int, int]] = []
+        for p in self.graph.preds[i]:
+            a = self.assign[p]
+            if a != d:
+                if d not in self.qedges.get(a, {}) and _reaches(self.qedges, d, a):
+                    return None
+                added.append((p, a))
+        return added
+
+    def push(self, i: int, d: int, added: list[tuple[int, int]]) -> None:
+        self.assign[i] = d
+        self.load[d] += self.work[i][d]
+        self.mem[d] += self.resident[i]
+        for p, a in added:
+            self.qedges.setdefault(a, {}).setdefault(d, 0)
+            self.qedges[a][d] += 1
+            key = (p, d)
+            self.sent[key] = self.sent.get(key, 0) + 1
+            if self.sent[key] == 1:
+                self.link_bytes[(a, d)] = self.link_bytes.get((a, d), 0) + self.out_b[p]
+
+    def pop(self, i: int, d: int, added: list[tuple[int, int]]) -> None:
+        for p, a in reversed(added):
+            key = (p, d)
+            self.sent[key] -= 1
+            if self.sent[key] == 0:
+                del self.sent[key]
+                self.link_bytes[(a, d)] -= self.out_b[p]
+                if self.link_bytes[(a, d)] == 0:
+                    del self.link_bytes[(a, d)]
+            self.qedges[a][d] -= 1
+            if self.qedges[a][d] == 0:
+                del self.qedges[a][d]
+        self.assign[i] = -1
+        self.load[d] -= self.work[i][d]
+        self.mem[d] -= self.resident[i]
+
+    def place(self, i: int) -> None:
+        self.nodes += 1
+        if self.nodes > self.max_nodes:
+            raise PlanError(f"exact search exceeded {self.max_nodes} nodes; the instance is too large for it")
+        if i == len(self.assign):
+            val, cost = self.evaluate(list(self.assign))
+            if cost is not None and val < self.best_value:
+                self.best_value, self.best = val, list(self.assign)
+            return
+        for d in self.options(i):
+            if (
+                self.mem[d] + self.resident[i] > self.caps[d]
+                or self.load[d] + self.work[i][d] >= self.best_value
+            ):
+                continue
+            added = self.new_edges(i, d)
+            if added is None:
+                continue
+            self.push(i, d, added)
+            if self.link_bound() < self.best_value:
+                self.place(i + 1)
+            self.pop(i, d, added)
+
+
 def exact_schedule(
     graph: CostGraph,
     swarm: Swarm,
@@ -53,112 +181,15 @@ def exact_schedule(
     ``stages`` of them when given)."""
     if objective not in ("step_time", "makespan"):
         raise PlanError(f"objective {objective!r} must be 'step_time' or 'makespan'")
-    n, nd = len(graph.ops), len(swarm.devices)
+    nd = len(swarm.devices)
     limit = nd if max_devices is None else min(max_devices, nd)
     if stages is not None:
         limit = min(limit, stages)
-    m = workload.microbatches
-    grad = graph.needs_grad
-    # per op x device: compute seconds per step, resident bytes at the smallest in-flight count
-    work = [
-        [
-            m * (op_fp_seconds(op, d) + (op_bp_seconds(op, d, grad[i]) if workload.backward else 0.0))
-            + (op_update_seconds(op, d) if workload.update else 0.0)
-            for d in swarm.devices
-        ]
-        for i, op in enumerate(graph.ops)
-    ]
-    low_inflight = inflight_microbatches(workload, 0, 1)
-    resident = [
-        op.param_bytes * (2 if workload.backward else 1)
-        + (optimizer_state_bytes(op) if workload.update else 0)
-        + low_inflight * op.activation_bytes
-        for op in graph.ops
-    ]
-    caps = [d.compute_memory for d in swarm.devices]
-    classes = device_classes(swarm, list(range(nd)))
-    out_b = graph.out_bytes
     evaluate = Evaluator(graph, swarm, workload, objective, stages)
-
-    assign = [-1] * n
-    load = [0.0] * nd
-    mem = [0] * nd
-    qedges: dict[int, dict[int, int]] = {}
-    sent: dict[tuple[int, int], int] = {}  # (producer op, consumer device) -> uses, for link bounds
-    link_bytes: dict[tuple[int, int], int] = {}
-    best = [float("inf"), None]
-    nodes = [0]
-
-    def link_bound() -> float:
-        worst = 0.0
-        for (a, b), nbytes in link_bytes.items():
-            worst = max(worst, m * swarm.link(a, b).time(nbytes))
-        return worst
-
-    def options(i: int) -> list[int]:
-        used = set(assign[:i])
-        opts = sorted(used)
-        if len(used) < limit:
-            # a class's devices are taken in index order, so its first unused one stands for all
-            for group in classes:
-                fresh = next((d for d in group if d not in used), None)
-                if fresh is not None:
-                    opts.append(fresh)
-        return opts
-
-    def place(i: int) -> None:
-        nodes[0] += 1
-        if nodes[0] > max_nodes:
-            raise PlanError(f"exact search exceeded {max_nodes} nodes; the instance is too large for it")
-        if i == n:
-            val, cost = evaluate(list(assign))
-            if cost is not None and val < best[0]:
-                best[0], best[1] = val, list(assign)
-            return
-        for d in options(i):
-            if mem[d] + resident[i] > caps[d] or load[d] + work[i][d] >= best[0]:
-                continue
-            added: list[tuple[int, int]] = []
-            ok = True
-            for p in graph.preds[i]:
-                a = assign[p]
-                if a != d:
-                    if d not in qedges.get(a, {}) and _reaches(qedges, d, a):
-                        ok = False
-                        break
-                    added.append((p, a))
-            if not ok:
-                continue
-            assign[i] = d
-            load[d] += work[i][d]
-            mem[d] += resident[i]
-            for p, a in added:
-                qedges.setdefault(a, {}).setdefault(d, 0)
-                qedges[a][d] += 1
-                key = (p, d)
-                sent[key] = sent.get(key, 0) + 1
-                if sent[key] == 1:
-                    link_bytes[(a, d)] = link_bytes.get((a, d), 0) + out_b[p]
-            if link_bound() < best[0]:
-                place(i + 1)
-            for p, a in reversed(added):
-                key = (p, d)
-                sent[key] -= 1
-                if sent[key] == 0:
-                    del sent[key]
-                    link_bytes[(a, d)] -= out_b[p]
-                    if link_bytes[(a, d)] == 0:
-                        del link_bytes[(a, d)]
-                qedges[a][d] -= 1
-                if qedges[a][d] == 0:
-                    del qedges[a][d]
-            assign[i] = -1
-            load[d] -= work[i][d]
-            mem[d] -= resident[i]
-
-    place(0)
-    if best[1] is None:
+    search = _Search(graph, swarm, workload, evaluate, limit, max_nodes)
+    search.place(0)
+    if search.best is None:
         raise PlanError("no acyclic assignment fits the devices' memory")
-    _val, cost = evaluate(best[1])
-    names = {op.name: best[1][i] for i, op in enumerate(graph.ops)}
+    _val, cost = evaluate(search.best)
+    names = {op.name: search.best[i] for i, op in enumerate(graph.ops)}
     return plan_from_cost(cost, swarm, names, objective, candidates=evaluate.evaluations)
