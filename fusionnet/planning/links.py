@@ -1,14 +1,13 @@
 """The links between compnodes as measured, kept per broker (FusionAI eq. (1): remote R = alpha + beta M).
 
 After a placement is assigned, the broker asks every compnode that sends activations to time its links
-to the receivers (``broker.links.probe_placement`` -> ``compnode.linkprobe``: round trips over the job's
-own data path). ``LinkBook`` (pure data, no I/O) keeps
-the fitted alpha-beta per directed pair of compnodes, blended with what earlier jobs measured
-(geometric means: one congested probe moves an estimate only part of the way), and gives the planner
-the links of any pool of compnodes: a pair measured in one direction only is assumed symmetric, and a
-pair never measured falls back to the planner's default (loopback figures). Pairs it already knows
-are not probed again until ``STALE_SECONDS`` have passed, so a failover does not pay for probes it
-needs not.
+to the receivers (``broker.links.probe_placement`` -> ``compnode.linkprobe``: round trips over the
+job's own data path). ``LinkBook`` (pure data, no I/O) keeps the fitted alpha-beta per directed pair of
+compnodes, blended with what earlier jobs measured (geometric means: one congested probe moves an
+estimate only part of the way), and gives the planner the links of any pool of compnodes: a pair
+measured in one direction only is assumed symmetric, and a pair never measured falls back to the
+planner's default (loopback figures). Pairs it already knows are not probed again until
+``STALE_SECONDS`` have passed, so a failover does not pay for probes it needs not.
 """
 
 from __future__ import annotations

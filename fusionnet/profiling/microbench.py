@@ -20,7 +20,7 @@ This module measures those on the local machine the way the executor runs sub-DA
 Every figure is the best of many rounds that time a few calls of every measurement in turn (and
 stir the caches between calls, as other sub-DAGs' work does in the executor): other processes only
 ever slow a run down, so the best round is what the machine can do, and the figure that is stable
-from run to run. Results are cached as JSON next to ``profile.py``'s, keyed by the same machine
+from run to run. Results are cached as JSON next to ``hardware.py``'s, keyed by the same machine
 description.
 """
 
