@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fusionnet.dag.costs import op_cost
+from fusionnet.perfmodel.optimizers import optimizer_profile
 from fusionnet.perfmodel.timing import roofline_seconds
 from fusionnet.perfmodel.types import OP_CLASSES, ClassCost, OpCost, Overheads
 from fusionnet.profiling.hardware import cached_measurement, machine_key
@@ -142,8 +144,6 @@ class _Ops:
         import torch.fx as fx
         from torch import nn
 
-        from fusionnet.dag.costs import op_cost
-
         gen = torch.Generator().manual_seed(k)
         fan = op_class in _FANNED
         root = nn.Module()
@@ -243,8 +243,6 @@ def _register_optimizers(bench: _Bench) -> None:
 def measure_overheads(speed: float, mem_bandwidth: float, seconds_budget: float = 2.0) -> Overheads:
     """Times the micro-benchmarks (module docstring); ``speed`` is S(p) and ``mem_bandwidth`` the
     bandwidth that efficiencies are relative to (the device's, from ``profile_local_device``)."""
-    from fusionnet.perfmodel.optimizers import optimizer_profile
-
     if not (speed > 0 and mem_bandwidth > 0):
         raise ValueError("speed and mem_bandwidth must be positive")
     bench = _Bench()
