@@ -12,8 +12,8 @@ value quoted in an error message (``repr`` of a huge structure would build it in
 
 from __future__ import annotations
 
-import reprlib
 import re
+import reprlib
 from pathlib import Path
 from typing import Any
 
