@@ -29,6 +29,12 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="skip the performance model's predictions (and the one-time profiling of this machine)",
     )
+    p.add_argument(
+        "--allow-outside-paths",
+        action="store_true",
+        help="let the job file name files outside its folder (absolute paths, '..', symlinks out) and "
+        "importable modules as model.entrypoint; off by default, since a job file's model code runs here",
+    )
     p.set_defaults(func=run)
 
 
@@ -40,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.local < 1:
         raise JobError(f"--local: must be >= 1, got {args.local}")
-    job = load_job(args.job)
+    job = load_job(args.job, allow_outside_paths=args.allow_outside_paths)
     prepared = prepare_job(job, args.local)
     if not args.quiet:
         print(prepared.partition.describe())

@@ -27,12 +27,26 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--output", type=Path, required=True, metavar="DIR", help="directory for the result files")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="give up after S seconds")
+    p.add_argument(
+        "--allow-outside-paths",
+        action="store_true",
+        help="let the job file name files outside its folder (absolute paths, '..', symlinks out) and "
+        "importable modules as model.entrypoint; off by default, since a job file's model code runs here",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from fusionnet.runtime.submit import submit_and_wait, summary
 
-    outcome = asyncio.run(submit_and_wait(args.job, args.initial_peers, args.output, timeout=args.timeout))
+    outcome = asyncio.run(
+        submit_and_wait(
+            args.job,
+            args.initial_peers,
+            args.output,
+            timeout=args.timeout,
+            allow_outside_paths=args.allow_outside_paths,
+        )
+    )
     print(summary(outcome))
     return 0
