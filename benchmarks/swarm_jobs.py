@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
-
-import shutil
 
 import yaml
 

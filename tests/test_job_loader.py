@@ -190,7 +190,8 @@ def _outside_variants(tmp_path: Path) -> list[tuple[str, str, str]]:
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "evil.py").write_text("from torch import nn\n\ndef build():\n    return nn.Linear(4, 3)\n")
-    save_file({"inputs": torch.zeros(5, 4), "labels": torch.zeros(5, dtype=torch.long)}, str(outside / "d.st"))
+    tensors = {"inputs": torch.zeros(5, 4), "labels": torch.zeros(5, dtype=torch.long)}
+    save_file(tensors, str(outside / "d.st"))
     return [
         ("model.entrypoint", "../outside/evil.py:build", "leads outside the job folder"),
         ("model.entrypoint", f"{outside}/evil.py:build", "leads outside the job folder"),
