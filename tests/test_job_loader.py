@@ -82,10 +82,15 @@ def test_text_data_windows(tmp_path: Path) -> None:
     path = _job(tmp_path, data={"path": "corpus.txt", "block_size": 5})
     (tmp_path / "corpus.txt").write_text(text)
     doc = yaml.safe_load(path.read_text())
-    doc["model"] = {"entrypoint": "torch.nn:Embedding", "kwargs": {"num_embeddings": 20, "embedding_dim": 3}}
-    doc["loss"] = {"name": "mse_loss"}
+    (tmp_path / "text.py").write_text(
+        "from torch import nn\n\nclass Text(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.emb = nn.Embedding(20, 20)\n\n    def forward(self, x):\n"
+        "        return self.emb(x).transpose(1, 2)\n\ndef build():\n    return Text()\n"
+    )
+    doc["model"] = {"entrypoint": "text.py:build"}
     path.write_text(yaml.safe_dump(doc))
-    job = load_job(path, allow_outside_paths=True)
+    job = load_job(path)
     vocab = sorted(set(text))
     assert job.vocab == vocab
     decode = lambda row: "".join(vocab[i] for i in row.tolist())

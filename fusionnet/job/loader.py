@@ -21,6 +21,7 @@ from fusionnet.job.entrypoint import build_model, load_weights
 from fusionnet.job.losses import make_loss_fn
 from fusionnet.job.optim import unmatched_globs
 from fusionnet.job.parse import load_job_spec
+from fusionnet.job.preflight import preflight
 from fusionnet.job.schema import JobSpec
 
 __all__ = [
@@ -78,7 +79,7 @@ def load_job(path: str | Path, *, allow_outside_paths: bool = False) -> LoadedJo
         bad = unmatched_globs(spec.optimizer, names)
         if bad:
             raise JobError(f"optimizer.per_op.{bad[0]}: matches no parameter of the model")
-    return LoadedJob(
+    job = LoadedJob(
         spec=spec,
         path=path,
         base_dir=base_dir,
@@ -88,3 +89,5 @@ def load_job(path: str | Path, *, allow_outside_paths: bool = False) -> LoadedJo
         loss_fn=loss_fn,
         vocab=dataset.vocab,
     )
+    preflight(job)
+    return job
