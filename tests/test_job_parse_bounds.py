@@ -6,9 +6,18 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fusionnet.errors import JobError
-from fusionnet.job.parse import MAX_JOB_FILE_BYTES, MAX_YAML_NODES, load_job_spec, parse_yaml_text
+from fusionnet.job.parse import (
+    MAX_JOB_FILE_BYTES,
+    MAX_YAML_NODES,
+    load_job_spec,
+    parse_yaml_text,
+    spec_from_document,
+)
+
+REPO = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -72,3 +81,24 @@ def test_huge_values_are_quoted_short(tmp_path: Path) -> None:
         load_job_spec(job)
     assert str(info.value).startswith("name:")
     assert len(str(info.value)) < 600
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("name", "x" * 100_000, "name: must be at most 200 characters"),
+        ("steps", 10**9, "steps: must be <= 10000000"),
+        ("placement.compnodes", 10**6, "placement.compnodes: must be <= 1024"),
+        ("data.batch_size", 10**9, "data.batch_size: must be <= 16777216"),
+        ("data.microbatches", 10**6, "data.microbatches: must be <= 65536"),
+    ],
+)
+def test_numbers_and_names_have_the_wires_limits(key: str, value: object, message: str) -> None:
+    """The job file refuses what the broker's RunSpec would refuse, before anything is allocated."""
+    doc = yaml.safe_load((REPO / "examples" / "mlp" / "job.yaml").read_text())
+    section, _, field = key.rpartition(".")
+    (doc.setdefault(section, {}) if section else doc)[field] = value
+    with pytest.raises(JobError) as info:
+        spec_from_document(doc, "job.yaml")
+    assert str(info.value).startswith(message), str(info.value)
+    assert len(str(info.value)) < 300

@@ -177,6 +177,8 @@ def _describe(err: dict[str, Any]) -> tuple[tuple[str, ...], str]:
         "greater_than": f"must be > {ctx.get('gt')} (got {shown})",
         "greater_than_equal": f"must be >= {ctx.get('ge')} (got {shown})",
         "less_than": f"must be < {ctx.get('lt')} (got {shown})",
+        "less_than_equal": f"must be <= {ctx.get('le')} (got {shown})",
+        "string_too_long": f"must be at most {ctx.get('max_length')} characters (got {len(str(got))})",
         "string_too_short": "must not be empty",
         "literal_error": f"must be one of {ctx.get('expected')} (got {shown})",
     }
