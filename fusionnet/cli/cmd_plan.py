@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fusionnet.cli.jobflags import add_job_loading_flags, load_job_for_command
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -24,20 +26,14 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--json", type=Path, metavar="FILE", help="also write the plan as JSON to FILE (plan.json's format)"
     )
-    p.add_argument(
-        "--allow-outside-paths",
-        action="store_true",
-        help="let the job file name files outside its folder (absolute paths, '..', symlinks out) and "
-        "importable modules as model.entrypoint; off by default, since a job file's model code runs here",
-    )
+    add_job_loading_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from fusionnet.job.loader import load_job
     from fusionnet.runtime.planning import plan_job
 
-    job = load_job(args.job, allow_outside_paths=args.allow_outside_paths)
+    job = load_job_for_command(args)
     planned = plan_job(job, nodes_file=args.nodes)
     print(planned.prepared.partition.describe())
     print()

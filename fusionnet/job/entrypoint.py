@@ -37,7 +37,7 @@ def _import_file(path: Path, shown: str) -> Any:
     sys.modules[name] = module  # dataclasses, typing and pickle-free introspection look modules up here
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # SystemExit: a model file must not end the command silently
         del sys.modules[name]
         raise JobError(f"model.entrypoint: {shown}: importing it raised {type(e).__name__}: {e}") from e
     return module
@@ -96,7 +96,7 @@ def build_model(
     torch.manual_seed(seed)
     try:
         model = fn(**kwargs)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise JobError(f"model.entrypoint: {entrypoint} raised {type(e).__name__}: {e}") from e
     if not isinstance(model, torch.nn.Module):
         got = type(model).__name__
