@@ -91,6 +91,7 @@ def test_huge_values_are_quoted_short(tmp_path: Path) -> None:
         ("placement.compnodes", 10**6, "placement.compnodes: must be <= 1024"),
         ("data.batch_size", 10**9, "data.batch_size: must be <= 16777216"),
         ("data.microbatches", 10**6, "data.microbatches: must be <= 65536"),
+        ("optimizer.lr", 1e300, "optimizer.lr: must be <= 1e+30"),
     ],
 )
 def test_numbers_and_names_have_the_wires_limits(key: str, value: object, message: str) -> None:

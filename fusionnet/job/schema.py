@@ -46,6 +46,10 @@ MAX_BLOCK_SIZE = 1 << 20
 
 PosInt = Annotated[int, Field(strict=True, gt=0)]
 PosFloat = Annotated[float, BeforeValidator(_no_bool), Field(gt=0, allow_inf_nan=False)]
+# Parameters are float32 by default: a learning rate beyond its range overflows inside the optimizer,
+# where the error would name the optimizer's arguments instead of ``lr``.
+MAX_LR = 1e30
+LearningRate = Annotated[float, BeforeValidator(_no_bool), Field(gt=0, le=MAX_LR, allow_inf_nan=False)]
 Seed = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 PathStr = Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]
@@ -115,13 +119,13 @@ class DataSpec(_Strict):
 
 class OptimizerOverride(_Strict):
     name: NonEmptyStr | None = None
-    lr: PosFloat | None = None
+    lr: LearningRate | None = None
     kwargs: dict[str, Any] = {}
 
 
 class OptimizerSpec(_Strict):
     name: NonEmptyStr
-    lr: PosFloat
+    lr: LearningRate
     kwargs: dict[str, Any] = {}
     per_op: dict[str, OptimizerOverride] = {}  # parameter-name glob -> override, first match wins
 
