@@ -148,9 +148,9 @@ async def measure_all(
     """``passes`` sweeps over every configuration, in one event loop (the in-memory hub's futures
     belong to one loop). A slow spell of the machine then spoils one pass of a configuration, not all
     of its steps. Returns, per configuration, the steps of every pass (measured, calibration)."""
-    calib_data = calib.steps(passes * len(configs) * steps)
+    calib_data = list(calib.steps(passes * len(configs) * steps))
     swarms = [LocalSwarm(prepared) for prepared in configs]
-    data = [swarm.steps(passes * steps) for swarm in swarms]
+    data = [list(swarm.steps(passes * steps)) for swarm in swarms]
     out: list[tuple[list, list]] = [([], []) for _ in configs]
     for _ in range(passes):
         for i, swarm in enumerate(swarms):

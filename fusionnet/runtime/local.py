@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,13 +118,12 @@ class LocalSwarm:
             for s in partition.subdags
         ]
 
-    def steps(self, count: int | None = None) -> list[StepData]:
-        """The job's batches (``count`` of them instead of ``steps`` when given)."""
+    def steps(self, count: int | None = None) -> Iterator[StepData]:
+        """The job's batches (``count`` of them instead of ``steps`` when given), built one at a time as
+        they are consumed: a job of millions of steps starts at once and holds one batch."""
         spec, job = self.prepared.job.spec, self.prepared.job
         n = spec.steps if count is None else count
-        return list(
-            iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, spec.data.microbatches, n)
-        )
+        return iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, spec.data.microbatches, n)
 
     async def step(self, data: StepData) -> list[StepReport]:
         """Runs one batch on every executor; reports in sub-DAG order."""
