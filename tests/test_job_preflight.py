@@ -122,7 +122,12 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         r"^data\.path: data\.safetensors: 'inputs' holds NaN or inf \(first in sample 5\)",
     ),
     ("inf weights", {"kwargs": {"poison": True}}, r"^model\.entrypoint: 'lin\.weight' holds NaN or inf"),
-    ("huge batch", {"data__batch_size": 10**12}, r"^data\.batch_size: 1000000000000 samples need .* GiB"),
+    # 16M samples of 16 KB each: 250 GiB for one batch, within the schema's limits but not any machine's.
+    (
+        "huge batch",
+        {"data__batch_size": 1 << 24, "inputs": torch.zeros(12, 4, 1000)},
+        r"^data\.batch_size: 16777216 samples need 256\.\d GiB",
+    ),
 ]
 
 
