@@ -126,7 +126,7 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
     (
         "huge batch",
         {"data__batch_size": 1 << 24, "inputs": torch.zeros(12, 4, 1000)},
-        r"^data\.batch_size: 16777216 samples need 256\.\d GiB",
+        r"^data\.batch_size: 16777216 samples need 250\.\d GiB",
     ),
 ]
 
