@@ -4,5 +4,5 @@ Map:
 - ``prepare.py``  job -> traced IR + initial state + partition (what ``plan``, ``run`` and ``submit`` share)
 - ``batches.py``  the data a step feeds to each sub-DAG, micro-batch by micro-batch
 - ``local.py``    ``fusionnet run --local N``: N executors in one process over the in-memory channel
-- ``results.py``  the result files of interface.md (weights, grads, outputs, metrics.jsonl, plan.json)
+  (results assembled and written by ``fusionnet.results``, as the broker does)
 """

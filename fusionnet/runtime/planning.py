@@ -355,7 +355,7 @@ class JobPlan:
     planned: PlannedJob
     devices: list[DeviceSpec]  # the swarm planned for
     explanation: str
-    document: dict[str, Any]  # plan.json form (runtime.results.plan_document + the plan)
+    document: dict[str, Any]  # plan.json form (results.files.plan_document + the plan)
 
 
 def plan_job(
@@ -370,8 +370,8 @@ def plan_job(
     (profiled once, cached) on loopback links. Nothing runs."""
     from fusionnet.job.loader import LoadedJob, load_job
     from fusionnet.perfmodel.nodes import load_nodes_file
+    from fusionnet.results.files import plan_document
     from fusionnet.runtime.prepare import prepare_job, trace_job
-    from fusionnet.runtime.results import plan_document
 
     if not isinstance(job, LoadedJob):
         job = load_job(job)
