@@ -74,3 +74,33 @@ def test_infer_with_tied_embeddings_equals_plain_pytorch(
     assert ref.outputs is not None and written["outputs"].shape == ref.outputs.shape
     assert (written["outputs"] - ref.outputs).abs().max().item() <= TOL
     assert got.outputs is not None and torch.equal(got.outputs, written["outputs"])
+
+
+@pytest.mark.timeout(120)
+def test_submission_carries_the_non_persistent_buffers_the_ir_reads(tmp_path: Path) -> None:
+    """Rotary ``inv_freq`` is a non-persistent buffer: not in ``state_dict()``, yet the IR reads it; the
+    submission ships it and the broker's check accepts it (it refused the job before)."""
+    from fusionnet.broker.submission import check_submission
+    from fusionnet.dag.codec import decode_ir
+    from fusionnet.errors import JobError
+    from fusionnet.runtime.blobs import unpack_tensors
+    from fusionnet.runtime.jobwire import RunSpec
+    from fusionnet.runtime.submit import submission_payload
+
+    job = load_job(_job(tmp_path, "HFDecoder", family="llama"))
+    payload = submission_payload(job)
+    graph = decode_ir(payload["ir"])
+    state = unpack_tensors(payload["state"], "state")
+    non_persistent = {n for n, _ in job.model.named_buffers() if n not in job.model.state_dict()}
+    assert (
+        "lm.model.rotary_emb.inv_freq" in non_persistent and "lm.model.rotary_emb.inv_freq" in graph.buffers
+    )
+    assert set(graph.buffers) <= set(state) and set(graph.params) <= set(state)
+    assert set(job.model.state_dict()) <= set(state)
+    torch.testing.assert_close(state["lm.model.rotary_emb.inv_freq"], job.model.lm.model.rotary_emb.inv_freq)
+    check_submission(graph, state, unpack_tensors(payload["data"], "data"), RunSpec.parse(payload["spec"]))
+    without = {k: v for k, v in state.items() if k in job.model.state_dict()}
+    with pytest.raises(JobError, match="inv_freq"):
+        check_submission(
+            graph, without, unpack_tensors(payload["data"], "data"), RunSpec.parse(payload["spec"])
+        )

@@ -47,7 +47,7 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     entrypoint: NonEmptyStr  # FILE.py:callable (relative to the job file) or package.module:callable
     kwargs: dict[str, Any] = {}
-    weights: NonEmptyStr | None = None  # safetensors file with the initial state_dict
+    weights: NonEmptyStr | None = None  # initial state: a safetensors file or a save_pretrained folder
 
     @field_validator("entrypoint")
     @classmethod
