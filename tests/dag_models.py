@@ -41,6 +41,19 @@ class SplitMerge(nn.Module):
         return self.out(F.layer_norm(h, h.shape[-1:]))
 
 
+class TwoHeads(nn.Module):
+    """Returns a tuple: class scores and a per-sample embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 6)
+        self.cls = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.body(x))
+        return self.cls(h), h
+
+
 def make_data(model: str, n: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     width = 12 if model == "skip" else 8
