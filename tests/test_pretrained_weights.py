@@ -140,7 +140,7 @@ def test_bad_folders_are_refused(tmp_path: Path) -> None:
     escaped = {**index, "weight_map": {**index["weight_map"], key: f"../{shard}"}}
     save_file(load_file(folder / shard), str(tmp_path / shard))  # a real file, outside the folder
     index_path.write_text(json.dumps(escaped))
-    _refused(tmp_path, rf"shard '\.\./{shard}' lies outside the folder")
+    _refused(tmp_path, rf"pretrained/model.safetensors.index.json: '\.\./{shard}' lies outside the folder")
     moved = {
         **index,
         "weight_map": {
@@ -157,6 +157,12 @@ def test_bad_folders_are_refused(tmp_path: Path) -> None:
     (tmp_path / "linked").symlink_to(outside, target_is_directory=True)
     with pytest.raises(JobError, match="leads outside the job folder"):
         load_job(_job(tmp_path, weights="linked"))
+    (tmp_path / "single").mkdir()
+    (tmp_path / "single" / "model.safetensors").symlink_to(tmp_path / shard)
+    with pytest.raises(
+        JobError, match=r"single/model\.safetensors: 'model\.safetensors' lies outside the folder"
+    ):
+        load_job(_job(tmp_path, weights="single"))
 
 
 def test_key_prefix_goes_either_way() -> None:

@@ -49,12 +49,13 @@ def resolve_weights(base_dir: Path, rel: str) -> Path:
     return path
 
 
-def _inside(folder: Path, name: str, rel: str) -> Path:
+def _inside(folder: Path, name: str, rel: str, named_by: str) -> Path:
+    """``name`` (a shard, or ``model.safetensors``) as a file of ``folder``, symlinks resolved."""
     path = (folder / name).resolve()
     if not path.is_relative_to(folder):
-        raise JobError(f"model.weights: {rel}/{INDEX}: shard {name!r} lies outside the folder")
+        raise JobError(f"model.weights: {rel}/{named_by}: {name!r} lies outside the folder")
     if not path.is_file():
-        raise JobError(f"model.weights: {rel}/{INDEX}: shard {name!r} not found")
+        raise JobError(f"model.weights: {rel}/{named_by}: {name!r} not found")
     return path
 
 
@@ -83,7 +84,7 @@ def _sharded(folder: Path, rel: str) -> dict[str, Path]:
     files: dict[str, Path] = {}
     by_shard: dict[str, set[str]] = {}
     for key, name in weight_map.items():
-        files[key] = _inside(folder, name, rel)
+        files[key] = _inside(folder, name, rel, INDEX)
         by_shard.setdefault(name, set()).add(key)
     for name, wanted in sorted(by_shard.items()):
         held = set(_keys_of(files[next(iter(wanted))], f"{rel}/{name}"))
@@ -105,7 +106,7 @@ def weight_files(path: Path, rel: str) -> WeightFiles:
     if (path / INDEX).is_file():
         return WeightFiles(path, rel, _sharded(path, rel))
     if (path / SINGLE).is_file():
-        single = path / SINGLE
+        single = _inside(path, SINGLE, rel, SINGLE)
         return WeightFiles(path, rel, {k: single for k in _keys_of(single, f"{rel}/{SINGLE}")})
     pickled = " (pytorch_model.bin is pickle, which is never read: save with safe_serialization)"
     found = pickled if (path / "pytorch_model.bin").exists() else ""
