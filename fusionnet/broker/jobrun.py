@@ -449,8 +449,7 @@ class JobRun:
             metrics=self.progress.metrics,
             plan=plan,
         )
-        result.measured_seconds = measured
-        return result
+        return replace(result, measured_seconds=measured)
 
     async def _release_all(self, why: str, only: list[str] | None = None) -> None:
         peers = self.peers if only is None else only
