@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +41,19 @@ class SplitMerge(nn.Module):
         return self.out(F.layer_norm(h, h.shape[-1:]))
 
 
+class TwoHeads(nn.Module):
+    """Returns a tuple: class scores and a per-sample embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 6)
+        self.cls = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.body(x))
+        return self.cls(h), h
+
+
 def make_data(model: str, n: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     width = 12 if model == "skip" else 8
@@ -68,7 +83,8 @@ def figure3_data(n: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
 
 
 class HFCausalLM(nn.Module):
-    """A tiny random-init GPT-2 from ``transformers`` (nothing downloaded); forward returns the loss."""
+    """A tiny random-init GPT-2 from ``transformers`` (nothing downloaded), input and output embeddings tied;
+    forward returns the loss, or the logits when no labels are given (infer)."""
 
     def __init__(
         self, vocab: int = 40, width: int = 32, layers: int = 2, heads: int = 2, positions: int = 16
@@ -90,8 +106,9 @@ class HFCausalLM(nn.Module):
         )
         self.lm = transformers.GPT2LMHeadModel(cfg)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, labels=labels).loss
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.lm(input_ids=input_ids, labels=labels)
+        return out.logits if labels is None else out.loss
 
 
 class HFMaskedLM(nn.Module):
@@ -116,8 +133,9 @@ class HFMaskedLM(nn.Module):
         )
         self.lm = transformers.BertForMaskedLM(cfg)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, labels=labels).loss
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.lm(input_ids=input_ids, labels=labels)
+        return out.logits if labels is None else out.loss
 
 
 def token_data(
@@ -126,3 +144,61 @@ def token_data(
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (n, seq), generator=g)
     return ids, ids.clone()
+
+
+# Decoder families from ``transformers`` configs, tiny and random-init: what each brings to the IR.
+# llama: RMSNorm, rotary embeddings (non-persistent ``inv_freq`` buffer), grouped-query attention;
+# mistral: the same with its own attention module; qwen2: q/k/v biases; gemma: tied embeddings and a
+# non-persistent ``embed_scale`` buffer; phi3: fused qkv and gate/up projections.
+HF_DECODERS = ("llama", "mistral", "qwen2", "gemma", "phi3")
+
+
+def hf_decoder_config(family: str, vocab: int, width: int, layers: int, heads: int, kv_heads: int) -> Any:
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": width,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": 2 * width,
+        "max_position_embeddings": 64,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+    }
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common),
+        "mistral": lambda: transformers.MistralConfig(sliding_window=None, **common),
+        "qwen2": lambda: transformers.Qwen2Config(**common),
+        "gemma": lambda: transformers.GemmaConfig(head_dim=width // heads, **common),
+        "phi3": lambda: transformers.Phi3Config(**common),
+    }
+    if family not in configs:
+        raise ValueError(f"unknown decoder family {family!r}; known: {sorted(configs)}")
+    return configs[family]()
+
+
+class HFDecoder(nn.Module):
+    """A tiny random-init causal LM of one ``transformers`` family (``HF_DECODERS``; nothing downloaded);
+    forward returns the loss, or the logits when no labels are given (infer)."""
+
+    def __init__(
+        self,
+        family: str = "llama",
+        vocab: int = 40,
+        width: int = 32,
+        layers: int = 2,
+        heads: int = 4,
+        kv_heads: int = 2,
+    ) -> None:
+        super().__init__()
+        import transformers
+
+        cfg = hf_decoder_config(family, vocab, width, layers, heads, kv_heads)
+        self.lm = transformers.AutoModelForCausalLM.from_config(cfg)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.lm(input_ids=input_ids, labels=labels)
+        return out.logits if labels is None else out.loss

@@ -26,8 +26,9 @@ def write_job(
     compnodes: int = 2,
     optimizer: dict[str, Any] | None = None,
     loss: dict[str, Any] | None = None,
+    model_kwargs: dict[str, Any] | None = None,
 ) -> Path:
-    """A job whose model is ``tests.dag_models.<model_class>``."""
+    """A job whose model is ``tests.dag_models.<model_class>(**model_kwargs)``."""
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {"inputs": inputs.contiguous()}
     if labels is not None:
@@ -42,7 +43,7 @@ def write_job(
     doc: dict[str, Any] = {
         "name": f"test-{model_class.lower()}",
         "task": task,
-        "model": {"entrypoint": "model.py:build"},
+        "model": {"entrypoint": "model.py:build", "kwargs": model_kwargs or {}},
         "data": {"path": "data.safetensors", "batch_size": batch_size, "microbatches": microbatches},
         "steps": steps,
         "seed": 0,

@@ -51,9 +51,9 @@ from fusionnet.planning.placement import (
     predicted_step,
 )
 from fusionnet.planning.speeds import SpeedBook
+from fusionnet.results.assemble import RunResult, assemble_result
+from fusionnet.results.files import plan_document, write_results
 from fusionnet.runtime.blobs import unpack_tensors
-from fusionnet.runtime.local import RunResult, write_results
-from fusionnet.runtime.results import assemble_state, join_step_outputs, plan_document
 
 log = logging.getLogger("fusionnet.broker.jobs")
 
@@ -413,14 +413,12 @@ class JobRun:
     async def _collect_results(self, ckpt: Checkpoint) -> RunResult:
         assert self.partition is not None
         job, graph = self.job, self.job.graph
-        grads = None
+        grads: list[dict[str, torch.Tensor]] | None = None  # per sub-DAG
         if job.spec.task == "grad":
             replies = await self._gather(
                 [self._call(p, "collect", {"job_id": job.job_id}, ASSIGN_TIMEOUT) for p in self.peers]
             )
-            pieces = [unpack_tensors(r.get("grads"), f"grads from {p}") for p, r in zip(self.peers, replies)]
-            grads = assemble_state(graph.state_keys, pieces, None, graph.aliases)
-        weights = assemble_state(graph.state_keys, [ckpt.state], job.state, graph.aliases)
+            grads = [unpack_tensors(r.get("grads"), f"grads from {p}") for p, r in zip(self.peers, replies)]
         steps = max(self._busy_steps, 1)
         measured = {i: t / steps for i, t in self._busy.items()}
         plan = plan_document(
@@ -442,15 +440,17 @@ class JobRun:
         )
         for doc in plan["subdags"]:
             doc["compnode"] = self.peers[doc["subdag"]]
-        outputs = [self._outputs[s] for s in sorted(self._outputs)]
-        return RunResult(
-            weights=weights,
+        result = assemble_result(
+            graph,
+            job.spec.task,
+            states=[ckpt.state],
+            initial=job.state,
             grads=grads,
-            outputs=join_step_outputs(outputs) if job.spec.task == "infer" else None,
+            outputs=[self._outputs[s] for s in sorted(self._outputs)],
             metrics=self.progress.metrics,
             plan=plan,
-            measured_seconds=measured,
         )
+        return replace(result, measured_seconds=measured)
 
     async def _release_all(self, why: str, only: list[str] | None = None) -> None:
         peers = self.peers if only is None else only

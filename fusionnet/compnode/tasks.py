@@ -16,14 +16,13 @@ import asyncio
 import logging
 from typing import Any
 
-from torch.utils._pytree import tree_flatten
-
 from fusionnet.compnode.assignment import JobAssignment, build_assignment
 from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, arm
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
 from fusionnet.compnode.throttle import throttle
 from fusionnet.errors import JobError
+from fusionnet.results.assemble import output_tensors
 from fusionnet.rpc.server import RPCContext
 from fusionnet.runtime.blobs import pack_tensors
 from fusionnet.wire.datapath import DataPathClient, DataPathServer
@@ -232,11 +231,7 @@ class SubtaskService:
             "outputs": None,
         }
         if report.outputs:
-            tensors = {}
-            for mb, value in enumerate(report.outputs):
-                for i, leaf in enumerate(tree_flatten(value)[0]):
-                    tensors[f"{mb}/{i}"] = leaf
-            reply["outputs"] = pack_tensors(tensors)
+            reply["outputs"] = pack_tensors(output_tensors(report.outputs))
         job.last_reply = reply
         return reply
 

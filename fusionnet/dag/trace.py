@@ -20,7 +20,7 @@ per-node costs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +71,14 @@ class _NoLeafTracer(fx.Tracer):
 @dataclass
 class TracedModel:
     graph: IRGraph
-    state: dict[str, torch.Tensor]  # parameters and buffers by IR key (state_dict keys + constants)
+    # The tensors the IR reads by IR key: state_dict keys, non-persistent buffers (their module path,
+    # e.g. rotary ``inv_freq``) and constants torch.export lifted (``const:...``).
+    state: dict[str, torch.Tensor]
+
+    def job_state(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A job's initial state: the model's ``state_dict`` plus every tensor the IR reads that it leaves
+        out (non-persistent buffers, lifted constants), which the compnodes need as much as parameters."""
+        return {**state_dict, **{k: v for k, v in self.state.items() if k not in state_dict}}
 
 
 def trace_model(

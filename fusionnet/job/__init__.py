@@ -7,7 +7,8 @@ Map of the package:
 - ``optim.py``      optimizer allowlist, per-parameter settings (``per_op`` globs), ``build_optimizers``
 - ``losses.py``     loss allowlist (``torch.nn.functional``), keyword checks, the bound loss function
 - ``data.py``       the dataset: safetensors ``inputs``/``labels`` or char-level text windows
-- ``entrypoint.py`` imports and calls the model entry point, loads initial weights
+- ``entrypoint.py`` imports and calls the model entry point
+- ``weights.py``    ``model.weights``: a safetensors file or a ``save_pretrained`` folder (shards + index)
 - ``batches.py``    which samples each step uses; micro-batch slicing
 - ``loader.py``     ``load_job``: all of the above in an order where nothing runs before validation
 

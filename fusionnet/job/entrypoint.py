@@ -1,4 +1,4 @@
-"""``model.entrypoint`` -> the user's ``nn.Module``, and ``model.weights`` -> its initial state.
+"""``model.entrypoint`` -> the user's ``nn.Module`` (its initial weights: ``weights.py``).
 
 This is the one place where user code runs, and it runs only on the submitter's machine (design.md:
 compnodes receive IR, never code). A file entry point is imported from its path under a fresh, unique
@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from fusionnet.errors import JobError
 from fusionnet.job.data import resolve_file
@@ -102,31 +100,3 @@ def build_model(
         got = type(model).__name__
         raise JobError(f"model.entrypoint: {entrypoint} returned {got}, not a torch.nn.Module")
     return model
-
-
-def load_weights(model: torch.nn.Module, rel: str, base_dir: Path, *, allow_outside: bool = False) -> None:
-    """Loads a safetensors state_dict whose keys, shapes and dtypes match ``model.state_dict()``."""
-    path = resolve_file(base_dir, rel, "model.weights", allow_outside=allow_outside)
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise JobError(f"model.weights: {rel}: not a readable safetensors file ({e})") from e
-    state = model.state_dict()
-    missing, unexpected = sorted(set(state) - set(tensors)), sorted(set(tensors) - set(state))
-    if missing or unexpected:
-        parts = ([f"missing keys {missing}"] if missing else []) + (
-            [f"unexpected keys {unexpected}"] if unexpected else []
-        )
-        raise JobError(f"model.weights: {rel}: does not match the model: {'; '.join(parts)}")
-    for key in sorted(state):
-        want, got = state[key], tensors[key]
-        if tuple(want.shape) != tuple(got.shape):
-            raise JobError(
-                f"model.weights: {rel}: {key!r} has shape {tuple(got.shape)}, "
-                f"the model expects {tuple(want.shape)}"
-            )
-        if want.dtype != got.dtype:
-            raise JobError(
-                f"model.weights: {rel}: {key!r} has dtype {got.dtype}, the model expects {want.dtype}"
-            )
-    model.load_state_dict(tensors, strict=True)

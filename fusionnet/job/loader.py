@@ -17,12 +17,13 @@ import torch
 from fusionnet.errors import JobError
 from fusionnet.job.batches import batch_indices, infer_batches, split_microbatches
 from fusionnet.job.data import load_dataset, resolve_file
-from fusionnet.job.entrypoint import build_model, load_weights
+from fusionnet.job.entrypoint import build_model
 from fusionnet.job.losses import make_loss_fn
 from fusionnet.job.optim import unmatched_globs
 from fusionnet.job.parse import load_job_spec
 from fusionnet.job.preflight import preflight
 from fusionnet.job.schema import JobSpec
+from fusionnet.job.weights import load_weights, resolve_weights
 
 __all__ = [
     "LoadedJob",
@@ -64,7 +65,7 @@ def load_job(path: str | Path, *, allow_outside_paths: bool = False) -> LoadedJo
     if where.endswith(".py") or "/" in where or "\\" in where:
         resolve_file(base_dir, where, "model.entrypoint", allow_outside=outside)
     if spec.model.weights is not None:
-        resolve_file(base_dir, spec.model.weights, "model.weights", allow_outside=outside)
+        resolve_weights(base_dir, spec.model.weights, allow_outside=outside)
     dataset = load_dataset(spec.data, base_dir, spec.task, allow_outside=outside)
     loss_fn = None
     if spec.loss is not None and spec.task != "infer":

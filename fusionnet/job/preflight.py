@@ -35,6 +35,7 @@ class LoadedJob(Protocol):
     labels: torch.Tensor | None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
 
+
 # A batch's inputs may use at most this share of the machine's memory: activations, gradients and
 # optimizer state come on top of them.
 _BATCH_MEMORY_SHARE = 0.25

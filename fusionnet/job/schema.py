@@ -66,7 +66,7 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     entrypoint: PathStr  # FILE.py:callable (relative to the job file) or package.module:callable
     kwargs: dict[str, Any] = {}
-    weights: PathStr | None = None  # safetensors file with the initial state_dict
+    weights: PathStr | None = None  # initial state: a safetensors file or a save_pretrained folder
 
     @field_validator("entrypoint")
     @classmethod

@@ -7,8 +7,8 @@ Map of the package:
 - ``planjob.py``     ``fusionnet plan``: the job traced and planned (``fusionnet.planning``) for a nodes
                      file or for compnodes like this machine (``fusionnet.profiling``).
 - ``batches.py``     the data a step feeds to each sub-DAG, micro-batch by micro-batch.
-- ``local.py``       ``fusionnet run --local N``: N executors in one process over the in-memory channel.
-- ``results.py``     the result files of interface.md (weights, grads, outputs, metrics.jsonl, plan.json).
+- ``local.py``       ``fusionnet run --local N``: N executors in one process over the in-memory channel
+                     (results assembled and written by ``fusionnet.results``, as the broker does).
 - ``submit.py``      ``fusionnet submit``: send the IR, state and data to a broker, follow, download.
 - ``localswarm.py``  a broker and N compnodes as local processes (``fusionnet demo``, benchmarks).
 - ``blobs.py``       tensors <-> bytes for job messages (safetensors, never pickle).

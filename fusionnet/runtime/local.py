@@ -15,7 +15,6 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,22 +29,10 @@ from fusionnet.job.optim import build_optimizers, resolve_param_optimizers
 from fusionnet.perfmodel.types import DeviceSpec
 from fusionnet.planning.optimizers import job_optimizers
 from fusionnet.planning.predict import predict_subdags
+from fusionnet.results.assemble import RunResult, assemble_result, output_tensors
+from fusionnet.results.files import plan_document, write_results
 from fusionnet.runtime.batches import StepData, iter_steps
 from fusionnet.runtime.prepare import PreparedJob, prepare_job
-from fusionnet.runtime.results import assemble_state, plan_document, write_json, write_metrics, write_tensors
-
-
-@dataclass
-class RunResult:
-    weights: dict[str, torch.Tensor]
-    grads: dict[str, torch.Tensor] | None
-    outputs: torch.Tensor | None
-    metrics: list[dict[str, Any]]
-    plan: dict[str, Any]
-    measured_seconds: dict[int, float] = field(default_factory=dict)  # median step, after the first
-    # per sub-DAG, per step: (FP, BP, Update) seconds summed over the step's micro-batches
-    phase_seconds: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)
-    predicted_seconds: dict[int, float] | None = None
 
 
 def optimizer_factory(
@@ -179,7 +166,7 @@ async def _run(
     swarm = LocalSwarm(prepared)
     executors = swarm.executors
     metrics: list[dict[str, Any]] = []
-    outputs: list[Any] = []
+    outputs: list[dict[str, torch.Tensor]] = []  # per step: "mb/leaf" tensors, as a compnode sends them
     phases: dict[int, list[tuple[float, float, float]]] = {i: [] for i in range(len(executors))}
     for data in swarm.steps():
         started = time.perf_counter()
@@ -187,7 +174,8 @@ async def _run(
         seconds = time.perf_counter() - started
         for ex, r in zip(executors, reports):
             phases[ex.subdag.index].append((r.fp_seconds, r.bp_seconds, r.update_seconds))
-            outputs.extend(r.outputs)
+            if r.outputs:
+                outputs.append(output_tensors(r.outputs))
         row: dict[str, Any] = {"step": data.step, "seconds": seconds, "samples": sum(data.sizes)}
         loss = next((r.loss for r in reports if r.loss is not None), None)
         if loss is not None:
@@ -196,13 +184,6 @@ async def _run(
         if on_step:
             on_step(row)
     measured = {i: steady_seconds([sum(p) for p in rows]) for i, rows in phases.items()}
-    weights = assemble_state(
-        graph.state_keys, [ex.state() for ex in executors], job.model.state_dict(), graph.aliases
-    )
-    grads = None
-    if spec.task == "grad":
-        grads = assemble_state(graph.state_keys, [ex.gradients() for ex in executors], None, graph.aliases)
-    out_tensor = torch.cat([o for o in outputs], dim=0) if spec.task == "infer" and outputs else None
     extra: dict[str, Any] = {"job": spec.name, "task": spec.task, "frontend": graph.frontend}
     extra["measured_seconds_are"] = "FP+BP+Update seconds per step: median over the steps after the first"
     if device is not None:
@@ -216,16 +197,17 @@ async def _run(
         for row in plan["subdags"]:
             want, got = predicted.get(row["subdag"]), measured.get(row["subdag"])
             row["prediction_error"] = (want - got) / got if want is not None and got else None
-    result = RunResult(
-        weights=weights,
-        grads=grads,
-        outputs=out_tensor,
+    result = assemble_result(
+        graph,
+        spec.task,
+        states=[ex.state() for ex in executors],
+        initial=job.model.state_dict(),
+        grads=[ex.gradients() for ex in executors] if spec.task == "grad" else None,
+        outputs=outputs,
         metrics=metrics,
         plan=plan,
-        measured_seconds=measured,
-        phase_seconds=phases,
-        predicted_seconds=predicted,
     )
+    result.measured_seconds, result.phase_seconds, result.predicted_seconds = measured, phases, predicted
     if output_dir is not None:
         write_results(Path(output_dir), result, spec.task)
     return result
@@ -237,15 +219,3 @@ def _fields_for(
     """Only the dataset fields this sub-DAG's placeholders read (labels go where the loss is)."""
     wanted = {ex.graph.node(p).target for p in ex.subdag.placeholders}
     return [{k: v for k, v in mb.items() if k in wanted} for mb in microbatches]
-
-
-def write_results(output_dir: Path, result: RunResult, task: str) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    if task in ("train", "grad"):
-        write_tensors(output_dir / "weights.safetensors", result.weights)
-    if task == "grad" and result.grads is not None:
-        write_tensors(output_dir / "grads.safetensors", result.grads)
-    if task == "infer" and result.outputs is not None:
-        write_tensors(output_dir / "outputs.safetensors", {"outputs": result.outputs})
-    write_metrics(output_dir / "metrics.jsonl", result.metrics)
-    write_json(output_dir / "plan.json", result.plan)

@@ -18,8 +18,8 @@ from fusionnet.perfmodel.types import DeviceSpec
 from fusionnet.planning.optimizers import job_optimizers
 from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph
 from fusionnet.profiling.calibration import local_device_spec
+from fusionnet.results.files import plan_document
 from fusionnet.runtime.prepare import PreparedJob, prepare_job, trace_job
-from fusionnet.runtime.results import plan_document
 
 
 @dataclass
@@ -30,7 +30,7 @@ class JobPlan:
     planned: PlannedJob
     devices: list[DeviceSpec]  # the swarm planned for
     explanation: str
-    document: dict[str, Any]  # plan.json form (runtime.results.plan_document + the plan)
+    document: dict[str, Any]  # plan.json form (results.files.plan_document + the plan)
 
 
 def plan_job(

@@ -52,7 +52,7 @@ def submission_payload(job: LoadedJob) -> dict[str, Any]:
         "request_id": secrets.token_hex(16),
         "spec": run_spec_of(job, loss_reduction).model_dump(mode="json"),
         "ir": encode_ir(traced.graph),
-        "state": pack_tensors(job.model.state_dict()),
+        "state": pack_tensors(traced.job_state(job.model.state_dict())),
         "data": pack_tensors(data),
     }
 

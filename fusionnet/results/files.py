@@ -1,4 +1,7 @@
-"""The result files of interface.md: weights/grads/outputs (safetensors), metrics.jsonl, plan.json."""
+"""The result files of interface.md: weights/grads/outputs (safetensors), metrics.jsonl, plan.json.
+
+Every file is written to a temporary name and renamed into place, so a reader never sees half a file.
+"""
 
 from __future__ import annotations
 
@@ -12,30 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from fusionnet.dag.partition import Partition
-
-
-def assemble_state(
-    state_keys: Iterable[str],
-    pieces: Iterable[Mapping[str, torch.Tensor]],
-    fallback: Mapping[str, torch.Tensor] | None = None,
-    aliases: Mapping[str, str] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Merges the sub-DAGs' tensors into one ``state_dict`` with the model's key order. Tied keys
-    take their owner's value; keys no sub-DAG holds (tensors the graph never reads) keep their
-    values from ``fallback``, or are left out when there is none (gradients)."""
-    merged: dict[str, torch.Tensor] = {}
-    for piece in pieces:
-        for k, v in piece.items():
-            merged.setdefault(k, v)
-    aliases = aliases or {}
-    out: dict[str, torch.Tensor] = {}
-    for k in state_keys:
-        owner = aliases.get(k, k)
-        if owner in merged:
-            out[k] = merged[owner].detach().contiguous()
-        elif fallback is not None and k in fallback:
-            out[k] = fallback[k].detach().contiguous()
-    return out
+from fusionnet.results.assemble import RunResult
 
 
 def _atomic_write(path: Path, write: Any) -> None:
@@ -88,11 +68,14 @@ def write_json(path: Path, doc: Mapping[str, Any]) -> None:
     _atomic_write(path, lambda p: p.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n"))
 
 
-def join_step_outputs(per_step: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
-    """A swarm job's micro-batch outputs (``"mb/leaf"`` keys) of every step, in order, concatenated along
-    the sample dimension."""
-    rows: list[torch.Tensor] = []
-    for blob in per_step:
-        keys = sorted(blob, key=lambda k: tuple(int(x) for x in k.split("/")))
-        rows.extend(blob[k] for k in keys if k.endswith("/0"))
-    return torch.cat(rows, dim=0) if rows else None
+def write_results(output_dir: Path, result: RunResult, task: str) -> None:
+    """``output_dir`` as interface.md's "Results" table describes it, for ``task``."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if task in ("train", "grad"):
+        write_tensors(output_dir / "weights.safetensors", result.weights)
+    if task == "grad" and result.grads is not None:
+        write_tensors(output_dir / "grads.safetensors", result.grads)
+    if task == "infer" and result.outputs is not None:
+        write_tensors(output_dir / "outputs.safetensors", result.output_files())
+    write_metrics(output_dir / "metrics.jsonl", result.metrics)
+    write_json(output_dir / "plan.json", result.plan)

@@ -1,0 +1,106 @@
+"""Causal and masked LMs from ``transformers`` configs (tiny, random init, seeded) on N virtual compnodes
+(``run --local``) equal plain PyTorch: Llama, Mistral, Qwen2, Gemma, Phi3, GPT-2 and BERT; infer of a causal
+LM with tied embeddings writes the same outputs file; non-persistent buffers travel with the job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("transformers")
+
+from fusionnet.job.loader import load_job
+from fusionnet.reference import run_reference
+from fusionnet.runtime.local import run_local
+from tests.dag_models import HF_DECODERS, token_data
+from tests.jobfiles import write_job
+
+TOL = 1e-5
+SGD = {"name": "sgd", "lr": 0.1, "kwargs": {"momentum": 0.9}}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert list(a) == list(b), f"keys differ: {sorted(set(a) ^ set(b))}"
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _job(tmp_path: Path, model_class: str, task: str = "train", **model_kwargs: object) -> Path:
+    ids, labels = token_data(12)
+    return write_job(
+        tmp_path / "job",
+        model_class=model_class,
+        model_kwargs=dict(model_kwargs),
+        inputs=ids,
+        labels=None if task == "infer" else labels,
+        task=task,
+        loss=False,
+        microbatches=2,
+        batch_size=6,
+        steps=2,
+        optimizer=SGD,
+    )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", HF_DECODERS)
+def test_decoder_family_trains_exactly(family: str, tmp_path: Path) -> None:
+    path = _job(tmp_path, "HFDecoder", family=family)
+    ref = run_reference(load_job(path))
+    got = run_local(load_job(path), 2, tmp_path / "out")
+    assert _max_diff(got.weights, ref.weights) <= TOL
+    assert max(abs(r["loss"] - want) for r, want in zip(got.metrics, ref.losses)) <= TOL
+    # weights.safetensors holds the state_dict's keys: non-persistent buffers (rotary inv_freq) are not in it.
+    written = load_file(tmp_path / "out" / "weights.safetensors")
+    assert sorted(written) == sorted(load_job(path).model.state_dict())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "model_class,kwargs", [("HFCausalLM", {}), ("HFMaskedLM", {}), ("HFDecoder", {"family": "gemma"})]
+)
+def test_infer_with_tied_embeddings_equals_plain_pytorch(
+    model_class: str, kwargs: dict, tmp_path: Path
+) -> None:
+    """The model's single output (logits) reads the tied input/output embedding; ``run --local`` used to
+    crash joining its outputs (torch.export returns them as a tuple)."""
+    path = _job(tmp_path, model_class, task="infer", **kwargs)
+    ref = run_reference(load_job(path))
+    got = run_local(load_job(path), 2, tmp_path / "out")
+    written = load_file(tmp_path / "out" / "outputs.safetensors")
+    assert sorted(written) == ["outputs"]
+    assert ref.outputs is not None and written["outputs"].shape == ref.outputs.shape
+    assert (written["outputs"] - ref.outputs).abs().max().item() <= TOL
+    assert got.outputs is not None and torch.equal(got.outputs, written["outputs"])
+
+
+@pytest.mark.timeout(120)
+def test_submission_carries_the_non_persistent_buffers_the_ir_reads(tmp_path: Path) -> None:
+    """Rotary ``inv_freq`` is a non-persistent buffer: not in ``state_dict()``, yet the IR reads it; the
+    submission ships it and the broker's check accepts it (it refused the job before)."""
+    from fusionnet.broker.submission import check_submission
+    from fusionnet.dag.codec import decode_ir
+    from fusionnet.errors import JobError
+    from fusionnet.runtime.blobs import unpack_tensors
+    from fusionnet.runtime.jobwire import RunSpec
+    from fusionnet.runtime.submit import submission_payload
+
+    job = load_job(_job(tmp_path, "HFDecoder", family="llama"))
+    payload = submission_payload(job)
+    graph = decode_ir(payload["ir"])
+    state = unpack_tensors(payload["state"], "state")
+    non_persistent = {n for n, _ in job.model.named_buffers() if n not in job.model.state_dict()}
+    assert (
+        "lm.model.rotary_emb.inv_freq" in non_persistent and "lm.model.rotary_emb.inv_freq" in graph.buffers
+    )
+    assert set(graph.buffers) <= set(state) and set(graph.params) <= set(state)
+    assert set(job.model.state_dict()) <= set(state)
+    torch.testing.assert_close(state["lm.model.rotary_emb.inv_freq"], job.model.lm.model.rotary_emb.inv_freq)
+    check_submission(graph, state, unpack_tensors(payload["data"], "data"), RunSpec.parse(payload["spec"]))
+    without = {k: v for k, v in state.items() if k in job.model.state_dict()}
+    with pytest.raises(JobError, match="inv_freq"):
+        check_submission(
+            graph, without, unpack_tensors(payload["data"], "data"), RunSpec.parse(payload["spec"])
+        )

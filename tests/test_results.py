@@ -1,0 +1,59 @@
+"""``fusionnet.results``: the one path that turns the sub-DAGs' reports into result files, for ``run --local``
+and the broker alike (state under ``state_dict`` keys, outputs joined per output tensor)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fusionnet.errors import ExecutionError
+from fusionnet.job.loader import load_job
+from fusionnet.results.assemble import assemble_state, join_outputs, output_tensors
+from fusionnet.runtime.local import run_local
+from tests.jobfiles import write_job
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_outputs_flatten_per_microbatch_and_join_in_order() -> None:
+    rows = torch.arange(24.0).reshape(12, 2)
+    # 12 micro-batches of one row each: "10/0" must come after "9/0" (numeric, not string, order).
+    step0 = output_tensors([(rows[i : i + 1], {"h": rows[i : i + 1] * 2, "n": None}) for i in range(12)])
+    assert sorted(step0)[:3] == ["0/0", "0/1", "1/0"] and "11/1" in step0
+    step1 = output_tensors([rows[:3]])  # a later step whose model output is a bare tensor: leaf 0 only
+    joined = join_outputs([step0, step1])
+    assert torch.equal(joined["outputs"], torch.cat([rows, rows[:3]]))
+    assert torch.equal(joined["outputs.1"], rows * 2)
+    scalars = join_outputs([output_tensors([torch.tensor(1.0), torch.tensor(2.0)])])
+    assert torch.equal(scalars["outputs"], torch.tensor([1.0, 2.0]))
+    with pytest.raises(ExecutionError, match="not 'microbatch/leaf'"):
+        join_outputs([{"x": rows}])
+
+
+def test_state_takes_tied_keys_from_their_owner_and_keeps_untouched_ones() -> None:
+    keys = ["emb.weight", "head.weight", "unused"]
+    got = assemble_state(
+        keys,
+        [{"emb.weight": torch.ones(2)}],
+        {"unused": torch.zeros(1), "rotary.inv_freq": torch.ones(3)},
+        {"head.weight": "emb.weight"},
+    )
+    assert list(got) == keys and torch.equal(got["head.weight"], torch.ones(2))
+
+
+def test_infer_of_a_model_with_several_outputs_writes_each(tmp_path: Path) -> None:
+    x = torch.randn(10, 8, generator=torch.Generator().manual_seed(0))
+    path = write_job(
+        tmp_path / "job", model_class="TwoHeads", inputs=x, labels=None, task="infer", batch_size=4
+    )
+    job = load_job(path)
+    run_local(job, 2, tmp_path / "out")
+    written = load_file(tmp_path / "out" / "outputs.safetensors")
+    with torch.no_grad():
+        want_cls, want_h = job.model(x)
+    assert sorted(written) == ["outputs", "outputs.1"]
+    assert (written["outputs"] - want_cls).abs().max().item() <= 1e-6
+    assert (written["outputs.1"] - want_h).abs().max().item() <= 1e-6
