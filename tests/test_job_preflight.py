@@ -93,7 +93,11 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
         {"kwargs": {"returns": "none"}},
         r"^model\.entrypoint: forward .* returned a NoneType",
     ),
-    ("infer returns a dict", {"kwargs": {"returns": "dict"}, "task": "infer"}, r"task infer needs a Tensor"),
+    (
+        "infer returns None",
+        {"kwargs": {"returns": "none"}, "task": "infer"},
+        r"infer needs at least one Tensor",
+    ),
     (
         "inputs too wide",
         {"inputs": torch.randn(12, 7)},

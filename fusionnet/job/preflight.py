@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from fusionnet.errors import JobError
 from fusionnet.job.schema import JobSpec
@@ -117,8 +118,9 @@ def _dry_forward(job: LoadedJob) -> None:
     except Exception as e:
         raise JobError(f"{where} ({_describe(x)}) failed: {_short(e)}") from None
     if not uses_loss:
-        if not isinstance(out, torch.Tensor):
-            raise JobError(f"{where} returned a {_describe(out)}; task infer needs a Tensor")
+        # Infer results are every tensor the output holds (fusionnet.results.assemble.output_tensors).
+        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(out)[0]):
+            raise JobError(f"{where} returned a {_describe(out)}; task infer needs at least one Tensor")
         return
     assert y is not None
     if job.loss_fn is None:
