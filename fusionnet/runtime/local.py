@@ -26,7 +26,7 @@ from fusionnet.dag.executor import StepReport, SubDagExecutor
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition
 from fusionnet.job.loader import LoadedJob
-from fusionnet.job.optim import build_optimizers, resolve_param_optimizers
+from fusionnet.job.optim import OptimizerFactory, optimizer_factory
 from fusionnet.perfmodel.types import DeviceSpec
 from fusionnet.runtime.batches import StepData, iter_steps
 from fusionnet.runtime.prepare import PreparedJob, prepare_job
@@ -46,19 +46,6 @@ class RunResult:
     predicted_seconds: dict[int, float] | None = None
 
 
-def optimizer_factory(
-    job: LoadedJob,
-) -> Callable[[Mapping[str, torch.nn.Parameter]], list[torch.optim.Optimizer]] | None:
-    if job.spec.task != "train" or job.spec.optimizer is None:
-        return None
-    spec = job.spec.optimizer
-
-    def make(named: Mapping[str, torch.nn.Parameter]) -> list[torch.optim.Optimizer]:
-        return build_optimizers(named, resolve_param_optimizers(spec, list(named)))
-
-    return make
-
-
 class LocalSwarm:
     """The executors of one prepared job over an in-memory hub, stepped one batch at a time."""
 
@@ -69,7 +56,7 @@ class LocalSwarm:
             prepared.traced.state,
             prepared.partition,
             task=prepared.job.spec.task,
-            make_optimizers=optimizer_factory(prepared.job),
+            make_optimizers=optimizer_factory(prepared.job.spec.task, prepared.job.spec.optimizer),
             loss_reduction=prepared.loss_reduction,
         )
 
@@ -81,7 +68,7 @@ class LocalSwarm:
         partition: Partition,
         *,
         task: str,
-        make_optimizers: Callable[[Mapping[str, torch.nn.Parameter]], list[torch.optim.Optimizer]] | None,
+        make_optimizers: OptimizerFactory | None,
         loss_reduction: str = "mean",
     ) -> LocalSwarm:
         """Executors for a traced graph and partition that no job file describes (the executor
@@ -99,7 +86,7 @@ class LocalSwarm:
         partition: Partition,
         *,
         task: str,
-        make_optimizers: Any,
+        make_optimizers: OptimizerFactory | None,
         loss_reduction: str,
     ) -> None:
         self.hub = LocalHub(len(partition.subdags))
