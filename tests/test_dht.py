@@ -36,7 +36,8 @@ from fusionnet.dht import (
     stop_dht,
 )
 from fusionnet.errors import WireError
-from tests.swarm_utils import REPO, alive, descendants, wait_until
+from fusionnet.runtime.processes import alive, descendants, wait_until
+from tests.jobfiles import REPO
 
 HW = HardwareInfo(
     device_kind="cpu", device_name="test cpu", peak_flops=1e11, speed_factor=0.5, d_cpu=2**33, d_disk=2**35,

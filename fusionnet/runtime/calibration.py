@@ -40,7 +40,7 @@ from fusionnet.perfmodel.profile import (
 from fusionnet.perfmodel.types import DeviceSpec, Overheads
 from fusionnet.runtime.batches import StepData
 from fusionnet.runtime.calibration_models import CALIBRATION_MODELS, CalibrationModel
-from fusionnet.runtime.local import LocalSwarm
+from fusionnet.runtime.local import InMemorySwarm
 from fusionnet.runtime.planning import cost_graph, optimizer_profile_name
 
 CALIBRATION_VERSION = 1
@@ -86,7 +86,7 @@ class _Split:
         graph, cg = model.traced.graph, model.costs
         partition = build_partition(graph, balanced_assignment(graph, pieces))
         setting = model.setting
-        self.swarm = LocalSwarm.from_parts(
+        self.swarm = InMemorySwarm.from_parts(
             graph,
             model.traced.state,  # every executor copies the parameters it owns
             partition,

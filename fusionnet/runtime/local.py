@@ -46,8 +46,9 @@ class RunResult:
     predicted_seconds: dict[int, float] | None = None
 
 
-class LocalSwarm:
-    """The executors of one prepared job over an in-memory hub, stepped one batch at a time."""
+class InMemorySwarm:
+    """The executors of one prepared job over an in-memory hub, stepped one batch at a time (one process,
+    no daemons; ``process_swarm.ProcessSwarm`` is the swarm of real daemon processes)."""
 
     def __init__(self, prepared: PreparedJob) -> None:
         self.prepared = prepared
@@ -70,7 +71,7 @@ class LocalSwarm:
         task: str,
         make_optimizers: OptimizerFactory | None,
         loss_reduction: str = "mean",
-    ) -> LocalSwarm:
+    ) -> InMemorySwarm:
         """Executors for a traced graph and partition that no job file describes (the executor
         calibration's synthetic models); ``steps()`` needs a job, so such a swarm is fed ``StepData``."""
         swarm = cls.__new__(cls)
@@ -164,7 +165,7 @@ async def _run(
 ) -> RunResult:
     job, graph, partition = prepared.job, prepared.traced.graph, prepared.partition
     spec = job.spec
-    swarm = LocalSwarm(prepared)
+    swarm = InMemorySwarm(prepared)
     executors = swarm.executors
     metrics: list[dict[str, Any]] = []
     outputs: list[Any] = []
