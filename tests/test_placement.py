@@ -9,7 +9,6 @@ import pytest
 from fusionnet.broker.placement import (
     BALANCED,
     SCHEDULER,
-    Candidate,
     JobShape,
     first_pool,
     grown_pool,
@@ -20,28 +19,7 @@ from fusionnet.broker.placement import (
 )
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.errors import PlanError
-from fusionnet.job.loader import load_job
-from fusionnet.runtime.planning import job_optimizers
-from fusionnet.runtime.prepare import trace_job
-from tests.jobfiles import REPO
-from tests.test_planning import device
-
-
-@pytest.fixture(scope="module")
-def gpt() -> JobShape:
-    job = load_job(REPO / "examples" / "gpt" / "job.yaml")
-    graph = trace_job(job).graph
-    return JobShape(
-        graph=graph,
-        wanted=3,
-        microbatches=job.spec.data.microbatches,
-        batch_size=job.spec.data.batch_size,
-        optimizer=job_optimizers(job, graph),
-    )
-
-
-def cand(peer: str, flops: float | None = 1e11, backup: bool = False) -> Candidate:
-    return Candidate(peer, backup, None if flops is None else device(peer, flops=flops))
+from tests.planning_support import cand
 
 
 def test_first_pool_keeps_the_backups_standing_by() -> None:

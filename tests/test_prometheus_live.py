@@ -49,8 +49,8 @@ from fusionnet.metrics import (
 from fusionnet.metrics.common import JOB_STATES
 from fusionnet.runtime.process_swarm import CompnodeSpec, ProcessSwarm, running_swarm
 from fusionnet.runtime.processes import DaemonProcess, wait_until
+from tests.deploy_support import alert_rules, dashboard_exprs
 from tests.jobfiles import REPO
-from tests.test_deploy import alert_rules, dashboard_exprs
 
 DEPLOY = REPO / "deploy"
 PEERS = [f"12D3KooW{c * 44}" for c in "ABC"]

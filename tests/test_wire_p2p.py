@@ -11,7 +11,7 @@ from hivemind.p2p import P2P
 from fusionnet.errors import WireError
 from fusionnet.wire import P2PDataPath, PeerUnreachable, TensorFrame
 from fusionnet.wire.frames import write_frame
-from tests.test_wire_support import KEY, OTHER_KEY, frame, until
+from tests.wire_support import KEY, OTHER_KEY, frame, until
 
 
 async def _pair() -> tuple[P2P, P2P]:
