@@ -83,6 +83,7 @@ def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 90))
 
 
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
 @pytest.mark.timeout(120)
 def test_announce_lookup_ownership_malformed_and_expiry(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> None:
@@ -171,6 +172,7 @@ ORPHAN_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
 @pytest.mark.timeout(60)
 def test_dht_child_and_p2pd_exit_when_their_daemon_is_killed() -> None:
     proc = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT], stdout=subprocess.PIPE, cwd=REPO)

@@ -378,6 +378,7 @@ def single(result: list[dict[str, Any]]) -> float:
     return float(result[0]["value"][1])
 
 
+@pytest.mark.swarm
 @pytest.mark.timeout(300)
 def test_real_swarm_is_scraped(tmp_path: Path) -> None:
     prometheus_binary()
