@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fusionnet.broker.placement import Candidate
 from fusionnet.perfmodel.types import ClassCost, DeviceSpec, Overheads
 
 GiB = 1 << 30
 
 
-def device(name: str = "dev", *, flops: float = 1e11, memory: int = 8 * GiB, **kw) -> DeviceSpec:
+def device(
+    name: str = "dev",
+    *,
+    flops: float = 1e11,
+    memory: int = 8 * GiB,
+    mem_bandwidth: float = 1e10,
+    disk: int = 64 * GiB,
+    **kw: Any,
+) -> DeviceSpec:
+    """A CPU compnode for the planning and performance-model tests (``kw``: overheads, ...)."""
     return DeviceSpec(
         name=name,
         kind="cpu",
         peak_flops=flops,
         speed_factor=1.0,
-        mem_bandwidth=1e10,
+        mem_bandwidth=mem_bandwidth,
         d_gpu=0,
         d_cpu=memory,
-        d_disk=64 * GiB,
+        d_disk=disk,
         **kw,
     )
 
@@ -36,16 +47,7 @@ OVERHEADS = Overheads(
 
 def fitting_device(overheads: Overheads) -> DeviceSpec:
     """The CPU the overhead fit and the calibration tests price on."""
-    return DeviceSpec(
-        name="cpu",
-        kind="cpu",
-        peak_flops=1e11,
-        mem_bandwidth=4e10,
-        d_gpu=0,
-        d_cpu=1 << 33,
-        d_disk=1 << 33,
-        overheads=overheads,
-    )
+    return device("cpu", memory=1 << 33, mem_bandwidth=4e10, disk=1 << 33, overheads=overheads)
 
 
 def cand(peer: str, flops: float | None = 1e11, backup: bool = False) -> Candidate:
