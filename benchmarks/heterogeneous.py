@@ -54,7 +54,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from swarm_jobs import write_gpt_job  # noqa: E402
+from swarm_jobs import run_main, write_gpt_job  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
 from fusionnet.runtime.process_swarm import CompnodeSpec, ProcessSwarm  # noqa: E402
@@ -339,8 +339,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # every swarm was stopped on the way out
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)
