@@ -185,6 +185,7 @@ def values_by(result: list[dict[str, Any]], label: str) -> dict[str, float]:
 
 
 # ---- package endpoints + http_sd ---------------------------------------------------------------------------
+@pytest.mark.slow  # waits on a real Prometheus' scrape and discovery intervals
 @pytest.mark.timeout(180)
 def test_http_sd_discovers_compnodes(tmp_path: Path) -> None:
     broker = BrokerMetrics(process=False)
@@ -379,6 +380,7 @@ def single(result: list[dict[str, Any]]) -> float:
 
 
 @pytest.mark.swarm
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_real_swarm_is_scraped(tmp_path: Path) -> None:
     prometheus_binary()

@@ -28,7 +28,7 @@ from fusionnet.runtime.processes import start_daemon, wait_until
 from fusionnet.runtime.submit import submission_payload, submit_and_wait
 from tests.jobfiles import example_job
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 TOL = 1e-5
 SGD = {"name": "sgd", "lr": 0.05, "kwargs": {"momentum": 0.9}}
 PHASES = ("fp", "bp", "update", "sync")

@@ -29,7 +29,7 @@ from fusionnet.wire.datapath import DataPathClient
 from fusionnet.wire.frames import TensorFrame
 from tests.jobfiles import REPO, example_job
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 TOL = 1e-5
 
 
