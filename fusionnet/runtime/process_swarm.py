@@ -19,10 +19,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusionnet.errors import ExecutionError
 from fusionnet.runtime.processes import READY_TIMEOUT, DaemonProcess, start_daemon, wait_until
+
+if TYPE_CHECKING:
+    from fusionnet.daemon.observer import SwarmObserver
 
 
 def broker_args(
@@ -38,6 +41,11 @@ def broker_args(
         "--heartbeat-timeout", str(heartbeat_timeout),
         *extra,
     ]  # fmt: skip
+
+
+def members_online(broker_status: Mapping[str, Any]) -> int:
+    """Compnodes the broker lists ONLINE with a data path: ready for work (the DHT alone can be ahead)."""
+    return sum(1 for c in broker_status["compnodes"] if c["state"] == "ONLINE" and c["data_path_address"])
 
 
 @dataclass(frozen=True)
@@ -103,19 +111,17 @@ class ProcessSwarm:
         self.extra.append(daemon)
         return daemon.wait_ready() if wait else daemon
 
-    async def wait_members(self, observer: Any, timeout: float = READY_TIMEOUT) -> None:
-        """Until the broker lists every compnode ONLINE with a data path (its registry, not just the DHT);
-        ``observer`` is a started ``SwarmObserver``."""
+    async def wait_members(self, observer: SwarmObserver, timeout: float = READY_TIMEOUT) -> None:
+        """Until the broker lists every compnode ONLINE with a data path (its registry, not just the DHT)."""
         deadline = time.monotonic() + timeout
         wanted = len(self.compnodes) + len(self.extra)
         while True:
-            status = await observer.broker_status()
-            online = [c for c in status["compnodes"] if c["state"] == "ONLINE" and c["data_path_address"]]
-            if len(online) >= wanted:
+            online = members_online(await observer.broker_status())
+            if online >= wanted:
                 return
             if time.monotonic() > deadline:
                 raise ExecutionError(
-                    f"only {len(online)} of {wanted} compnodes joined within {timeout:.0f} s; "
+                    f"only {online} of {wanted} compnodes joined within {timeout:.0f} s; "
                     f"logs in {self.workdir}"
                 )
             await asyncio.sleep(0.2)
@@ -197,12 +203,8 @@ class BlockingObserver:
 
     def wait_online(self, n: int, timeout: float = 90.0) -> None:
         """Until the broker lists ``n`` compnodes ONLINE with a data path."""
-
-        def ready() -> bool:
-            st = self.broker_status()
-            return sum(1 for c in st["compnodes"] if c["state"] == "ONLINE" and c["data_path_address"]) >= n
-
-        wait_until(ready, timeout, f"{n} compnodes ONLINE at the broker")
+        what = f"{n} compnodes ONLINE at the broker"
+        wait_until(lambda: members_online(self.broker_status()) >= n, timeout, what)
 
     @property
     def p2p(self) -> Any:
