@@ -251,7 +251,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--slowdown", type=float, nargs="+", default=[3.0], metavar="F",
@@ -275,6 +275,39 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.warmup = 12, 2
     if any(f < 1 for f in args.slowdown) or args.steps <= args.warmup or args.warmup < 0:
         p.error("--slowdown must be >= 1, and --steps > --warmup >= 0")
+    return args
+
+
+def summarize(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON line: one slow-down's figures, or per-slow-down lists for a sweep."""
+    keys = ("slowdown", "measured_speedup", "predicted_speedup", "speedup_ratio")
+    sweep = len(results) > 1
+    summary: dict[str, Any] = {
+        "benchmark": "heterogeneous",
+        "job": f"examples/gpt n_layer={args.n_layer} d_model={args.d_model} batch={args.batch_size} "
+        f"microbatches={args.microbatches}",
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "sync_every": args.sync_every,
+        # One slow-down: its figures; a sweep: one list entry per slow-down, in the order given.
+        **{k: [r[k] for r in results] if sweep else results[0][k] for k in keys},
+        "within_15pct": all(r["within_15pct"] for r in results),
+        "exact": all(r["exact"] for r in results),
+    }
+    if sweep:
+        summary["within_15pct_each"] = [r["within_15pct"] for r in results]
+        summary["sweep"] = [
+            {k: v for k, v in r.items() if k not in ("split", "speeds", "policies")} for r in results
+        ]
+    else:
+        steps = ("model_step_s", "balanced_step_s", "model_predicted_s", "balanced_predicted_s")
+        summary.update({k: results[0][k] for k in (*steps, "max_weight_diff", "errors")})
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="fusionnet-heterogeneous-"))).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up like Ctrl-C
@@ -310,29 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(compare(runs["model"], runs["balanced"], args.warmup, ref))
 
     print_table(results)
-    keys = ("slowdown", "measured_speedup", "predicted_speedup", "speedup_ratio")
-    sweep = len(results) > 1
-    summary: dict[str, Any] = {
-        "benchmark": "heterogeneous",
-        "job": f"examples/gpt n_layer={args.n_layer} d_model={args.d_model} batch={args.batch_size} "
-        f"microbatches={args.microbatches}",
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "threads": args.threads,
-        "sync_every": args.sync_every,
-        # One slow-down: its figures; a sweep: one list entry per slow-down, in the order given.
-        **{k: [r[k] for r in results] if sweep else results[0][k] for k in keys},
-        "within_15pct": all(r["within_15pct"] for r in results),
-        "exact": all(r["exact"] for r in results),
-    }
-    if sweep:
-        summary["within_15pct_each"] = [r["within_15pct"] for r in results]
-        summary["sweep"] = [
-            {k: v for k, v in r.items() if k not in ("split", "speeds", "policies")} for r in results
-        ]
-    else:
-        steps = ("model_step_s", "balanced_step_s", "model_predicted_s", "balanced_predicted_s")
-        summary.update({k: results[0][k] for k in (*steps, "max_weight_diff", "errors")})
+    summary = summarize(results, args)
     summary["wall_s"] = round(time.monotonic() - t_start, 1)
     print(json.dumps(summary))
     return 0 if summary["within_15pct"] and summary["exact"] else 1

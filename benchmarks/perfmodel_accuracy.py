@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,9 +49,10 @@ from safetensors.torch import save_file
 from fusionnet.job.loader import load_job
 from fusionnet.perfmodel.fitting import fit_speed_factor
 from fusionnet.perfmodel.types import OP_CLASSES, DeviceSpec
-from fusionnet.runtime.calibration import local_device_spec
+from fusionnet.planning.optimizers import job_optimizers
+from fusionnet.planning.predict import predict_subdags
+from fusionnet.profiling.calibration import local_device_spec
 from fusionnet.runtime.local import InMemorySwarm
-from fusionnet.runtime.planning import job_optimizers, predict_subdags
 from fusionnet.runtime.prepare import PreparedJob, prepare_job, trace_job
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,9 +148,9 @@ async def measure_all(
     """``passes`` sweeps over every configuration, in one event loop (the in-memory hub's futures
     belong to one loop). A slow spell of the machine then spoils one pass of a configuration, not all
     of its steps. Returns, per configuration, the steps of every pass (measured, calibration)."""
-    calib_data = calib.steps(passes * len(configs) * steps)
+    calib_data = list(calib.steps(passes * len(configs) * steps))
     swarms = [InMemorySwarm(prepared) for prepared in configs]
-    data = [swarm.steps(passes * steps) for swarm in swarms]
+    data = [list(swarm.steps(passes * steps)) for swarm in swarms]
     out: list[tuple[list, list]] = [([], []) for _ in configs]
     for _ in range(passes):
         for i, swarm in enumerate(swarms):
@@ -163,48 +165,36 @@ def errors_summary(errs: list[float]) -> tuple[float, float]:
     return float(np.median(a)), float(np.quantile(a, 0.9))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="measured steps per configuration and pass (30)")
-    p.add_argument("--passes", type=int, default=4, help="sweeps over all configurations (default 4)")
-    p.add_argument("--pieces", type=int, default=4, help="split every job 1..PIECES ways (default 4)")
-    p.add_argument("--profile-seconds", type=float, default=2.0, help="profiling budget (default 2)")
-    args = p.parse_args(argv)
-    started = time.perf_counter()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        device = local_device_spec(seconds_budget=args.profile_seconds, cache_dir=Path(tmp) / "profile")
-        oh = device.overheads
-        print(
-            f"profile: peak {device.peak_flops / 1e9:.3g} GFLOP/s x lambda {device.speed_factor:.3g}, memory "
-            f"{device.mem_bandwidth / 1e9:.3g} GB/s; per call fp {oh.stage_fp * 1e6:.1f} us, bp "
-            f"{oh.stage_bp * 1e6:.1f} us, step {oh.stage_update * 1e6:.1f} us; per op fp/bp us (efficiency): "
-            + ", ".join(
-                f"{c} {oh.of(c).fp * 1e6:.1f}/{oh.of(c).bp * 1e6:.1f} ({oh.of(c).efficiency:.2f})"
-                for c in OP_CLASSES
-                if c != "other"
-            )
+def print_profile(device: DeviceSpec) -> None:
+    oh = device.overheads
+    print(
+        f"profile: peak {device.peak_flops / 1e9:.3g} GFLOP/s x lambda {device.speed_factor:.3g}, memory "
+        f"{device.mem_bandwidth / 1e9:.3g} GB/s; per call fp {oh.stage_fp * 1e6:.1f} us, bp "
+        f"{oh.stage_bp * 1e6:.1f} us, step {oh.stage_update * 1e6:.1f} us; per op fp/bp us (efficiency): "
+        + ", ".join(
+            f"{c} {oh.of(c).fp * 1e6:.1f}/{oh.of(c).bp * 1e6:.1f} ({oh.of(c).efficiency:.2f})"
+            for c in OP_CLASSES
+            if c != "other"
         )
-        calib_dir = Path(tmp) / "calibration"
-        calib_dir.mkdir()
-        calib_job = load_job(calibration_job(calib_dir))
-        calib_prepared = prepare_job(calib_job, CALIBRATION_PIECES)
-        calib_pred = predict(calib_prepared, device)
-        calib = InMemorySwarm(calib_prepared)
-        configs: list[tuple[str, int, PreparedJob]] = []
-        for name in EXAMPLES:
-            job = load_job(REPO / "examples" / name / "job.yaml")
-            traced = trace_job(job)
-            configs += [(name, k, prepare_job(job, k, traced=traced)) for k in range(1, args.pieces + 1)]
-    measured = asyncio.run(measure_all([c[2] for c in configs], calib, args.steps + WARMUP, args.passes))
+    )
+
+
+def accuracy_rows(
+    configs: list[tuple[str, int, PreparedJob]],
+    measured: list[tuple[list[list[float]], list[list[float]]]],
+    calib_pred: dict[int, float],
+    device: DeviceSpec,
+) -> tuple[list[dict[str, Any]], float, list[float]]:
+    """One row per sub-DAG of every configuration: measured against predicted with lambda fitted on
+    the calibration job over all passes, per configuration, and the profile alone; with that lambda
+    and the per-configuration ones."""
 
     def fit_lambda(c_rows: list[list[float]]) -> float:
         """lambda relative to the profile (measured = predicted / lambda), from calibration steps only."""
         best = [min(r[i] for r in c_rows) for i in range(len(calib_pred))]
         return fit_speed_factor([(calib_pred[i] * device.speed, best[i]) for i in calib_pred], device.speed)
 
-    all_calib = [r for _t, c_rows in measured for r in c_rows]
-    global_lambda = fit_lambda(all_calib)
+    global_lambda = fit_lambda([r for _t, c_rows in measured for r in c_rows])
     rows, lambdas = [], []
     for (name, k, prepared), (t_rows, c_rows) in zip(configs, measured):
         factor = fit_lambda(c_rows)
@@ -228,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
                     "lambda": factor,
                 }
             )
+    return rows, global_lambda, lambdas
+
+
+def report(rows: list[dict[str, Any]], global_lambda: float, lambdas: list[float]) -> dict[str, Any]:
+    """Prints the rows and the error summary; returns the JSON line's fields."""
     print(
         f"{'job':<8} {'k':>2} {'sub':>3} {'nodes':>5} {'measured ms':>11} {'predicted ms':>12} {'error':>7} "
         f"{'per-config':>10} {'profile-only':>12} {'lambda':>6}"
@@ -249,23 +244,44 @@ def main(argv: list[str] | None = None) -> int:
     )
     for key, label in ERRORS.items():
         print(f"  {label:<58} {summary[key][0]:>6.1%} / {summary[key][1]:>6.1%}")
-    result = {
+    others = {key.removesuffix("_error"): v for key, v in summary.items() if key != "error"}
+    return {
         "median_rel_error": summary["error"][0],
         "p90_rel_error": summary["error"][1],
         "subdags": len(rows),
         "lambda": global_lambda,
-        **{
-            f"{key.removesuffix('_error')}_median_rel_error": v[0]
-            for key, v in summary.items()
-            if key != "error"
-        },
-        **{
-            f"{key.removesuffix('_error')}_p90_rel_error": v[1]
-            for key, v in summary.items()
-            if key != "error"
-        },
-        "seconds": time.perf_counter() - started,
+        **{f"{key}_median_rel_error": v[0] for key, v in others.items()},
+        **{f"{key}_p90_rel_error": v[1] for key, v in others.items()},
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=30, help="measured steps per configuration and pass (30)")
+    p.add_argument("--passes", type=int, default=4, help="sweeps over all configurations (default 4)")
+    p.add_argument("--pieces", type=int, default=4, help="split every job 1..PIECES ways (default 4)")
+    p.add_argument("--profile-seconds", type=float, default=2.0, help="profiling budget (default 2)")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        device = local_device_spec(seconds_budget=args.profile_seconds, cache_dir=Path(tmp) / "profile")
+        print_profile(device)
+        calib_dir = Path(tmp) / "calibration"
+        calib_dir.mkdir()
+        calib_job = load_job(calibration_job(calib_dir))
+        calib_prepared = prepare_job(calib_job, CALIBRATION_PIECES)
+        calib_pred = predict(calib_prepared, device)
+        calib = InMemorySwarm(calib_prepared)
+        configs: list[tuple[str, int, PreparedJob]] = []
+        for name in EXAMPLES:
+            job = load_job(REPO / "examples" / name / "job.yaml")
+            traced = trace_job(job)
+            configs += [(name, k, prepare_job(job, k, traced=traced)) for k in range(1, args.pieces + 1)]
+    measured = asyncio.run(measure_all([c[2] for c in configs], calib, args.steps + WARMUP, args.passes))
+    rows, global_lambda, lambdas = accuracy_rows(configs, measured, calib_pred, device)
+    result = report(rows, global_lambda, lambdas)
+    result["seconds"] = time.perf_counter() - started
     print(json.dumps(result))
     return 0
 

@@ -241,6 +241,59 @@ def median(values: list[float]) -> float | None:
     return round(statistics.median(values), 4) if values else None
 
 
+def summarize(records: list[RunRecord], steps: int, runs: int) -> dict[str, Any]:
+    """Prints the phase table (FusionNet against Confidant's Table 7); returns the JSON line's fields."""
+    passive = [r for rec in records if rec.scenario == "passive" for r in rec.recoveries if "detection" in r]
+    complete = [r for r in passive if all(k in r for k in ("redistribution", "replay"))]
+    phases = {k: [r[k] for r in complete] for k in ("detection", "redistribution", "replay")}
+    totals = [r["detection"] + r["redistribution"] + r["replay"] for r in complete]
+    from_kill = [rec.from_kill for rec in records if rec.from_kill is not None]
+    stalls = [r["handover_stall"] for rec in records for r in rec.recoveries if "handover_stall" in r]
+    notices = [rec.notice for rec in records if rec.notice is not None]
+    step_s = [s for rec in records for s in rec.step_seconds]
+
+    rows = [
+        ("detection (step start -> known dead)", spread(phases["detection"]), "-"),
+        ("detection from the kill (logs)", spread(from_kill), "-"),
+        ("redistribution", spread(phases["redistribution"]), "-"),
+        ("replay", spread(phases["replay"]), "-"),
+        ("passive total", spread(totals), f"{CONFIDANT_PASSIVE_S}"),
+        ("proactive stall", spread(stalls), f"{CONFIDANT_PROACTIVE_S}"),
+        ("  SIGTERM -> handed over", spread(notices), "-"),
+        ("fault-free step (context)", spread(step_s), "-"),
+    ]
+    header = ("phase", "FusionNet median (min-max) s", "Confidant Table 7 s")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(3)]
+    print()
+    for row in [header, *rows]:
+        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
+
+    p_total, p_stall = median(totals), median(stalls)
+    return {
+        "benchmark": "recovery",
+        "job": "examples/gpt",
+        "steps": steps,
+        "runs": runs,
+        "passive_detection_s": median(phases["detection"]),
+        "passive_detection_from_kill_s": median(from_kill),
+        "passive_redistribution_s": median(phases["redistribution"]),
+        "passive_replay_s": median(phases["replay"]),
+        "passive_total_s": p_total,
+        "proactive_stall_s": p_stall,
+        "proactive_notice_s": median(notices),
+        "step_s": median(step_s),
+        "confidant_passive_s": CONFIDANT_PASSIVE_S,
+        "confidant_proactive_s": CONFIDANT_PROACTIVE_S,
+        "passive_vs_confidant": round(p_total / CONFIDANT_PASSIVE_S, 4) if p_total is not None else None,
+        "proactive_vs_confidant": round(p_stall / CONFIDANT_PROACTIVE_S, 4) if p_stall is not None else None,
+        "passive_target_met": p_total is not None and max(totals) < PASSIVE_TARGET_S,
+        "proactive_target_met": p_stall is not None and max(stalls) < PROACTIVE_TARGET_S,
+        "exact": all(rec.exact for rec in records),
+        "faults": [rec.fault for rec in records if rec.fault],
+        "failed_runs": sum(1 for rec in records if rec.error),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3, help="runs per scenario (default 3)")
@@ -273,56 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         records.append(rec)
         print(f"  [{time.monotonic() - t_start:5.0f} s] {line(rec)}", flush=True)
 
-    passive = [r for rec in records if rec.scenario == "passive" for r in rec.recoveries if "detection" in r]
-    complete = [r for r in passive if all(k in r for k in ("redistribution", "replay"))]
-    phases = {k: [r[k] for r in complete] for k in ("detection", "redistribution", "replay")}
-    totals = [r["detection"] + r["redistribution"] + r["replay"] for r in complete]
-    from_kill = [rec.from_kill for rec in records if rec.from_kill is not None]
-    stalls = [r["handover_stall"] for rec in records for r in rec.recoveries if "handover_stall" in r]
-    notices = [rec.notice for rec in records if rec.notice is not None]
-    step_s = [s for rec in records for s in rec.step_seconds]
-
-    rows = [
-        ("detection (step start -> known dead)", spread(phases["detection"]), "-"),
-        ("detection from the kill (logs)", spread(from_kill), "-"),
-        ("redistribution", spread(phases["redistribution"]), "-"),
-        ("replay", spread(phases["replay"]), "-"),
-        ("passive total", spread(totals), f"{CONFIDANT_PASSIVE_S}"),
-        ("proactive stall", spread(stalls), f"{CONFIDANT_PROACTIVE_S}"),
-        ("  SIGTERM -> handed over", spread(notices), "-"),
-        ("fault-free step (context)", spread(step_s), "-"),
-    ]
-    header = ("phase", "FusionNet median (min-max) s", "Confidant Table 7 s")
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(3)]
-    print()
-    for row in [header, *rows]:
-        print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
-
-    p_total, p_stall = median(totals), median(stalls)
-    summary = {
-        "benchmark": "recovery",
-        "job": "examples/gpt",
-        "steps": args.steps,
-        "runs": args.runs,
-        "passive_detection_s": median(phases["detection"]),
-        "passive_detection_from_kill_s": median(from_kill),
-        "passive_redistribution_s": median(phases["redistribution"]),
-        "passive_replay_s": median(phases["replay"]),
-        "passive_total_s": p_total,
-        "proactive_stall_s": p_stall,
-        "proactive_notice_s": median(notices),
-        "step_s": median(step_s),
-        "confidant_passive_s": CONFIDANT_PASSIVE_S,
-        "confidant_proactive_s": CONFIDANT_PROACTIVE_S,
-        "passive_vs_confidant": round(p_total / CONFIDANT_PASSIVE_S, 4) if p_total is not None else None,
-        "proactive_vs_confidant": round(p_stall / CONFIDANT_PROACTIVE_S, 4) if p_stall is not None else None,
-        "passive_target_met": p_total is not None and max(totals) < PASSIVE_TARGET_S,
-        "proactive_target_met": p_stall is not None and max(stalls) < PROACTIVE_TARGET_S,
-        "exact": all(rec.exact for rec in records),
-        "faults": [rec.fault for rec in records if rec.fault],
-        "failed_runs": sum(1 for rec in records if rec.error),
-        "wall_s": round(time.monotonic() - t_start, 1),
-    }
+    summary = summarize(records, args.steps, args.runs)
+    summary["wall_s"] = round(time.monotonic() - t_start, 1)
     print(json.dumps(summary))
     return 0 if not summary["failed_runs"] and summary["exact"] else 1
 

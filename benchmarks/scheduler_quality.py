@@ -23,14 +23,15 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 
-from fusionnet.broker.scheduler import balanced_split, chain_dp, plan_for_assignment, schedule
-from fusionnet.broker.scheduler_exact import exact_schedule
 from fusionnet.errors import PartitionError, PlanError
 from fusionnet.perfmodel.catalog import CATALOG
 from fusionnet.perfmodel.models import BERT_LARGE, transformer_blocks, transformer_fine
 from fusionnet.perfmodel.synthetic import random_chain, random_dag, random_swarm, random_workload
 from fusionnet.perfmodel.types import CostGraph, Link, Swarm, Workload
+from fusionnet.planning.scheduler import balanced_split, chain_dp, plan_for_assignment, schedule
+from fusionnet.planning.scheduler_exact import exact_schedule
 
 GiB = 1 << 30
 OBJECTIVES = ("step_time", "makespan")
@@ -57,65 +58,68 @@ def baseline(graph: CostGraph, swarm: Swarm, workload: Workload, objective: str,
     return best
 
 
-def quality(instances: int, seed: int) -> dict:
-    rng = random.Random(seed)
-    ratios: dict[str, list[float]] = {o: [] for o in OBJECTIVES}
-    base_ratios: dict[str, list[float]] = {o: [] for o in OBJECTIVES}
-    chain_total = chain_equal = infeasible = base_infeasible = 0
-    heur_s = exact_s = 0.0
-    rows = []
-    for k in range(instances):
-        is_chain = k % 2 == 0
-        n = rng.randint(4, 8)
-        graph = random_chain(rng, n) if is_chain else random_dag(rng, n)
-        swarm = random_swarm(rng, rng.randint(2, 4), per_pair_links=k % 5 == 0)
-        workload = random_workload(rng)
-        for objective in OBJECTIVES:
-            t0 = time.perf_counter()
+@dataclass
+class Tally:
+    """What ``quality`` accumulates over the instances."""
+
+    ratios: dict[str, list[float]] = field(default_factory=lambda: {o: [] for o in OBJECTIVES})
+    base_ratios: dict[str, list[float]] = field(default_factory=lambda: {o: [] for o in OBJECTIVES})
+    rows: list[tuple] = field(default_factory=list)
+    chain_total: int = 0
+    chain_equal: int = 0
+    infeasible: int = 0
+    base_infeasible: int = 0
+    heur_s: float = 0.0
+    exact_s: float = 0.0
+
+
+def score_instance(k: int, rng: random.Random, tally: Tally) -> None:
+    """Instance ``k`` (a chain when even) scored for both objectives: scheduler and baseline against
+    the exact optimum, and the chain DP on chains."""
+    is_chain = k % 2 == 0
+    n = rng.randint(4, 8)
+    graph = random_chain(rng, n) if is_chain else random_dag(rng, n)
+    swarm = random_swarm(rng, rng.randint(2, 4), per_pair_links=k % 5 == 0)
+    workload = random_workload(rng)
+    for objective in OBJECTIVES:
+        t0 = time.perf_counter()
+        try:
+            exact = exact_schedule(graph, swarm, workload, objective=objective)
+        except PlanError:
+            tally.infeasible += 1
             try:
-                exact = exact_schedule(graph, swarm, workload, objective=objective)
+                schedule(graph, swarm, workload, objective=objective)
             except PlanError:
-                infeasible += 1
-                try:
-                    schedule(graph, swarm, workload, objective=objective)
-                except PlanError:
-                    continue  # both agree nothing fits
-                raise AssertionError(  # noqa: B904 - the PlanError above is the expected outcome
-                    f"instance {k}: schedule found a plan the exact search says cannot exist"
-                )
-            t1 = time.perf_counter()
-            plan = schedule(graph, swarm, workload, objective=objective)
-            exact_s += t1 - t0
-            heur_s += time.perf_counter() - t1
-            opt = value(exact, objective)
-            r = value(plan, objective) / opt
-            b = baseline(graph, swarm, workload, objective) / opt
-            ratios[objective].append(r)
-            if b < float("inf"):
-                base_ratios[objective].append(b)
-            else:
-                base_infeasible += 1
-            rows.append(
-                (
-                    k,
-                    "chain" if is_chain else "dag",
-                    len(graph.ops),
-                    len(swarm.devices),
-                    workload,
-                    objective,
-                    r,
-                    b,
-                )
+                continue  # both agree nothing fits
+            raise AssertionError(  # noqa: B904 - the PlanError above is the expected outcome
+                f"instance {k}: schedule found a plan the exact search says cannot exist"
             )
-            if is_chain and objective == "makespan":
-                chain_total += 1
-                dp = chain_dp(graph, swarm, workload)
-                chain_equal += abs(dp.makespan_seconds - opt) <= TOL * opt
+        t1 = time.perf_counter()
+        plan = schedule(graph, swarm, workload, objective=objective)
+        tally.exact_s += t1 - t0
+        tally.heur_s += time.perf_counter() - t1
+        opt = value(exact, objective)
+        r = value(plan, objective) / opt
+        b = baseline(graph, swarm, workload, objective) / opt
+        tally.ratios[objective].append(r)
+        if b < float("inf"):
+            tally.base_ratios[objective].append(b)
+        else:
+            tally.base_infeasible += 1
+        shape = "chain" if is_chain else "dag"
+        tally.rows.append((k, shape, len(graph.ops), len(swarm.devices), workload, objective, r, b))
+        if is_chain and objective == "makespan":
+            tally.chain_total += 1
+            dp = chain_dp(graph, swarm, workload)
+            tally.chain_equal += abs(dp.makespan_seconds - opt) <= TOL * opt
+
+
+def print_tally(t: Tally) -> None:
     print(
         f"{'inst':>4} {'shape':<5} {'ops':>3} {'dev':>3} {'task':<5} {'sched':<5} {'m':>2} {'objective':<9} "
         f"{'sched/opt':>9} {'balanced/opt':>12}"
     )
-    shown = sorted(rows, key=lambda r: -r[6])[:12]
+    shown = sorted(t.rows, key=lambda r: -r[6])[:12]
     for k, shape, n, d, w, obj, r, b in shown:
         print(
             f"{k:>4} {shape:<5} {n:>3} {d:>3} {w.task:<5} {w.schedule:<5} {w.microbatches:>2} {obj:<9} "
@@ -128,31 +132,40 @@ def quality(instances: int, seed: int) -> dict:
         "baseline median/worst"
     )
     for o in OBJECTIVES:
-        v, b = sorted(ratios[o]), sorted(base_ratios[o])
+        v, b = sorted(t.ratios[o]), sorted(t.base_ratios[o])
         p95 = v[int(0.95 * (len(v) - 1))]
         eq = sum(x <= 1 + 1e-6 for x in v) / len(v)
         print(
             f"{o:<10} {len(v):>4} {statistics.median(v):>8.4f} {p95:>8.4f} {max(v):>8.4f} {eq:>6.1%} | "
             f"{statistics.median(b):.4f} / {max(b):.4f}"
         )
-    print(f"the balanced baseline found no plan that fits on {base_infeasible} (objective, instance) pairs")
+    print(f"the balanced baseline found no plan that fits on {t.base_infeasible} (objective, instance) pairs")
     print(
-        f"chain DP equals the optimum on {chain_equal}/{chain_total} chains; "
-        f"{infeasible} infeasible (objective, instance) pairs"
+        f"chain DP equals the optimum on {t.chain_equal}/{t.chain_total} chains; "
+        f"{t.infeasible} infeasible (objective, instance) pairs"
     )
-    print(f"planning time: schedule {heur_s:.2f} s, exact {exact_s:.2f} s in total")
-    every = ratios["step_time"] + ratios["makespan"]
+    print(f"planning time: schedule {t.heur_s:.2f} s, exact {t.exact_s:.2f} s in total")
+
+
+def quality(instances: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    t = Tally()
+    for k in range(instances):
+        score_instance(k, rng, t)
+    print_tally(t)
+    every = t.ratios["step_time"] + t.ratios["makespan"]
+    base_every = t.base_ratios["step_time"] + t.base_ratios["makespan"]
     return {
         "instances": instances,
         "worst_ratio": max(every),
         "median_ratio": statistics.median(every),
-        "worst_ratio_step_time": max(ratios["step_time"]),
-        "worst_ratio_makespan": max(ratios["makespan"]),
-        "baseline_median_ratio": statistics.median(base_ratios["step_time"] + base_ratios["makespan"]),
-        "baseline_worst_ratio": max(base_ratios["step_time"] + base_ratios["makespan"]),
-        "baseline_infeasible": base_infeasible,
-        "chain_dp_equal_optimum": chain_equal == chain_total,
-        "chains": chain_total,
+        "worst_ratio_step_time": max(t.ratios["step_time"]),
+        "worst_ratio_makespan": max(t.ratios["makespan"]),
+        "baseline_median_ratio": statistics.median(base_every),
+        "baseline_worst_ratio": max(base_every),
+        "baseline_infeasible": t.base_infeasible,
+        "chain_dp_equal_optimum": t.chain_equal == t.chain_total,
+        "chains": t.chain_total,
     }
 
 

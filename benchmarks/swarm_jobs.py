@@ -3,6 +3,7 @@ the way a benchmark script exits."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,14 +15,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def write_gpt_job(path: Path, *, model: dict[str, Any] | None = None, **top: Any) -> Path:
-    """``examples/gpt/job.yaml`` with its paths made absolute, ``model`` merged into the model's kwargs,
-    ``data`` merged into its data section and the other keys (steps, optimizer, placement, ...) set."""
+    """``examples/gpt/job.yaml`` with its model file and data copied next to ``path`` (a job's files live
+    in its folder), ``model`` merged into the model's kwargs, ``data`` merged into its data section and
+    the other keys (steps, optimizer, placement, ...) set."""
     src = REPO / "examples" / "gpt" / "job.yaml"
     doc = yaml.safe_load(src.read_text())
-    where, _, attr = doc["model"]["entrypoint"].rpartition(":")
-    doc["model"]["entrypoint"] = f"{(src.parent / where).resolve()}:{attr}"
+    where, _, _ = doc["model"]["entrypoint"].rpartition(":")
+    for rel in (where, doc["data"]["path"]):
+        target = path.parent / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src.parent / rel, target)
     doc["model"]["kwargs"].update(model or {})
-    doc["data"]["path"] = str((src.parent / doc["data"]["path"]).resolve())
     doc["data"].update(top.pop("data", {}))
     doc.update(top)
     path.write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from fusionnet.broker.placement import JobShape
 from fusionnet.job.loader import load_job
-from fusionnet.runtime.planning import job_optimizers
+from fusionnet.planning.optimizers import job_optimizers
+from fusionnet.planning.placement import JobShape
 from fusionnet.runtime.prepare import trace_job
 from tests.jobfiles import REPO
 

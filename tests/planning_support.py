@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fusionnet.broker.placement import Candidate
 from fusionnet.perfmodel.types import ClassCost, DeviceSpec, Overheads
+from fusionnet.planning.placement import Candidate
 
 GiB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""The executor calibration (``runtime.calibration``): its synthetic models run through the real
+"""The executor calibration (``profiling.calibration``): its synthetic models run through the real
 executor and cover what the performance model prices; its result is cached per machine and base."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fusionnet.perfmodel.types import OP_CLASSES, ClassCost, DeviceSpec, Overheads
-from fusionnet.runtime import calibration
-from fusionnet.runtime.calibration_models import CALIBRATION_MODELS
+from fusionnet.profiling import calibration
+from fusionnet.profiling.calibration_models import CALIBRATION_MODELS
 from tests.planning_support import fitting_device
 
 pytestmark = pytest.mark.timeout(120)

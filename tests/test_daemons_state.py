@@ -326,7 +326,7 @@ def test_state_dir_lock_and_address_file(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_profile_is_cached_per_setup(tmp_path: Path) -> None:
-    from fusionnet.compnode.profile import CACHE_FILE, profile_hardware
+    from fusionnet.profiling.node import CACHE_FILE, profile_hardware
 
     hw = profile_hardware(tmp_path, threads=1)
     assert hw.device_kind == "cpu" and hw.threads == 1 and hw.peak_flops > 0 and 0 < hw.speed_factor <= 10

@@ -82,8 +82,13 @@ def test_text_data_windows(tmp_path: Path) -> None:
     path = _job(tmp_path, data={"path": "corpus.txt", "block_size": 5})
     (tmp_path / "corpus.txt").write_text(text)
     doc = yaml.safe_load(path.read_text())
-    doc["model"] = {"entrypoint": "torch.nn:Embedding", "kwargs": {"num_embeddings": 20, "embedding_dim": 3}}
-    doc["loss"] = {"name": "mse_loss"}
+    (tmp_path / "text.py").write_text(
+        "from torch import nn\n\nclass Text(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.emb = nn.Embedding(20, 20)\n\n    def forward(self, x):\n"
+        "        return self.emb(x).transpose(1, 2)\n\ndef build():\n    return Text()\n"
+    )
+    doc["model"] = {"entrypoint": "text.py:build"}
     path.write_text(yaml.safe_dump(doc))
     job = load_job(path)
     vocab = sorted(set(text))
@@ -127,7 +132,9 @@ def test_package_module_entrypoint_and_dotted_attribute(tmp_path: Path) -> None:
     doc = yaml.safe_load(path.read_text())
     doc["model"] = {"entrypoint": "torch.nn:Linear", "kwargs": {"in_features": 4, "out_features": 3}}
     path.write_text(yaml.safe_dump(doc))
-    assert isinstance(load_job(path).model, torch.nn.Linear)
+    with pytest.raises(JobError, match=r"^model\.entrypoint: 'torch\.nn:Linear' names an importable module"):
+        load_job(path)
+    assert isinstance(load_job(path, allow_outside_paths=True).model, torch.nn.Linear)
     (tmp_path / "nested.py").write_text(
         "from torch import nn\n\nclass Factory:\n    @staticmethod\n"
         "    def make():\n        return nn.Linear(4, 3)\n"
@@ -181,3 +188,69 @@ def test_loss_kwargs_are_bound(tmp_path: Path) -> None:
     x, y = torch.randn(5, 3), torch.tensor([0, 1, 2, 1, 0])
     expected = torch.nn.functional.cross_entropy(x, y, reduction="sum", label_smoothing=0.1)
     assert job.loss_fn is not None and torch.equal(job.loss_fn(x, y), expected)
+
+
+def _outside_variants(tmp_path: Path) -> list[tuple[str, str, str]]:
+    """(key, value, what the refusal must say) for files that leave the job folder."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "evil.py").write_text("from torch import nn\n\ndef build():\n    return nn.Linear(4, 3)\n")
+    tensors = {"inputs": torch.zeros(5, 4), "labels": torch.zeros(5, dtype=torch.long)}
+    save_file(tensors, str(outside / "d.st"))
+    return [
+        ("model.entrypoint", "../outside/evil.py:build", "leads outside the job folder"),
+        ("model.entrypoint", f"{outside}/evil.py:build", "leads outside the job folder"),
+        ("model.entrypoint", "linked.py:build", "leads outside the job folder"),
+        ("model.entrypoint", "os:system", "names an importable module"),
+        ("model.entrypoint", "imports.py:system", "imported from 'posix'"),
+        ("data.path", "../outside/d.st", "leads outside the job folder"),
+        ("data.path", f"{outside}/d.st", "leads outside the job folder"),
+        ("data.path", "linked.st", "leads outside the job folder"),
+        ("data.path", "/etc/passwd", "leads outside the job folder"),
+        ("model.weights", "../outside/d.st", "leads outside the job folder"),
+    ]
+
+
+def test_paths_outside_the_job_folder_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    for key, value, message in _outside_variants(tmp_path):
+        path = _job(job_dir)
+        (job_dir / "linked.py").unlink(missing_ok=True)
+        (job_dir / "linked.py").symlink_to(tmp_path / "outside" / "evil.py")
+        (job_dir / "linked.st").unlink(missing_ok=True)
+        (job_dir / "linked.st").symlink_to(tmp_path / "outside" / "d.st")
+        (job_dir / "imports.py").write_text("from os import system\n")
+        doc = yaml.safe_load(path.read_text())
+        section, field = key.split(".")
+        doc[section][field] = value
+        path.write_text(yaml.safe_dump(doc))
+        with pytest.raises(JobError) as info:
+            load_job(path)
+        assert str(info.value).startswith(key) and message in str(info.value), (value, str(info.value))
+
+
+def test_outside_paths_load_with_the_explicit_flag(tmp_path: Path) -> None:
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    _outside_variants(tmp_path)
+    path = _job(job_dir)
+    doc = yaml.safe_load(path.read_text())
+    doc["model"] = {"entrypoint": "../outside/evil.py:build"}
+    doc["data"]["path"] = str(tmp_path / "outside" / "d.st")
+    path.write_text(yaml.safe_dump(doc))
+    job = load_job(path, allow_outside_paths=True)
+    assert isinstance(job.model, torch.nn.Linear) and job.inputs.shape == (5, 4)
+
+
+@pytest.mark.parametrize("value", ["x" * 5000 + ".py:build", "bad\0name.py:build"])
+def test_unusable_entrypoint_paths_give_one_message(tmp_path: Path, value: str) -> None:
+    path = _job(tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    doc["model"] = {"entrypoint": value}
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(
+        JobError, match=r"^model\.entrypoint: .*(not a usable path|at most 1024 char)"
+    ) as info:
+        load_job(path)
+    assert len(str(info.value)) < 400

@@ -97,7 +97,7 @@ CASES: list[tuple[str, Callable[[Doc, Path], None], str]] = [
     (
         "entrypoint module missing",
         _set("model.entrypoint", "no_such_pkg_xyz.models:build"),
-        "model.entrypoint: module 'no_such_pkg_xyz.models' not found",
+        "model.entrypoint: 'no_such_pkg_xyz.models:build' names an importable module",
     ),
     (
         "entrypoint returns no Module",

@@ -8,11 +8,12 @@ import asyncio
 
 import pytest
 
-from fusionnet.broker.links import LinkBook, index_links, parse_probe_reply, probe_placement
-from fusionnet.broker.placement import consider_growth, plan_placement, predicted_step
+from fusionnet.broker.links import parse_probe_reply, probe_placement
 from fusionnet.compnode.linkprobe import MAX_PROBE_BYTES, LinkProber, check_probe_request
 from fusionnet.errors import JobError
 from fusionnet.perfmodel.types import Link
+from fusionnet.planning.links import LinkBook, index_links
+from fusionnet.planning.placement import consider_growth, plan_placement, predicted_step
 from fusionnet.wire.frames import TensorFrame
 from tests.planning_support import cand
 

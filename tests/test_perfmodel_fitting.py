@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from fusionnet.perfmodel import profile as profile_mod
 from fusionnet.perfmodel.fitting import fit_link, fit_speed_factor, refine_speed_factor
+from fusionnet.profiling import hardware as profile_mod
 
 
 def test_speed_factor_recovered_from_noisy_samples_with_outliers():

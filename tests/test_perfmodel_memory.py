@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fusionnet.errors import PartitionError, PlanError
-from fusionnet.perfmodel.assignment import evaluate_assignment, stage_order
 from fusionnet.perfmodel.memory import MemoryDemand, inflight_microbatches, stage_memory
+from fusionnet.perfmodel.placement_cost import evaluate_assignment, stage_order
 from fusionnet.perfmodel.timing import op_bp_seconds, op_fp_seconds
 from fusionnet.perfmodel.types import CostGraph, DeviceSpec, Link, OpCost, Swarm, Workload
 

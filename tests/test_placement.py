@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from fusionnet.broker.placement import (
+from fusionnet.dag.partition import balanced_assignment, build_partition
+from fusionnet.errors import PlanError
+from fusionnet.planning.placement import (
     BALANCED,
     SCHEDULER,
     JobShape,
@@ -17,8 +19,6 @@ from fusionnet.broker.placement import (
     predicted_step,
     worth_replanning,
 )
-from fusionnet.dag.partition import balanced_assignment, build_partition
-from fusionnet.errors import PlanError
 from tests.planning_support import cand
 
 
@@ -107,7 +107,7 @@ def test_balanced_policy_on_known_hardware_is_predicted_and_slower_on_unequal_no
 
 
 def test_consider_growth_adopts_only_a_predicted_gain_from_new_free_nodes(gpt: JobShape) -> None:
-    from fusionnet.broker.placement import consider_growth
+    from fusionnet.planning.placement import consider_growth
 
     alone = [cand("a", 1e11)]
     current = plan_placement(gpt, alone)

@@ -9,14 +9,10 @@ from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.errors import PlanError
 from fusionnet.job.loader import load_job
 from fusionnet.perfmodel.types import Link
-from fusionnet.runtime.planning import (
-    cost_graph,
-    job_optimizers,
-    op_class,
-    optimizer_profile_name,
-    plan_graph,
-    predict_subdags,
-)
+from fusionnet.planning.costgraph import cost_graph, op_class
+from fusionnet.planning.optimizers import job_optimizers, optimizer_profile_name
+from fusionnet.planning.planner import plan_graph
+from fusionnet.planning.predict import predict_subdags
 from fusionnet.runtime.prepare import trace_job
 from tests.jobfiles import REPO
 from tests.planning_support import OVERHEADS, GiB, device

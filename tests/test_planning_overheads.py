@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fusionnet.errors import IRError, PlanError
-from fusionnet.perfmodel import overheads as overheads_mod
-from fusionnet.perfmodel.assignment import evaluate_assignment
+from fusionnet.perfmodel.placement_cost import evaluate_assignment
 from fusionnet.perfmodel.timing import op_bp_seconds, op_fp_seconds, op_update_seconds
 from fusionnet.perfmodel.types import (
     OP_CLASSES,
@@ -19,6 +18,7 @@ from fusionnet.perfmodel.types import (
     Swarm,
     Workload,
 )
+from fusionnet.profiling import microbench as overheads_mod
 from tests.planning_support import device
 
 OH = Overheads(

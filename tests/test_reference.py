@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ import torch.nn.functional as F
 import yaml
 from safetensors.torch import save_file
 
-from fusionnet.errors import ExecutionError
-from fusionnet.job.loader import load_job
+from fusionnet.errors import ExecutionError, JobError
+from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.reference import run_reference
 
 MODEL_PY = """
@@ -149,13 +150,24 @@ def test_model_computed_loss_and_momentum_optimizer(tmp_path: Path) -> None:
     assert all(torch.equal(result.weights[k], v) for k, v in model.state_dict().items())
 
 
-def test_non_scalar_loss_is_an_execution_error(tmp_path: Path) -> None:
+def test_non_scalar_loss_is_refused_at_load_and_at_run(tmp_path: Path) -> None:
     path = _job(tmp_path, model={"entrypoint": "model.py:build", "kwargs": {"bad_loss": True}})
     doc = yaml.safe_load(path.read_text())
     del doc["loss"]
     path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(
+        JobError, match=r"^model\.entrypoint: model\(inputs, labels\) must return a scalar loss"
+    ):
+        load_job(path)
+    job = _load_unchecked(path)
     with pytest.raises(ExecutionError, match=r"step 0: model\(inputs, labels\) must return a scalar tensor"):
-        run_reference(load_job(path))
+        run_reference(job)
+
+
+def _load_unchecked(path: Path) -> LoadedJob:
+    """The job as load_job builds it, minus the preflight (to reach the runtime's own check)."""
+    with mock.patch("fusionnet.job.loader.preflight"):
+        return load_job(path)
 
 
 def test_runs_are_deterministic(tmp_path: Path) -> None:

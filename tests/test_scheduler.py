@@ -8,14 +8,14 @@ import time
 
 import pytest
 
-from fusionnet.broker.scheduler import balanced_split, chain_dp, plan_for_assignment, schedule
-from fusionnet.broker.scheduler_exact import exact_schedule
 from fusionnet.errors import PartitionError, PlanError
-from fusionnet.perfmodel.assignment import evaluate_assignment, stage_order
 from fusionnet.perfmodel.catalog import CATALOG
 from fusionnet.perfmodel.models import BERT_LARGE, transformer_blocks
+from fusionnet.perfmodel.placement_cost import evaluate_assignment, stage_order
 from fusionnet.perfmodel.synthetic import random_chain, random_dag, random_swarm, random_workload
 from fusionnet.perfmodel.types import CostGraph, DeviceSpec, Link, OpCost, Swarm, Workload
+from fusionnet.planning.scheduler import balanced_split, chain_dp, plan_for_assignment, schedule
+from fusionnet.planning.scheduler_exact import exact_schedule
 
 MiB, GiB = 1 << 20, 1 << 30
 

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from fusionnet.broker.scheduler_exact import exact_schedule
 from fusionnet.errors import PartitionError, PlanError
-from fusionnet.perfmodel.assignment import evaluate_assignment
+from fusionnet.perfmodel.placement_cost import evaluate_assignment
 from fusionnet.perfmodel.synthetic import random_chain, random_dag, random_swarm, random_workload
+from fusionnet.planning.scheduler_exact import exact_schedule
 
 
 def brute_force(graph, swarm, workload, objective, max_devices=None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fusionnet.broker.speeds import CLAMP, SpeedBook
+from fusionnet.planning.speeds import CLAMP, SpeedBook
 from tests.planning_support import OVERHEADS, device
 
 

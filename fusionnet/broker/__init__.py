@@ -1,1 +1,17 @@
-"""broker"""
+"""The broker daemon: job intake, the compnode registry, placement and supervision of running jobs.
+
+It calls the planner (``fusionnet.planning``) and holds no planning code of its own.
+
+Map of the package:
+
+- ``daemon.py``       ``Broker``: DHT announcement, registry, heartbeats, the job service, shutdown.
+- ``registry.py``     the compnodes as the broker sees them: DHT records merged with heartbeats.
+- ``jobs.py``         job intake RPCs: ``submit_job``, ``job_status``, ``job_results``.
+- ``submission.py``   a job as received, and the checks a submission passes before it is accepted.
+- ``jobrun.py``       one job from plan to results: placement, steps, failover, hand-over, growth.
+- ``assignments.py``  what each compnode of a placement is sent in ``assign``.
+- ``failures.py``     noticing that a job lost a compnode; the record of each recovery.
+- ``checkpoints.py``  a job's durable state: its submission and the latest step-boundary checkpoint.
+- ``links.py``        probing a placement's links; the answers go into ``planning.links.LinkBook``.
+- ``store.py``        persistent state in SQLite under the state dir.
+"""

@@ -32,10 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionnet import __version__
-from fusionnet.broker.links import LinkBook
-from fusionnet.broker.placement import BALANCED, SCHEDULER
 from fusionnet.broker.registry import CompnodeEntry, CompnodeRegistry, RegistryEvent
-from fusionnet.broker.speeds import SpeedBook
 from fusionnet.broker.store import BrokerStore, CompnodeRow
 from fusionnet.daemon.base import Daemon
 from fusionnet.daemon.config import DaemonConfig
@@ -44,6 +41,9 @@ from fusionnet.errors import FusionNetError
 from fusionnet.metrics import BrokerMetrics, ScrapeTarget, write_file_sd
 from fusionnet.metrics.sd import TargetSource
 from fusionnet.perfmodel.types import Link
+from fusionnet.planning.links import LinkBook
+from fusionnet.planning.placement import BALANCED, SCHEDULER
+from fusionnet.planning.speeds import SpeedBook
 from fusionnet.rpc.server import RPCContext
 
 log = logging.getLogger("fusionnet.broker")

@@ -33,8 +33,14 @@ import torch
 from fusionnet.broker.assignments import assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
 from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog
-from fusionnet.broker.links import LinkBook, probe_placement
-from fusionnet.broker.placement import (
+from fusionnet.broker.links import probe_placement
+from fusionnet.broker.store import JobState
+from fusionnet.broker.submission import SubmittedJob
+from fusionnet.dag.partition import Partition, build_partition
+from fusionnet.errors import ExecutionError, FusionNetError, JobError
+from fusionnet.planning.links import LinkBook
+from fusionnet.planning.optimizers import optimizer_profiles
+from fusionnet.planning.placement import (
     Candidate,
     JobShape,
     Placement,
@@ -44,14 +50,9 @@ from fusionnet.broker.placement import (
     pool_after_loss,
     predicted_step,
 )
-from fusionnet.broker.speeds import SpeedBook
-from fusionnet.broker.store import JobState
-from fusionnet.broker.submission import SubmittedJob
-from fusionnet.dag.partition import Partition, build_partition
-from fusionnet.errors import ExecutionError, FusionNetError, JobError
+from fusionnet.planning.speeds import SpeedBook
 from fusionnet.runtime.blobs import unpack_tensors
 from fusionnet.runtime.local import RunResult, write_results
-from fusionnet.runtime.planning import optimizer_profiles
 from fusionnet.runtime.results import assemble_state, join_step_outputs, plan_document
 
 log = logging.getLogger("fusionnet.broker.jobs")

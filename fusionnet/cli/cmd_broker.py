@@ -71,10 +71,10 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fusionnet.broker.daemon import BrokerConfig, BrokerDaemon
-    from fusionnet.broker.placement import BALANCED, SCHEDULER
     from fusionnet.daemon.config import common_config
     from fusionnet.daemon.plugins import BROKER_PLUGIN, add_plugin_services
     from fusionnet.metrics import BROKER_METRICS
+    from fusionnet.planning.placement import BALANCED, SCHEDULER
 
     try:
         config = BrokerConfig(

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fusionnet.cli.jobflags import add_job_loading_flags, load_job_for_command
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -24,14 +26,14 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--json", type=Path, metavar="FILE", help="also write the plan as JSON to FILE (plan.json's format)"
     )
+    add_job_loading_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from fusionnet.job.loader import load_job
-    from fusionnet.runtime.planning import plan_job
+    from fusionnet.runtime.planjob import plan_job
 
-    job = load_job(args.job)
+    job = load_job_for_command(args)
     planned = plan_job(job, nodes_file=args.nodes)
     print(planned.prepared.partition.describe())
     print()

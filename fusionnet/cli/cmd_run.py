@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fusionnet.cli.jobflags import add_job_loading_flags, check_output_dir, load_job_for_command
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -29,18 +31,19 @@ def add_parser(subparsers: Any) -> None:
         action="store_true",
         help="skip the performance model's predictions (and the one-time profiling of this machine)",
     )
+    add_job_loading_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from fusionnet.errors import JobError
-    from fusionnet.job.loader import load_job
     from fusionnet.runtime.local import run_local
     from fusionnet.runtime.prepare import prepare_job
 
     if args.local < 1:
         raise JobError(f"--local: must be >= 1, got {args.local}")
-    job = load_job(args.job)
+    check_output_dir(args.output)
+    job = load_job_for_command(args)
     prepared = prepare_job(job, args.local)
     if not args.quiet:
         print(prepared.partition.describe())
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = None
     if not args.no_predict:
-        from fusionnet.runtime.calibration import local_device_spec
+        from fusionnet.profiling.calibration import local_device_spec
 
         device = local_device_spec()
     result = run_local(job, args.local, args.output, prepared=prepared, on_step=progress, device=device)

@@ -7,6 +7,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from fusionnet.cli.jobflags import add_job_loading_flags, check_output_dir
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -27,12 +29,24 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--output", type=Path, required=True, metavar="DIR", help="directory for the result files")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="give up after S seconds")
+    add_job_loading_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from fusionnet.runtime.loadcheck import check_job_loads
     from fusionnet.runtime.submit import submit_and_wait, summary
 
-    outcome = asyncio.run(submit_and_wait(args.job, args.initial_peers, args.output, timeout=args.timeout))
+    check_output_dir(args.output)  # before the job is sent: a bad --output must not lose its results
+    check_job_loads(args.job, allow_outside_paths=args.allow_outside_paths, timeout=args.load_timeout)
+    outcome = asyncio.run(
+        submit_and_wait(
+            args.job,
+            args.initial_peers,
+            args.output,
+            timeout=args.timeout,
+            allow_outside_paths=args.allow_outside_paths,
+        )
+    )
     print(summary(outcome))
     return 0

@@ -13,7 +13,13 @@ import logging
 import sys
 
 from fusionnet import __version__
-from fusionnet.errors import FusionNetError
+from fusionnet.errors import FusionNetError, JobError, TraceError
+
+# Exit codes (README "Commands"): 0 success, 1 the work failed (swarm, job, peers), 2 bad input (the job
+# file, its model or data, the command line), 130 interrupted.
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+BAD_INPUT = (JobError, TraceError)
 
 # Order is the order shown by --help.
 COMMANDS: tuple[str, ...] = ("demo", "broker", "compnode", "submit", "run", "plan", "status", "section4")
@@ -57,7 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     except FusionNetError as e:
         # User-facing errors are one line, no traceback: the message already says what and where.
         print(f"fusionnet {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_BAD_INPUT if isinstance(e, BAD_INPUT) else EXIT_FAILED
+    except Exception as e:
+        # A bug of ours, not the user's: still one line, the traceback only when asked for.
+        if args.log_level == "DEBUG":
+            raise
+        print(
+            f"fusionnet {args.command}: error: internal error {type(e).__name__}: {str(e)[:300]} "
+            "(run with --log-level DEBUG for the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print(f"fusionnet {args.command}: interrupted", file=sys.stderr)
         return 130

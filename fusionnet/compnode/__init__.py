@@ -1,1 +1,14 @@
-"""compnode"""
+"""The compnode daemon: announces its hardware, runs the sub-DAGs it is assigned, exchanges tensors.
+
+Measuring the hardware is ``fusionnet.profiling.node``'s job; the daemon only announces the result.
+
+Map of the package:
+
+- ``daemon.py``      ``Compnode``: DHT join, start-up profiling, hardware record, RPC services, shutdown.
+- ``tasks.py``       the service behind the broker's ``assign``: sub-task execution, step RPCs.
+- ``assignment.py``  one job's sub-DAG here: checked IR, rebuilt executor, network channel, data.
+- ``netchannel.py``  the executor's ``Channel`` over the network (authenticated tensor frames).
+- ``linkprobe.py``   timing the links to the job's other compnodes (alpha + beta * M).
+- ``throttle.py``    an emulated slow device (``--slowdown F``) for heterogeneous swarms on one host.
+- ``faults.py``      fault injection for recovery tests and benchmarks.
+"""

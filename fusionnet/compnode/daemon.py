@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusionnet import __version__
-from fusionnet.compnode.profile import profile_hardware, profile_software_overheads
 from fusionnet.compnode.throttle import check_slowdown, slowed_hardware
 from fusionnet.daemon.base import Daemon
 from fusionnet.daemon.config import DaemonConfig
@@ -47,6 +46,7 @@ from fusionnet.dht.records import (
     join_host_port,
 )
 from fusionnet.metrics import CompnodeMetrics
+from fusionnet.profiling.node import profile_hardware, profile_software_overheads
 from fusionnet.rpc.server import RPCContext
 
 log = logging.getLogger("fusionnet.compnode")

@@ -1,1 +1,15 @@
-"""dag"""
+"""The IR plane and the execution plane: a model as a DAG of named ops, cut into sub-DAGs and run.
+
+Map of the package:
+
+- ``ir.py``          ``IRGraph`` / ``IRNode``: the model as pure data.
+- ``trace.py``       ``nn.Module`` + loss + example inputs -> ``IRGraph`` with shapes and costs (torch.fx).
+- ``registry.py``    the operator registry: how ops are added, and the decoder's allowlist.
+- ``costs.py``       per-op FLOPs and bytes moved; ``flop_rules.py`` the per-operator rules.
+- ``codec.py``       IR <-> msgpack bytes, with the checks a compnode applies to IR from a peer.
+- ``partition.py``   an assignment IR node -> sub-DAG turned into sub-DAGs (FusionAI Table 3).
+- ``rebuild.py``     IR nodes -> callables; a sub-DAG -> ``torch.fx.GraphModule``.
+- ``executor.py``    FP, BP and Update of one sub-DAG (``SubDagExecutor``).
+- ``channel.py``     the message passing between executors; ``LocalHub`` keeps it in memory.
+- ``checkpoint.py``  a sub-DAG's optimizer state as flat named tensors, and back.
+"""

@@ -4,7 +4,7 @@ The mechanism (``build_partition``) accepts any assignment over any DAG, branche
 across cuts included, and refuses one whose sub-DAG graph is cyclic (a sub-DAG could then never
 start its FP), naming the edges involved. Policies that *produce* assignments are separate pure
 functions: ``balanced_assignment`` (the default, contiguous pieces balanced by cost) here, and the
-performance-model scheduler in ``fusionnet.broker.scheduler``.
+performance-model scheduler in ``fusionnet.planning.scheduler``.
 """
 
 from __future__ import annotations

@@ -29,13 +29,30 @@ class Dataset:
         return int(self.inputs.shape[0])
 
 
-def resolve_file(base_dir: Path, rel: str, key: str) -> Path:
-    """``rel`` against the job file's folder; JobError naming ``key`` and the path when it is missing."""
-    path = (base_dir / rel).resolve()
-    if not path.exists():
-        raise JobError(f"{key}: {rel}: file not found (looked at {path})")
-    if not path.is_file():
-        raise JobError(f"{key}: {rel}: not a file")
+def resolve_file(base_dir: Path, rel: str, key: str, *, allow_outside: bool = False) -> Path:
+    """``rel`` against the job file's folder; JobError naming ``key`` and the path when it is missing,
+    or when it leads outside the folder (after symlinks) and ``allow_outside`` is not set.
+
+    A job folder is what the user reviewed and what ``submit`` may send to a broker: a path that
+    escapes it (``../``, absolute, a symlink) would read or run files the user never meant to share.
+    """
+    shown = rel if len(rel) <= 80 else rel[:77] + "..."
+    try:
+        folder = base_dir.resolve()
+        path = (folder / rel).resolve()
+        exists, is_file = path.exists(), path.is_file()
+    except (OSError, ValueError) as e:  # name too long, NUL byte, symlink loop
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:100]
+        raise JobError(f"{key}: {shown}: not a usable path ({reason})") from None
+    if not allow_outside and not path.is_relative_to(folder):
+        raise JobError(
+            f"{key}: {shown}: leads outside the job folder {folder} (to {path}); keep the job's files in its "
+            "folder, or pass --allow-outside-paths"
+        )
+    if not exists:
+        raise JobError(f"{key}: {shown}: file not found (looked at {path})")
+    if not is_file:
+        raise JobError(f"{key}: {shown}: not a file")
     return path
 
 
@@ -83,9 +100,9 @@ def tensor_dataset(path: Path, rel: str, task: str) -> Dataset:
     return Dataset(inputs=inputs, labels=None if task == "infer" else labels)
 
 
-def load_dataset(spec: DataSpec, base_dir: Path, task: str) -> Dataset:
+def load_dataset(spec: DataSpec, base_dir: Path, task: str, *, allow_outside: bool = False) -> Dataset:
     """The dataset named by ``data.path`` (labels dropped for ``infer``)."""
-    path = resolve_file(base_dir, spec.path, "data.path")
+    path = resolve_file(base_dir, spec.path, "data.path", allow_outside=allow_outside)
     if spec.path.lower().endswith(".txt"):
         assert spec.block_size is not None  # DataSpec's validator requires it for text
         return text_dataset(path, spec.path, spec.block_size, task)

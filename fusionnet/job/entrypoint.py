@@ -37,18 +37,26 @@ def _import_file(path: Path, shown: str) -> Any:
     sys.modules[name] = module  # dataclasses, typing and pickle-free introspection look modules up here
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # SystemExit: a model file must not end the command silently
         del sys.modules[name]
         raise JobError(f"model.entrypoint: {shown}: importing it raised {type(e).__name__}: {e}") from e
     return module
 
 
-def resolve_entrypoint(entrypoint: str, base_dir: Path) -> Callable[..., Any]:
-    """``FILE.py:callable`` (relative to ``base_dir``) or ``package.module:callable``; attributes may be
-    dotted (``models.py:Net.build``)."""
+def resolve_entrypoint(entrypoint: str, base_dir: Path, *, allow_outside: bool = False) -> Callable[..., Any]:
+    """``FILE.py:callable`` (a file in the job folder ``base_dir``, the callable defined in it; attributes may
+    be dotted, ``models.py:Net.build``). ``package.module:callable`` and files outside the folder only with
+    ``allow_outside``: otherwise a job file could run any installed function (``os:system``)."""
     where, _, attr = entrypoint.rpartition(":")
-    if where.endswith(".py") or "/" in where or "\\" in where:
-        module = _import_file(resolve_file(base_dir, where, "model.entrypoint"), where)
+    is_file = where.endswith(".py") or "/" in where or "\\" in where
+    if not is_file and not allow_outside:
+        raise JobError(
+            f"model.entrypoint: {entrypoint[:80]!r} names an importable module; an entrypoint must be "
+            "FILE.py:CALLABLE with FILE.py in the job folder (or pass --allow-outside-paths)"
+        )
+    if is_file:
+        path = resolve_file(base_dir, where, "model.entrypoint", allow_outside=allow_outside)
+        module = _import_file(path, where)
     else:
         try:
             module = importlib.import_module(where)
@@ -61,14 +69,24 @@ def resolve_entrypoint(entrypoint: str, base_dir: Path) -> Callable[..., Any]:
         if not hasattr(target, part):
             raise JobError(f"model.entrypoint: {where} has no attribute {attr!r}")
         target = getattr(target, part)
+        if target is not module and part == attr.split(".")[0] and is_file and not allow_outside:
+            # A name the file merely imported (``from os import system``) is not the user's model code.
+            defined_in = getattr(target, "__module__", None)
+            if defined_in != module.__name__:
+                raise JobError(
+                    f"model.entrypoint: {where}:{part} is imported from {defined_in!r}, not defined in "
+                    f"{where}; define the builder in the file (or pass --allow-outside-paths)"
+                )
     if not callable(target):
         raise JobError(f"model.entrypoint: {where}:{attr} is a {type(target).__name__}, not a callable")
     return target
 
 
-def build_model(entrypoint: str, kwargs: Mapping[str, Any], base_dir: Path, seed: int) -> torch.nn.Module:
+def build_model(
+    entrypoint: str, kwargs: Mapping[str, Any], base_dir: Path, seed: int, *, allow_outside: bool = False
+) -> torch.nn.Module:
     """Calls the entry point with ``kwargs`` right after ``torch.manual_seed(seed)``."""
-    fn = resolve_entrypoint(entrypoint, base_dir)
+    fn = resolve_entrypoint(entrypoint, base_dir, allow_outside=allow_outside)
     try:
         inspect.signature(fn).bind(**kwargs)
     except TypeError as e:
@@ -78,7 +96,7 @@ def build_model(entrypoint: str, kwargs: Mapping[str, Any], base_dir: Path, seed
     torch.manual_seed(seed)
     try:
         model = fn(**kwargs)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         raise JobError(f"model.entrypoint: {entrypoint} raised {type(e).__name__}: {e}") from e
     if not isinstance(model, torch.nn.Module):
         got = type(model).__name__
@@ -86,9 +104,9 @@ def build_model(entrypoint: str, kwargs: Mapping[str, Any], base_dir: Path, seed
     return model
 
 
-def load_weights(model: torch.nn.Module, rel: str, base_dir: Path) -> None:
+def load_weights(model: torch.nn.Module, rel: str, base_dir: Path, *, allow_outside: bool = False) -> None:
     """Loads a safetensors state_dict whose keys, shapes and dtypes match ``model.state_dict()``."""
-    path = resolve_file(base_dir, rel, "model.weights")
+    path = resolve_file(base_dir, rel, "model.weights", allow_outside=allow_outside)
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:

@@ -21,6 +21,7 @@ from fusionnet.job.entrypoint import build_model, load_weights
 from fusionnet.job.losses import make_loss_fn
 from fusionnet.job.optim import unmatched_globs
 from fusionnet.job.parse import load_job_spec
+from fusionnet.job.preflight import preflight
 from fusionnet.job.schema import JobSpec
 
 __all__ = [
@@ -49,23 +50,28 @@ class LoadedJob:
         return int(self.inputs.shape[0])
 
 
-def load_job(path: str | Path) -> LoadedJob:
-    """Validates the job file and builds what it describes; one ``JobError`` naming the key otherwise."""
-    path = Path(path).resolve()
+def load_job(path: str | Path, *, allow_outside_paths: bool = False) -> LoadedJob:
+    """Validates the job file and builds what it describes; one ``JobError`` naming the key otherwise.
+
+    Every file the job names must lie in the job file's folder (after symlinks) unless
+    ``allow_outside_paths`` (the commands' ``--allow-outside-paths``) says otherwise.
+    """
     spec = load_job_spec(path)
+    path = Path(path).resolve()
     base_dir = path.parent
+    outside = allow_outside_paths
     where, _, _ = spec.model.entrypoint.rpartition(":")
     if where.endswith(".py") or "/" in where or "\\" in where:
-        resolve_file(base_dir, where, "model.entrypoint")
+        resolve_file(base_dir, where, "model.entrypoint", allow_outside=outside)
     if spec.model.weights is not None:
-        resolve_file(base_dir, spec.model.weights, "model.weights")
-    dataset = load_dataset(spec.data, base_dir, spec.task)
+        resolve_file(base_dir, spec.model.weights, "model.weights", allow_outside=outside)
+    dataset = load_dataset(spec.data, base_dir, spec.task, allow_outside=outside)
     loss_fn = None
     if spec.loss is not None and spec.task != "infer":
         loss_fn = make_loss_fn(spec.loss.name, spec.loss.kwargs)
-    model = build_model(spec.model.entrypoint, spec.model.kwargs, base_dir, spec.seed)
+    model = build_model(spec.model.entrypoint, spec.model.kwargs, base_dir, spec.seed, allow_outside=outside)
     if spec.model.weights is not None:
-        load_weights(model, spec.model.weights, base_dir)
+        load_weights(model, spec.model.weights, base_dir, allow_outside=outside)
     if spec.optimizer is not None and spec.task == "train":
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         if not names:
@@ -73,7 +79,7 @@ def load_job(path: str | Path) -> LoadedJob:
         bad = unmatched_globs(spec.optimizer, names)
         if bad:
             raise JobError(f"optimizer.per_op.{bad[0]}: matches no parameter of the model")
-    return LoadedJob(
+    job = LoadedJob(
         spec=spec,
         path=path,
         base_dir=base_dir,
@@ -83,3 +89,5 @@ def load_job(path: str | Path) -> LoadedJob:
         loss_fn=loss_fn,
         vocab=dataset.vocab,
     )
+    preflight(job)
+    return job

@@ -13,14 +13,31 @@ import fnmatch
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from fusionnet.errors import JobError
 
-if TYPE_CHECKING:
-    from fusionnet.job.schema import OptimizerSpec
+
+# What this module reads of the job file's ``optimizer`` section (``schema.OptimizerSpec``, which
+# validates itself with the functions below: spelled as protocols so that schema imports optim and
+# never the other way round).
+class OverrideSettings(Protocol):
+    name: str | None
+    lr: float | None
+    kwargs: dict[str, Any]
+    model_fields_set: set[str]
+
+
+class OptimizerSettings(Protocol):
+    name: str
+    lr: float
+    kwargs: dict[str, Any]
+
+    @property
+    def per_op(self) -> Mapping[str, OverrideSettings]: ...
+
 
 # What an executor is given to build its optimizers once it holds its parameters.
 OptimizerFactory = Callable[[Mapping[str, torch.nn.Parameter]], list[torch.optim.Optimizer]]
@@ -116,7 +133,7 @@ def resolve_override(
     return ResolvedOptim(cls_name, float(lr if lr is not None else default.lr), dict(sorted(merged.items())))
 
 
-def resolve_param_optimizers(spec: OptimizerSpec, param_names: Sequence[str]) -> dict[str, ResolvedOptim]:
+def resolve_param_optimizers(spec: OptimizerSettings, param_names: Sequence[str]) -> dict[str, ResolvedOptim]:
     """Parameter name -> its settings. ``per_op`` globs (``fnmatch``, case-sensitive) are tried in
     file order and the first match wins; unmatched parameters get the defaults. Names are
     ``state_dict`` style (``layers.0.weight``); a compnode passes just the names it owns."""
@@ -134,7 +151,7 @@ def resolve_param_optimizers(spec: OptimizerSpec, param_names: Sequence[str]) ->
     return out
 
 
-def unmatched_globs(spec: OptimizerSpec, param_names: Sequence[str]) -> list[str]:
+def unmatched_globs(spec: OptimizerSettings, param_names: Sequence[str]) -> list[str]:
     """``per_op`` globs that match no parameter of the whole model: almost always a typo."""
     return [g for g in spec.per_op if not any(fnmatch.fnmatchcase(n, g) for n in param_names)]
 
@@ -166,13 +183,13 @@ def build_optimizers(
 
 
 def make_optimizers(
-    spec: OptimizerSpec, named_params: Mapping[str, torch.nn.Parameter]
+    spec: OptimizerSettings, named_params: Mapping[str, torch.nn.Parameter]
 ) -> list[torch.optim.Optimizer]:
     """The job file's optimizer section over ``named_params`` (a whole model or one sub-DAG's part)."""
     return build_optimizers(named_params, resolve_param_optimizers(spec, list(named_params)))
 
 
-def optimizer_factory(task: str, spec: OptimizerSpec | None) -> OptimizerFactory | None:
+def optimizer_factory(task: str, spec: OptimizerSettings | None) -> OptimizerFactory | None:
     """The factory an executor calls with the parameters it owns; None where nothing is stepped
     (``grad`` and ``infer`` jobs). The one way the reference, ``run --local`` and compnodes build them."""
     if task != "train" or spec is None:

@@ -3,11 +3,17 @@
 YAML is read with two fixes over PyYAML's YAML 1.1 defaults, both of which otherwise turn a typo into
 a silently different job: ``1e-3`` is a float (YAML 1.2; 1.1 reads it as a string) and a duplicate
 key is an error (1.1 keeps the last one).
+
+A job file is untrusted text, so reading it is bounded before anything is built: the file's size,
+the nesting depth (deep ``[[[...`` otherwise ends in a ``RecursionError``), the number of nodes and
+of alias references (a "billion laughs" document is small as YAML but enormous as data), and every
+value quoted in an error message (``repr`` of a huge structure would build it in full).
 """
 
 from __future__ import annotations
 
 import re
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +28,79 @@ _FLOAT_1_2 = re.compile(
 )
 
 
+# Far above any real job file (the bundled ones are < 2 KiB, < 100 nodes, depth < 6, no aliases).
+MAX_JOB_FILE_BYTES = 1 << 20
+MAX_YAML_DEPTH = 32
+MAX_YAML_NODES = 20_000
+MAX_YAML_ALIASES = 100
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 50
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
+_SHORT.maxlevel = 2
+
+
+def short_repr(value: Any) -> str:
+    """``repr`` that never walks more than a few elements of a structure (bounded time and size)."""
+    return _SHORT.repr(value)
+
+
+class _Bounds(yaml.YAMLError):
+    """The document exceeds one of the reading bounds (a message for the user, with the line)."""
+
+    def __init__(self, problem: str, mark: Any) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.problem_mark = mark
+
+
 class _JobYamlLoader(yaml.SafeLoader):
-    """SafeLoader (no arbitrary objects) + YAML 1.2 exponent floats + duplicate keys refused."""
+    """SafeLoader (no arbitrary objects) + YAML 1.2 exponent floats + duplicate keys refused + bounds."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._nodes = 0
+        self._aliases = 0
+
+    def compose_document(self) -> Any:
+        root = super().compose_document()
+        # Aliases share composed nodes, so the document as data can be exponentially larger than its
+        # text; count it as data (memoised per node, so this is linear in the text) before building it.
+        sizes: dict[int, int] = {}
+
+        def expanded(node: yaml.Node) -> int:
+            if id(node) not in sizes:
+                children: list[yaml.Node] = []
+                if isinstance(node, yaml.SequenceNode):
+                    children = list(node.value)
+                elif isinstance(node, yaml.MappingNode):
+                    children = [part for pair in node.value for part in pair]
+                sizes[id(node)] = min(1 + sum(expanded(c) for c in children), MAX_YAML_NODES + 1)
+            return sizes[id(node)]
+
+        if root is not None and expanded(root) > MAX_YAML_NODES:
+            raise _Bounds(f"expands to more than {MAX_YAML_NODES} values (aliases)", root.start_mark)
+        return root
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        # Composition is where PyYAML recurses and where aliases are resolved: bounding it here bounds
+        # both the Python stack and the size of what construction will later build.
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_YAML_ALIASES:
+                raise _Bounds(f"more than {MAX_YAML_ALIASES} alias references (*name)", event.start_mark)
+        self._nodes += 1
+        if self._nodes > MAX_YAML_NODES:
+            raise _Bounds(f"more than {MAX_YAML_NODES} values; a job file is small", event.start_mark)
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise _Bounds(f"nested deeper than {MAX_YAML_DEPTH} levels", event.start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
@@ -33,7 +110,10 @@ class _JobYamlLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, str | int | float | bool) and key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark
+                    None,
+                    None,
+                    f"duplicate key {short_repr(key)} (first on line {seen[key] + 1})",
+                    key_node.start_mark,
                 )
             if isinstance(key, str | int | float | bool):
                 seen[key] = key_node.start_mark.line
@@ -45,28 +125,40 @@ _JobYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_1_2, list
 
 def read_yaml(path: Path) -> Any:
     """The parsed document; JobError naming the file (and line) when it cannot be read or parsed."""
-    if not path.exists():
-        raise JobError(f"{path}: job file not found")
-    if not path.is_file():
-        raise JobError(f"{path}: not a file")
+    shown = short_repr(str(path))
     try:
+        if not path.exists():
+            raise JobError(f"{shown}: job file not found")
+        if not path.is_file():
+            raise JobError(f"{shown}: not a file")
+        size = path.stat().st_size
+        if size > MAX_JOB_FILE_BYTES:
+            raise JobError(f"{shown}: job file is {size} bytes; at most {MAX_JOB_FILE_BYTES} are read")
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise JobError(f"{path}: cannot read job file: {e}") from e
+        raise JobError(f"{shown}: cannot read job file: {e.strerror or e}") from None
+    except ValueError as e:  # e.g. an embedded NUL byte in the path
+        raise JobError(f"{shown}: not a usable path: {e}") from None
+    return parse_yaml_text(text, str(path))
+
+
+def parse_yaml_text(text: str, source: str) -> Any:
+    """The parsed document of ``text``; JobError naming ``source`` (and line) when it cannot be parsed."""
     try:
         return yaml.load(text, Loader=_JobYamlLoader)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        problem = getattr(e, "problem", None) or str(e)
-        raise JobError(f"{where}: YAML syntax error: {problem}") from e
+        mark = e.problem_mark if isinstance(e, yaml.MarkedYAMLError | _Bounds) else None
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        problem = (e.problem if isinstance(e, yaml.MarkedYAMLError | _Bounds) else None) or str(e)
+        kind = "refused" if isinstance(e, _Bounds) else "YAML syntax error"
+        raise JobError(f"{where}: {kind}: {str(problem)[:200]}") from None
 
 
 def _describe(err: dict[str, Any]) -> tuple[tuple[str, ...], str]:
     """One pydantic error -> (key path, short message) in job-file words."""
-    loc = tuple(str(p) for p in err["loc"])
+    loc = tuple(short_repr(p) if not isinstance(p, str) else p[:60] for p in err["loc"])
     kind, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
-    shown = repr(got) if len(repr(got)) <= 60 else repr(got)[:57] + "..."
+    shown = short_repr(got)
     if kind == "value_error" and isinstance(ctx.get("error"), KeyProblem):
         problem: KeyProblem = ctx["error"]
         return loc + problem.key, problem.text
@@ -85,23 +177,26 @@ def _describe(err: dict[str, Any]) -> tuple[tuple[str, ...], str]:
         "greater_than": f"must be > {ctx.get('gt')} (got {shown})",
         "greater_than_equal": f"must be >= {ctx.get('ge')} (got {shown})",
         "less_than": f"must be < {ctx.get('lt')} (got {shown})",
+        "less_than_equal": f"must be <= {ctx.get('le')} (got {shown})",
+        "string_too_long": f"must be at most {ctx.get('max_length')} characters (got {len(str(got))})",
         "string_too_short": "must not be empty",
         "literal_error": f"must be one of {ctx.get('expected')} (got {shown})",
     }
     if kind in texts:
         return loc, texts[kind]
     msg = str(ctx["error"]) if kind == "value_error" and "error" in ctx else err["msg"]
-    return loc, msg[:1].lower() + msg[1:]
+    return loc, (msg[:1].lower() + msg[1:])[:200]
 
 
 def spec_from_document(doc: Any, source: str) -> JobSpec:
     """Validates a parsed job document. One JobError: the first problem, then how many more."""
     if not isinstance(doc, dict):
         raise JobError(f"{source}: a job file must be a YAML mapping of keys (got {type(doc).__name__})")
+    # Pydantic builds an error per bad element: a huge list under one key would make a huge message.
     try:
         return JobSpec.model_validate(doc)
     except ValidationError as e:
-        problems = [_describe(err) for err in e.errors(include_url=False)]
+        problems = [_describe(err) for err in e.errors(include_url=False)[:5]]
         first_key, first_text = problems[0]
         message = f"{'.'.join(first_key) or source}: {first_text}"
         if len(problems) > 1:

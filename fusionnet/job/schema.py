@@ -34,10 +34,29 @@ def _no_bool(value: Any) -> Any:
     return value
 
 
+# Limits shared with the wire (``RunSpec``): a job file is refused by ``plan`` and ``run`` exactly where
+# ``submit`` would be refused by the broker, and nothing is allocated from a number before it is checked.
+MAX_NAME_CHARS = 200
+MAX_PATH_CHARS = 1024  # entrypoint, data and weights paths (PATH_MAX is 4096; real ones are short)
+MAX_BATCH_SIZE = 1 << 24
+MAX_MICROBATCHES = 1 << 16
+MAX_STEPS = 10_000_000
+MAX_COMPNODES = 1024
+MAX_BLOCK_SIZE = 1 << 20
+
 PosInt = Annotated[int, Field(strict=True, gt=0)]
 PosFloat = Annotated[float, BeforeValidator(_no_bool), Field(gt=0, allow_inf_nan=False)]
+# Parameters are float32 by default: a learning rate beyond its range overflows inside the optimizer,
+# where the error would name the optimizer's arguments instead of ``lr``.
+MAX_LR = 1e30
+LearningRate = Annotated[float, BeforeValidator(_no_bool), Field(gt=0, le=MAX_LR, allow_inf_nan=False)]
 Seed = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+PathStr = Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]
+
+
+def _bounded(limit: int) -> Any:
+    return Annotated[int, Field(strict=True, gt=0, le=limit)]
 
 
 class _Strict(BaseModel):
@@ -45,9 +64,9 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    entrypoint: NonEmptyStr  # FILE.py:callable (relative to the job file) or package.module:callable
+    entrypoint: PathStr  # FILE.py:callable (relative to the job file) or package.module:callable
     kwargs: dict[str, Any] = {}
-    weights: NonEmptyStr | None = None  # safetensors file with the initial state_dict
+    weights: PathStr | None = None  # safetensors file with the initial state_dict
 
     @field_validator("entrypoint")
     @classmethod
@@ -77,10 +96,10 @@ class LossSpec(_Strict):
 
 
 class DataSpec(_Strict):
-    path: NonEmptyStr  # .safetensors ("inputs", "labels") or .txt (char-level text)
-    batch_size: PosInt
-    microbatches: PosInt = 1
-    block_size: PosInt | None = None  # text data only: tokens per sample
+    path: PathStr  # .safetensors ("inputs", "labels") or .txt (char-level text)
+    batch_size: _bounded(MAX_BATCH_SIZE)
+    microbatches: _bounded(MAX_MICROBATCHES) = 1
+    block_size: _bounded(MAX_BLOCK_SIZE) | None = None  # text data only: tokens per sample
 
     @model_validator(mode="after")
     def _consistent(self) -> DataSpec:
@@ -100,13 +119,13 @@ class DataSpec(_Strict):
 
 class OptimizerOverride(_Strict):
     name: NonEmptyStr | None = None
-    lr: PosFloat | None = None
+    lr: LearningRate | None = None
     kwargs: dict[str, Any] = {}
 
 
 class OptimizerSpec(_Strict):
     name: NonEmptyStr
-    lr: PosFloat
+    lr: LearningRate
     kwargs: dict[str, Any] = {}
     per_op: dict[str, OptimizerOverride] = {}  # parameter-name glob -> override, first match wins
 
@@ -142,17 +161,17 @@ class OptimizerSpec(_Strict):
 
 
 class PlacementSpec(_Strict):
-    compnodes: PosInt = 1  # number of sub-DAGs / compnodes
+    compnodes: _bounded(MAX_COMPNODES) = 1  # number of sub-DAGs / compnodes
 
 
 class JobSpec(_Strict):
-    name: NonEmptyStr
+    name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
     task: Literal["train", "grad", "infer"]
     model: ModelSpec
     loss: LossSpec | None = None  # None: the model's forward(inputs, labels) returns the loss
     data: DataSpec
     optimizer: OptimizerSpec | None = None  # required when task == "train"
-    steps: PosInt = 1
+    steps: _bounded(MAX_STEPS) = 1
     seed: Seed = 0
     placement: PlacementSpec = PlacementSpec()
 

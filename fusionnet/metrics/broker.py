@@ -40,6 +40,20 @@ class BrokerMetrics(BaseMetrics):
     def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True):
         super().__init__("broker", registry, process=process)
         r = self.registry
+        self._define_swarm_and_steps(r)
+        self._define_per_job(r)
+        self._define_health(r)
+        for state in JOB_STATES:
+            self.jobs.labels(state=state)
+        for role in ROLES:
+            for state in NODE_STATES:
+                self.swarm_compnodes.labels(role=role, state=state)
+        for phase in RECOVERY_PHASES:
+            self.recovery_phase.labels(phase=phase)
+        self.backup_pool.set(0)
+
+    def _define_swarm_and_steps(self, r: CollectorRegistry) -> None:
+        """Membership, job counts and step totals."""
         self.swarm_compnodes = Gauge(
             "fusionnet_swarm_compnodes",
             "Compnodes the broker knows, by role and state (unreachable = heartbeats stopped)",
@@ -69,7 +83,9 @@ class BrokerMetrics(BaseMetrics):
             buckets=ERROR_RATIO_BUCKETS,
             registry=r,
         )
-        # Per running job. Removed by forget_job(), so the job_id label is bounded by running jobs.
+
+    def _define_per_job(self, r: CollectorRegistry) -> None:
+        """Per running job: removed by ``forget_job()``, so the job_id label is bounded by running jobs."""
         self.job_loss = Gauge("fusionnet_job_loss", "Loss of the job's latest step", ["job_id"], registry=r)
         self.job_step = Gauge(
             "fusionnet_job_step", "Index of the job's latest completed step", ["job_id"], registry=r
@@ -92,6 +108,9 @@ class BrokerMetrics(BaseMetrics):
         self.job_compnodes = Gauge(
             "fusionnet_job_compnodes", "Compnodes running the job's sub-DAGs", ["job_id"], registry=r
         )
+
+    def _define_health(self, r: CollectorRegistry) -> None:
+        """Heartbeats, failover and recovery, and the probed links."""
         self.heartbeat_rtt = Histogram(
             "fusionnet_heartbeat_rtt_seconds",
             "Round trip of one broker -> compnode ping",
@@ -126,14 +145,6 @@ class BrokerMetrics(BaseMetrics):
             ["src", "dst"],
             registry=r,
         )
-        for state in JOB_STATES:
-            self.jobs.labels(state=state)
-        for role in ROLES:
-            for state in NODE_STATES:
-                self.swarm_compnodes.labels(role=role, state=state)
-        for phase in RECOVERY_PHASES:
-            self.recovery_phase.labels(phase=phase)
-        self.backup_pool.set(0)
 
     # ---- swarm ------------------------------------------------------------------------------------
     def set_swarm(self, members: Iterable[tuple[object, object]], backup_pool: int) -> None:

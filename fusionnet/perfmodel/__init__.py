@@ -10,28 +10,26 @@ Map of the package:
 - ``memory.py``      a sub-DAG's D_gpu / D_cpu / D_disk demand: params, grads, optimizer state,
                      activations of in-flight micro-batches (GPipe / 1F1B), communication buffers.
 - ``simulator.py``   GPipe / 1F1B schedule simulator over stages and links: step time, peak in-flight.
-- ``assignment.py``  the cost of one op -> device assignment: stages, transfers, makespan, step time.
+- ``placement_cost.py`` the cost of one op -> device assignment: stages, transfers, makespan, step time.
 - ``fitting.py``     lambda_p and alpha-beta fits from measurements; online lambda refinement.
-- ``profile.py``     short local profiling with torch (lazy import), cached per machine.
-- ``overheads.py``   micro-benchmarks of the fixed costs per op class, per sub-DAG call and per optimizer
-                     tensor (what dominates small models) and of each class's efficiency.
 - ``overhead_fit.py`` the fixed costs refitted to sub-DAG times measured in the executor
-                     (``fusionnet.runtime.calibration`` measures them; ``local_device_spec`` there).
+                     (``fusionnet.profiling.calibration`` measures them).
 - ``catalog.py``     FusionAI Table 1 GPUs and other devices; size / bandwidth / latency parsing.
 - ``nodes.py``       ``load_nodes_file`` for ``fusionnet plan --nodes NODES.yaml``.
 - ``models.py``      analytic cost graphs of Bert-Large and a GPT-3-style model (blocks or fine ops).
 - ``synthetic.py``   seeded random instances for tests and benchmarks.
 - ``section4.py``    FusionAI section 4: 50 x RTX 3080 vs 4 x H100 (``main(argv)``).
 
-The scheduler that uses this model lives in ``fusionnet.broker.scheduler``.
+Nothing here measures anything or imports torch: the measurements that feed the model (hardware
+profile, micro-benchmarks, executor calibration) live in ``fusionnet.profiling``, and the planner that
+uses it in ``fusionnet.planning``.
 """
 
-from fusionnet.perfmodel.assignment import AssignmentCost, evaluate_assignment
 from fusionnet.perfmodel.catalog import CATALOG, lookup
 from fusionnet.perfmodel.fitting import fit_link, fit_speed_factor, refine_speed_factor
 from fusionnet.perfmodel.memory import MemoryBreakdown, MemoryDemand, inflight_microbatches, stage_memory
 from fusionnet.perfmodel.nodes import load_nodes_file
-from fusionnet.perfmodel.overheads import profile_overheads
+from fusionnet.perfmodel.placement_cost import AssignmentCost, evaluate_assignment
 from fusionnet.perfmodel.simulator import Hop, SimResult, StageTimes, simulate
 from fusionnet.perfmodel.timing import (
     latency_eq3,
@@ -79,7 +77,6 @@ __all__ = [
     "op_fp_seconds",
     "op_update_seconds",
     "pipelined_eq4",
-    "profile_overheads",
     "refine_speed_factor",
     "simulate",
     "stage_memory",

@@ -1,10 +1,10 @@
 """Fitting a device's fixed costs to measured sub-DAG times (pure: samples in, ``Overheads`` out).
 
-The micro-benchmarks of ``overheads.py`` time each op class alone, in a loop of its own kind. In the
+The micro-benchmarks of ``profiling.microbench`` time each op class alone, in a loop of its own kind. In the
 executor an op runs between other ops, other sub-DAGs, the channel and the event loop, with the
 framework's code and data out of the caches, and it costs a different amount: on a 2-core x86 CPU a
 3x3 max-pool of an 8x8 image costs 2x its looped time, while a small linear costs half. The
-executor calibration (``fusionnet.runtime.calibration``) therefore runs synthetic models through
+executor calibration (``fusionnet.profiling.calibration``) therefore runs synthetic models through
 the real executor and this module fits the fixed costs to what it measured, by phase:
 
 - FP per micro-batch ``= stage_fp + sum over ops (fixed_fp[class] + roofline / efficiency)``;

@@ -26,9 +26,9 @@ import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from fusionnet.perfmodel.assignment import evaluate_assignment
 from fusionnet.perfmodel.catalog import CATALOG
 from fusionnet.perfmodel.models import BERT_LARGE, GPT3_24L_4096, TransformerConfig, transformer_blocks
+from fusionnet.perfmodel.placement_cost import evaluate_assignment
 from fusionnet.perfmodel.timing import latency_eq3, pipelined_eq4
 from fusionnet.perfmodel.types import CostGraph, Link, Swarm, Workload
 

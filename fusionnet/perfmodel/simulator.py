@@ -101,6 +101,33 @@ def _validate(stages: Sequence[StageTimes], hops: Sequence[Hop], m: int, schedul
         seen.add((h.src, h.dst))
 
 
+def _ready(arrival: list[list[float | None]], hop_ids: list[int], k: int, start: float) -> float | None:
+    """When micro-batch ``k``'s inputs over ``hop_ids`` have all arrived (not before ``start``), or
+    None while one is still missing."""
+    for j in hop_ids:
+        t = arrival[j][k]
+        if t is None:
+            return None
+        if t > start:
+            start = t
+    return start
+
+
+def _send(
+    hop_ids: list[int],
+    k: int,
+    end: float,
+    link_free: list[float],
+    arrival: list[list[float | None]],
+    seconds: list[float],
+) -> None:
+    """A task that ended at ``end`` sends micro-batch ``k`` over ``hop_ids``: each link carries one
+    message at a time, so a message waits for the one before it."""
+    for j in hop_ids:
+        t0 = end if end > link_free[j] else link_free[j]
+        link_free[j] = arrival[j][k] = t0 + seconds[j]
+
+
 def simulate(
     stages: Sequence[StageTimes],
     hops: Sequence[Hop],
@@ -114,11 +141,8 @@ def simulate(
     _validate(stages, hops, microbatches, schedule, task)
     n, m = len(stages), microbatches
     hops = sorted(hops, key=lambda h: (h.src, h.dst))
-    ins: list[list[int]] = [[] for _ in range(n)]  # hop indices into each stage
-    outs: list[list[int]] = [[] for _ in range(n)]
-    for j, h in enumerate(hops):
-        ins[h.dst].append(j)
-        outs[h.src].append(j)
+    ins: list[list[int]] = [[j for j, h in enumerate(hops) if h.dst == s] for s in range(n)]  # hops in
+    outs: list[list[int]] = [[j for j, h in enumerate(hops) if h.src == s] for s in range(n)]
     fwd_t = [h.fwd for h in hops]
     bwd_t = [h.bwd for h in hops]
     fwd_arrival: list[list[float | None]] = [[None] * m for _ in hops]  # activation at hop.dst
@@ -142,25 +166,13 @@ def simulate(
             prog = programs[s]
             while pos[s] < len(prog):
                 kind, k = prog[pos[s]]
-                start = free[s]
-                blocked = False
                 if kind == "F":
-                    for j in ins[s]:
-                        t = fwd_arrival[j][k]
-                        if t is None:
-                            blocked = True
-                            break
-                        if t > start:
-                            start = t
+                    start = _ready(fwd_arrival, ins[s], k, free[s])
                 elif kind == "B":
-                    for j in outs[s]:
-                        t = bwd_arrival[j][k]
-                        if t is None:
-                            blocked = True
-                            break
-                        if t > start:
-                            start = t
-                if blocked:
+                    start = _ready(bwd_arrival, outs[s], k, free[s])
+                else:
+                    start = free[s]
+                if start is None:
                     break
                 d = dur[kind][s]
                 end = start + d
@@ -177,14 +189,10 @@ def simulate(
                         peak[s] = max(peak[s], held[s])
                     else:
                         peak[s] = 1
-                    for j in outs[s]:
-                        t0 = end if end > fwd_free[j] else fwd_free[j]
-                        fwd_free[j] = fwd_arrival[j][k] = t0 + fwd_t[j]
+                    _send(outs[s], k, end, fwd_free, fwd_arrival, fwd_t)
                 elif kind == "B":
                     held[s] -= 1
-                    for j in ins[s]:
-                        t0 = end if end > bwd_free[j] else bwd_free[j]
-                        bwd_free[j] = bwd_arrival[j][k] = t0 + bwd_t[j]
+                    _send(ins[s], k, end, bwd_free, bwd_arrival, bwd_t)
         assert progressed, "schedule deadlocked: stage programs and hops are inconsistent"
         forward_sweep = not forward_sweep
     step = max(max(free), max(fwd_free, default=0.0), max(bwd_free, default=0.0))

@@ -44,6 +44,15 @@ def bp_bytes(op: OpCost) -> int:
     return 2 * op.bytes_read + op.bytes_written
 
 
+def roofline_seconds(ops: Iterable[OpCost], speed: float, bandwidth: float) -> tuple[float, float]:
+    """Eq. (1) forward and backward seconds of ``ops`` at ``speed`` FLOP/s and ``bandwidth`` B/s,
+    without any fixed cost (what the micro-benchmarks compare measured times with)."""
+    ops = list(ops)
+    fp = sum(op.flops_fwd / speed + fp_bytes(op) / bandwidth for op in ops)
+    bp = sum(op.flops_bwd / speed + bp_bytes(op) / bandwidth for op in ops)
+    return fp, bp
+
+
 def update_flops(op: OpCost) -> float:
     if op.param_bytes == 0:
         return 0.0

@@ -1,12 +1,20 @@
-"""Driving jobs end to end, shared by the commands.
+"""Driving jobs end to end from the submitter's machine, shared by the commands.
 
-Map:
-- ``prepare.py``  job -> traced IR + initial state + partition (what ``plan``, ``run`` and ``submit`` share)
-- ``batches.py``  the data a step feeds to each sub-DAG, micro-batch by micro-batch
-- ``local.py``    ``fusionnet run --local N``: ``InMemorySwarm``, N executors in one process over the
-                  in-memory channel
+Map of the package:
+
+- ``prepare.py``     job -> traced IR + initial state + partition (what ``plan``, ``run`` and ``submit``
+                     share).
+- ``planjob.py``     ``fusionnet plan``: the job traced and planned (``fusionnet.planning``) for a nodes
+                     file or for compnodes like this machine (``fusionnet.profiling``).
+- ``batches.py``     the data a step feeds to each sub-DAG, micro-batch by micro-batch.
+- ``local.py``       ``fusionnet run --local N``: ``InMemorySwarm``, N executors in one process over the
+                     in-memory channel.
+- ``results.py``     the result files of interface.md (weights, grads, outputs, metrics.jsonl, plan.json).
+- ``submit.py``      ``fusionnet submit``: send the IR, state and data to a broker, follow, download.
 - ``process_swarm.py`` ``ProcessSwarm``: a broker and compnodes as real processes on loopback
-                  (``fusionnet demo``, benchmarks, tests); ``BlockingObserver`` reads it from sync code
-- ``processes.py`` one daemon as a child process (``DaemonProcess``, ``start_daemon``), process-tree helpers
-- ``results.py``  the result files of interface.md (weights, grads, outputs, metrics.jsonl, plan.json)
+                     (``fusionnet demo``, benchmarks, tests); ``BlockingObserver`` reads it from sync code.
+- ``processes.py``   one daemon as a child process (``DaemonProcess``, ``start_daemon``), process-tree
+                     helpers.
+- ``blobs.py``       tensors <-> bytes for job messages (safetensors, never pickle).
+- ``jobwire.py``     what travels with a job between ``submit``, the broker and the compnodes.
 """

@@ -15,22 +15,27 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from fusionnet.errors import JobError
 from fusionnet.job.batches import batch_indices, infer_batches, split_microbatches
 from fusionnet.job.loader import LoadedJob
-from fusionnet.job.schema import OptimizerSpec
-
-MAX_STEPS = 10_000_000
+from fusionnet.job.schema import (
+    MAX_BATCH_SIZE,
+    MAX_COMPNODES,
+    MAX_MICROBATCHES,
+    MAX_NAME_CHARS,
+    MAX_STEPS,
+    OptimizerSpec,
+)
 
 
 class RunSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     task: Literal["train", "grad", "infer"]
-    batch_size: int = Field(ge=1, le=1 << 24)
-    microbatches: int = Field(ge=1, le=1 << 16)
+    batch_size: int = Field(ge=1, le=MAX_BATCH_SIZE)
+    microbatches: int = Field(ge=1, le=MAX_MICROBATCHES)
     steps: int = Field(ge=1, le=MAX_STEPS)
     n_samples: int = Field(ge=1, le=1 << 40)
     loss_reduction: Literal["mean", "sum", "none"] = "mean"
-    compnodes: int = Field(ge=1, le=4096)
+    compnodes: int = Field(ge=1, le=MAX_COMPNODES)
     optimizer: dict[str, Any] | None = None  # an OptimizerSpec document, re-validated by ``optimizer_spec``
 
     def optimizer_spec(self) -> OptimizerSpec | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,8 @@ from fusionnet.dag.partition import Partition
 from fusionnet.job.loader import LoadedJob
 from fusionnet.job.optim import OptimizerFactory, optimizer_factory
 from fusionnet.perfmodel.types import DeviceSpec
+from fusionnet.planning.optimizers import job_optimizers
+from fusionnet.planning.predict import predict_subdags
 from fusionnet.runtime.batches import StepData, iter_steps
 from fusionnet.runtime.prepare import PreparedJob, prepare_job
 from fusionnet.runtime.results import assemble_state, plan_document, write_json, write_metrics, write_tensors
@@ -104,13 +106,12 @@ class InMemorySwarm:
             for s in partition.subdags
         ]
 
-    def steps(self, count: int | None = None) -> list[StepData]:
-        """The job's batches (``count`` of them instead of ``steps`` when given)."""
+    def steps(self, count: int | None = None) -> Iterator[StepData]:
+        """The job's batches (``count`` of them instead of ``steps`` when given), built one at a time as
+        they are consumed: a job of millions of steps starts at once and holds one batch."""
         spec, job = self.prepared.job.spec, self.prepared.job
         n = spec.steps if count is None else count
-        return list(
-            iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, spec.data.microbatches, n)
-        )
+        return iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, spec.data.microbatches, n)
 
     async def step(self, data: StepData) -> list[StepReport]:
         """Runs one batch on every executor; reports in sub-DAG order."""
@@ -136,8 +137,6 @@ def run_local(
     prepared = prepared or prepare_job(job, pieces)
     predicted = None
     if device is not None:
-        from fusionnet.runtime.planning import job_optimizers, predict_subdags
-
         graph = prepared.traced.graph
         predicted = predict_subdags(
             graph,

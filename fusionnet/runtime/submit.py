@@ -93,10 +93,11 @@ async def submit_and_wait(
     stream: TextIO = sys.stderr,
     timeout: float | None = None,
     show_plan: bool = True,
+    allow_outside_paths: bool = False,
 ) -> SubmitOutcome:
     from fusionnet.daemon.observer import SwarmObserver
 
-    job = load_job(job_path)
+    job = load_job(job_path, allow_outside_paths=allow_outside_paths)
     payload = await asyncio.to_thread(submission_payload, job)
     async with SwarmObserver(initial_peers) as observer:
         broker = await observer.find_broker()

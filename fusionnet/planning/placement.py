@@ -25,11 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from fusionnet.broker.links import index_links
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import balanced_assignment
 from fusionnet.errors import PlanError
 from fusionnet.perfmodel.types import DeviceSpec, Link
+from fusionnet.planning.links import index_links
+from fusionnet.planning.planner import plan_graph
+from fusionnet.planning.predict import predict_assignment
 
 PeerLinks = Mapping[tuple[str, str], Link]  # measured links by (from, to) compnode; others: loopback
 
@@ -141,8 +143,6 @@ def plan_placement(
     if not 1 <= k <= len(pool):
         raise PlanError(f"cannot place {k} sub-DAG(s) on {len(pool)} compnode(s)")
     if policy == SCHEDULER and all(c.device is not None for c in pool):
-        from fusionnet.runtime.planning import plan_graph  # torch-free callers need not import it
-
         planned = plan_graph(
             shape.graph,
             [c.device for c in pool],  # type: ignore[misc]
@@ -168,8 +168,6 @@ def plan_placement(
     if any(c.device is None for c in chosen):
         return placement
     # Known hardware: predict the balanced split too, so that plan.json compares it with what ran.
-    from fusionnet.runtime.planning import predict_assignment
-
     per_subdag, step = predict_assignment(
         shape.graph,
         placement.assignment,
@@ -191,8 +189,6 @@ def predicted_step(
     devices = [by_id[p].device if p in by_id else None for p in placement.peers]
     if any(d is None for d in devices):
         return None
-    from fusionnet.runtime.planning import predict_assignment
-
     return predict_assignment(
         shape.graph,
         placement.assignment,

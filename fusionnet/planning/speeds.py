@@ -19,7 +19,7 @@ import logging
 from fusionnet.perfmodel.fitting import refine_speed_factor
 from fusionnet.perfmodel.types import DeviceSpec
 
-log = logging.getLogger("fusionnet.broker.speeds")
+log = logging.getLogger("fusionnet.planning.speeds")
 
 WEIGHT = 0.2  # how far one step's evidence moves the estimate (geometric)
 CLAMP = (0.05, 20.0)  # a slowness beyond this is a broken measurement, not a device

@@ -34,8 +34,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from fusionnet.broker.scheduler_linear import LinearModel
 from fusionnet.perfmodel.types import DeviceSpec, Swarm, Workload
+from fusionnet.planning.scheduler_linear import LinearModel
 
 INF = math.inf
 Segments = list[tuple[int, int, int]]  # (start position, end position, device index)
@@ -271,13 +271,20 @@ def class_dp(
             best_full, best_t = row[0], t
             if prune:
                 ub = best_full
+    return _best_per_stage_count(vectors, vid, H, choice, classes, coster.lm.cuts, uniform)
+
+
+def _best_per_stage_count(
+    vectors, vid, H, choice, classes, cuts, uniform
+) -> dict[int, tuple[float, Segments]]:
+    """class_dp's table read out: for each number of stages, the best value and its segments."""
     out: dict[int, tuple[float, Segments]] = {}
     for v in vectors:
         iv, t = vid[v], sum(v)
-        c0 = min(range(k), key=lambda c: (H[iv][c][0], c))
+        c0 = min(range(len(classes)), key=lambda c: (H[iv][c][0], c))
         val = H[iv][c0][0]
         if val < INF and (t not in out or val < out[t][0]):
-            out[t] = (val, _rebuild_class(v, c0, vid, H, choice, classes, coster.lm.cuts, uniform))
+            out[t] = (val, _rebuild_class(v, c0, vid, H, choice, classes, cuts, uniform))
     return out
 
 

@@ -20,7 +20,7 @@ This module measures those on the local machine the way the executor runs sub-DA
 Every figure is the best of many rounds that time a few calls of every measurement in turn (and
 stir the caches between calls, as other sub-DAGs' work does in the executor): other processes only
 ever slow a run down, so the best round is what the machine can do, and the figure that is stable
-from run to run. Results are cached as JSON next to ``profile.py``'s, keyed by the same machine
+from run to run. Results are cached as JSON next to ``hardware.py``'s, keyed by the same machine
 description.
 """
 
@@ -32,9 +32,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fusionnet.perfmodel.profile import cached_measurement, machine_key
-from fusionnet.perfmodel.timing import bp_bytes, fp_bytes
+from fusionnet.dag.costs import op_cost
+from fusionnet.perfmodel.optimizers import optimizer_profile
+from fusionnet.perfmodel.timing import roofline_seconds
 from fusionnet.perfmodel.types import OP_CLASSES, ClassCost, OpCost, Overheads
+from fusionnet.profiling.hardware import cached_measurement, machine_key
 
 FAN = 6  # ops per measured module
 CACHE_VERSION = 3
@@ -142,8 +144,6 @@ class _Ops:
         import torch.fx as fx
         from torch import nn
 
-        from fusionnet.dag.costs import op_cost
-
         gen = torch.Generator().manual_seed(k)
         fan = op_class in _FANNED
         root = nn.Module()
@@ -212,13 +212,6 @@ class _Ops:
         bench.add(f"{name}/bp", graph, lambda og: torch.autograd.backward(og[0], og[1]), calls)
 
 
-def _roofline(ops: list[OpCost], speed: float, bandwidth: float) -> tuple[float, float]:
-    """Eq. (1) forward and backward seconds of ``ops`` without any overhead."""
-    fp = sum(op.flops_fwd / speed + fp_bytes(op) / bandwidth for op in ops)
-    bp = sum(op.flops_bwd / speed + bp_bytes(op) / bandwidth for op in ops)
-    return fp, bp
-
-
 def _register_optimizers(bench: _Bench) -> None:
     import torch
 
@@ -250,8 +243,6 @@ def _register_optimizers(bench: _Bench) -> None:
 def measure_overheads(speed: float, mem_bandwidth: float, seconds_budget: float = 2.0) -> Overheads:
     """Times the micro-benchmarks (module docstring); ``speed`` is S(p) and ``mem_bandwidth`` the
     bandwidth that efficiencies are relative to (the device's, from ``profile_local_device``)."""
-    from fusionnet.perfmodel.optimizers import optimizer_profile
-
     if not (speed > 0 and mem_bandwidth > 0):
         raise ValueError("speed and mem_bandwidth must be positive")
     bench = _Bench()
@@ -280,15 +271,15 @@ def measure_overheads(speed: float, mem_bandwidth: float, seconds_budget: float 
     for op_class in (c for c, (_tiny, medium) in _SHAPES.items() if medium is not None):
         # t - call = FAN * fixed + roofline / efficiency, on the tiny and on the medium input
         grow = sum(t[f"{op_class}/m/{ph}"] - t[f"{op_class}/k/{ph}"] for ph in phases)
-        rk = _roofline(fans[(op_class, "k")].ops, speed, mem_bandwidth)
-        rm = _roofline(fans[(op_class, "m")].ops, speed, mem_bandwidth)
+        rk = roofline_seconds(fans[(op_class, "k")].ops, speed, mem_bandwidth)
+        rm = roofline_seconds(fans[(op_class, "m")].ops, speed, mem_bandwidth)
         eff = (sum(rm) - sum(rk)) / grow if grow > 0 else _EFFICIENCY_RANGE[1]
         efficiency[op_class] = min(max(eff, _EFFICIENCY_RANGE[0]), _EFFICIENCY_RANGE[1])
     for op_class in _SHAPES:
         if op_class == "view":
             continue
         eff = efficiency[op_class]
-        rk = _roofline(fans[(op_class, "k")].ops, speed, mem_bandwidth)
+        rk = roofline_seconds(fans[(op_class, "k")].ops, speed, mem_bandwidth)
         fixed = [
             max(0.0, (t[f"{op_class}/k/{ph}"] - call[i] - rk[i] / eff) / FAN) for i, ph in enumerate(phases)
         ]

@@ -1,12 +1,13 @@
 """Executor calibration: the device's fixed costs as the executor pays them.
 
-``perfmodel.overheads`` times every op class in a loop of its own; in the executor an op runs cold,
-between other ops, other sub-DAGs, the channel and the event loop, and on small models that is most
-of the time (see ``perfmodel.overhead_fit``). Here the synthetic models of ``calibration_models``
-are traced, split 1..3 ways and stepped through the real ``SubDagExecutor`` over an in-memory hub,
-all of them in turn (so each step runs after other models' work, as a compnode's sub-tasks do); the
-fastest FP, BP and Update of each sub-DAG over the steps, with the sub-DAG's ops, go to
-``fit_overheads``. The result replaces the micro-benchmarks' fixed costs (their efficiencies stay).
+``microbench`` times every op class in a loop of its own; in the executor an op runs cold, between
+other ops, other sub-DAGs, the channel and the event loop, and on small models that is most of the
+time (see ``perfmodel.overhead_fit``). Here the synthetic models of ``calibration_models`` are
+traced, split 1..3 ways and stepped through the real ``SubDagExecutor`` over an in-memory hub
+(``dag.channel.LocalHub``), all of them in turn (so each step runs after other models' work, as a
+compnode's sub-tasks do); the fastest FP, BP and Update of each sub-DAG over the steps, with the
+sub-DAG's ops, go to ``fit_overheads``. The result replaces the micro-benchmarks' fixed costs (their
+efficiencies stay).
 
 ``local_device_spec`` (this machine as a ``DeviceSpec``) and the compnode's announced overheads both
 come from here; results are cached per machine next to the hardware profile.
@@ -25,23 +26,24 @@ from typing import Any
 
 import torch
 
+from fusionnet.dag.channel import LocalHub
+from fusionnet.dag.executor import SubDagExecutor
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.dag.trace import trace_model
 from fusionnet.job.losses import make_loss_fn
 from fusionnet.job.optim import ResolvedOptim, build_optimizers, canonical_name
 from fusionnet.perfmodel.overhead_fit import StageSample, fit_overheads
-from fusionnet.perfmodel.overheads import profile_overheads
-from fusionnet.perfmodel.profile import (
+from fusionnet.perfmodel.types import DeviceSpec, Overheads
+from fusionnet.planning.costgraph import cost_graph
+from fusionnet.planning.optimizers import optimizer_profile_name
+from fusionnet.profiling.calibration_models import CALIBRATION_MODELS, CalibrationModel
+from fusionnet.profiling.hardware import (
     _default_cache_dir,
     cached_measurement,
     machine_key,
     profile_local_device,
 )
-from fusionnet.perfmodel.types import DeviceSpec, Overheads
-from fusionnet.runtime.batches import StepData
-from fusionnet.runtime.calibration_models import CALIBRATION_MODELS, CalibrationModel
-from fusionnet.runtime.local import InMemorySwarm
-from fusionnet.runtime.planning import cost_graph, optimizer_profile_name
+from fusionnet.profiling.microbench import profile_overheads
 
 CALIBRATION_VERSION = 1
 SPLITS = (1, 2, 3)  # every model is run whole and cut 2 and 3 ways: stage counts and op mixes vary
@@ -86,13 +88,22 @@ class _Split:
         graph, cg = model.traced.graph, model.costs
         partition = build_partition(graph, balanced_assignment(graph, pieces))
         setting = model.setting
-        self.swarm = InMemorySwarm.from_parts(
-            graph,
-            model.traced.state,  # every executor copies the parameters it owns
-            partition,
-            task="train",
-            make_optimizers=lambda named: build_optimizers(named, {k: setting for k in named}),
-        )
+        # The executors over an in-memory hub, as ``fusionnet run --local`` steps them (without its
+        # job-file plumbing: these models have no job file).
+        self.hub = LocalHub(len(partition.subdags))
+        self.executors = [
+            SubDagExecutor(
+                graph,
+                s,
+                model.traced.state,  # every executor copies the parameters it owns
+                self.hub.channel(s.index),
+                task="train",
+                make_optimizers=lambda named: build_optimizers(named, {k: setting for k in named}),
+            )
+            for s in partition.subdags
+        ]
+        # the dataset fields each sub-DAG's placeholders read (labels go where the loss is)
+        self.fields = [{graph.node(p).target for p in s.placeholders} for s in partition.subdags]
         self.stages = []
         for s in partition.subdags:
             idx = [i for i, op in enumerate(cg.ops) if partition.assignment[op.name] == s.index]
@@ -104,7 +115,15 @@ class _Split:
 
     async def step(self) -> None:
         mbs, sizes = self.batches[self.steps % BATCHES]
-        reports = await self.swarm.step(StepData(step=self.steps, microbatches=mbs, sizes=sizes))
+        step = self.steps
+        reports = await asyncio.gather(
+            *(
+                ex.run_step(step, [{k: v for k, v in mb.items() if k in wanted} for mb in mbs], sizes)
+                for ex, wanted in zip(self.executors, self.fields)
+            )
+        )
+        for ex in self.executors:
+            self.hub.mailboxes[ex.subdag.index].forget_step(step)
         self.steps += 1
         if self.steps <= WARMUP:
             return

@@ -25,7 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fusionnet.broker.scheduler_dp import (
+from fusionnet.errors import PlanError
+from fusionnet.perfmodel.memory import fmt_bytes, inflight_microbatches, optimizer_state_bytes
+from fusionnet.perfmodel.placement_cost import evaluate_assignment
+from fusionnet.perfmodel.types import CostGraph, Swarm, Workload
+from fusionnet.planning.scheduler_dp import (
     SegmentCoster,
     Segments,
     class_dp,
@@ -33,13 +37,9 @@ from fusionnet.broker.scheduler_dp import (
     device_classes,
     prefix_dp,
 )
-from fusionnet.broker.scheduler_linear import build_linear_model, candidate_orders
-from fusionnet.broker.scheduler_plan import Plan, plan_from_cost
-from fusionnet.broker.scheduler_refine import Evaluator, refine
-from fusionnet.errors import PlanError
-from fusionnet.perfmodel.assignment import evaluate_assignment
-from fusionnet.perfmodel.memory import fmt_bytes, inflight_microbatches, optimizer_state_bytes
-from fusionnet.perfmodel.types import CostGraph, Swarm, Workload
+from fusionnet.planning.scheduler_linear import build_linear_model, candidate_orders
+from fusionnet.planning.scheduler_plan import Plan, plan_from_cost
+from fusionnet.planning.scheduler_refine import Evaluator, refine
 
 OBJECTIVES = ("step_time", "makespan")
 MAX_CUTS = 160  # cut positions the DP considers on large graphs (all of them below this)

@@ -1,7 +1,7 @@
 """Short local profiling (FusionAI 3.7: "lambda_p is fitted by a short-time profiling").
 
 ``profile_local_device`` times float32 matmuls of a few sizes and a large memory copy with torch
-(imported here only, lazily: the rest of the performance model is torch-free), then:
+(imported lazily, inside the measuring functions: importing this module starts nothing), then:
 
 - peak FLOP/s = the best rate any matmul reached (a CPU's vendor peak is rarely known; the best
   measured rate is what S* can honestly claim here);

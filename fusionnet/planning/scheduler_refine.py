@@ -25,7 +25,7 @@ import random
 from collections.abc import Callable
 
 from fusionnet.errors import PartitionError
-from fusionnet.perfmodel.assignment import AssignmentCost, OpTimes, evaluate_assignment
+from fusionnet.perfmodel.placement_cost import AssignmentCost, OpTimes, evaluate_assignment
 from fusionnet.perfmodel.types import CostGraph, Swarm, Workload
 
 IMPROVE = 1e-9  # relative improvement a move must bring (guards against float ping-pong)

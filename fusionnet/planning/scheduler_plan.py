@@ -8,8 +8,8 @@ from types import MappingProxyType
 from typing import Any
 
 from fusionnet.errors import PlanError
-from fusionnet.perfmodel.assignment import AssignmentCost
 from fusionnet.perfmodel.memory import MemoryBreakdown, MemoryDemand, fmt_bytes
+from fusionnet.perfmodel.placement_cost import AssignmentCost
 from fusionnet.perfmodel.timing import latency_eq3, pipelined_eq4
 from fusionnet.perfmodel.types import Swarm, Workload
 

@@ -22,7 +22,7 @@ from typing import Any
 from fusionnet import __version__
 from fusionnet.dht.records import HardwareInfo
 
-log = logging.getLogger("fusionnet.compnode.profile")
+log = logging.getLogger("fusionnet.profiling.node")
 
 CACHE_FILE = "hardware_profile.json"
 _MATMUL_N = 256  # small enough that a call fits in a scheduler time slice under contention
@@ -194,8 +194,8 @@ def profile_hardware(
 
 def profile_software_overheads(hw: HardwareInfo, state_dir: Path) -> HardwareInfo:
     """``hw`` with the fixed per-op costs of this node's software stack, which dominate small ops and
-    which the broker's planner adds to eq. (1): the micro-benchmarks of ``perfmodel.overheads``
-    refined by the executor calibration (``runtime.calibration``: synthetic models through the real
+    which the broker's planner adds to eq. (1): the micro-benchmarks of ``microbench``
+    refined by the executor calibration (``calibration``: synthetic models through the real
     executor). About 1.5 s at the first start, then cached in the state dir next to the hardware
     profile; CPU nodes only (both run on the CPU). A failure costs only precision: the record goes
     out without them."""
@@ -203,9 +203,11 @@ def profile_software_overheads(hw: HardwareInfo, state_dir: Path) -> HardwareInf
         return hw
     import torch
 
-    from fusionnet.perfmodel.overheads import profile_overheads
+    # Lazy, like torch above: importing the calibration starts torch, and the daemon imports this
+    # module before it forks its DHT child.
     from fusionnet.perfmodel.types import DeviceSpec
-    from fusionnet.runtime.calibration import calibrated_overheads
+    from fusionnet.profiling.calibration import calibrated_overheads
+    from fusionnet.profiling.microbench import profile_overheads
 
     if hw.threads:
         torch.set_num_threads(hw.threads)  # this runs in a worker thread too: see ``measure``

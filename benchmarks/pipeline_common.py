@@ -1,0 +1,133 @@
+"""What the contenders of ``pipeline_vs_torch.py`` share: configuration, results, data, threads, and
+the block splits the torch pipeline mirrors from FusionNet's plan."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MODEL_FILE = HERE / "pipeline_model.py"
+sys.path.insert(0, str(HERE))  # pipeline_model, also in spawned workers (they get sys.path)
+
+FUSIONNET = [sys.executable, "-m", "fusionnet.cli.main"]
+KINDS = ("torch pipe", "fusionnet", "fusionnet local")  # table order, after plain torch
+
+
+@dataclass(frozen=True)
+class Config:
+    dim: int
+    hidden: int
+    layers: int
+    batch_size: int
+    microbatches: int
+    steps: int
+    warmup: int
+    lr: float
+    seed: int
+    threads: int
+    data_path: str
+
+    @property
+    def model_kwargs(self) -> dict[str, int]:
+        return {"dim": self.dim, "hidden": self.hidden, "layers": self.layers}
+
+
+@dataclass
+class Result:
+    name: str
+    times: list[float] = field(default_factory=list)  # per step, warm-up included
+    losses: list[float] = field(default_factory=list)
+    error: str | None = None
+    note: str = ""
+
+    def median(self, warmup: int) -> float | None:
+        timed = self.times[warmup:] or self.times
+        return statistics.median(timed) if timed and self.error is None else None
+
+    def minimum(self, warmup: int) -> float | None:
+        timed = self.times[warmup:] or self.times
+        return min(timed) if timed and self.error is None else None
+
+
+# ---- data and batches (shared by the torch contenders; FusionNet reads the same file) ------------------
+def make_data(cfg: Config, samples: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    inputs = torch.randn(samples, cfg.dim, generator=g)
+    labels = torch.randint(0, cfg.dim, (samples,), generator=g)
+    save_file({"inputs": inputs, "labels": labels}, cfg.data_path)
+
+
+def load_batches(cfg: Config) -> list[tuple[Any, Any]]:
+    import torch
+    from safetensors.torch import load_file
+
+    data = load_file(cfg.data_path)
+    n = data["inputs"].shape[0]
+    out = []
+    for s in range(cfg.steps):
+        idx = torch.arange(s * cfg.batch_size, (s + 1) * cfg.batch_size) % n
+        out.append((data["inputs"][idx].contiguous(), data["labels"][idx].contiguous()))
+    return out
+
+
+def set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # only settable before any inter-op work
+        torch.set_num_interop_threads(1)
+
+
+# ---- splits ---------------------------------------------------------------------------------------------
+_NODE = re.compile(r"^(layer_norm|linear|gelu|add)(?:_(\d+))?$")
+
+
+def _node_block(name: str) -> int | None:
+    """The block a traced node belongs to (fx names the k-th call of an op ``op_k``; two linears a block)."""
+    m = _NODE.match(name)
+    if m is None:
+        return None
+    k = int(m.group(2) or 0)
+    return k // 2 if m.group(1) == "linear" else k
+
+
+def split_from_plan(plan: dict[str, Any], layers: int) -> list[tuple[int, int]]:
+    """Per sub-DAG (in block order) its first and last block, from ``plan.json``'s ``nodes`` (and ``params``
+    where present, as a cross-check). Raises when a cut falls inside a block or blocks are not contiguous."""
+    owner: dict[int, int] = {}
+    for sd in plan["subdags"]:
+        index = sd.get("subdag", sd.get("index"))
+        blocks = {b for b in map(_node_block, sd["nodes"]) if b is not None}
+        blocks |= {int(p.split(".")[1]) for p in sd.get("params", []) if p.startswith("blocks.")}
+        for b in blocks:
+            if owner.setdefault(b, index) != index:
+                raise ValueError(f"block {b} is cut between sub-DAGs {owner[b]} and {index}")
+    if sorted(owner) != list(range(layers)):
+        raise ValueError(f"plan covers blocks {sorted(owner)}, expected 0..{layers - 1}")
+    stages: dict[int, list[int]] = {}
+    for b, index in owner.items():
+        stages.setdefault(index, []).append(b)
+    split = sorted((min(bs), max(bs)) for bs in stages.values())
+    for (_, last), (first, _) in itertools.pairwise(split):
+        if first != last + 1:
+            raise ValueError(f"sub-DAG blocks are not contiguous: {format_split(split)}")
+    return split
+
+
+def balanced_split(layers: int, stages: int) -> list[tuple[int, int]]:
+    bounds = [round(i * layers / stages) for i in range(stages + 1)]
+    return [(bounds[i], bounds[i + 1] - 1) for i in range(stages)]
+
+
+def format_split(split: list[tuple[int, int]]) -> str:
+    return "|".join(f"{a}-{b}" if a != b else str(a) for a, b in split)

@@ -1,0 +1,155 @@
+"""Checks of a loaded job that need its data and model, done before anything is traced or sent.
+
+The tracer and the runtimes run the model many times in places where a user error surfaces as a
+traceback from deep inside torch (``mat1 and mat2 shapes cannot be multiplied``, ``Target 7 is out of
+bounds``) or as the wrong cause ("cannot be traced" for NaN inputs). Here the same mistakes are found
+once, on one sample, with a message that names the key, the tensor, and what was expected:
+
+- inputs, labels and weights hold only finite numbers;
+- one batch's inputs fit in memory many times over (``batch_size: 10**9`` is refused, not allocated);
+- one forward pass on ``data.inputs[0:1]`` succeeds and returns what the task needs;
+- the loss accepts that output with ``data.labels[0:1]``, and class labels lie in the output's range.
+
+The dry run leaves no trace: the RNG state is restored, the model runs in eval mode without autograd
+(BatchNorm statistics and dropout untouched) and its train/eval mode is put back afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from fusionnet.errors import JobError
+from fusionnet.job.schema import JobSpec
+
+
+class LoadedJob(Protocol):
+    """What the preflight reads of ``fusionnet.job.loader.LoadedJob`` (which calls it: no import back)."""
+
+    spec: JobSpec
+    model: torch.nn.Module
+    inputs: torch.Tensor
+    labels: torch.Tensor | None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+
+
+# A batch's inputs may use at most this share of the machine's memory: activations, gradients and
+# optimizer state come on top of them.
+_BATCH_MEMORY_SHARE = 0.25
+_CLASS_LOSSES = {"cross_entropy", "nll_loss", "multi_margin_loss"}
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"Tensor of shape {tuple(t.shape)} and dtype {str(t.dtype).removeprefix('torch.')}"
+    if isinstance(t, dict):
+        return f"dict with keys {sorted(map(str, t))[:5]}"
+    return type(t).__name__
+
+
+def _machine_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX: assume a small machine
+        return 8 << 30
+
+
+def _check_finite(job: LoadedJob) -> None:
+    for name, t in (("inputs", job.inputs), ("labels", job.labels)):
+        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            first = int((~torch.isfinite(t)).reshape(t.shape[0], -1).any(dim=1).nonzero()[0, 0])
+            raise JobError(
+                f"data.path: {job.spec.data.path}: '{name}' holds NaN or inf (first in sample {first})"
+            )
+    key = "model.weights" if job.spec.model.weights is not None else "model.entrypoint"
+    for name, t in job.model.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise JobError(f"{key}: {name!r} holds NaN or inf")
+
+
+def _check_batch_memory(job: LoadedJob) -> None:
+    per_sample = job.inputs[0].nbytes + (job.labels[0].nbytes if job.labels is not None else 0)
+    need = per_sample * job.spec.data.batch_size
+    have = _machine_memory_bytes()
+    if need > _BATCH_MEMORY_SHARE * have:
+        gib, total = need / 2**30, have / 2**30
+        raise JobError(
+            f"data.batch_size: {job.spec.data.batch_size} samples need {gib:.1f} GiB for one batch's inputs "
+            f"alone; this machine has {total:.1f} GiB (at most a quarter of it for inputs)"
+        )
+
+
+def _check_labels_range(job: LoadedJob, out: torch.Tensor, y: torch.Tensor) -> None:
+    """Class losses index the output with the labels: every label must be a class the output has."""
+    assert job.spec.loss is not None and job.labels is not None
+    if job.spec.loss.name not in _CLASS_LOSSES or job.labels.is_floating_point() or out.dim() < 1:
+        return
+    classes = out.shape[1] if out.dim() >= 2 else out.shape[0]
+    ignore = job.spec.loss.kwargs.get("ignore_index", -100)
+    labels = job.labels[job.labels != ignore]
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= classes):
+        low, high, loss = int(labels.min()), int(labels.max()), job.spec.loss.name
+        raise JobError(
+            f"data.path: {job.spec.data.path}: 'labels' range from {low} to {high}, but the model outputs "
+            f"{classes} classes ({loss} expects 0..{classes - 1})"
+        )
+
+
+def _dry_forward(job: LoadedJob) -> None:
+    where = "model.entrypoint: forward on data.inputs[0:1]"
+    x = job.inputs[0:1]
+    y = job.labels[0:1] if job.labels is not None else None
+    uses_loss = job.spec.task != "infer"
+    try:
+        if uses_loss and job.loss_fn is None:
+            out = job.model(x, y)
+        else:
+            out = job.model(x)
+    except Exception as e:
+        raise JobError(f"{where} ({_describe(x)}) failed: {_short(e)}") from None
+    if not uses_loss:
+        if not isinstance(out, torch.Tensor):
+            raise JobError(f"{where} returned a {_describe(out)}; task infer needs a Tensor")
+        return
+    assert y is not None
+    if job.loss_fn is None:
+        if not isinstance(out, torch.Tensor) or out.dim() != 0:
+            raise JobError(
+                f"model.entrypoint: model(inputs, labels) must return a scalar loss, got {_describe(out)}"
+            )
+        return
+    loss_name = job.spec.loss.name if job.spec.loss is not None else "loss"
+    if not isinstance(out, torch.Tensor):
+        raise JobError(f"{where} returned a {_describe(out)}; loss {loss_name} needs a Tensor")
+    _check_labels_range(job, out, y)
+    try:
+        loss = job.loss_fn(out, y)
+    except Exception as e:
+        raise JobError(
+            f"loss: {loss_name} of the model's output ({_describe(out)}) and data.labels[0:1] "
+            f"({_describe(y)}) failed: {_short(e)}"
+        ) from None
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise JobError(f"loss: {loss_name} must give one number per batch, got {_describe(loss)}")
+
+
+def preflight(job: LoadedJob) -> None:
+    """One JobError for the first problem found; nothing about the job or the RNG changes."""
+    _check_finite(job)
+    _check_batch_memory(job)
+    was_training = job.model.training
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        try:
+            job.model.eval()
+            _dry_forward(job)
+        finally:
+            job.model.train(was_training)

@@ -1,0 +1,24 @@
+"""The planner: problem (2)'s scheduler, placement policy, link and speed books, predictions.
+
+Pure functions of data. It imports the IR (``fusionnet.dag``), the job's optimizer settings
+(``fusionnet.job.optim``), the performance model and the errors, and nothing of the daemons, the
+commands or hivemind (the import contract in pyproject.toml keeps it so): the broker calls it, and so
+do ``fusionnet plan``, ``fusionnet run --local`` and the benchmarks.
+
+Map of the package:
+
+- ``costgraph.py``         IR graph -> the performance model's ``CostGraph`` (placeholders and
+                           variables folded into their users), and a plan back onto IR nodes.
+- ``optimizers.py``        torch.optim settings -> the performance model's optimizer profile names.
+- ``planner.py``           ``plan_graph``: IR + devices + links -> sub-DAG assignment, devices, prediction.
+- ``predict.py``           predictions for a partition already chosen (``run --local``, the broker).
+- ``placement.py``         which compnodes run a job: first placement, failover, hand-over, growth.
+- ``links.py``             ``LinkBook``: measured alpha-beta links per compnode pair, blended over jobs.
+- ``speeds.py``            ``SpeedBook``: per-compnode slowness refined from measured step times.
+- ``scheduler.py``         ``schedule``: the search over device orders and cuts (entry point).
+- ``scheduler_linear.py``  topological orders of the DAG and the prefix sums the DPs cut.
+- ``scheduler_dp.py``      segment DPs: one order cut into stages, a device per stage (``class_dp``).
+- ``scheduler_refine.py``  local search over single-op moves, priced by ``evaluate_assignment``.
+- ``scheduler_exact.py``   the exact solver for small instances (quality benchmark and tests).
+- ``scheduler_plan.py``    ``Plan``: a schedule as data, with its text and JSON forms.
+"""

@@ -1,0 +1,127 @@
+"""The links between compnodes as measured, kept per broker (FusionAI eq. (1): remote R = alpha + beta M).
+
+After a placement is assigned, the broker asks every compnode that sends activations to time its links
+to the receivers (``broker.links.probe_placement`` -> ``compnode.linkprobe``: round trips over the
+job's own data path). ``LinkBook`` (pure data, no I/O) keeps the fitted alpha-beta per directed pair of
+compnodes, blended with what earlier jobs measured (geometric means: one congested probe moves an
+estimate only part of the way), and gives the planner the links of any pool of compnodes: a pair
+measured in one direction only is assumed symmetric, and a pair never measured falls back to the
+planner's default (loopback figures). Pairs it already knows are not probed again until
+``STALE_SECONDS`` have passed, so a failover does not pay for probes it needs not.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from fusionnet.perfmodel.types import Link
+
+WEIGHT = 0.5  # share of a new measurement in the blended estimate
+STALE_SECONDS = 600.0  # a link measured longer ago than this is probed again
+
+
+@dataclass(frozen=True)
+class MeasuredLink:
+    link: Link
+    measured_at: float  # the book's clock
+    probes: int  # how many measurements the estimate blends
+
+
+class LinkBook:
+    """``on_change`` (optional) gets the probed links after every change (the broker's metrics)."""
+
+    def __init__(
+        self,
+        weight: float = WEIGHT,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[dict[tuple[str, str], Link]], None] | None = None,
+    ) -> None:
+        if not 0.0 < weight <= 1.0:
+            raise ValueError(f"weight must be in (0, 1], got {weight}")
+        self.weight = weight
+        self.clock = clock
+        self.on_change = on_change
+        self._links: dict[tuple[str, str], MeasuredLink] = {}
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.measured())
+
+    def record(self, src: str, dst: str, link: Link) -> Link:
+        """A new measurement of ``src -> dst``; returns the blended estimate."""
+        old = self._links.get((src, dst))
+        if old is not None:
+            w = self.weight
+            link = Link(
+                alpha=_blend(old.link.alpha, link.alpha, w),
+                beta=_blend(old.link.beta, link.beta, w),
+            )
+        self._links[(src, dst)] = MeasuredLink(link, self.clock(), 1 if old is None else old.probes + 1)
+        self._changed()
+        return link
+
+    def get(self, src: str, dst: str) -> Link | None:
+        """The ``src -> dst`` estimate, the reverse direction's when only that was measured, or None."""
+        entry = self._links.get((src, dst)) or self._links.get((dst, src))
+        return None if entry is None else entry.link
+
+    def needs_probe(self, src: str, dst: str) -> bool:
+        entry = self._links.get((src, dst))
+        return entry is None or self.clock() - entry.measured_at > STALE_SECONDS
+
+    def pairs(self) -> dict[tuple[str, str], Link]:
+        """Every directed pair with an estimate (both directions of a pair measured one way)."""
+        out = {(b, a): m.link for (a, b), m in self._links.items()}
+        out.update({pair: m.link for pair, m in self._links.items()})
+        return out
+
+    def measured(self) -> dict[tuple[str, str], Link]:
+        """The directed pairs actually probed (no symmetric stand-ins)."""
+        return {pair: m.link for pair, m in self._links.items()}
+
+    def forget(self, peer: str) -> None:
+        for pair in [p for p in self._links if peer in p]:
+            del self._links[pair]
+        self._changed()
+
+    def describe(self, peers: Sequence[str]) -> list[dict[str, object]]:
+        """The estimates between ``peers`` for ``plan.json``: from, to, alpha (s), bandwidth (B/s)."""
+        out = []
+        for a in peers:
+            for b in peers:
+                entry = self._links.get((a, b))
+                if a != b and entry is not None:
+                    out.append(
+                        {
+                            "from": a,
+                            "to": b,
+                            "alpha_seconds": entry.link.alpha,
+                            "bandwidth_bytes_per_second": entry.link.bandwidth,
+                            "probes": entry.probes,
+                        }
+                    )
+        return out
+
+
+def _blend(old: float, new: float, weight: float) -> float:
+    if old <= 0 or new <= 0:
+        return (1 - weight) * old + weight * new
+    return math.exp((1 - weight) * math.log(old) + weight * math.log(new))
+
+
+def index_links(
+    peers: Iterable[str], links: Mapping[tuple[str, str], Link] | None
+) -> dict[tuple[int, int], Link]:
+    """Peer-keyed links as the planner's device-index keys for a pool listed as ``peers``."""
+    if not links:
+        return {}
+    order = list(peers)
+    return {
+        (i, j): links[(a, b)]
+        for i, a in enumerate(order)
+        for j, b in enumerate(order)
+        if i != j and (a, b) in links
+    }

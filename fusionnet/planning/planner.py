@@ -1,0 +1,127 @@
+"""The scheduler facade: plans an IR graph onto a list of devices (problem (2)).
+
+``plan_graph`` turns the IR into a cost graph (``costgraph``), runs the scheduler
+(``scheduler.schedule``) over a list of devices, e.g. the ``DeviceSpec``s of the live compnodes
+(``CompnodeEntry.device_spec()``), and returns the IR assignment that ``build_partition`` accepts,
+which device runs each sub-DAG, the predicted seconds and the plan as text. Deterministic for equal
+inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from fusionnet.dag.ir import IRGraph
+from fusionnet.dag.partition import Partition, build_partition
+from fusionnet.errors import PlanError
+from fusionnet.perfmodel.memory import fmt_bytes
+from fusionnet.perfmodel.types import DeviceSpec, Link, Swarm, Workload
+from fusionnet.planning.costgraph import cost_graph, ir_assignment, micro_batch_scale
+from fusionnet.planning.scheduler import Plan, schedule
+
+LOOPBACK = Link.from_bandwidth(100e-6, 1e9)  # local compnodes: loopback TCP, design.md's figures
+IN_PROCESS = Link(alpha=0.0, beta=0.0)  # run --local: tensors are handed over in memory
+
+
+@dataclass(frozen=True)
+class PlannedJob:
+    """The planner's answer for one IR graph."""
+
+    assignment: dict[str, int]  # every IR node -> sub-DAG index 0..k-1 (build_partition's order)
+    devices: list[int]  # devices[i]: index into the input device list of sub-DAG i
+    predicted_seconds: dict[int, float]  # sub-DAG -> FP + BP + Update seconds per step
+    predicted_step_seconds: float  # the schedule simulator's step time (pipelining, transfers)
+    explanation: str  # the plan as text: per-stage times, memory, bottleneck
+    plan: Plan  # the scheduler's plan (stage i of ``plan.stages`` is sub-DAG i)
+
+
+Links = Mapping[tuple[int, int], Link] | Link | None
+
+
+def make_swarm(devices: Sequence[DeviceSpec], links: Links, default_link: Link | None) -> Swarm:
+    if not devices:
+        raise PlanError("no devices to plan for: no compnode is online (or none has announced its hardware)")
+    if isinstance(links, Link):
+        return Swarm(tuple(devices), {}, links)
+    return Swarm(tuple(devices), dict(links or {}), default_link or LOOPBACK)
+
+
+def _partition(graph: IRGraph, labels: Mapping[str, int]) -> Partition:
+    """``build_partition`` on a copy of the nodes (it stamps compnode fields onto the graph it gets)."""
+    return build_partition(IRGraph(nodes=[replace(n) for n in graph.nodes], task=graph.task), labels)
+
+
+def plan_graph(
+    graph: IRGraph,
+    devices: Sequence[DeviceSpec],
+    *,
+    microbatches: int,
+    batch_size: int | None = None,
+    optimizer: str | Mapping[str, str] | None = None,
+    max_devices: int | None = None,
+    links: Links = None,
+    default_link: Link | None = None,
+    objective: str = "step_time",
+    stages: int | None = None,
+) -> PlannedJob:
+    """Plans ``graph`` onto ``devices`` with the scheduler of problem (2).
+
+    ``microbatches`` and ``batch_size`` are the job's (costs are rescaled when the traced micro-batch
+    had another size); ``optimizer`` one profile name (``"adam"``, ``"sgd_momentum"``, ...) or a map
+    parameter key -> name; ``max_devices`` caps the sub-DAGs (default: every device may be used);
+    ``links`` a map (i, j) of device indices -> ``Link`` (pairs not given use ``default_link``,
+    loopback by default) or one ``Link`` for every pair; ``stages`` fixes the number of sub-DAGs (the
+    scheduler then picks only the cuts and the devices). Deterministic for equal inputs. Raises
+    ``PlanError`` naming the binding constraint (an op or the model too big for the memories, ...)
+    when no placement fits.
+    """
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
+    swarm = make_swarm(devices, links, default_link)
+    cg = cost_graph(graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches))
+    plan = schedule(
+        cg,
+        swarm,
+        Workload(microbatches, graph.task),
+        max_devices=max_devices,
+        objective=objective,
+        stages=stages,
+    )
+    stage_of = {d: i for i, d in enumerate(plan.devices_used)}
+    labels = ir_assignment(graph, {op: stage_of[d] for op, d in plan.assignment.items()})
+    partition = _partition(graph, labels)
+    # sub-DAG i of the partition -> the stage (and device) it came from
+    stage_for = {s.index: s.compnode for s in partition.subdags}
+    if sorted(stage_for.values()) != list(range(len(plan.stages))):
+        raise PlanError("internal: the plan's stages do not map one-to-one onto sub-DAGs")
+    plan_devices = [plan.stages[stage_for[i]].device for i in range(len(partition.subdags))]
+    predicted = {i: plan.stages[stage_for[i]].compute_seconds for i in range(len(partition.subdags))}
+    return PlannedJob(
+        assignment=dict(partition.assignment),
+        devices=plan_devices,
+        predicted_seconds=predicted,
+        predicted_step_seconds=plan.predicted_step_seconds,
+        explanation=_explain(plan, swarm, plan_devices, predicted, max_devices),
+        plan=plan,
+    )
+
+
+def _explain(
+    plan: Plan, swarm: Swarm, devices: list[int], predicted: Mapping[int, float], max_devices: int | None
+) -> str:
+    allowed = min(max_devices or len(swarm.devices), len(swarm.devices))
+    lines = [plan.describe(), ""]
+    for i, d in enumerate(devices):
+        dev = swarm.devices[d]
+        lines.append(
+            f"sub-DAG {i}: device {d} ({dev.name}, {dev.kind}, S(p) {dev.speed / 1e9:.3g} GFLOP/s, "
+            f"{fmt_bytes(dev.compute_memory)}): predicted FP+BP+Update {predicted[i]:.6g} s per step"
+        )
+    if len(devices) < allowed:
+        lines.append(
+            f"{len(devices)} of {allowed} allowed device(s) used: more sub-DAGs would add transfers and "
+            "fixed costs without shortening the predicted step"
+        )
+    lines.append(f"predicted step time: {plan.predicted_step_seconds:.6g} s")
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""``fusionnet plan``: a job file traced and planned for a swarm, nothing run.
+
+The swarm is a nodes file (``perfmodel.nodes``) or ``placement.compnodes`` compnodes like this machine
+(``profiling.calibration.local_device_spec``: profiled once, cached) on loopback links. The planning
+itself is ``planning.planner.plan_graph``; this module only drives it and shapes its answer (the text
+the command prints and plan.json's form).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from fusionnet.job.loader import LoadedJob, load_job
+from fusionnet.perfmodel.nodes import load_nodes_file
+from fusionnet.perfmodel.types import DeviceSpec
+from fusionnet.planning.optimizers import job_optimizers
+from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph
+from fusionnet.profiling.calibration import local_device_spec
+from fusionnet.runtime.prepare import PreparedJob, prepare_job, trace_job
+from fusionnet.runtime.results import plan_document
+
+
+@dataclass
+class JobPlan:
+    """``plan_job``'s answer: the job partitioned as planned, the plan, its text and its JSON form."""
+
+    prepared: PreparedJob  # with the planned partition
+    planned: PlannedJob
+    devices: list[DeviceSpec]  # the swarm planned for
+    explanation: str
+    document: dict[str, Any]  # plan.json form (runtime.results.plan_document + the plan)
+
+
+def plan_job(
+    job: Any,
+    nodes_file: str | Path | None = None,
+    *,
+    seconds_budget: float = 1.0,
+    cache_dir: str | Path | None = None,
+) -> JobPlan:
+    """``fusionnet plan``: traces ``job`` (a ``LoadedJob`` or a job file path) and plans it for the
+    swarm in ``nodes_file`` or, without one, for ``placement.compnodes`` compnodes like this machine
+    (profiled once, cached) on loopback links. Nothing runs."""
+    if not isinstance(job, LoadedJob):
+        job = load_job(job)
+    spec = job.spec
+    if nodes_file is not None:
+        swarm = load_nodes_file(nodes_file)  # before tracing: a bad nodes file fails fast
+        devices, links, default, cap = list(swarm.devices), dict(swarm.links), swarm.default_link, None
+        where = f"the {len(devices)} device(s) of {nodes_file}"
+    else:
+        local = local_device_spec(seconds_budget=seconds_budget, cache_dir=cache_dir)
+        n = spec.placement.compnodes
+        devices = [replace(local, name=f"local #{i}") for i in range(n)]
+        links, default, cap = {}, LOOPBACK, n
+        where = (
+            f"{n} compnode(s) like this machine (placement.compnodes; profiled: peak "
+            f"{local.peak_flops / 1e9:.3g} GFLOP/s x lambda {local.speed_factor:.3g}, memory bandwidth "
+            f"{local.mem_bandwidth / 1e9:.3g} GB/s), loopback links"
+        )
+    traced = trace_job(job)
+    planned = plan_graph(
+        traced.graph,
+        devices,
+        microbatches=spec.data.microbatches,
+        batch_size=spec.data.batch_size,
+        optimizer=job_optimizers(job, traced.graph),
+        max_devices=cap,
+        links=links,
+        default_link=default,
+    )
+    prepared = prepare_job(job, len(planned.devices), traced=traced, assignment=planned.assignment)
+    explanation = f"planned for {where}\n\n{planned.explanation}"
+    used = [devices[d] for d in planned.devices]
+    document = plan_document(
+        prepared.partition,
+        predicted=planned.predicted_seconds,
+        extra={
+            "job": spec.name,
+            "task": spec.task,
+            "frontend": traced.graph.frontend,
+            "swarm": where,
+            "devices": [
+                {"subdag": i, "device": d, "name": dev.name, "kind": dev.kind, "speed_flops": dev.speed}
+                for i, (d, dev) in enumerate(zip(planned.devices, used))
+            ],
+            "predicted_step_seconds": planned.predicted_step_seconds,
+            "plan": planned.plan.to_dict(),
+        },
+    )
+    return JobPlan(prepared, planned, devices, explanation, document)

@@ -1,0 +1,88 @@
+"""Model code that misbehaves while loading ends the command with one line and exit code 2: it cannot
+hang the command, end it silently with exit 0, or crash it with a traceback."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from fusionnet.cli.main import EXIT_BAD_INPUT, main
+
+REPO = Path(__file__).resolve().parent.parent
+MLP = REPO / "examples" / "mlp"
+
+pytestmark = pytest.mark.timeout(120)
+
+BUILD = "\n\ndef build(**kwargs):\n    from torch import nn\n    return nn.Linear(4, 3)\n"
+
+CASES = {
+    "loops at import": ("while True:\n    pass\n" + BUILD, r"did not finish in 10 s"),
+    "sys.exit(0) at import": ("import sys\nsys.exit(0)\n" + BUILD, r"importing it raised SystemExit: 0"),
+    "os._exit at import": ("import os\nos._exit(0)\n" + BUILD, r"ended the process \(exit code 0\)"),
+    "segfault at import": ("import ctypes\nctypes.string_at(0)\n" + BUILD, r"killed the process \(SIGSEGV\)"),
+    "sys.exit in builder": ("def build(**kwargs):\n    raise SystemExit(3)\n", r"raised SystemExit: 3"),
+    "returns a string": (
+        "def build(**kwargs):\n    return 'net'\n",
+        r"returned str, not a torch\.nn\.Module",
+    ),
+}
+
+
+def _job_with_model(tmp: Path, source: str) -> Path:
+    job_dir = tmp / "job"
+    shutil.copytree(MLP, job_dir, ignore=shutil.ignore_patterns("__pycache__", ".test-*"))
+    (job_dir / "model.py").write_text(source)
+    return job_dir / "job.yaml"
+
+
+# Every case through ``plan``; ``run`` shares the loading code, so two cases show it is wired there too.
+MATRIX = [("plan", case) for case in sorted(CASES)] + [
+    ("run", "loops at import"),
+    ("run", "sys.exit(0) at import"),
+]
+
+
+@pytest.mark.parametrize(("command", "case"), MATRIX)
+def test_misbehaving_model_code_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, case: str
+) -> None:
+    source, message = CASES[case]
+    job = _job_with_model(tmp_path, source)
+    extra = ["--local", "2", "--output", str(tmp_path / "out")] if command == "run" else []
+    # The child imports torch first (a few seconds on a busy 2-core machine): only the loop may time out.
+    limit = "10" if case == "loops at import" else "60"
+    start = time.monotonic()
+    code = main([command, str(job), "--load-timeout", limit, *extra])
+    assert time.monotonic() - start < 70
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_BAD_INPUT, err
+    last = err[-1]
+    assert last.startswith(f"fusionnet {command}: error: model.entrypoint: "), err
+    assert re.search(message, last), last
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_output_that_is_a_file_is_refused_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    out.write_text("not a folder")
+    code = main(["run", str(MLP / "job.yaml"), "--local", "2", "--output", str(out)])
+    assert code == EXIT_BAD_INPUT
+    assert (
+        capsys.readouterr().err.strip()
+        == f"fusionnet run: error: --output: {out} exists and is not a directory"
+    )
+
+
+def test_a_sound_job_still_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = _job_with_model(tmp_path, (MLP / "model.py").read_text())
+    assert (
+        main(["run", str(job), "--local", "2", "--output", str(tmp_path / "out"), "--quiet", "--no-predict"])
+        == 0
+    )
+    assert (tmp_path / "out" / "weights.safetensors").exists()
