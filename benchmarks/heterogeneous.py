@@ -54,10 +54,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from swarm_jobs import write_gpt_job  # noqa: E402
+from swarm_jobs import run_main, write_gpt_job  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
-from fusionnet.runtime.localswarm import LocalSwarm  # noqa: E402
+from fusionnet.runtime.process_swarm import CompnodeSpec, ProcessSwarm  # noqa: E402
 from fusionnet.runtime.submit import submit_and_wait  # noqa: E402
 
 TOL = 1e-5
@@ -98,10 +98,10 @@ def write_job(workdir: Path, args: argparse.Namespace) -> Path:
     )
 
 
-async def drive(swarm: LocalSwarm, job_path: Path, out: Path, run: Run, timeout: float) -> None:
+async def drive(swarm: ProcessSwarm, job_path: Path, out: Path, run: Run, timeout: float) -> None:
     async with SwarmObserver(swarm.initial_peers) as observer:
         await swarm.wait_members(observer)
-        names = {d.peer_id: d.name for d in swarm.nodes}
+        names = {d.peer_id: d.name for d in swarm.compnodes}
         for c in (await observer.broker_status())["compnodes"]:
             hw = c.get("hardware") or {}
             if c["peer_id"] in names and hw:
@@ -115,13 +115,14 @@ def run_once(slowdown: float, policy: str, job_path: Path, workdir: Path, args: 
     from safetensors.torch import load_file
 
     run = Run(slowdown, policy)
-    swarm = LocalSwarm(
-        workdir / "swarm",
-        compnodes=2,
-        threads=args.threads,
-        node_args={SLOW: ["--slowdown", str(slowdown)]},
-        broker_args=["--placement", policy, "--sync-every", str(args.sync_every)],
-    )
+    specs = [
+        CompnodeSpec(
+            threads=args.threads, refresh_period=2.0, extra=["--slowdown", str(slowdown)] if i == SLOW else []
+        )
+        for i in range(2)
+    ]
+    broker_argv = ["--refresh-period", "2", "--placement", policy, "--sync-every", str(args.sync_every)]
+    swarm = ProcessSwarm(workdir / "swarm", specs, broker_argv=broker_argv)
     out = workdir / "out"
     started = time.monotonic()
     try:
@@ -133,7 +134,7 @@ def run_once(slowdown: float, policy: str, job_path: Path, workdir: Path, args: 
     finally:
         names = {}
         with contextlib.suppress(Exception):
-            names = {d.peer_id: d.name for d in swarm.nodes}
+            names = {d.peer_id: d.name for d in swarm.compnodes}
         swarm.stop()
         run.wall_s = time.monotonic() - started
     plan = json.loads((out / "plan.json").read_text())
@@ -349,8 +350,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # every swarm was stopped on the way out
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)

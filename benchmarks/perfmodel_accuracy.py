@@ -52,7 +52,7 @@ from fusionnet.perfmodel.types import OP_CLASSES, DeviceSpec
 from fusionnet.planning.optimizers import job_optimizers
 from fusionnet.planning.predict import predict_subdags
 from fusionnet.profiling.calibration import local_device_spec
-from fusionnet.runtime.local import LocalSwarm
+from fusionnet.runtime.local import InMemorySwarm
 from fusionnet.runtime.prepare import PreparedJob, prepare_job, trace_job
 
 REPO = Path(__file__).resolve().parent.parent
@@ -128,7 +128,7 @@ def predict(prepared: PreparedJob, device: DeviceSpec) -> dict[int, float]:
 
 
 async def interleaved(
-    target: LocalSwarm, t_data: list, calib: LocalSwarm, c_data: list, steps: int
+    target: InMemorySwarm, t_data: list, calib: InMemorySwarm, c_data: list, steps: int
 ) -> tuple[list, list]:
     """Per step: one calibration step, then one measured step (each the next of its data: step numbers
     only ever grow, as the executors expect). Returns per-step FP+BP+Update seconds per sub-DAG of
@@ -143,13 +143,13 @@ async def interleaved(
 
 
 async def measure_all(
-    configs: list[PreparedJob], calib: LocalSwarm, steps: int, passes: int
+    configs: list[PreparedJob], calib: InMemorySwarm, steps: int, passes: int
 ) -> list[tuple[list, list]]:
     """``passes`` sweeps over every configuration, in one event loop (the in-memory hub's futures
     belong to one loop). A slow spell of the machine then spoils one pass of a configuration, not all
     of its steps. Returns, per configuration, the steps of every pass (measured, calibration)."""
     calib_data = list(calib.steps(passes * len(configs) * steps))
-    swarms = [LocalSwarm(prepared) for prepared in configs]
+    swarms = [InMemorySwarm(prepared) for prepared in configs]
     data = [list(swarm.steps(passes * steps)) for swarm in swarms]
     out: list[tuple[list, list]] = [([], []) for _ in configs]
     for _ in range(passes):
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         calib_job = load_job(calibration_job(calib_dir))
         calib_prepared = prepare_job(calib_job, CALIBRATION_PIECES)
         calib_pred = predict(calib_prepared, device)
-        calib = LocalSwarm(calib_prepared)
+        calib = InMemorySwarm(calib_prepared)
         configs: list[tuple[str, int, PreparedJob]] = []
         for name in EXAMPLES:
             job = load_job(REPO / "examples" / name / "job.yaml")

@@ -47,10 +47,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from swarm_jobs import write_gpt_job  # noqa: E402
+from swarm_jobs import run_main, write_gpt_job  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
-from fusionnet.runtime.localswarm import LocalDaemon, LocalSwarm  # noqa: E402
+from fusionnet.runtime.process_swarm import CompnodeSpec, ProcessSwarm  # noqa: E402
+from fusionnet.runtime.processes import DaemonProcess  # noqa: E402
 from fusionnet.runtime.submit import submit_and_wait  # noqa: E402
 
 CONFIDANT_PASSIVE_S = 16.8
@@ -108,14 +109,14 @@ async def wait_running(observer: SwarmObserver, step: int, deadline: float) -> s
         await asyncio.sleep(0.1)
 
 
-async def drive(swarm: LocalSwarm, job_path: Path, out: Path, rec: RunRecord, timeout: float) -> None:
+async def drive(swarm: ProcessSwarm, job_path: Path, out: Path, rec: RunRecord, timeout: float) -> None:
     async with SwarmObserver(swarm.initial_peers) as observer:
         await swarm.wait_members(observer)
         broker = await observer.find_broker()
         submit = asyncio.create_task(
             submit_and_wait(job_path, swarm.initial_peers, out, stream=io.StringIO(), timeout=timeout)
         )
-        leaver: LocalDaemon | None = None
+        leaver: DaemonProcess | None = None
         sigterm_at = 0.0
         try:
             if rec.scenario == "proactive":
@@ -128,12 +129,12 @@ async def drive(swarm: LocalSwarm, job_path: Path, out: Path, rec: RunRecord, ti
                 status = await observer.call(broker, "job_status", {"job_id": running.result()}, timeout=10)
                 victim = max(status["placement"], key=lambda p: (p["params"], -p["subdag"]))
                 rec.moved = f"sub-DAG {victim['subdag']} ({victim['nodes']} nodes, {victim['params']} params)"
-                leaver = next(d for d in swarm.nodes if d.peer_id == victim["peer_id"])
+                leaver = next(d for d in swarm.compnodes if d.peer_id == victim["peer_id"])
                 sigterm_at = time.time()
-                leaver.proc.send_signal(signal.SIGTERM)
+                leaver.send(signal.SIGTERM)
             outcome = await submit
             if rec.fault:
-                lost = [p for p in outcome.placement if p["peer_id"] == swarm.nodes[0].peer_id]
+                lost = [p for p in outcome.placement if p["peer_id"] == swarm.compnodes[0].peer_id]
                 rec.moved = "".join(
                     f"sub-DAG {p['subdag']} ({p['nodes']} nodes, {p['params']} params)" for p in lost
                 )
@@ -155,8 +156,10 @@ def run_once(
     from safetensors.torch import load_file
 
     rec = RunRecord(scenario, fault)
-    env = {0: {"FUSIONNET_FAULT": fault}} if fault else {}  # compnode0 is a working one (not a backup)
-    swarm = LocalSwarm(workdir / "swarm", compnodes=3, node_args={2: ["--backup"]}, node_env=env)
+    env = {"FUSIONNET_FAULT": fault} if fault else {}  # compnode0 is a working one (not a backup)
+    specs = [CompnodeSpec(refresh_period=2.0, env=env), CompnodeSpec(refresh_period=2.0)]
+    specs.append(CompnodeSpec(refresh_period=2.0, backup=True))
+    swarm = ProcessSwarm(workdir / "swarm", specs, broker_argv=["--refresh-period", "2"])
     out = workdir / "out"
     started = time.monotonic()
     try:
@@ -178,7 +181,7 @@ def run_once(
     else:
         rec.max_diff = max((weights[k].double() - ref[k].double()).abs().max().item() for k in ref)
     if fault:
-        kills = [line for line in swarm.nodes[0].log_path.read_text(errors="replace").splitlines()
+        kills = [line for line in swarm.compnodes[0].log_path.read_text(errors="replace").splitlines()
                  if "fault injection: SIGKILL" in line]  # fmt: skip
         detected = [r["detected_at"] for r in rec.recoveries if "detected_at" in r]
         if kills and detected:
@@ -330,8 +333,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:  # every swarm was stopped on the way out
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)

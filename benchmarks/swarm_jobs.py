@@ -1,8 +1,11 @@
-"""What the swarm benchmarks share: the bundled GPT example as a job file that can live anywhere."""
+"""What the swarm benchmarks share: the bundled GPT example as a job file that can live anywhere, and
+the way a benchmark script exits."""
 
 from __future__ import annotations
 
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,3 +30,13 @@ def write_gpt_job(path: Path, *, model: dict[str, Any] | None = None, **top: Any
     doc.update(top)
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """Exits with ``main()``'s code; Ctrl-C exits 130 without a traceback (every swarm a benchmark starts
+    is stopped on the way out by its own ``finally``)."""
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -17,7 +17,7 @@ import torch
 from fusionnet.errors import ExecutionError
 from fusionnet.job.batches import batch_indices, infer_batches
 from fusionnet.job.loader import LoadedJob
-from fusionnet.job.optim import build_optimizers, resolve_param_optimizers
+from fusionnet.job.optim import make_optimizers
 
 
 @dataclass
@@ -65,8 +65,7 @@ def run_reference(job: LoadedJob) -> ReferenceResult:
     optimizers: list[torch.optim.Optimizer] = []
     if spec.task == "train":
         assert spec.optimizer is not None  # JobSpec requires it for train
-        named = dict(model.named_parameters())
-        optimizers = build_optimizers(named, resolve_param_optimizers(spec.optimizer, list(named)))
+        optimizers = make_optimizers(spec.optimizer, dict(model.named_parameters()))
     losses: list[float] = []
     for step in range(spec.steps):
         idx = batch_indices(step, spec.data.batch_size, job.n_samples)

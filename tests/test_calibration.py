@@ -9,7 +9,7 @@ import torch
 from fusionnet.perfmodel.types import OP_CLASSES, ClassCost, DeviceSpec, Overheads
 from fusionnet.profiling import calibration
 from fusionnet.profiling.calibration_models import CALIBRATION_MODELS
-from tests.test_overhead_fit import device
+from tests.planning_support import fitting_device
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,7 +38,7 @@ def test_samples_cover_every_priced_op_class_optimizer_and_first_layers(samples)
 
 
 def base_device(stage_fp: float) -> DeviceSpec:
-    return device(Overheads(matmul=ClassCost(fp=5e-6, bp=9e-6, efficiency=0.9), stage_fp=stage_fp))
+    return fitting_device(Overheads(matmul=ClassCost(fp=5e-6, bp=9e-6, efficiency=0.9), stage_fp=stage_fp))
 
 
 def test_calibrated_overheads_are_cached_per_base(tmp_path, monkeypatch, samples) -> None:

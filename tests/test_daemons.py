@@ -24,19 +24,16 @@ import pytest
 from fusionnet.errors import WireError
 from fusionnet.rpc.protocol import STREAM_PROTOCOL, decode_response, frame_header
 from fusionnet.rpc.streams import read_frame
-from tests.swarm_utils import (
-    REPO,
-    DaemonProcess,
-    Observer,
-    Swarm,
-    alive,
-    descendants,
+from fusionnet.runtime.process_swarm import (
+    BlockingObserver,
+    CompnodeSpec,
+    ProcessSwarm,
     print_logs_on_failure,
-    run_status_cli,
     running_swarm,
-    scrape,
-    wait_until,
 )
+from fusionnet.runtime.processes import DaemonProcess, alive, descendants, wait_until
+from tests.jobfiles import REPO
+from tests.probes import run_status_cli, scrape
 
 pytestmark = pytest.mark.swarm
 REFRESH = 1.0
@@ -44,7 +41,7 @@ HEARTBEAT_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessSwarm]:
     workdir = tmp_path_factory.mktemp("swarm")
     metrics = {"extra": ["--metrics-port", "0"]}
     with running_swarm(
@@ -60,13 +57,13 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
 
 
 @pytest.fixture(scope="module")
-def observer(swarm: Swarm) -> Iterator[Observer]:
-    obs = Observer(swarm.initial_peers)
+def observer(swarm: ProcessSwarm) -> Iterator[BlockingObserver]:
+    obs = BlockingObserver(swarm.initial_peers)
     yield obs
     obs.close()
 
 
-def broker_view(observer: Observer) -> dict[str, dict]:
+def broker_view(observer: BlockingObserver) -> dict[str, dict]:
     return {c["peer_id"]: c for c in observer.broker_status()["compnodes"]}
 
 
@@ -81,7 +78,9 @@ def assert_left_nothing(daemon: DaemonProcess) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_status_shows_both_compnodes_online_with_hardware(swarm: Swarm, observer: Observer) -> None:
+def test_status_shows_both_compnodes_online_with_hardware(
+    swarm: ProcessSwarm, observer: BlockingObserver
+) -> None:
     with print_logs_on_failure(swarm):
         supernode, antnode = (c.peer_id for c in swarm.compnodes)
         # heartbeats have reached both (the broker measured an RTT for each)
@@ -146,7 +145,7 @@ def test_status_shows_both_compnodes_online_with_hardware(swarm: Swarm, observer
 
 
 @pytest.mark.timeout(120)
-def test_status_watch_redraws_until_ctrl_c(swarm: Swarm, tmp_path: Path) -> None:
+def test_status_watch_redraws_until_ctrl_c(swarm: ProcessSwarm, tmp_path: Path) -> None:
     with print_logs_on_failure(swarm):
         out_path = tmp_path / "watch.out"
         with open(out_path, "wb") as out:
@@ -189,11 +188,13 @@ def test_status_watch_redraws_until_ctrl_c(swarm: Swarm, tmp_path: Path) -> None
 
 
 @pytest.mark.timeout(120)
-def test_late_compnode_appears_and_sigterm_shows_offline(swarm: Swarm, observer: Observer) -> None:
+def test_late_compnode_appears_and_sigterm_shows_offline(
+    swarm: ProcessSwarm, observer: BlockingObserver
+) -> None:
     with print_logs_on_failure(swarm):
         # a longer ttl of its own (3 x 3 s) keeps its goodbye readable in the DHT on a loaded machine; what is
         # timed is the broker's refresh (1 s)
-        late = swarm.add_compnode("late", refresh_period=3.0)
+        late = swarm.add_compnode("late", CompnodeSpec(refresh_period=3.0))
         wait_until(
             lambda: broker_view(observer).get(late.peer_id, {}).get("state") == "ONLINE",
             3 * REFRESH + 5,
@@ -216,7 +217,7 @@ def test_late_compnode_appears_and_sigterm_shows_offline(swarm: Swarm, observer:
 
 
 @pytest.mark.timeout(120)
-def test_bad_rpc_requests_do_not_kill_daemons(swarm: Swarm, observer: Observer) -> None:
+def test_bad_rpc_requests_do_not_kill_daemons(swarm: ProcessSwarm, observer: BlockingObserver) -> None:
     from hivemind.p2p import PeerID
 
     with print_logs_on_failure(swarm):
@@ -246,11 +247,11 @@ def test_bad_rpc_requests_do_not_kill_daemons(swarm: Swarm, observer: Observer) 
 
 
 @pytest.mark.timeout(120)
-def test_second_sigint_forces_exit(swarm: Swarm, observer: Observer) -> None:
+def test_second_sigint_forces_exit(swarm: ProcessSwarm, observer: BlockingObserver) -> None:
     from hivemind.p2p import PeerID
 
     with print_logs_on_failure(swarm):
-        node = swarm.add_compnode("stubborn", extra=["--shutdown-grace", "120"])
+        node = swarm.add_compnode("stubborn", CompnodeSpec(extra=["--shutdown-grace", "120"]))
         # an upload that stalls half-way keeps one RPC call in flight; a graceful exit waits for it
         _, _, writer = observer.run(
             observer.p2p.call_binary_stream_handler(PeerID.from_base58(node.peer_id), STREAM_PROTOCOL)
@@ -272,9 +273,9 @@ def test_second_sigint_forces_exit(swarm: Swarm, observer: Observer) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_sigkill_is_survived_and_leaves_no_orphans(swarm: Swarm, observer: Observer) -> None:
+def test_sigkill_is_survived_and_leaves_no_orphans(swarm: ProcessSwarm, observer: BlockingObserver) -> None:
     with print_logs_on_failure(swarm):
-        victim = swarm.add_compnode("victim", role="antnode")
+        victim = swarm.add_compnode("victim", CompnodeSpec(role="antnode"))
         wait_until(
             lambda: broker_view(observer).get(victim.peer_id, {}).get("rtt_ms") is not None,
             3 * REFRESH + 5,
@@ -301,11 +302,11 @@ def test_sigkill_is_survived_and_leaves_no_orphans(swarm: Swarm, observer: Obser
 
 
 @pytest.mark.timeout(120)
-def test_graceful_stop_leaves_nothing_behind(swarm: Swarm, observer: Observer) -> None:
+def test_graceful_stop_leaves_nothing_behind(swarm: ProcessSwarm, observer: BlockingObserver) -> None:
     with print_logs_on_failure(swarm):
         running = [d for d in swarm.daemons if d.proc.poll() is None]
         assert {d.name for d in running} == {"broker", "compnode0", "compnode1"}
-        codes = swarm.stop_all()
+        codes = swarm.stop()
         for daemon in running:
             assert codes[daemon.name] == 0, daemon.name
             assert_left_nothing(daemon)

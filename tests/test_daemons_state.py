@@ -377,6 +377,7 @@ class ToyDaemon(Daemon):
         self.log.append("stopped")
 
 
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
 @pytest.mark.timeout(60)
 def test_daemon_lifecycle_with_a_service(tmp_path: Path) -> None:
     async def scenario() -> None:

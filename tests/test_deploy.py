@@ -20,10 +20,9 @@ import yaml
 from prometheus_client import generate_latest
 
 from fusionnet.metrics import BrokerMetrics, CompnodeMetrics, exposed_names, referenced_metrics
+from tests.deploy_support import DASHBOARD, DEPLOY, alert_rules, dashboard_exprs
+from tests.jobfiles import REPO
 
-REPO = Path(__file__).resolve().parents[1]
-DEPLOY = REPO / "deploy"
-DASHBOARD = DEPLOY / "grafana" / "fusionnet-dashboard.json"
 SAMPLE_PEER = "/ip4/10.0.0.1/tcp/31337/p2p/12D3KooWAaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
 
 
@@ -74,16 +73,6 @@ def all_exposed() -> set[str]:
     return exposed_names(BrokerMetrics(process=False).registry) | exposed_names(
         CompnodeMetrics(process=False).registry
     )
-
-
-def alert_rules() -> list[dict]:
-    doc = yaml.safe_load((DEPLOY / "alerts.yml").read_text())
-    return [rule for group in doc["groups"] for rule in group["rules"]]
-
-
-def dashboard_exprs() -> list[str]:
-    doc = json.loads(DASHBOARD.read_text())
-    return [t["expr"] for p in doc["panels"] for t in p.get("targets", [])]
 
 
 # ---- promtool ------------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ from fusionnet.dht import (
     stop_dht,
 )
 from fusionnet.errors import WireError
-from tests.swarm_utils import REPO, alive, descendants, wait_until
+from fusionnet.runtime.processes import alive, descendants, wait_until
+from tests.jobfiles import REPO
 
 HW = HardwareInfo(
     device_kind="cpu", device_name="test cpu", peak_flops=1e11, speed_factor=0.5, d_cpu=2**33, d_disk=2**35,
@@ -82,6 +83,7 @@ def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 90))
 
 
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
 @pytest.mark.timeout(120)
 def test_announce_lookup_ownership_malformed_and_expiry(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> None:
@@ -170,6 +172,7 @@ ORPHAN_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
 @pytest.mark.timeout(60)
 def test_dht_child_and_p2pd_exit_when_their_daemon_is_killed() -> None:
     proc = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT], stdout=subprocess.PIPE, cwd=REPO)

@@ -15,7 +15,7 @@ from fusionnet.perfmodel.types import Link
 from fusionnet.planning.links import LinkBook, index_links
 from fusionnet.planning.placement import consider_growth, plan_placement, predicted_step
 from fusionnet.wire.frames import TensorFrame
-from tests.test_placement import cand, gpt  # noqa: F401  (gpt is a fixture)
+from tests.planning_support import cand
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,7 +89,7 @@ def test_probe_placement_asks_only_for_links_it_lacks_and_survives_a_failed_comp
 
 
 # ---- the planner -----------------------------------------------------------------------------------
-def test_a_measured_slow_link_makes_the_model_predict_slower_and_refuse_to_grow(gpt) -> None:  # noqa: F811
+def test_a_measured_slow_link_makes_the_model_predict_slower_and_refuse_to_grow(gpt) -> None:
     alone = [cand("a", 1e11)]
     current = plan_placement(gpt, alone)
     pair = [cand("a", 1e11), cand("b", 1e11)]

@@ -24,27 +24,20 @@ import transformers
 from fusionnet.job.loader import load_job
 from fusionnet.reference import run_reference
 from fusionnet.runtime.local import run_local
+from fusionnet.runtime.process_swarm import BlockingObserver, ProcessSwarm, running_swarm
 from tests.dag_models import hf_decoder_config, token_data
-from tests.jobfiles import write_job
-from tests.swarm_utils import REPO, Observer, Swarm, running_swarm, wait_until
+from tests.jobfiles import REPO, write_job
 
 pytestmark = pytest.mark.swarm
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessSwarm]:
     with running_swarm(tmp_path_factory.mktemp("swarm"), [{}, {}]) as sw:
-        observer = Observer(sw.initial_peers)
+        observer = BlockingObserver(sw.initial_peers)
         try:
-
-            def ready() -> bool:
-                st = observer.broker_status()
-                return (
-                    sum(1 for c in st["compnodes"] if c["state"] == "ONLINE" and c["data_path_address"]) >= 2
-                )
-
-            wait_until(ready, 90, "2 compnodes ONLINE at the broker")
+            observer.wait_online(2)
         finally:
             observer.close()
         yield sw
@@ -79,7 +72,7 @@ def _llama_from_pretrained(folder: Path) -> Path:
     return path
 
 
-def _submit(job: Path, sw: Swarm, out: Path) -> None:
+def _submit(job: Path, sw: ProcessSwarm, out: Path) -> None:
     cmd = [
         sys.executable, "-m", "fusionnet.cli.main", "submit", str(job),
         "--initial-peers", *sw.initial_peers, "--output", str(out), "--timeout", "240",
@@ -96,7 +89,7 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", ["llama-pretrained", "gemma", "gpt2-infer"])
-def test_llm_on_the_swarm_equals_plain_pytorch(swarm: Swarm, case: str, tmp_path: Path) -> None:
+def test_llm_on_the_swarm_equals_plain_pytorch(swarm: ProcessSwarm, case: str, tmp_path: Path) -> None:
     if case == "llama-pretrained":
         path = _llama_from_pretrained(tmp_path / "job")
     elif case == "gemma":

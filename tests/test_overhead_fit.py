@@ -11,7 +11,8 @@ import pytest
 
 from fusionnet.perfmodel.overhead_fit import StageSample, fit_overheads
 from fusionnet.perfmodel.timing import op_bp_seconds, op_fp_seconds, op_update_seconds
-from fusionnet.perfmodel.types import ClassCost, DeviceSpec, OpCost, Overheads
+from fusionnet.perfmodel.types import ClassCost, OpCost, Overheads
+from tests.planning_support import fitting_device
 
 TRUTH = Overheads(
     elementwise=ClassCost(fp=2e-6, bp=3e-6, efficiency=0.5),
@@ -42,19 +43,6 @@ PRIOR = replace(
 )
 
 
-def device(overheads: Overheads) -> DeviceSpec:
-    return DeviceSpec(
-        name="cpu",
-        kind="cpu",
-        peak_flops=1e11,
-        mem_bandwidth=4e10,
-        d_gpu=0,
-        d_cpu=1 << 33,
-        d_disk=1 << 33,
-        overheads=overheads,
-    )
-
-
 def random_op(rng: random.Random, i: int) -> OpCost:
     cls = rng.choice(("elementwise", "pool", "matmul", "loss", "norm", "matmul", "elementwise"))
     size = rng.choice((256, 1024, 8192))
@@ -69,7 +57,7 @@ def random_op(rng: random.Random, i: int) -> OpCost:
 def simulated_samples(overheads: Overheads, count: int, seed: int) -> list[StageSample]:
     """Stages of random ops timed by the model itself with ``overheads`` (exactly what it predicts)."""
     rng = random.Random(seed)
-    dev = device(overheads)
+    dev = fitting_device(overheads)
     out = []
     for _ in range(count):
         ops = tuple(random_op(rng, i) for i in range(rng.randint(1, 6)))
@@ -85,7 +73,7 @@ def simulated_samples(overheads: Overheads, count: int, seed: int) -> list[Stage
 
 
 def test_fit_recovers_the_overheads_the_measurements_came_from() -> None:
-    fitted = fit_overheads(simulated_samples(TRUTH, 40, seed=1), device(PRIOR))
+    fitted = fit_overheads(simulated_samples(TRUTH, 40, seed=1), fitting_device(PRIOR))
     for cls in ("elementwise", "pool", "matmul", "loss", "norm"):
         assert fitted.of(cls).fp == pytest.approx(TRUTH.of(cls).fp, rel=0.02), cls
         assert fitted.of(cls).bp == pytest.approx(TRUTH.of(cls).bp, rel=0.02), cls
@@ -100,7 +88,7 @@ def test_fit_recovers_the_overheads_the_measurements_came_from() -> None:
 
 
 def test_what_the_samples_never_exercise_keeps_the_prior() -> None:
-    fitted = fit_overheads(simulated_samples(TRUTH, 30, seed=2), device(PRIOR))
+    fitted = fit_overheads(simulated_samples(TRUTH, 30, seed=2), fitting_device(PRIOR))
     assert fitted.gather == PRIOR.gather and fitted.conv == PRIOR.conv
     assert fitted.tensor_update("rmsprop") == PRIOR.tensor_update("rmsprop")
 
@@ -109,7 +97,7 @@ def test_one_preempted_measurement_does_not_drag_the_fit() -> None:
     samples = simulated_samples(TRUTH, 40, seed=3)
     slow = samples[5]
     samples[5] = replace(slow, fp=slow.fp * 10, bp=slow.bp * 10, update=slow.update * 10)
-    fitted = fit_overheads(samples, device(PRIOR))
+    fitted = fit_overheads(samples, fitting_device(PRIOR))
     assert fitted.stage_fp == pytest.approx(TRUTH.stage_fp, rel=0.1)
     assert fitted.matmul.fp == pytest.approx(TRUTH.matmul.fp, rel=0.1)
     assert fitted.stage_bp == pytest.approx(TRUTH.stage_bp, rel=0.1)
@@ -119,7 +107,7 @@ def test_fit_is_deterministic_and_never_negative() -> None:
     samples = simulated_samples(TRUTH, 25, seed=4)
     # measurements far below anything the model can produce: the fit clamps at zero, never below
     tiny = [replace(s, fp=s.fp * 0.01, bp=s.bp * 0.01, update=s.update * 0.01) for s in samples]
-    a, b = fit_overheads(tiny, device(PRIOR)), fit_overheads(tiny, device(PRIOR))
+    a, b = fit_overheads(tiny, fitting_device(PRIOR)), fit_overheads(tiny, fitting_device(PRIOR))
     assert a == b
     for cls in ("elementwise", "pool", "matmul", "loss", "norm"):
         assert a.of(cls).fp >= 0 and a.of(cls).bp >= 0 and 0 <= a.of(cls).bp_input <= a.of(cls).bp
@@ -128,7 +116,7 @@ def test_fit_is_deterministic_and_never_negative() -> None:
 def test_bad_samples_are_refused_with_the_field() -> None:
     op = random_op(random.Random(0), 0)
     with pytest.raises(ValueError, match="at least one stage sample"):
-        fit_overheads([], device(PRIOR))
+        fit_overheads([], fitting_device(PRIOR))
     with pytest.raises(ValueError, match="measured bp"):
         StageSample((op,), (True,), 2, 1e-5, float("nan"), 0.0)
     with pytest.raises(ValueError, match="microbatches"):

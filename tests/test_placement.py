@@ -8,12 +8,9 @@ import pytest
 
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.errors import PlanError
-from fusionnet.job.loader import load_job
-from fusionnet.planning.optimizers import job_optimizers
 from fusionnet.planning.placement import (
     BALANCED,
     SCHEDULER,
-    Candidate,
     JobShape,
     first_pool,
     grown_pool,
@@ -22,26 +19,7 @@ from fusionnet.planning.placement import (
     predicted_step,
     worth_replanning,
 )
-from fusionnet.runtime.prepare import trace_job
-from tests.jobfiles import REPO
-from tests.test_planning import device
-
-
-@pytest.fixture(scope="module")
-def gpt() -> JobShape:
-    job = load_job(REPO / "examples" / "gpt" / "job.yaml")
-    graph = trace_job(job).graph
-    return JobShape(
-        graph=graph,
-        wanted=3,
-        microbatches=job.spec.data.microbatches,
-        batch_size=job.spec.data.batch_size,
-        optimizer=job_optimizers(job, graph),
-    )
-
-
-def cand(peer: str, flops: float | None = 1e11, backup: bool = False) -> Candidate:
-    return Candidate(peer, backup, None if flops is None else device(peer, flops=flops))
+from tests.planning_support import cand
 
 
 def test_first_pool_keeps_the_backups_standing_by() -> None:

@@ -8,15 +8,14 @@ import pytest
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.errors import PlanError
 from fusionnet.job.loader import load_job
-from fusionnet.perfmodel.types import ClassCost, DeviceSpec, Link, Overheads
+from fusionnet.perfmodel.types import Link
 from fusionnet.planning.costgraph import cost_graph, op_class
 from fusionnet.planning.optimizers import job_optimizers, optimizer_profile_name
 from fusionnet.planning.planner import plan_graph
 from fusionnet.planning.predict import predict_subdags
 from fusionnet.runtime.prepare import trace_job
 from tests.jobfiles import REPO
-
-GiB = 1 << 30
+from tests.planning_support import OVERHEADS, GiB, device
 
 
 @pytest.fixture(scope="module")
@@ -26,32 +25,6 @@ def traced() -> dict[str, tuple]:
         job = load_job(REPO / "examples" / name / "job.yaml")
         out[name] = (job, trace_job(job).graph)
     return out
-
-
-def device(name: str = "dev", *, flops: float = 1e11, memory: int = 8 * GiB, **kw) -> DeviceSpec:
-    return DeviceSpec(
-        name=name,
-        kind="cpu",
-        peak_flops=flops,
-        speed_factor=1.0,
-        mem_bandwidth=1e10,
-        d_gpu=0,
-        d_cpu=memory,
-        d_disk=64 * GiB,
-        **kw,
-    )
-
-
-OVERHEADS = Overheads(
-    view=ClassCost(fp=2e-6, bp=4e-6),
-    elementwise=ClassCost(fp=8e-6, bp=10e-6, efficiency=0.7),
-    matmul=ClassCost(fp=15e-6, bp=35e-6, efficiency=0.9, bp_input=5e-6),
-    stage_fp=10e-6,
-    stage_bp=40e-6,
-    stage_update=70e-6,
-    update_tensor=(("adam", 30e-6),),
-    update_kernel=3e-6,
-)
 
 
 @pytest.mark.timeout(120)

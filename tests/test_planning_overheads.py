@@ -19,6 +19,7 @@ from fusionnet.perfmodel.types import (
     Workload,
 )
 from fusionnet.profiling import microbench as overheads_mod
+from tests.planning_support import device
 
 OH = Overheads(
     matmul=ClassCost(fp=10e-6, bp=30e-6, efficiency=0.5, bp_input=12e-6),
@@ -32,17 +33,7 @@ OH = Overheads(
 
 
 def dev(overheads: Overheads = OH) -> DeviceSpec:
-    return DeviceSpec(
-        name="cpu",
-        kind="cpu",
-        peak_flops=1e10,
-        speed_factor=1.0,
-        mem_bandwidth=1e9,
-        d_gpu=0,
-        d_cpu=1 << 30,
-        d_disk=1 << 30,
-        overheads=overheads,
-    )
+    return device("cpu", flops=1e10, memory=1 << 30, mem_bandwidth=1e9, disk=1 << 30, overheads=overheads)
 
 
 def linear(name: str = "lin", *, input_grad: bool = True, opt: str = "adam") -> OpCost:

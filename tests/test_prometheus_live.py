@@ -7,7 +7,7 @@ its HTTP API with deadline-polling loops. Two tests:
 - ``test_http_sd_discovers_compnodes``: metrics servers of this package in the test process (one broker
   registry serving http_sd, compnode registries); a compnode that joins mid-way is discovered through
   the broker's ``/sd/compnodes``, one that leaves is dropped; scraped values equal the values set.
-- ``test_real_swarm_is_scraped``: the real broker and compnode daemons (tests/swarm_utils.py). Compnodes
+- ``test_real_swarm_is_scraped``: the real broker and compnode daemons (``ProcessSwarm``). Compnodes
   announce their metrics endpoints in the DHT and Prometheus finds them exactly as deploy/prometheus.yml
   says, through the broker's http_sd (the broker's ``--sd-file`` is checked too): one joins mid-way,
   one leaves; the daemons' series are asserted through Prometheus with plausible values. Job series
@@ -47,14 +47,10 @@ from fusionnet.metrics import (
     stop_metrics_server,
 )
 from fusionnet.metrics.common import JOB_STATES
-from tests.swarm_utils import (
-    REPO,
-    DaemonProcess,
-    Swarm,
-    running_swarm,
-    wait_until,
-)
-from tests.test_deploy import alert_rules, dashboard_exprs
+from fusionnet.runtime.process_swarm import CompnodeSpec, ProcessSwarm, running_swarm
+from fusionnet.runtime.processes import DaemonProcess, wait_until
+from tests.deploy_support import alert_rules, dashboard_exprs
+from tests.jobfiles import REPO
 
 DEPLOY = REPO / "deploy"
 PEERS = [f"12D3KooW{c * 44}" for c in "ABC"]
@@ -189,6 +185,7 @@ def values_by(result: list[dict[str, Any]], label: str) -> dict[str, float]:
 
 
 # ---- package endpoints + http_sd ---------------------------------------------------------------------------
+@pytest.mark.slow  # waits on a real Prometheus' scrape and discovery intervals
 @pytest.mark.timeout(180)
 def test_http_sd_discovers_compnodes(tmp_path: Path) -> None:
     broker = BrokerMetrics(process=False)
@@ -317,7 +314,7 @@ def record_finished_job_in_store(broker: DaemonProcess, job_id: str) -> None:
         store.close()
 
 
-def submit_job_for_metrics(swarm: Swarm, workdir: Path) -> tuple[str, int] | None:
+def submit_job_for_metrics(swarm: ProcessSwarm, workdir: Path) -> tuple[str, int] | None:
     """JOB PART of ``test_real_swarm_is_scraped``: run a small job on ``swarm`` to completion (``fusionnet
     submit``) and return (job id, steps completed), or None while job submission is not wired into these
     tests; the test then checks the job series with ``assert_job_series``."""
@@ -382,6 +379,8 @@ def single(result: list[dict[str, Any]]) -> float:
     return float(result[0]["value"][1])
 
 
+@pytest.mark.swarm
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_real_swarm_is_scraped(tmp_path: Path) -> None:
     prometheus_binary()
@@ -402,7 +401,7 @@ def test_real_swarm_is_scraped(tmp_path: Path) -> None:
             assert {r["metric"]["peer"] for r in first} == {d.peer_id for d in swarm.compnodes}
 
             # A compnode joins mid-way: nothing but its DHT record tells Prometheus about it.
-            late = swarm.add_compnode("late", role="supernode", backup=True, extra=metrics)
+            late = swarm.add_compnode("late", CompnodeSpec(role="supernode", backup=True, extra=metrics))
             everyone = {d.peer_id for d in [*swarm.compnodes, late]}
             found = prom.wait_for(up, lambda r: len(r) == 3, "the late compnode to be discovered")
             assert {r["metric"]["peer"] for r in found} == everyone

@@ -23,11 +23,12 @@ from safetensors.torch import load_file
 
 from fusionnet.job.loader import load_job
 from fusionnet.reference import run_reference
+from fusionnet.runtime.process_swarm import BlockingObserver, ProcessSwarm, broker_args, running_swarm
+from fusionnet.runtime.processes import start_daemon, wait_until
 from fusionnet.runtime.submit import submission_payload, submit_and_wait
 from tests.jobfiles import example_job
-from tests.swarm_utils import Observer, Swarm, broker_args, running_swarm, start_daemon, wait_until
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 TOL = 1e-5
 SGD = {"name": "sgd", "lr": 0.05, "kwargs": {"momentum": 0.9}}
 PHASES = ("fp", "bp", "update", "sync")
@@ -36,14 +37,6 @@ PHASES = ("fp", "bp", "update", "sync")
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert sorted(a) == sorted(b)
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
-def _online(observer: Observer, n: int) -> None:
-    def ready() -> bool:
-        st = observer.broker_status()
-        return sum(1 for c in st["compnodes"] if c["state"] == "ONLINE" and c["data_path_address"]) >= n
-
-    wait_until(ready, 90, f"{n} compnodes ONLINE at the broker")
 
 
 def _check_weights(job_path: Path, out: Path) -> None:
@@ -72,9 +65,9 @@ def test_random_kills_in_fp_bp_update_and_sync_lose_nothing(seed: int, tmp_path:
     regular = [{"env": {"FUSIONNET_FAULT": p}} for p in points[:3]]
     backups = [{"backup": True, "env": {"FUSIONNET_FAULT": p}} for p in points[3:]] + [{"backup": True}]
     with running_swarm(tmp_path / "swarm", regular + backups) as sw:
-        observer = Observer(sw.initial_peers)
+        observer = BlockingObserver(sw.initial_peers)
         try:
-            _online(observer, 6)
+            observer.wait_online(6, 90)
             job_path = example_job("mlp", tmp_path, steps=24, optimizer=SGD, placement={"compnodes": 3})
             try:
                 out = tmp_path / "out"
@@ -102,9 +95,9 @@ def test_random_kills_in_fp_bp_update_and_sync_lose_nothing(seed: int, tmp_path:
 @pytest.mark.timeout(300)
 def test_sigterm_hands_the_sub_dag_over_without_replay(tmp_path: Path) -> None:
     with running_swarm(tmp_path / "swarm", [{}, {}, {"backup": True}]) as sw:
-        observer = Observer(sw.initial_peers)
+        observer = BlockingObserver(sw.initial_peers)
         try:
-            _online(observer, 3)
+            observer.wait_online(3, 90)
             job_path = example_job("gpt", tmp_path, steps=30, optimizer=SGD, placement={"compnodes": 2})
             try:
                 leaver: list[str] = []
@@ -131,10 +124,10 @@ def test_sigterm_hands_the_sub_dag_over_without_replay(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_a_compnode_cut_off_is_replaced_after_heartbeats_fail(tmp_path: Path) -> None:
     with running_swarm(tmp_path / "swarm", [{}, {}, {"backup": True}]) as sw:
-        observer = Observer(sw.initial_peers)
+        observer = BlockingObserver(sw.initial_peers)
         frozen: list[Any] = []
         try:
-            _online(observer, 3)
+            observer.wait_online(3, 90)
             job_path = example_job("gpt", tmp_path, steps=30, optimizer=SGD, placement={"compnodes": 2})
 
             def freeze(placement: list[dict]) -> None:
@@ -160,9 +153,9 @@ def test_a_compnode_cut_off_is_replaced_after_heartbeats_fail(tmp_path: Path) ->
 def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
     workdir = tmp_path / "swarm"
     with running_swarm(workdir, [{}, {}]) as sw:
-        observer = Observer(sw.initial_peers)
+        observer = BlockingObserver(sw.initial_peers)
         try:
-            _online(observer, 2)
+            observer.wait_online(2, 90)
             job_path = example_job("gpt", tmp_path, steps=30, optimizer=SGD, placement={"compnodes": 2})
             payload = submission_payload(load_job(job_path))
             broker_id = sw.broker.peer_id
@@ -206,7 +199,9 @@ def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
             observer.close()
 
 
-def _run_with(sw: Swarm, observer: Observer, job_path: Path, out: Path, act: Any) -> dict[str, Any]:
+def _run_with(
+    sw: ProcessSwarm, observer: BlockingObserver, job_path: Path, out: Path, act: Any
+) -> dict[str, Any]:
     """Submits the job, waits until it has run a few steps, does ``act`` to one of its compnodes, and
     returns the broker's final job status once ``submit`` finished."""
     broker_id = sw.broker.peer_id
@@ -245,9 +240,9 @@ def test_a_compnode_joining_mid_job_is_used_after_a_replan(tmp_path: Path) -> No
     boundary because the model predicts a faster step (any gain counts here: --replan-gain 0)."""
     broker_kw = {"extra": ["--replan-gain", "0"]}
     with running_swarm(tmp_path / "swarm", [{}], broker_kw=broker_kw) as sw:
-        observer = Observer(sw.initial_peers)
+        observer = BlockingObserver(sw.initial_peers)
         try:
-            _online(observer, 1)
+            observer.wait_online(1, 90)
             # A GPT big enough that a step lasts (the late compnode needs seconds to profile and join)
             # and that two compnodes pipeline it clearly faster than one.
             model = {
@@ -264,7 +259,7 @@ def test_a_compnode_joining_mid_job_is_used_after_a_replan(tmp_path: Path) -> No
 
             def join(_placement: list[dict]) -> None:
                 late.append(sw.add_compnode("late"))
-                _online(observer, 2)
+                observer.wait_online(2, 90)
                 jobs = observer.broker_status()["jobs"]
                 late.append(max(j["step"] for j in jobs))  # the step the job was at when it could join
 

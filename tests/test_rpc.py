@@ -108,6 +108,7 @@ def test_envelopes_roundtrip_and_refuse_garbage() -> None:
 
 
 # ---- over p2pd --------------------------------------------------------------------------------------
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
 @pytest.mark.timeout(60)
 def test_calls_small_large_and_stashed_answers() -> None:
     async def scenario() -> None:
@@ -126,6 +127,7 @@ def test_calls_small_large_and_stashed_answers() -> None:
     run(scenario())
 
 
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
 @pytest.mark.timeout(60)
 def test_handler_errors_and_unknown_methods() -> None:
     async def scenario() -> None:
@@ -151,6 +153,7 @@ def test_handler_errors_and_unknown_methods() -> None:
     run(scenario())
 
 
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
 @pytest.mark.timeout(60)
 def test_garbled_oversized_and_stalled_requests_get_errors() -> None:
     async def raw_stream(b: P2P, peer: Any, data: bytes, close: bool = True) -> bytes:
@@ -191,6 +194,7 @@ def test_garbled_oversized_and_stalled_requests_get_errors() -> None:
     run(scenario())
 
 
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
 @pytest.mark.timeout(60)
 def test_timeouts_and_stop_cancels_in_flight_calls() -> None:
     async def scenario() -> None:

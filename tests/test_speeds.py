@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fusionnet.planning.speeds import CLAMP, SpeedBook
-from tests.test_planning import OVERHEADS, device
+from tests.planning_support import OVERHEADS, device
 
 
 def test_converges_to_the_measured_slowness_and_scales_the_profile() -> None:

@@ -23,12 +23,13 @@ from safetensors.torch import load_file
 from fusionnet.job.loader import load_job
 from fusionnet.reference import run_reference
 from fusionnet.runtime.local import run_local
+from fusionnet.runtime.process_swarm import BlockingObserver, ProcessSwarm, running_swarm
+from fusionnet.runtime.processes import wait_until
 from fusionnet.wire.datapath import DataPathClient
 from fusionnet.wire.frames import TensorFrame
-from tests.jobfiles import example_job
-from tests.swarm_utils import REPO, Observer, Swarm, running_swarm, wait_until
+from tests.jobfiles import REPO, example_job
 
-pytestmark = pytest.mark.swarm
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 TOL = 1e-5
 
 
@@ -37,22 +38,14 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(((a[k].double() - b[k].double()).abs().max().item() for k in a), default=0.0)
 
 
-def _online(observer: Observer, n: int) -> None:
-    def ready() -> bool:
-        st = observer.broker_status()
-        return sum(1 for c in st["compnodes"] if c["state"] == "ONLINE" and c["data_path_address"]) >= n
-
-    wait_until(ready, 60, f"{n} compnodes ONLINE at the broker")
-
-
-def _submit_cmd(job: Path, swarm: Swarm, out: Path) -> list[str]:
+def _submit_cmd(job: Path, swarm: ProcessSwarm, out: Path) -> list[str]:
     return [
         sys.executable, "-m", "fusionnet.cli.main", "submit", str(job),
         "--initial-peers", *swarm.initial_peers, "--output", str(out), "--timeout", "240",
     ]  # fmt: skip
 
 
-def _submit(job: Path, swarm: Swarm, out: Path) -> subprocess.CompletedProcess[str]:
+def _submit(job: Path, swarm: ProcessSwarm, out: Path) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
         _submit_cmd(job, swarm, out), capture_output=True, text=True, cwd=REPO, timeout=300, env=_env()
     )
@@ -65,11 +58,11 @@ def _env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, Observer]]:
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProcessSwarm, BlockingObserver]]:
     with running_swarm(tmp_path_factory.mktemp("swarm"), [{}, {}, {}]) as swarm:
-        observer = Observer(swarm.initial_peers)
+        observer = BlockingObserver(swarm.initial_peers)
         try:
-            _online(observer, 3)
+            observer.wait_online(3, 60)
             yield swarm, observer
         finally:
             observer.close()
@@ -87,7 +80,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Swarm, Obs
     ],
 )
 def test_submitted_job_equals_local_run_and_plain_pytorch(
-    swarm: tuple[Swarm, Observer], example: str, overrides: dict, tmp_path: Path
+    swarm: tuple[ProcessSwarm, BlockingObserver], example: str, overrides: dict, tmp_path: Path
 ) -> None:
     sw, _ = swarm
     job_path = example_job(example, tmp_path, **overrides)
@@ -136,7 +129,7 @@ def test_submitted_job_equals_local_run_and_plain_pytorch(
 
 @pytest.mark.timeout(300)
 def test_foreign_and_malformed_frames_are_refused_while_the_job_completes(
-    swarm: tuple[Swarm, Observer], tmp_path: Path
+    swarm: tuple[ProcessSwarm, BlockingObserver], tmp_path: Path
 ) -> None:
     sw, observer = swarm
     # SGD: AdamW turns rounding-size differences into lr-size ones over 25 steps (see test_exactness).
@@ -200,14 +193,14 @@ def test_foreign_and_malformed_frames_are_refused_while_the_job_completes(
 @pytest.mark.timeout(300)
 def test_late_compnode_is_used_by_the_next_job_and_a_leaver_shows_offline(tmp_path: Path) -> None:
     with running_swarm(tmp_path / "swarm", [{}]) as sw:
-        observer = Observer(sw.initial_peers)
+        observer = BlockingObserver(sw.initial_peers)
         try:
-            _online(observer, 1)
+            observer.wait_online(1, 60)
             job_path = example_job("mlp", tmp_path, steps=2, placement={"compnodes": 2})
             try:
                 _submit(job_path, sw, tmp_path / "one")
                 late = sw.add_compnode("late")
-                _online(observer, 2)
+                observer.wait_online(2, 60)
                 _submit(job_path, sw, tmp_path / "two")
             finally:
                 job_path.unlink()

@@ -23,7 +23,7 @@ from fusionnet.wire import (
     read_frame,
 )
 from fusionnet.wire import pool as pool_module
-from tests.test_wire_support import KEY, OTHER_KEY, craft, frame, frame_bytes, reader_of, until
+from tests.wire_support import KEY, OTHER_KEY, craft, frame, frame_bytes, reader_of, until
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 

@@ -14,7 +14,7 @@ from fusionnet.wire import ALLOWED_DTYPES, FrameRefused, StreamEnded, TensorFram
 from fusionnet.wire.frames import THREAD_MIN, allocate_tensor, prepare_frame
 from fusionnet.wire.header import MAX_HEADER, PREFIX_SIZE, parse_header, parse_prefix
 from fusionnet.wire.mac import MAC_CHUNK
-from tests.test_wire_support import KEY, OTHER_KEY, craft, frame, frame_bytes, read_bytes, reader_of
+from tests.wire_support import KEY, OTHER_KEY, craft, frame, frame_bytes, read_bytes, reader_of
 
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (2, 3, 5)]
 

@@ -11,7 +11,7 @@ from hivemind.p2p import P2P
 from fusionnet.errors import WireError
 from fusionnet.wire import P2PDataPath, PeerUnreachable, TensorFrame
 from fusionnet.wire.frames import write_frame
-from tests.test_wire_support import KEY, OTHER_KEY, frame, until
+from tests.wire_support import KEY, OTHER_KEY, frame, until
 
 
 async def _pair() -> tuple[P2P, P2P]:
@@ -24,6 +24,7 @@ async def _pair() -> tuple[P2P, P2P]:
     return a, b
 
 
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
 @pytest.mark.timeout(120)
 def test_frames_round_trip_over_p2p_streams_and_forgeries_are_refused() -> None:
     gen = torch.Generator().manual_seed(5)
@@ -75,6 +76,7 @@ def test_frames_round_trip_over_p2p_streams_and_forgeries_are_refused() -> None:
     asyncio.run(asyncio.wait_for(scenario(), 100))
 
 
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
 @pytest.mark.timeout(60)
 def test_p2p_path_checks_its_arguments_and_reports_unreachable_peers() -> None:
     async def scenario() -> None:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from fusionnet.wire import FrameRefused, StreamEnded, read_frame
 from fusionnet.wire.sources import BufferedSource
-from tests.test_wire_support import KEY, frame, frame_bytes
+from tests.wire_support import KEY, frame, frame_bytes
 
 
 class FakeTransport:

@@ -52,12 +52,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace, workdir: Path) -> int:
     from fusionnet.daemon.observer import SwarmObserver
-    from fusionnet.runtime.localswarm import LocalSwarm
+    from fusionnet.runtime.process_swarm import CompnodeSpec, ProcessSwarm
     from fusionnet.runtime.submit import load_plan, submit_and_wait, summary
 
     started = time.monotonic()
     print(f"starting a broker and {args.compnodes} compnodes on loopback (logs in {workdir}) ...")
-    with LocalSwarm(workdir, compnodes=args.compnodes) as swarm:
+    # The daemons' own heartbeat settings; refreshes every 2 s so that members show up quickly.
+    specs = [CompnodeSpec(refresh_period=2.0)] * args.compnodes
+    with ProcessSwarm(workdir, specs, broker_argv=["--refresh-period", "2"]) as swarm:
 
         async def wait_and_submit() -> Any:
             async with SwarmObserver(swarm.initial_peers) as observer:

@@ -27,7 +27,7 @@ from fusionnet.dag.executor import StepReport, SubDagExecutor
 from fusionnet.dag.ir import IRGraph, dtype_name
 from fusionnet.dag.partition import SubDag, build_partition
 from fusionnet.errors import JobError, WireError
-from fusionnet.job.optim import build_optimizers, resolve_param_optimizers
+from fusionnet.job.optim import optimizer_factory
 from fusionnet.runtime.blobs import pack_tensors, unpack_tensors
 from fusionnet.runtime.jobwire import RunSpec, select_fields
 from fusionnet.wire.frames import TensorFrame
@@ -184,20 +184,13 @@ def build_assignment(
         send_frame=send,
         validate=lambda src, k, v: holder["a"].validate(src, k, v),
     )
-    opt_spec = spec.optimizer_spec()
-    make_optimizers = None
-    if spec.task == "train" and opt_spec is not None:
-
-        def make_optimizers(named: dict[str, torch.nn.Parameter]) -> list[torch.optim.Optimizer]:
-            return build_optimizers(named, resolve_param_optimizers(opt_spec, list(named)))
-
     executor = SubDagExecutor(
         graph,
         subdag,
         state,
         channel,
         task=spec.task,
-        make_optimizers=make_optimizers,
+        make_optimizers=optimizer_factory(spec.task, spec.optimizer_spec()),
         loss_reduction=spec.loss_reduction,
     )
     if payload.get("optim") is not None:

@@ -8,7 +8,7 @@ same machinery for a whole graph, used by the tracer to check that a trace repro
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,10 +35,25 @@ def call_op(op: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     return REGISTRY.resolve(op)(*args, **kwargs)
 
 
-def run_whole_graph(graph: IRGraph, state: Mapping[str, torch.Tensor], data: Mapping[str, Any]) -> Any:
-    """Runs the entire IR graph in-process (no partitioning) and returns the output node's value."""
+# Called by ``run_whole_graph`` after each node with (node, resolved args, resolved kwargs, its value);
+# placeholders and variables get empty args. The tracer records meta and costs through it.
+NodeHook = Callable[[IRNode, Sequence[Any], Mapping[str, Any], Any], None]
+
+
+def run_whole_graph(
+    graph: IRGraph,
+    state: Mapping[str, torch.Tensor],
+    data: Mapping[str, Any],
+    on_node: NodeHook | None = None,
+) -> Any:
+    """Runs the entire IR graph in-process (no partitioning) and returns the output node's value.
+
+    The one IR interpreter: the tracer checks a trace against the model and annotates each node with it.
+    """
     values: dict[str, Any] = {}
     for n in graph.nodes:
+        args: Sequence[Any] = ()
+        kwargs: Mapping[str, Any] = {}
         if n.kind == "placeholder":
             values[n.name] = data[n.target]
         elif n.kind == "variable":
@@ -48,6 +63,8 @@ def run_whole_graph(graph: IRGraph, state: Mapping[str, torch.Tensor], data: Map
         else:
             args, kwargs = resolve_args(n, values, state)
             values[n.name] = call_op(n.op, args, kwargs)
+        if on_node is not None:
+            on_node(n, args, kwargs, values[n.name])
     raise ExecutionError("graph has no output node")
 
 

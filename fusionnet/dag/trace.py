@@ -20,7 +20,7 @@ per-node costs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -331,53 +331,33 @@ def _walk(tree: Any) -> Any:
 
 def _annotate(graph: IRGraph, state: dict[str, torch.Tensor], data: dict[str, Any]) -> None:
     """Runs the graph once on the example, recording each node's output meta and cost."""
-    from fusionnet.dag.rebuild import call_op, resolve_args
+    from fusionnet.dag.rebuild import run_whole_graph
 
-    values: dict[str, Any] = {}
+    def record(n: IRNode, args: Sequence[Any], kwargs: Mapping[str, Any], out: Any) -> None:
+        n.meta = tensor_meta(out)
+        if n.kind in ("variable", "placeholder"):
+            size = out.numel() * out.element_size()
+            n.cost = {
+                "flops_fwd": 0,
+                "flops_bwd": 0,
+                "bytes_read": 0,
+                "bytes_written": size if n.kind == "placeholder" else 0,
+                "param_bytes": size if n.kind == "variable" else 0,
+                "activation_bytes": size,
+            }
+            return
+        param_bytes = sum(state[k].numel() * state[k].element_size() for k in n.param_keys())
+        n.cost = op_cost(
+            _cost_target(n.op),
+            tuple(args),
+            dict(kwargs),
+            out,
+            param_bytes=param_bytes,
+            needs_grad=graph.task != "infer",
+        ).to_dict()
+
     with torch.no_grad():
-        for n in graph.nodes:
-            if n.kind == "placeholder":
-                values[n.name] = data[n.target]
-            elif n.kind == "variable":
-                values[n.name] = state[n.target]
-            elif n.kind == "output":
-                continue
-            else:
-                args, kwargs = resolve_args(n, values, state)
-                out = call_op(n.op, args, kwargs)
-                values[n.name] = out
-                param_bytes = sum(state[k].numel() * state[k].element_size() for k in n.param_keys())
-                n.cost = op_cost(
-                    _cost_target(n.op),
-                    tuple(args),
-                    kwargs,
-                    out,
-                    param_bytes=param_bytes,
-                    needs_grad=graph.task != "infer",
-                ).to_dict()
-            n.meta = tensor_meta(values[n.name])
-        for n in graph.nodes:
-            if n.kind == "variable":
-                t = state[n.target]
-                n.cost = {
-                    "flops_fwd": 0,
-                    "flops_bwd": 0,
-                    "bytes_read": 0,
-                    "bytes_written": 0,
-                    "param_bytes": t.numel() * t.element_size(),
-                    "activation_bytes": t.numel() * t.element_size(),
-                }
-            elif n.kind == "placeholder":
-                t = values[n.name]
-                size = t.numel() * t.element_size()
-                n.cost = {
-                    "flops_fwd": 0,
-                    "flops_bwd": 0,
-                    "bytes_read": 0,
-                    "bytes_written": size,
-                    "param_bytes": 0,
-                    "activation_bytes": size,
-                }
+        run_whole_graph(graph, state, data, on_node=record)
 
 
 def _cost_target(op: str) -> Any:

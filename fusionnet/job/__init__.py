@@ -4,7 +4,8 @@ Map of the package:
 
 - ``schema.py``     pydantic models of the YAML (unknown keys refused), pure validators
 - ``parse.py``      YAML text -> ``JobSpec``; pydantic errors -> one ``JobError`` naming the key
-- ``optim.py``      optimizer allowlist, per-parameter settings (``per_op`` globs), ``build_optimizers``
+- ``optim.py``      optimizer allowlist, per-parameter settings (``per_op`` globs), ``build_optimizers``,
+                    ``optimizer_factory`` (the one way reference, ``run --local`` and compnodes build them)
 - ``losses.py``     loss allowlist (``torch.nn.functional``), keyword checks, the bound loss function
 - ``data.py``       the dataset: safetensors ``inputs``/``labels`` or char-level text windows
 - ``entrypoint.py`` imports and calls the model entry point

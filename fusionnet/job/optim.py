@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,6 +38,9 @@ class OptimizerSettings(Protocol):
     @property
     def per_op(self) -> Mapping[str, OverrideSettings]: ...
 
+
+# What an executor is given to build its optimizers once it holds its parameters.
+OptimizerFactory = Callable[[Mapping[str, torch.nn.Parameter]], list[torch.optim.Optimizer]]
 
 # Lower-case job-file name -> torch.optim class name. LBFGS (needs a closure that re-runs the whole
 # model) and SparseAdam (sparse gradients only) are deliberately absent.
@@ -177,3 +180,18 @@ def build_optimizers(
         getattr(torch.optim, s.cls_name)(params, lr=s.lr, foreach=False, **s.kwargs)
         for s, params in groups.values()
     ]
+
+
+def make_optimizers(
+    spec: OptimizerSettings, named_params: Mapping[str, torch.nn.Parameter]
+) -> list[torch.optim.Optimizer]:
+    """The job file's optimizer section over ``named_params`` (a whole model or one sub-DAG's part)."""
+    return build_optimizers(named_params, resolve_param_optimizers(spec, list(named_params)))
+
+
+def optimizer_factory(task: str, spec: OptimizerSettings | None) -> OptimizerFactory | None:
+    """The factory an executor calls with the parameters it owns; None where nothing is stepped
+    (``grad`` and ``infer`` jobs). The one way the reference, ``run --local`` and compnodes build them."""
+    if task != "train" or spec is None:
+        return None
+    return lambda named: make_optimizers(spec, named)

@@ -7,10 +7,14 @@ Map of the package:
 - ``planjob.py``     ``fusionnet plan``: the job traced and planned (``fusionnet.planning``) for a nodes
                      file or for compnodes like this machine (``fusionnet.profiling``).
 - ``batches.py``     the data a step feeds to each sub-DAG, micro-batch by micro-batch.
-- ``local.py``       ``fusionnet run --local N``: N executors in one process over the in-memory channel
-                     (results assembled and written by ``fusionnet.results``, as the broker does).
+- ``local.py``       ``fusionnet run --local N``: ``InMemorySwarm``, N executors in one process over the
+                     in-memory channel (results assembled and written by ``fusionnet.results``, as the
+                     broker does).
 - ``submit.py``      ``fusionnet submit``: send the IR, state and data to a broker, follow, download.
-- ``localswarm.py``  a broker and N compnodes as local processes (``fusionnet demo``, benchmarks).
+- ``process_swarm.py`` ``ProcessSwarm``: a broker and compnodes as real processes on loopback
+                     (``fusionnet demo``, benchmarks, tests); ``BlockingObserver`` reads it from sync code.
+- ``processes.py``   one daemon as a child process (``DaemonProcess``, ``start_daemon``), process-tree
+                     helpers.
 - ``blobs.py``       tensors <-> bytes for job messages (safetensors, never pickle).
 - ``jobwire.py``     what travels with a job between ``submit``, the broker and the compnodes.
 """

@@ -25,7 +25,7 @@ from fusionnet.dag.executor import StepReport, SubDagExecutor
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition
 from fusionnet.job.loader import LoadedJob
-from fusionnet.job.optim import build_optimizers, resolve_param_optimizers
+from fusionnet.job.optim import OptimizerFactory, optimizer_factory
 from fusionnet.perfmodel.types import DeviceSpec
 from fusionnet.planning.optimizers import job_optimizers
 from fusionnet.planning.predict import predict_subdags
@@ -35,21 +35,9 @@ from fusionnet.runtime.batches import StepData, iter_steps
 from fusionnet.runtime.prepare import PreparedJob, prepare_job
 
 
-def optimizer_factory(
-    job: LoadedJob,
-) -> Callable[[Mapping[str, torch.nn.Parameter]], list[torch.optim.Optimizer]] | None:
-    if job.spec.task != "train" or job.spec.optimizer is None:
-        return None
-    spec = job.spec.optimizer
-
-    def make(named: Mapping[str, torch.nn.Parameter]) -> list[torch.optim.Optimizer]:
-        return build_optimizers(named, resolve_param_optimizers(spec, list(named)))
-
-    return make
-
-
-class LocalSwarm:
-    """The executors of one prepared job over an in-memory hub, stepped one batch at a time."""
+class InMemorySwarm:
+    """The executors of one prepared job over an in-memory hub, stepped one batch at a time (one process,
+    no daemons; ``process_swarm.ProcessSwarm`` is the swarm of real daemon processes)."""
 
     def __init__(self, prepared: PreparedJob) -> None:
         self.prepared = prepared
@@ -58,7 +46,7 @@ class LocalSwarm:
             prepared.traced.state,
             prepared.partition,
             task=prepared.job.spec.task,
-            make_optimizers=optimizer_factory(prepared.job),
+            make_optimizers=optimizer_factory(prepared.job.spec.task, prepared.job.spec.optimizer),
             loss_reduction=prepared.loss_reduction,
         )
 
@@ -70,9 +58,9 @@ class LocalSwarm:
         partition: Partition,
         *,
         task: str,
-        make_optimizers: Callable[[Mapping[str, torch.nn.Parameter]], list[torch.optim.Optimizer]] | None,
+        make_optimizers: OptimizerFactory | None,
         loss_reduction: str = "mean",
-    ) -> LocalSwarm:
+    ) -> InMemorySwarm:
         """Executors for a traced graph and partition that no job file describes (the executor
         calibration's synthetic models); ``steps()`` needs a job, so such a swarm is fed ``StepData``."""
         swarm = cls.__new__(cls)
@@ -88,7 +76,7 @@ class LocalSwarm:
         partition: Partition,
         *,
         task: str,
-        make_optimizers: Any,
+        make_optimizers: OptimizerFactory | None,
         loss_reduction: str,
     ) -> None:
         self.hub = LocalHub(len(partition.subdags))
@@ -163,7 +151,7 @@ async def _run(
 ) -> RunResult:
     job, graph, partition = prepared.job, prepared.traced.graph, prepared.partition
     spec = job.spec
-    swarm = LocalSwarm(prepared)
+    swarm = InMemorySwarm(prepared)
     executors = swarm.executors
     metrics: list[dict[str, Any]] = []
     outputs: list[dict[str, torch.Tensor]] = []  # per step: "mb/leaf" tensors, as a compnode sends them
