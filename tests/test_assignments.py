@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from fusionnet.broker.assignments import assignment_payloads
+from fusionnet.broker.assignment_payloads import assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.codec import encode_ir
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.job.loader import load_job
-from fusionnet.runtime.blobs import unpack_tensors
-from fusionnet.runtime.jobwire import run_spec_of
+from fusionnet.messages.blobs import unpack_tensors
+from fusionnet.messages.jobwire import run_spec_of
 from fusionnet.runtime.prepare import trace_job
 from tests.jobfiles import REPO
 

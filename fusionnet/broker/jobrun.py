@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from fusionnet.broker.assignments import assignment_payloads
+from fusionnet.broker.assignment_payloads import assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
 from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog
 from fusionnet.broker.links import LinkBook, probe_placement
@@ -49,7 +49,7 @@ from fusionnet.broker.store import JobState
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.partition import Partition, build_partition
 from fusionnet.errors import ExecutionError, FusionNetError, JobError
-from fusionnet.runtime.blobs import unpack_tensors
+from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.runtime.local import RunResult, write_results
 from fusionnet.runtime.planning import optimizer_profiles
 from fusionnet.runtime.results import assemble_state, join_step_outputs, plan_document

@@ -20,8 +20,8 @@ from fusionnet.broker.submission import SubmittedJob, check_submission
 from fusionnet.dag.codec import decode_ir
 from fusionnet.errors import JobError
 from fusionnet.rpc.server import RPCContext
-from fusionnet.runtime.blobs import unpack_tensors
-from fusionnet.runtime.jobwire import RunSpec
+from fusionnet.messages.blobs import unpack_tensors
+from fusionnet.messages.jobwire import RunSpec
 
 log = logging.getLogger("fusionnet.broker.jobs")
 

@@ -18,14 +18,14 @@ from typing import Any
 
 from torch.utils._pytree import tree_flatten
 
-from fusionnet.compnode.assignment import JobAssignment, build_assignment
+from fusionnet.compnode.assignment_intake import JobAssignment, build_assignment
 from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, arm
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
 from fusionnet.compnode.throttle import throttle
 from fusionnet.errors import JobError
 from fusionnet.rpc.server import RPCContext
-from fusionnet.runtime.blobs import pack_tensors
+from fusionnet.messages.blobs import pack_tensors
 from fusionnet.wire.datapath import DataPathClient, DataPathServer
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.refusal import PeerUnreachable

@@ -21,8 +21,8 @@ from fusionnet.dag.codec import encode_ir
 from fusionnet.errors import ExecutionError, JobError
 from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.rpc.protocol import RPCError
-from fusionnet.runtime.blobs import pack_tensors
-from fusionnet.runtime.jobwire import run_spec_of
+from fusionnet.messages.blobs import pack_tensors
+from fusionnet.messages.jobwire import run_spec_of
 from fusionnet.runtime.prepare import loss_reduction_of, trace_job
 
 SUBMIT_TIMEOUT = 300.0

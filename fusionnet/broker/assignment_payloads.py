@@ -17,7 +17,7 @@ from typing import Any
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.partition import Partition
-from fusionnet.runtime.blobs import pack_tensors
+from fusionnet.messages.blobs import pack_tensors
 
 KEY_BYTES = 32
 

@@ -28,8 +28,8 @@ from fusionnet.dag.ir import IRGraph, dtype_name
 from fusionnet.dag.partition import SubDag, build_partition
 from fusionnet.errors import JobError, WireError
 from fusionnet.job.optim import build_optimizers, resolve_param_optimizers
-from fusionnet.runtime.blobs import pack_tensors, unpack_tensors
-from fusionnet.runtime.jobwire import RunSpec, select_fields
+from fusionnet.messages.blobs import pack_tensors, unpack_tensors
+from fusionnet.messages.jobwire import RunSpec, select_fields
 from fusionnet.wire.frames import TensorFrame
 
 log = logging.getLogger("fusionnet.compnode.assignment")
