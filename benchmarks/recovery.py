@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 from swarm_jobs import write_gpt_job  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
+from fusionnet.messages.broker_rpc import BrokerClient, JobStatusRequest  # noqa: E402
 from fusionnet.runtime.localswarm import LocalDaemon, LocalSwarm  # noqa: E402
 from fusionnet.runtime.submit import submit_and_wait  # noqa: E402
 
@@ -112,6 +113,7 @@ async def drive(swarm: LocalSwarm, job_path: Path, out: Path, rec: RunRecord, ti
     async with SwarmObserver(swarm.initial_peers) as observer:
         await swarm.wait_members(observer)
         broker = await observer.find_broker()
+        brokers = BrokerClient(observer.call)
         submit = asyncio.create_task(
             submit_and_wait(job_path, swarm.initial_peers, out, stream=io.StringIO(), timeout=timeout)
         )
@@ -125,8 +127,10 @@ async def drive(swarm: LocalSwarm, job_path: Path, out: Path, rec: RunRecord, ti
                     running.cancel()
                     await submit  # it finished or failed before step 3: raise its error
                     raise RuntimeError("the job finished before it could be interrupted; use more --steps")
-                status = await observer.call(broker, "job_status", {"job_id": running.result()}, timeout=10)
-                victim = max(status["placement"], key=lambda p: (p["params"], -p["subdag"]))
+                status = await brokers.call_job_status(
+                    broker, JobStatusRequest(job_id=running.result()), timeout=10
+                )
+                victim = max(status.placement, key=lambda p: (p["params"], -p["subdag"]))
                 rec.moved = f"sub-DAG {victim['subdag']} ({victim['nodes']} nodes, {victim['params']} params)"
                 leaver = next(d for d in swarm.nodes if d.peer_id == victim["peer_id"])
                 sigterm_at = time.time()
@@ -141,9 +145,9 @@ async def drive(swarm: LocalSwarm, job_path: Path, out: Path, rec: RunRecord, ti
             if not submit.done():
                 submit.cancel()
                 await asyncio.gather(submit, return_exceptions=True)
-        status = await observer.call(broker, "job_status", {"job_id": outcome.job_id}, timeout=10)
+        status = await brokers.call_job_status(broker, JobStatusRequest(job_id=outcome.job_id), timeout=10)
     if leaver is not None:
-        handed = [e for e in status["events"] if e["kind"] == "handed-over"]
+        handed = [e for e in status.events if e["kind"] == "handed-over"]
         rec.notice = handed[0]["at"] - sigterm_at if handed else None
         with contextlib.suppress(Exception):
             rec.leaver_exit = await asyncio.to_thread(leaver.proc.wait, LEAVER_EXIT_S)

@@ -93,8 +93,6 @@ class TypedCaller:
     def __init__(self, call: Caller) -> None:
         self._call = call
 
-    async def call_typed(
-        self, peer: str, method: str, request: BaseModel, reply: type[M], **kw: Any
-    ) -> M:
+    async def call_typed(self, peer: str, method: str, request: BaseModel, reply: type[M], **kw: Any) -> M:
         raw = await self._call(peer, method, request.model_dump(), **kw)
         return parse_message(reply, raw, f"rpc {method} reply from {peer}")
