@@ -1,5 +1,6 @@
-"""The broker's ``assign`` payloads (``broker.assignment_payloads``) as a pure function: each compnode gets its
-own sub-DAG's slice of the checkpoint and data, and every compnode the same map, peers and key."""
+"""The broker's ``assign`` payloads (``broker.assignment_payloads``) as a pure function: each compnode
+gets its own sub-DAG's slice of the checkpoint and data, and every compnode the same map, peers and
+key."""
 
 from __future__ import annotations
 
