@@ -28,6 +28,8 @@ from fusionnet.messages.jobwire import RunSpec
 
 MAX_PEERS = 4096
 MIN_KEY_BYTES = 16
+MAX_PROBE_BYTES = 8 << 20  # one link probe's payload (a compnode refuses larger probe frames)
+MAX_PROBE_SIZES, MAX_PROBE_REPEATS = 8, 10
 
 NonNegative = Annotated[int, Field(ge=0)]
 Seconds = Annotated[float, Field(ge=0.0)]
@@ -102,10 +104,28 @@ class ReleaseReply(Message):
     refused: NonNegative = 0
 
 
-class ProbeLinksRequest(JobRequest):
+class ProbeSettings(Message):
+    """How to probe: payload sizes (bytes; two distinct at least, for a slope) and repeats per size;
+    None: the compnode's defaults."""
+
+    sizes: (
+        Annotated[
+            list[Annotated[int, Field(ge=1, le=MAX_PROBE_BYTES)]],
+            Field(min_length=2, max_length=MAX_PROBE_SIZES),
+        ]
+        | None
+    ) = None
+    repeats: Annotated[int, Field(ge=1, le=MAX_PROBE_REPEATS)] | None = None
+
+    @model_validator(mode="after")
+    def _two_distinct_sizes(self) -> ProbeSettings:
+        if self.sizes is not None and len(set(self.sizes)) < 2:
+            raise ValueError("sizes: two of them must differ")
+        return self
+
+
+class ProbeLinksRequest(ProbeSettings, JobRequest):
     to: Annotated[list[NonNegative], Field(min_length=1, max_length=MAX_PEERS)]  # sub-DAG indices
-    sizes: list[int] | None = None  # bytes per probe; checked by ``linkprobe.check_probe_request``
-    repeats: int | None = None
 
 
 class ProbedLink(Message):
