@@ -1,9 +1,9 @@
 """What a job run may use of the broker, and nothing more: ``JobContext``.
 
-``JobService``, ``JobRun``, ``FailureWatch`` and ``RecoveryLog`` used to hold the whole broker daemon
-(``broker: Any``) and reach into it; now the daemon hands them this small object
-(``BrokerDaemon.job_context()``), and a test builds one from in-memory parts (a store on a temporary
-file, a registry, fake compnodes behind a ``CompnodeClient``) without any process or network.
+``JobService``, ``JobRun``, ``FailureWatch`` and ``RecoveryLog`` get this small object
+(``BrokerDaemon.job_context()``), never the daemon itself; a test builds one from in-memory parts (a
+store on a temporary file, a registry, fake compnodes behind a ``CompnodeClient``) without any process
+or network (``tests/test_jobrun_decisions.py``).
 
 The store and the jobs folder exist only once the daemon has started (its state dir is acquired and
 its SQLite file opened at startup), so they are reached through callables, asked when used.
