@@ -92,7 +92,8 @@ def submitted() -> SubmittedJob:
     )
 
 
-def make_run(tmp_path: Path, job: SubmittedJob, fake: FakeCompnodes) -> tuple[JobRun, JobContext]:
+def make_context(tmp_path: Path, fake: FakeCompnodes) -> JobContext:
+    """A broker's job context from in-memory parts: five ONLINE compnodes, a fresh store."""
     registry = CompnodeRegistry(heartbeat_timeout=3.0)
     now = time.time()
     records = [
@@ -106,9 +107,8 @@ def make_run(tmp_path: Path, job: SubmittedJob, fake: FakeCompnodes) -> tuple[Jo
     ]
     registry.update_records([Found(r, now + 3600, b"") for r in records], now)
     store = BrokerStore(tmp_path / "broker.sqlite3")
-    store.create_job(job.job_id, job.spec.name, steps=job.spec.step_count, submitter=job.submitter)
     refreshed: list[int] = []
-    context = JobContext(
+    return JobContext(
         open_store=lambda: store,
         registry=registry,
         settings=BrokerConfig(placement_policy=BALANCED),
@@ -119,6 +119,11 @@ def make_run(tmp_path: Path, job: SubmittedJob, fake: FakeCompnodes) -> tuple[Jo
         refresh_job_metrics=lambda: refreshed.append(1),
         jobs_folder=lambda: tmp_path / "jobs",
     )
+
+
+def make_run(tmp_path: Path, job: SubmittedJob, fake: FakeCompnodes) -> tuple[JobRun, JobContext]:
+    context = make_context(tmp_path, fake)
+    context.store.create_job(job.job_id, job.spec.name, steps=job.spec.step_count, submitter=job.submitter)
     return JobRun(context, job, tmp_path / "jobs" / job.job_id), context
 
 
