@@ -113,7 +113,8 @@ class FailureWatch:
                     peer, PingRequest(nonce="probe"), timeout=PROBE_TIMEOUT, retries=0
                 )
                 return True
-            except FusionNetError:
+            except FusionNetError as e:
+                log.info("compnode %s counts as lost: %s", peer, e)
                 return False
 
         answers = await asyncio.gather(*(alive(p) for p in peers))
