@@ -109,8 +109,10 @@ class FailureWatch:
             if entry is None or entry.effective_state in ("OFFLINE", "UNREACHABLE"):
                 return False
             try:
+                # One retry, for stream resets only (``RPCClient.call``): when a compnode is killed,
+                # p2pd now and then resets a stream to a live one too, which is no reason to drop it.
                 await self.compnodes.call_ping(
-                    peer, PingRequest(nonce="probe"), timeout=PROBE_TIMEOUT, retries=0
+                    peer, PingRequest(nonce="probe"), timeout=PROBE_TIMEOUT, retries=1
                 )
                 return True
             except FusionNetError as e:
