@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 from swarm_jobs import run_main, write_gpt_job  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
+from fusionnet.messages.broker_rpc import BrokerClient, JobStatusRequest  # noqa: E402
 from fusionnet.runtime.process_swarm import CompnodeSpec, ProcessSwarm  # noqa: E402
 from fusionnet.runtime.processes import DaemonProcess  # noqa: E402
 from fusionnet.runtime.submit import submit_and_wait  # noqa: E402
@@ -113,6 +114,7 @@ async def drive(swarm: ProcessSwarm, job_path: Path, out: Path, rec: RunRecord, 
     async with SwarmObserver(swarm.initial_peers) as observer:
         await swarm.wait_members(observer)
         broker = await observer.find_broker()
+        brokers = BrokerClient(observer.call)
         submit = asyncio.create_task(
             submit_and_wait(job_path, swarm.initial_peers, out, stream=io.StringIO(), timeout=timeout)
         )
@@ -126,8 +128,10 @@ async def drive(swarm: ProcessSwarm, job_path: Path, out: Path, rec: RunRecord, 
                     running.cancel()
                     await submit  # it finished or failed before step 3: raise its error
                     raise RuntimeError("the job finished before it could be interrupted; use more --steps")
-                status = await observer.call(broker, "job_status", {"job_id": running.result()}, timeout=10)
-                victim = max(status["placement"], key=lambda p: (p["params"], -p["subdag"]))
+                status = await brokers.call_job_status(
+                    broker, JobStatusRequest(job_id=running.result()), timeout=10
+                )
+                victim = max(status.placement, key=lambda p: (p["params"], -p["subdag"]))
                 rec.moved = f"sub-DAG {victim['subdag']} ({victim['nodes']} nodes, {victim['params']} params)"
                 leaver = next(d for d in swarm.compnodes if d.peer_id == victim["peer_id"])
                 sigterm_at = time.time()
@@ -142,9 +146,9 @@ async def drive(swarm: ProcessSwarm, job_path: Path, out: Path, rec: RunRecord, 
             if not submit.done():
                 submit.cancel()
                 await asyncio.gather(submit, return_exceptions=True)
-        status = await observer.call(broker, "job_status", {"job_id": outcome.job_id}, timeout=10)
+        status = await brokers.call_job_status(broker, JobStatusRequest(job_id=outcome.job_id), timeout=10)
     if leaver is not None:
-        handed = [e for e in status["events"] if e["kind"] == "handed-over"]
+        handed = [e for e in status.events if e["kind"] == "handed-over"]
         rec.notice = handed[0]["at"] - sigterm_at if handed else None
         with contextlib.suppress(Exception):
             rec.leaver_exit = await asyncio.to_thread(leaver.proc.wait, LEAVER_EXIT_S)

@@ -1,18 +1,19 @@
-"""The broker's ``assign`` payloads (``broker.assignments``) as a pure function: each compnode gets its
-own sub-DAG's slice of the checkpoint and data, and every compnode the same map, peers and key."""
+"""The broker's ``assign`` payloads (``broker.assignment_payloads``) as a pure function: each compnode
+gets its own sub-DAG's slice of the checkpoint and data, and every compnode the same map, peers and
+key."""
 
 from __future__ import annotations
 
 import torch
 
-from fusionnet.broker.assignments import assignment_payloads
+from fusionnet.broker.assignment_payloads import assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.codec import encode_ir
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.job.loader import load_job
-from fusionnet.runtime.blobs import unpack_tensors
-from fusionnet.runtime.jobwire import run_spec_of
+from fusionnet.messages.blobs import unpack_tensors
+from fusionnet.messages.jobwire import run_spec_of
 from fusionnet.runtime.prepare import trace_job
 from tests.jobfiles import REPO
 
@@ -34,7 +35,8 @@ def test_each_compnode_gets_its_slice_and_all_share_the_map_peers_and_key() -> N
     optim = {f"opt::{k}::exp_avg": torch.zeros(1) for k in graph.params}
     ckpt = Checkpoint(4, dict(traced.state), optim)
     peers = ["pa", "pb", "pc"]
-    docs = assignment_payloads(submitted, partition, peers, {"pa": "127.0.0.1:1", "pb": None}, 2, ckpt)
+    requests = assignment_payloads(submitted, partition, peers, {"pa": "127.0.0.1:1", "pb": None}, 2, ckpt)
+    docs = [r.model_dump() for r in requests]  # what goes on the wire
     assert [d["subdag"] for d in docs] == [0, 1, 2]
     assert len({d["key"] for d in docs}) == 1 and len(docs[0]["key"]) == 32
     assert docs[0]["peers"] == [
@@ -58,4 +60,4 @@ def test_each_compnode_gets_its_slice_and_all_share_the_map_peers_and_key() -> N
     assert owned == set(graph.params)  # every parameter goes to exactly one compnode
     # a fresh key per placement: frames of an earlier placement no longer authenticate
     again = assignment_payloads(submitted, partition, peers, {}, 3, ckpt)
-    assert again[0]["key"] != docs[0]["key"]
+    assert again[0].key != docs[0]["key"]

@@ -241,7 +241,12 @@ def test_bad_rpc_requests_do_not_kill_daemons(swarm: ProcessSwarm, observer: Blo
             assert "exceeds the limit" in observer.run(raw(peer, frame_header(1 << 50)))[1]
             assert "not valid msgpack" in observer.run(raw(peer, frame_header(2) + b"\xc1\xc1"))[1]
             assert "must be a map" in observer.run(raw(peer, frame_header(1) + msgpack.packb(7)))[1]
-        assert observer.call(compnode, "ping", {"nonce": "n1"})["nonce"] == "n1"
+        # Typed messages: a malformed payload is refused by validation, naming the method and the field.
+        with pytest.raises(WireError, match=r"rpc step: malformed message: job_id: "):
+            observer.call(compnode, "step", {"job_id": ["x"], "step": 1})
+        with pytest.raises(WireError, match=r"rpc job_status: malformed message: since: "):
+            observer.call(swarm.broker.peer_id, "job_status", {"job_id": "abc", "since": -1})
+        assert observer.call(compnode, "ping", {"nonce": "n1", "newer_field": 1})["nonce"] == "n1"
         assert swarm.broker.peer_id == observer.broker_status()["broker"]["peer_id"]
         assert all(d.proc.poll() is None for d in (swarm.broker, *swarm.compnodes))
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from fusionnet.broker.daemon import BrokerConfig, BrokerDaemon
+from fusionnet.broker.config import BrokerConfig
+from fusionnet.broker.daemon import BrokerDaemon
 from fusionnet.broker.registry import CompnodeRegistry, RegistryEvent
 from fusionnet.broker.store import SCHEMA_VERSION, BrokerStore, CompnodeRow, JobState
 from fusionnet.cli.cmd_status import CLEAR_BELOW, CLEAR_HOME, format_tables, merge_status, render_frame

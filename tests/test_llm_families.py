@@ -83,8 +83,8 @@ def test_submission_carries_the_non_persistent_buffers_the_ir_reads(tmp_path: Pa
     from fusionnet.broker.submission import check_submission
     from fusionnet.dag.codec import decode_ir
     from fusionnet.errors import JobError
-    from fusionnet.runtime.blobs import unpack_tensors
-    from fusionnet.runtime.jobwire import RunSpec
+    from fusionnet.messages.blobs import unpack_tensors
+    from fusionnet.messages.jobwire import RunSpec
     from fusionnet.runtime.submit import submission_payload
 
     job = load_job(_job(tmp_path, "HFDecoder", family="llama"))

@@ -157,7 +157,7 @@ def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
         try:
             observer.wait_online(2, 90)
             job_path = example_job("gpt", tmp_path, steps=30, optimizer=SGD, placement={"compnodes": 2})
-            payload = submission_payload(load_job(job_path))
+            payload = submission_payload(load_job(job_path)).model_dump()
             broker_id = sw.broker.peer_id
             job_id = observer.call(broker_id, "submit_job", payload, timeout=60)["job_id"]
             wait_until(

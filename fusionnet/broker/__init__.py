@@ -9,7 +9,11 @@ Map of the package:
 - ``jobs.py``         job intake RPCs: ``submit_job``, ``job_status``, ``job_results``.
 - ``submission.py``   a job as received, and the checks a submission passes before it is accepted.
 - ``jobrun.py``       one job from plan to results: placement, steps, failover, hand-over, growth.
-- ``assignments.py``  what each compnode of a placement is sent in ``assign``.
+- ``config.py``       ``BrokerConfig``: the broker's flags, validated.
+- ``context.py``      ``JobContext``: what a job run may use of the broker (store, registry, books, client).
+- ``replanning.py``   ``Replan``: why and how a job's placement changes, as a value; the pure decisions.
+- ``job_calls.py``    a job run's typed calls to its compnodes (assign, step, collect, release, probe).
+- ``assignment_payloads.py``  what each compnode of a placement is sent in ``assign``.
 - ``failures.py``     noticing that a job lost a compnode; the record of each recovery.
 - ``checkpoints.py``  a job's durable state: its submission and the latest step-boundary checkpoint.
 - ``links.py``        probing a placement's links; the answers go into ``planning.links.LinkBook``.

@@ -1,12 +1,11 @@
 """The broker daemon (FusionAI 3.2): announces itself in the DHT, keeps the compnode registry from DHT
 records and ping-pong heartbeats, persists what it sees in SQLite, and answers ``status``.
 
-Job intake and orchestration plug in as a ``Service`` (see ``fusionnet.daemon.base``): e.g. a
-``JobService(broker)`` in ``fusionnet/broker/jobs.py`` with ``rpc_submit_job`` etc., added with
-``broker.add_service(...)`` before ``serve()``. It finds what it needs on the broker: ``registry``
-(``schedulable()``, ``add_listener()`` for failover), ``store`` (jobs and job events), ``call()`` to reach
-compnodes, ``spawn()``/``every()`` for owned background tasks. ``cmd_broker`` adds the service from
-``fusionnet.broker.jobs.make_service(broker)`` when that module exists.
+Job intake and orchestration is a ``Service`` (see ``fusionnet.daemon.base``): ``JobService`` in
+``fusionnet/broker/jobs.py`` with ``rpc_submit_job`` etc., which ``cmd_broker`` builds explicitly
+(``JobService(broker.job_context())``) and adds with ``broker.add_service(...)`` before ``serve()``. What
+job runs may use of the broker is exactly ``broker.context.JobContext``: registry, store, settings,
+metrics, speeds, links, the typed ``CompnodeClient`` and the job-gauge refresh.
 
 Metrics (``broker.metrics``, a ``fusionnet.metrics.BrokerMetrics``): the daemon itself keeps the swarm
 gauges (compnodes by role and state, backup pool), the heartbeat RTT histogram and failure counter, and the
@@ -27,61 +26,28 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from fusionnet import __version__
+from fusionnet.broker.config import BrokerConfig
+from fusionnet.broker.context import JobContext
 from fusionnet.broker.registry import CompnodeEntry, CompnodeRegistry, RegistryEvent
 from fusionnet.broker.store import BrokerStore, CompnodeRow
 from fusionnet.daemon.base import Daemon
-from fusionnet.daemon.config import DaemonConfig
 from fusionnet.dht.records import BrokerRecord, CompnodeRecord, NodeState, is_bind_all, split_host_port
 from fusionnet.errors import FusionNetError
+from fusionnet.messages.base import handles
+from fusionnet.messages.broker_rpc import PingReply, PingRequest, StatusReply, StatusRequest
+from fusionnet.messages.compnode_rpc import CompnodeClient
 from fusionnet.metrics import BrokerMetrics, ScrapeTarget, write_file_sd
 from fusionnet.metrics.sd import TargetSource
 from fusionnet.perfmodel.types import Link
 from fusionnet.planning.links import LinkBook
-from fusionnet.planning.placement import BALANCED, SCHEDULER
 from fusionnet.planning.speeds import SpeedBook
 from fusionnet.rpc.server import RPCContext
 
 log = logging.getLogger("fusionnet.broker")
 
 DB_FILE = "broker.sqlite3"
-
-
-@dataclass
-class BrokerConfig:
-    common: DaemonConfig = field(default_factory=DaemonConfig)
-    heartbeat_period: float = 1.0  # seconds between ping rounds
-    heartbeat_timeout: float = 3.0  # a compnode silent this long is unreachable
-    sync_every: int = 1  # train jobs: checkpoint parameters and optimizer state every this many steps
-    placement_policy: str = SCHEDULER  # or BALANCED (the plain equal split), for comparison
-    replan_gain: float = 0.1  # a joining compnode triggers a re-plan when the step gets this much faster
-    ping_timeout: float | None = None  # one ping's limit; default min(heartbeat period, timeout)
-    sd_file: Path | None = None  # Prometheus file_sd target list of compnodes, rewritten at every refresh
-
-    def __post_init__(self) -> None:
-        if not self.heartbeat_period > 0:
-            raise ValueError(f"--heartbeat-period must be > 0 seconds, got {self.heartbeat_period}")
-        if not self.heartbeat_timeout > self.heartbeat_period:
-            raise ValueError(
-                f"--heartbeat-timeout ({self.heartbeat_timeout} s) must exceed --heartbeat-period "
-                f"({self.heartbeat_period} s), or every compnode looks unreachable between pings"
-            )
-        if self.sync_every < 1:
-            raise ValueError(f"--sync-every must be >= 1 step, got {self.sync_every}")
-        if not 0.0 <= self.replan_gain < 1.0:
-            raise ValueError(f"--replan-gain must be in [0, 1), got {self.replan_gain}")
-        if self.placement_policy not in (SCHEDULER, BALANCED):
-            raise ValueError(f"unknown placement policy {self.placement_policy!r}")
-        if self.ping_timeout is None:
-            self.ping_timeout = min(self.heartbeat_period, self.heartbeat_timeout)
-        if self.sd_file is not None:
-            self.sd_file = Path(self.sd_file)
-            if not self.sd_file.parent.is_dir():
-                raise ValueError(f"--sd-file {self.sd_file}: directory {self.sd_file.parent} does not exist")
 
 
 class BrokerDaemon(Daemon):
@@ -102,6 +68,25 @@ class BrokerDaemon(Daemon):
         self._scrape_targets: tuple[ScrapeTarget, ...] = ()
         self._bad_metrics_addresses: set[tuple[str, str]] = set()
         self.registry.add_listener(self._persist_event)
+        self.compnodes = CompnodeClient(self.call)
+
+    def job_context(self) -> JobContext:
+        """What the job service and its runs may use of this broker (``broker.context``)."""
+        return JobContext(
+            open_store=self._store,
+            registry=self.registry,
+            settings=self.settings,
+            metrics=self.metrics,
+            speeds=self.speeds,
+            links=self.links,
+            compnodes=self.compnodes,
+            refresh_job_metrics=self.refresh_job_metrics,
+            jobs_folder=lambda: self.state_dir.path / "jobs",
+        )
+
+    def _store(self) -> BrokerStore:
+        assert self.store is not None, "the broker's store opens at startup, before services start"
+        return self.store
 
     def _export_links(self, links: dict[tuple[str, str], Link]) -> None:
         self.metrics.set_links({pair: (k.alpha, k.bandwidth) for pair, k in links.items()})
@@ -166,11 +151,13 @@ class BrokerDaemon(Daemon):
         nonce = secrets.token_hex(8)
         start = time.perf_counter()
         try:
-            reply = await self.call(peer_id, "ping", {"nonce": nonce}, timeout=self.settings.ping_timeout)
+            reply = await self.compnodes.call_ping(
+                peer_id, PingRequest(nonce=nonce), timeout=self.settings.ping_timeout
+            )
         except FusionNetError as e:
             log.debug("ping %s failed: %s", peer_id, e)
             return None
-        if reply.get("nonce") != nonce:
+        if reply.nonce != nonce:
             log.warning("ping %s answered with the wrong nonce; counting it as lost", peer_id)
             return None
         return time.perf_counter() - start
@@ -247,31 +234,30 @@ class BrokerDaemon(Daemon):
         )
 
     # ---- RPC -------------------------------------------------------------------------------------
-    async def rpc_ping(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
-        return {"nonce": payload.get("nonce"), "peer_id": self.peer_id, "state": self.state.value}
+    @handles(PingRequest)
+    async def rpc_ping(self, request: PingRequest, context: RPCContext) -> PingReply:
+        return PingReply(nonce=request.nonce, peer_id=self.peer_id, state=self.state.value)
 
-    async def rpc_status(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+    @handles(StatusRequest)
+    async def rpc_status(self, request: StatusRequest, context: RPCContext) -> StatusReply:
         """Compnodes (role, backup, state, hardware, load, last heartbeat) and jobs (id, name, state, step,
         loss), for ``fusionnet status`` and dashboards."""
         now = time.time()
-        limit = payload.get("job_limit", 50)
-        if not isinstance(limit, int) or not 0 <= limit <= 10_000:
-            limit = 50
-        jobs = [] if self.store is None else self.store.list_jobs(limit)
-        return {
-            "broker": {
+        jobs = [] if self.store is None else self.store.list_jobs(request.job_limit)
+        return StatusReply(
+            broker={
                 "peer_id": self.peer_id,
                 "version": __version__,
                 "uptime": now - self.started_at,
                 "state": self.state.value,
                 "services": [s.name for s in self.services],
             },
-            "compnodes": [e.to_status(now) for e in self.registry.entries()],
-            "jobs": [
+            compnodes=[e.to_status(now) for e in self.registry.entries()],
+            jobs=[
                 {
                     k: job[k]
                     for k in ("job_id", "name", "state", "step", "steps", "loss", "error", "updated_at")
                 }
                 for job in jobs
             ],
-        }
+        )

@@ -21,8 +21,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from fusionnet.broker.context import JobContext
 from fusionnet.broker.registry import RegistryEvent
 from fusionnet.errors import ExecutionError, FusionNetError
+from fusionnet.messages.broker_rpc import PingRequest
 
 log = logging.getLogger("fusionnet.broker.jobs")
 
@@ -41,21 +43,22 @@ class PeerFailure(Exception):
 class FailureWatch:
     def __init__(
         self,
-        broker: Any,
+        context: JobContext,
         peers: Callable[[], Sequence[str]],
         leaving: set[str],
     ) -> None:
-        self.broker = broker
+        self.registry = context.registry
+        self.compnodes = context.compnodes
         self._peers = peers  # the job's compnodes now (the placement changes)
         self._leaving = leaving  # a compnode that announced its leave going OFFLINE is no alarm
         self._alarm = asyncio.Event()
         self._alarm_peer: str | None = None
 
     def attach(self) -> None:
-        self.broker.registry.add_listener(self._on_registry_event)
+        self.registry.add_listener(self._on_registry_event)
 
     def detach(self) -> None:
-        self.broker.registry.remove_listener(self._on_registry_event)
+        self.registry.remove_listener(self._on_registry_event)
 
     def _on_registry_event(self, event: RegistryEvent) -> None:
         if event.peer_id not in self._peers():
@@ -63,7 +66,7 @@ class FailureWatch:
         if event.kind in ("unreachable", "left"):
             self._raise_alarm(event.peer_id)
         elif event.kind == "state" and event.peer_id not in self._leaving:
-            entry = self.broker.registry.get(event.peer_id)
+            entry = self.registry.get(event.peer_id)
             if entry is not None and entry.effective_state == "OFFLINE":
                 self._raise_alarm(event.peer_id)
 
@@ -102,13 +105,18 @@ class FailureWatch:
         peers = list(self._peers())
 
         async def alive(peer: str) -> bool:
-            entry = self.broker.registry.get(peer)
+            entry = self.registry.get(peer)
             if entry is None or entry.effective_state in ("OFFLINE", "UNREACHABLE"):
                 return False
             try:
-                await self.broker.call(peer, "ping", {"nonce": "probe"}, timeout=PROBE_TIMEOUT, retries=0)
+                # One retry, for stream resets only (``RPCClient.call``): when a compnode is killed,
+                # p2pd now and then resets a stream to a live one too, which is no reason to drop it.
+                await self.compnodes.call_ping(
+                    peer, PingRequest(nonce="probe"), timeout=PROBE_TIMEOUT, retries=1
+                )
                 return True
-            except FusionNetError:
+            except FusionNetError as e:
+                log.info("compnode %s counts as lost: %s", peer, e)
                 return False
 
         answers = await asyncio.gather(*(alive(p) for p in peers))
@@ -118,8 +126,8 @@ class FailureWatch:
 class RecoveryLog:
     """The phases of every recovery of one job (module docstring); ``entries`` is what status shows."""
 
-    def __init__(self, broker: Any, job_id: str, entries: list[dict[str, Any]]) -> None:
-        self.broker, self.job_id, self.entries = broker, job_id, entries
+    def __init__(self, context: JobContext, job_id: str, entries: list[dict[str, Any]]) -> None:
+        self.context, self.job_id, self.entries = context, job_id, entries
         self._replay_started = 0.0
         self._handover_started: float | None = None
 
@@ -143,14 +151,14 @@ class RecoveryLog:
             info["detection"],
             replay_from,
         )
-        self.broker.metrics.failovers.inc(len(failure.dead))
-        self.broker.metrics.observe_recovery("detection", info["detection"])
+        self.context.metrics.failovers.inc(len(failure.dead))
+        self.context.metrics.observe_recovery("detection", info["detection"])
         self.entries.append(info)
         return info
 
     def handing_over(self, leaving: set[str], step: int) -> None:
         log.info("job %s: hand-over of %s at step %d", self.job_id, ", ".join(sorted(leaving)), step)
-        self.broker.store.add_job_event(self.job_id, "hand-over", {"leaving": sorted(leaving), "step": step})
+        self.context.store.add_job_event(self.job_id, "hand-over", {"leaving": sorted(leaving), "step": step})
         self._handover_started = time.monotonic()
 
     def placed(
@@ -160,23 +168,23 @@ class RecoveryLog:
         hand-over's stall, or neither (a first placement or a re-plan)."""
         if recovering is not None:
             recovering["redistribution"] = seconds
-            self.broker.metrics.observe_recovery("redistribution", seconds)
+            self.context.metrics.observe_recovery("redistribution", seconds)
             log.info(
                 "job %s: redistribution: %d sub-DAGs re-assigned in %.2f s", self.job_id, subdags, seconds
             )
         if self._handover_started is not None:
             stall = time.monotonic() - self._handover_started
             log.info("job %s: hand-over done: the job stalled %.2f s", self.job_id, stall)
-            self.broker.store.add_job_event(self.job_id, "handed-over", {"stall": stall})
-            self.broker.metrics.observe_recovery("handover", stall)
+            self.context.store.add_job_event(self.job_id, "handed-over", {"stall": stall})
+            self.context.metrics.observe_recovery("handover", stall)
             self.entries.append({"handover_stall": stall, "lost": sorted(moved)})
             self._handover_started = None
         self._replay_started = time.monotonic()
 
     def replayed(self, info: dict[str, Any]) -> None:
         info["replay"] = time.monotonic() - self._replay_started
-        self.broker.metrics.observe_recovery("replay", info["replay"])
-        self.broker.store.add_job_event(self.job_id, "recovered", info)
+        self.context.metrics.observe_recovery("replay", info["replay"])
+        self.context.store.add_job_event(self.job_id, "recovered", info)
         log.info(
             "job %s: replay: steps from %d redone in %.2f s; recovered",
             self.job_id,

@@ -17,6 +17,10 @@ Failure handling (Confidant's passive recovery, made exact; detection and phase 
 Proactive leave: a compnode on SIGTERM calls ``leaving``; at the next step boundary the broker syncs
 and moves its sub-DAG to a replacement, with nothing to replay. Elastic join: at a checkpointed step
 boundary a newly joined compnode is taken in when the model predicts a gain above ``replan_gain``.
+
+Whether and how to place the job again is an explicit ``replanning.Replan`` (first placement, failure,
+hand-over, growth) pending before the next step; the calls to compnodes are ``job_calls.JobCalls``;
+what the run may use of the broker is ``context.JobContext``.
 """
 
 from __future__ import annotations
@@ -30,36 +34,25 @@ from typing import Any
 
 import torch
 
-from fusionnet.broker.assignments import assignment_payloads
+from fusionnet.broker import replanning
+from fusionnet.broker.assignment_payloads import assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
+from fusionnet.broker.context import JobContext
 from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog
+from fusionnet.broker.job_calls import JobCalls
 from fusionnet.broker.links import probe_placement
+from fusionnet.broker.replanning import Replan
 from fusionnet.broker.store import JobState
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.partition import Partition, build_partition
-from fusionnet.errors import ExecutionError, FusionNetError, JobError
-from fusionnet.planning.links import LinkBook
+from fusionnet.errors import ExecutionError, FusionNetError
+from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.planning.optimizers import optimizer_profiles
-from fusionnet.planning.placement import (
-    Candidate,
-    JobShape,
-    Placement,
-    consider_growth,
-    first_pool,
-    plan_placement,
-    pool_after_loss,
-    predicted_step,
-)
-from fusionnet.planning.speeds import SpeedBook
+from fusionnet.planning.placement import Candidate, JobShape, Placement, predicted_step
 from fusionnet.results.assemble import RunResult, assemble_result
 from fusionnet.results.files import plan_document, write_results
-from fusionnet.runtime.blobs import unpack_tensors
 
 log = logging.getLogger("fusionnet.broker.jobs")
-
-ASSIGN_TIMEOUT = 120.0
-STEP_TIMEOUT = 600.0
-RELEASE_TIMEOUT = 5.0
 
 
 @dataclass
@@ -74,24 +67,24 @@ class JobProgress:
 
 
 class JobRun:
-    def __init__(self, broker: Any, job: SubmittedJob, folder: Path, *, resume: bool = False) -> None:
-        self.broker = broker
+    def __init__(self, context: JobContext, job: SubmittedJob, folder: Path, *, resume: bool = False) -> None:
+        self.ctx = context
         self.job = job
         self.files = JobFiles(folder)
         self.out_dir = folder
         self.progress = JobProgress()
         self.peers: list[str] = []
-        self.partition: Partition | None = None
+        self.partition: Partition | None = None  # of the current placement
+        self.pending: Replan | None = replanning.FIRST  # a placement to make before the next step
         self.attempt = 0
         self.resume = resume
         self.leaving: set[str] = set()
         self.dead: set[str] = set()
+        self.calls = JobCalls(context.compnodes, job.job_id)
         self._outputs: dict[int, dict[str, torch.Tensor]] = {}
         self._busy: dict[int, float] = {}  # sub-DAG -> FP+BP+Update seconds over the steps below
         self._busy_steps = 0
         self._placement: Placement | None = None
-        self._lost: set[str] = set()  # peers whose sub-DAGs the next placement must move
-        self._next: Placement | None = None  # a re-plan decided at a step boundary
         self._seen_candidates: set[str] = set()  # the compnodes offered at the last placement decision
         self.shape = JobShape(
             graph=job.graph,
@@ -102,47 +95,34 @@ class JobRun:
             if job.spec.task == "train"
             else None,
         )
-        self.speeds: SpeedBook = broker.speeds
-        self.links: LinkBook = broker.links
         self._planned_slowness: list[float] = []  # per sub-DAG: its compnode's slowness when planned
-        self.watch = FailureWatch(broker, lambda: self.peers, self.leaving)
-        self.recoveries = RecoveryLog(broker, job.job_id, self.progress.recoveries)
+        self.watch = FailureWatch(context, lambda: self.peers, self.leaving)
+        self.recoveries = RecoveryLog(context, job.job_id, self.progress.recoveries)
         self.watch.attach()
-
-    @property
-    def sync_every(self) -> int:
-        return self.broker.settings.sync_every
-
-    @property
-    def min_gain(self) -> float:
-        return self.broker.settings.replan_gain
 
     # ---- orchestration ---------------------------------------------------------------------------
     async def run(self) -> None:
-        job, store = self.job, self.broker.store
+        job, store = self.job, self.ctx.store
         try:
             ckpt = self._initial_checkpoint()
             store.update_job(job.job_id, state=JobState.PLANNING)
             step = ckpt.step
             recovering: dict[str, Any] | None = None
             while step < job.spec.step_count:
-                if self.partition is None:
-                    await self._place_and_assign(ckpt, recovering)
+                if self.pending is not None:
+                    await self._place_and_assign(ckpt, recovering, self.pending)
                     store.update_job(job.job_id, state=JobState.RUNNING, step=step)
                 try:
                     await self.watch.guarded(self._step(step))
                     step += 1
-                    if job.spec.task != "train":
-                        ckpt = Checkpoint(step, ckpt.state, ckpt.optim, list(self.progress.metrics))
-                    elif step % self.sync_every == 0 or step == job.spec.step_count or self._leavers():
-                        ckpt = await self.watch.guarded(self._sync(step))
+                    ckpt = await self._after_step(step, ckpt)
                     if recovering is not None and step > recovering["failed_step"]:
                         self.recoveries.replayed(recovering)
                         recovering = None
                     if self._leavers():
                         self._hand_over(ckpt)
-                    elif ckpt.step == step and step < job.spec.step_count and await self._grow():
-                        self.partition = None
+                    elif ckpt.step == step and step < job.spec.step_count:
+                        self.pending = await self._grow()
                 except PeerFailure as failure:
                     if recovering is not None:  # failed again before the replay was over
                         recovering["superseded"] = True
@@ -166,6 +146,18 @@ class JobRun:
             await self._release_all("the job ended")
             self._update_job_gauges()
 
+    async def _after_step(self, step: int, ckpt: Checkpoint) -> Checkpoint:
+        """The checkpoint after ``step`` steps: synced from the compnodes when due (train), else the
+        last one with this step's metrics (grad and infer change no parameters)."""
+        job = self.job
+        if job.spec.task != "train":
+            return Checkpoint(step, ckpt.state, ckpt.optim, list(self.progress.metrics))
+        if replanning.sync_due(
+            step, job.spec.step_count, self.ctx.settings.sync_every, bool(self._leavers())
+        ):
+            return await self.watch.guarded(self._sync(step))
+        return ckpt
+
     def _initial_checkpoint(self) -> Checkpoint:
         if self.resume:
             loaded = self.files.load_checkpoint()
@@ -173,111 +165,84 @@ class JobRun:
                 ckpt, self.attempt = loaded
                 self.progress.metrics = list(ckpt.metrics)
                 log.info("job %s: resuming from the checkpoint before step %d", self.job.job_id, ckpt.step)
-                self.broker.store.add_job_event(self.job.job_id, "resumed", {"step": ckpt.step})
+                self.ctx.store.add_job_event(self.job.job_id, "resumed", {"step": ckpt.step})
                 return ckpt
         return Checkpoint(0, self.job.state, {}, [])
 
     def _fail(self, reason: str) -> None:
         log.warning("job %s: failed: %s", self.job.job_id, reason)
-        if self.broker.store is not None:
-            self.broker.store.update_job(self.job.job_id, state=JobState.FAILED, error=reason)
+        self.ctx.store.update_job(self.job.job_id, state=JobState.FAILED, error=reason)
 
     def _update_job_gauges(self) -> None:
-        self.broker.metrics.forget_job(self.job.job_id)
-        refresh = getattr(self.broker, "refresh_job_metrics", None)
-        if refresh is not None and self.broker.store is not None:
-            refresh()
+        self.ctx.metrics.forget_job(self.job.job_id)
+        self.ctx.refresh_job_metrics()
 
     # ---- failures (detection and the phase record: ``failures.py``) ------------------------------
     def _on_failure(self, failure: PeerFailure, ckpt: Checkpoint, failed_step: int) -> dict[str, Any]:
         info = self.recoveries.failed(failure, ckpt.step, failed_step)
         self.dead |= failure.dead
-        self._lost = set(failure.dead)
         # The steps after the checkpoint run again: their rows and outputs are recorded again.
         self.progress.metrics = [r for r in self.progress.metrics if r["step"] < ckpt.step]
         self._outputs = {s: o for s, o in self._outputs.items() if s < ckpt.step}
-        self.partition = None
+        self.pending = replanning.failure(failure.dead)
         return info
 
-    # ---- placement (policy: ``placement.py``) -----------------------------------------------------
+    # ---- placement (policy: ``placement.py``; decisions: ``replanning.py``) -----------------------
     def _candidates(self) -> list[Candidate]:
-        out = []
-        for e in self.broker.registry.schedulable():
-            if e.record.data_path_address is None or e.peer_id in self.dead or e.peer_id in self.leaving:
-                continue
-            try:
-                device = self.speeds.device(e.peer_id, e.device_spec())
-            except FusionNetError:  # no (or unusable) hardware record: the balanced policy places it
-                device = None
-            out.append(Candidate(e.peer_id, e.record.backup, device))
-        return out
+        return replanning.candidates(self.ctx.registry, self.ctx.speeds, self.dead | self.leaving)
 
     def _leavers(self) -> set[str]:
         return self.leaving & set(self.peers)
 
     def _hand_over(self, ckpt: Checkpoint) -> None:
         """Proactive: the checkpoint was just taken at this boundary; move the leavers' sub-DAGs."""
-        self._lost = self._leavers()
-        self.recoveries.handing_over(self._lost, ckpt.step)
-        self.partition = None
+        self.pending = replanning.hand_over(self._leavers())
+        self.recoveries.handing_over(set(self.pending.lost), ckpt.step)
 
-    async def _grow(self) -> bool:
-        """Elastic join (``placement.consider_growth``), looked at when the set of free compnodes changed."""
+    async def _grow(self) -> Replan | None:
+        """Elastic join, looked at when the set of free compnodes changed since the last look."""
         candidates = self._candidates()
         if self._placement is None or {c.peer_id for c in candidates} == self._seen_candidates:
-            return False  # nothing joined (or left) since the last look: do not plan again
+            return None  # nothing joined (or left) since the last look: do not plan again
         self._seen_candidates = {c.peer_id for c in candidates}
-        try:
-            growth = await asyncio.to_thread(
-                consider_growth, self.shape, self._placement, candidates, self.min_gain, self.links.pairs()
-            )
-        except FusionNetError as e:
-            log.info("job %s: no re-plan with the new compnodes: %s", self.job.job_id, e)
-            return False
-        if growth is None:
-            return False
-        if not growth.adopt:
-            log.info(
-                "job %s: not re-planning: %s, gain below %g",
-                self.job.job_id,
-                growth.describe(),
-                self.min_gain,
-            )
-            return False
-        log.info(
-            "job %s: re-planning at this step boundary: %d -> %d compnode(s), %s",
+        replan = await asyncio.to_thread(
+            replanning.growth_replan,
             self.job.job_id,
-            len(self.peers),
-            len(growth.proposed.peers),
-            growth.describe(),
+            self.shape,
+            self._placement,
+            candidates,
+            self.ctx.settings.replan_gain,
+            self.ctx.links.pairs(),
         )
-        detail = {"from": self.peers, "to": list(growth.proposed.peers)}
-        self.broker.store.add_job_event(
-            self.job.job_id, "re-plan", {**detail, "predicted": [growth.now, growth.proposed.predicted_step]}
+        if replan is not None and replan.proposed is not None:
+            self.ctx.store.add_job_event(
+                self.job.job_id,
+                "re-plan",
+                {
+                    "from": self.peers,
+                    "to": list(replan.proposed.peers),
+                    "predicted": [self._placement.predicted_step, replan.proposed.predicted_step],
+                },
+            )
+        return replan
+
+    def _plan(self, replan: Replan) -> Placement:
+        return replanning.next_placement(
+            self.shape,
+            replan,
+            self.peers,
+            self._candidates(),
+            policy=self.ctx.settings.placement_policy,
+            links=self.ctx.links.pairs(),
         )
-        self._lost = set()
-        self._next = growth.proposed
-        return True
 
-    def _plan(self) -> Placement:
-        """The next placement: a re-plan decided at a step boundary, the first one, or the one after a
-        loss or a leave (``self._lost``)."""
-        candidates = self._candidates()
-        if self._next is not None:
-            placement, self._next = self._next, None
-            return placement
-        policy, links = self.broker.settings.placement_policy, self.links.pairs()
-        if not self.peers:
-            return plan_placement(self.shape, first_pool(candidates), policy=policy, links=links)
-        pool = pool_after_loss(self.peers, self._lost, candidates)
-        stages = min(len(self.peers), len(pool))
-        return plan_placement(self.shape, pool, stages=stages, policy=policy, links=links)
-
-    async def _place_and_assign(self, ckpt: Checkpoint, recovering: dict[str, Any] | None) -> None:
+    async def _place_and_assign(
+        self, ckpt: Checkpoint, recovering: dict[str, Any] | None, replan: Replan
+    ) -> None:
         started = time.monotonic()
-        lost = set(self._lost)
+        lost = set(replan.lost)
         for _ in range(MAX_RECOVERIES):
-            placement = await asyncio.to_thread(self._plan)
+            placement = await asyncio.to_thread(self._plan, replan)
             old = self.peers
             if old:
                 # Leavers are released too: that is their signal that the hand-over is done and they
@@ -289,12 +254,12 @@ class JobRun:
                 break
             except PeerFailure as failure:  # a chosen compnode died before it got its sub-DAG
                 self.dead |= failure.dead
-                self._lost = set(failure.dead)
+                replan = replanning.failure(failure.dead)
                 lost |= failure.dead
         else:
             raise ExecutionError(f"job {self.job.job_id}: could not assign its sub-DAGs")
         self.recoveries.placed(recovering, time.monotonic() - started, len(self.peers), lost)
-        self._lost = set()
+        self.pending = None
         self._seen_candidates = {c.peer_id for c in self._candidates()}
         await self._probe_links()
 
@@ -306,11 +271,13 @@ class JobRun:
             s.index: {c for cs in s.consumers.values() for c in cs if c != s.index}
             for s in self.partition.subdags
         }
-        probed = await probe_placement(self.job.job_id, self.peers, consumers, self.links, self._call)
+        probed = await probe_placement(
+            self.job.job_id, self.peers, consumers, self.ctx.links, self.calls.probe
+        )
         placement = self._placement
         if probed and placement is not None and placement.predicted_step is not None:
             step = await asyncio.to_thread(
-                predicted_step, self.shape, placement, self._candidates(), self.links.pairs()
+                predicted_step, self.shape, placement, self._candidates(), self.ctx.links.pairs()
             )
             if step is not None:
                 self._placement = replace(placement, predicted_step=step)
@@ -320,7 +287,7 @@ class JobRun:
         self._busy, self._busy_steps = {}, 0  # measured times are per sub-DAG of this placement
         self.partition = build_partition(self.job.graph, placement.assignment)
         self.peers = list(placement.peers)
-        self._planned_slowness = [self.speeds.slowness(p) for p in self.peers]
+        self._planned_slowness = [self.ctx.speeds.slowness(p) for p in self.peers]
         self.attempt += 1
         self.progress.placement = [
             {
@@ -333,7 +300,7 @@ class JobRun:
             for s in self.partition.subdags
         ]
         log.info("job %s: attempt %d: %s", self.job.job_id, self.attempt, placement.describe())
-        self.broker.store.add_job_event(
+        self.ctx.store.add_job_event(
             self.job.job_id,
             "planned",
             {
@@ -346,45 +313,38 @@ class JobRun:
 
     async def _assign_all(self, ckpt: Checkpoint) -> None:
         assert self.partition is not None
-        registry = self.broker.registry
         addresses = {}
         for peer_id in self.peers:
-            entry = registry.get(peer_id)
+            entry = self.ctx.registry.get(peer_id)
             addresses[peer_id] = None if entry is None else entry.record.data_path_address
-        payloads = assignment_payloads(self.job, self.partition, self.peers, addresses, self.attempt, ckpt)
-        calls = [self._call(self.peers[i], "assign", doc, ASSIGN_TIMEOUT) for i, doc in enumerate(payloads)]
-        await self._gather(calls)
+        requests = assignment_payloads(self.job, self.partition, self.peers, addresses, self.attempt, ckpt)
+        await self.calls.assign(self.peers, requests)
 
     # ---- steps and syncs -------------------------------------------------------------------------
     async def _step(self, step: int) -> None:
         job = self.job
         started = time.perf_counter()
-        replies = await self._gather(
-            [self._call(p, "step", {"job_id": job.job_id, "step": step}, STEP_TIMEOUT) for p in self.peers]
-        )
+        replies = await self.calls.step(self.peers, step)
         seconds = time.perf_counter() - started
         self._busy_steps += 1
         samples = sum(job.spec.microbatch_sizes(step))
         row: dict[str, Any] = {"step": step, "seconds": seconds, "samples": samples}
         loss = None
         for i, r in enumerate(replies):
-            busy = _seconds(r, "fp_seconds") + _seconds(r, "bp_seconds") + _seconds(r, "update_seconds")
-            self._busy[i] = self._busy.get(i, 0.0) + busy
+            self._busy[i] = self._busy.get(i, 0.0) + r.busy_seconds
             predicted = None if self._placement is None else (self._placement.predicted or {}).get(i)
             if predicted is not None:  # refine the compnode's speed online from this sub-task
-                self.speeds.observe(self.peers[i], self._planned_slowness[i], predicted, busy)
-            if r.get("loss") is not None:
-                loss = _float(r["loss"], f"step {step} loss from {self.peers[i]}")
-            if r.get("outputs") is not None:
-                self._outputs[step] = unpack_tensors(
-                    r["outputs"], f"step {step} outputs from {self.peers[i]}"
-                )
-        self.progress.refused_frames = sum(int(r.get("refused") or 0) for r in replies)
+                self.ctx.speeds.observe(self.peers[i], self._planned_slowness[i], predicted, r.busy_seconds)
+            if r.loss is not None:
+                loss = r.loss
+            if r.outputs is not None:
+                self._outputs[step] = unpack_tensors(r.outputs, f"step {step} outputs from {self.peers[i]}")
+        self.progress.refused_frames = sum(r.refused for r in replies)
         if loss is not None:
             row["loss"] = loss
         self.progress.metrics.append(row)
-        self.broker.store.update_job(job.job_id, step=step + 1, loss=loss)
-        self.broker.metrics.observe_step(
+        self.ctx.store.update_job(job.job_id, step=step + 1, loss=loss)
+        self.ctx.metrics.observe_step(
             job.job_id,
             step=step + 1,
             seconds=seconds,
@@ -396,15 +356,13 @@ class JobRun:
 
     async def _sync(self, step: int) -> Checkpoint:
         """Parameters and optimizer state of every sub-DAG after ``step - 1``: the new checkpoint, on disk."""
-        replies = await self._gather(
-            [self._call(p, "collect", {"job_id": self.job.job_id}, ASSIGN_TIMEOUT) for p in self.peers]
-        )
+        replies = await self.calls.collect(self.peers)
         state = dict(self.job.state)
         optim: dict[str, torch.Tensor] = {}
         for peer, r in zip(self.peers, replies):
-            state.update(unpack_tensors(r.get("state"), f"state from {peer}"))
-            if r.get("optim") is not None:
-                optim.update(unpack_tensors(r["optim"], f"optimizer state from {peer}"))
+            state.update(unpack_tensors(r.state, f"state from {peer}"))
+            if r.optim is not None:
+                optim.update(unpack_tensors(r.optim, f"optimizer state from {peer}"))
         ckpt = Checkpoint(step, state, optim, list(self.progress.metrics))
         await asyncio.to_thread(self.files.save_checkpoint, ckpt, self.attempt)
         return ckpt
@@ -415,10 +373,8 @@ class JobRun:
         job, graph = self.job, self.job.graph
         grads: list[dict[str, torch.Tensor]] | None = None  # per sub-DAG
         if job.spec.task == "grad":
-            replies = await self._gather(
-                [self._call(p, "collect", {"job_id": job.job_id}, ASSIGN_TIMEOUT) for p in self.peers]
-            )
-            grads = [unpack_tensors(r.get("grads"), f"grads from {p}") for p, r in zip(self.peers, replies)]
+            replies = await self.calls.collect(self.peers)
+            grads = [unpack_tensors(r.grads, f"grads from {p}") for p, r in zip(self.peers, replies)]
         steps = max(self._busy_steps, 1)
         measured = {i: t / steps for i, t in self._busy.items()}
         plan = plan_document(
@@ -432,8 +388,8 @@ class JobRun:
                 "frontend": graph.frontend,
                 "compnodes": dict(enumerate(self.peers)),
                 "policy": None if self._placement is None else self._placement.policy,
-                "slowness": {p: self.speeds.slowness(p) for p in self.peers},
-                "links": self.links.describe(self.peers),
+                "slowness": {p: self.ctx.speeds.slowness(p) for p in self.peers},
+                "links": self.ctx.links.describe(self.peers),
                 "predicted_step_seconds": None if self._placement is None else self._placement.predicted_step,
                 "recoveries": self.progress.recoveries,
             },
@@ -454,47 +410,4 @@ class JobRun:
 
     async def _release_all(self, why: str, only: list[str] | None = None) -> None:
         peers = self.peers if only is None else only
-        if not peers:
-            return
-        results = await asyncio.gather(
-            *(
-                self.broker.call(
-                    p, "release", {"job_id": self.job.job_id, "reason": why}, timeout=RELEASE_TIMEOUT
-                )
-                for p in peers
-                if p not in self.dead
-            ),
-            return_exceptions=True,
-        )
-        for r in results:
-            if isinstance(r, BaseException):
-                log.debug("job %s: release: %s", self.job.job_id, r)
-
-    # ---- calls -----------------------------------------------------------------------------------
-    async def _call(self, peer: str, method: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        try:
-            return await self.broker.call(peer, method, payload, timeout=timeout)
-        except FusionNetError as e:
-            raise type(e)(f"compnode {peer} ({method}): {e}") from e
-
-    async def _gather(self, calls: list[Any]) -> list[dict[str, Any]]:
-        """All calls, or the first failure (the rest are cancelled: their compnodes get a release)."""
-        tasks = [asyncio.ensure_future(c) for c in calls]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-
-
-def _seconds(reply: dict[str, Any], key: str) -> float:
-    value = reply.get(key, 0.0)
-    return float(value) if isinstance(value, int | float) and value >= 0 else 0.0
-
-
-def _float(value: object, what: str) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise JobError(f"{what}: expected a number, got {type(value).__name__}")
-    return float(value)
+        await self.calls.release([p for p in peers if p not in self.dead], why)

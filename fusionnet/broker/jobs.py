@@ -3,7 +3,8 @@
 A submission is validated completely before it is accepted (run spec, IR through the codec's
 allowlist, state against the IR, data against the spec), so a bad job is refused with one clear
 message and nothing runs. An accepted job gets an id, a row in SQLite, a folder for its results under
-``STATE_DIR/broker/jobs/<id>`` and a ``JobRun`` task the daemon owns.
+``STATE_DIR/broker/jobs/<id>`` and a ``JobRun`` task the service owns. The broker daemon's command
+builds the service explicitly: ``JobService(broker.job_context())``.
 """
 
 from __future__ import annotations
@@ -12,16 +13,26 @@ import asyncio
 import logging
 import secrets
 from pathlib import Path
-from typing import Any
 
 from fusionnet.broker.checkpoints import JobFiles
+from fusionnet.broker.context import JobContext
 from fusionnet.broker.jobrun import JobRun
 from fusionnet.broker.submission import SubmittedJob, check_submission
 from fusionnet.dag.codec import decode_ir
 from fusionnet.errors import JobError
+from fusionnet.messages.base import handles
+from fusionnet.messages.blobs import unpack_tensors
+from fusionnet.messages.broker_rpc import (
+    JobRequest,
+    JobResultsReply,
+    JobStatusReply,
+    JobStatusRequest,
+    LeavingReply,
+    SubmitJobReply,
+    SubmitJobRequest,
+)
+from fusionnet.messages.jobwire import RunSpec
 from fusionnet.rpc.server import RPCContext
-from fusionnet.runtime.blobs import unpack_tensors
-from fusionnet.runtime.jobwire import RunSpec
 
 log = logging.getLogger("fusionnet.broker.jobs")
 
@@ -38,27 +49,27 @@ MAX_RUNNING_JOBS = 8
 class JobService:
     name = "jobs"
 
-    def __init__(self, broker: Any) -> None:
-        self.broker = broker
+    def __init__(self, context: JobContext) -> None:
+        self.ctx = context
         self.runs: dict[str, JobRun] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._requests: dict[str, str] = {}  # submitter's request id -> job id (repeated submissions)
 
     @property
     def jobs_dir(self) -> Path:
-        return self.broker.state_dir.path / "jobs"
+        return self.ctx.jobs_dir
 
     async def start(self) -> None:
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         # Jobs a previous broker process left unfinished resume from their last checkpoint; the
         # compnodes re-attach when they get the new round's assignment.
-        for row in self.broker.store.list_jobs(10_000):
+        for row in self.ctx.store.list_jobs(10_000):
             if row["state"] not in ("QUEUED", "PLANNING", "RUNNING"):
                 continue
             try:
                 job = self._load(row["job_id"], row.get("submitter") or "")
             except Exception as e:
-                self.broker.store.update_job(
+                self.ctx.store.update_job(
                     row["job_id"], state="FAILED", error=f"cannot resume after a broker restart: {e}"
                 )
                 continue
@@ -81,7 +92,7 @@ class JobService:
         )
 
     def _launch(self, job: SubmittedJob, *, resume: bool = False) -> None:
-        run = JobRun(self.broker, job, self.jobs_dir / job.job_id, resume=resume)
+        run = JobRun(self.ctx, job, self.jobs_dir / job.job_id, resume=resume)
         self.runs[job.job_id] = run
         task = asyncio.get_running_loop().create_task(run.run(), name=f"job-{job.job_id}")
         self._tasks[job.job_id] = task
@@ -96,29 +107,29 @@ class JobService:
         return sum(1 for t in self._tasks.values() if not t.done())
 
     # ---- RPC -------------------------------------------------------------------------------------
-    async def rpc_submit_job(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+    @handles(SubmitJobRequest)
+    async def rpc_submit_job(self, request: SubmitJobRequest, context: RPCContext) -> SubmitJobReply:
         if self._running() >= MAX_RUNNING_JOBS:
             raise JobError(f"the broker already runs {MAX_RUNNING_JOBS} jobs; try again later")
-        request_id = payload.get("request_id")
-        if isinstance(request_id, str) and request_id in self._requests:
+        request_id = request.request_id
+        if request_id is not None and request_id in self._requests:
             job_id = self._requests[request_id]  # a repeated submission whose answer was lost
-            return {"job_id": job_id, "steps": self.runs[job_id].job.spec.step_count}
-        spec = RunSpec.parse(payload.get("spec"))
-        graph = await asyncio.to_thread(decode_ir, payload.get("ir"))
+            return SubmitJobReply(job_id=job_id, steps=self.runs[job_id].job.spec.step_count)
+        spec = request.spec
+        graph = await asyncio.to_thread(decode_ir, request.ir)
         if graph.task != spec.task:
             raise JobError(
                 f"submission: the IR was traced for task {graph.task!r}, the spec says {spec.task!r}"
             )
-        state = unpack_tensors(payload.get("state"), "submission: state")
-        data = unpack_tensors(payload.get("data"), "submission: data")
+        state = unpack_tensors(request.state, "submission: state")
+        data = unpack_tensors(request.data, "submission: data")
         check_submission(graph, state, data, spec)
         job_id = secrets.token_hex(6)
-        store = self.broker.store
-        store.create_job(job_id, spec.name, steps=spec.step_count, submitter=context.remote_peer)
+        self.ctx.store.create_job(job_id, spec.name, steps=spec.step_count, submitter=context.remote_peer)
         job = SubmittedJob(
             job_id=job_id,
             spec=spec,
-            ir=bytes(payload["ir"]),
+            ir=request.ir,
             graph=graph,
             state=state,
             data=data,
@@ -132,7 +143,7 @@ class JobService:
             data,
         )
         self._launch(job)
-        if isinstance(request_id, str) and len(request_id) <= 64:
+        if request_id is not None:
             self._requests[request_id] = job_id
         log.info(
             "job %s (%s, %s, %d steps) accepted from %s",
@@ -142,28 +153,30 @@ class JobService:
             spec.step_count,
             context.remote_peer,
         )
-        return {"job_id": job_id, "steps": spec.step_count}
+        return SubmitJobReply(job_id=job_id, steps=spec.step_count)
 
-    async def rpc_job_status(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+    @handles(JobStatusRequest)
+    async def rpc_job_status(self, request: JobStatusRequest, context: RPCContext) -> JobStatusReply:
         """The job's row, its per-step metrics from index ``since`` on, and where it runs."""
-        job_id = _job_id(payload)
-        row = self.broker.store.get_job(job_id)
-        since = payload.get("since", 0)
-        if not isinstance(since, int) or since < 0:
-            since = 0
+        job_id = request.job_id
+        row = self.ctx.store.get_job(job_id)
+        events = self.ctx.store.job_events(job_id)[-50:]
         run = self.runs.get(job_id)
-        return {
-            "job": row,
-            "metrics": [] if run is None else run.progress.metrics[since:],
-            "placement": [] if run is None else run.progress.placement,
-            "refused_frames": 0 if run is None else run.progress.refused_frames,
-            "recoveries": [] if run is None else run.progress.recoveries,
-            "events": self.broker.store.job_events(job_id)[-50:],
-        }
+        if run is None:
+            return JobStatusReply(job=row, events=events)
+        return JobStatusReply(
+            job=row,
+            metrics=run.progress.metrics[request.since :],
+            placement=run.progress.placement,
+            refused_frames=run.progress.refused_frames,
+            recoveries=run.progress.recoveries,
+            events=events,
+        )
 
-    async def rpc_leaving(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+    @handles(JobRequest)
+    async def rpc_leaving(self, request: JobRequest, context: RPCContext) -> LeavingReply:
         """A compnode going away gracefully (SIGTERM): its sub-DAG moves at the next step boundary."""
-        job_id = _job_id(payload)
+        job_id = request.job_id
         run = self.runs.get(job_id)
         if run is None or context.remote_peer not in run.peers:
             raise JobError(f"{context.remote_peer} runs no sub-DAG of job {job_id}")
@@ -171,12 +184,13 @@ class JobService:
         log.info(
             "job %s: compnode %s is leaving; its sub-DAG moves at the next step", job_id, context.remote_peer
         )
-        return {"accepted": True}
+        return LeavingReply(accepted=True)
 
-    async def rpc_job_results(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+    @handles(JobRequest)
+    async def rpc_job_results(self, request: JobRequest, context: RPCContext) -> JobResultsReply:
         """The result files of a finished job (interface.md), as bytes by file name."""
-        job_id = _job_id(payload)
-        row = self.broker.store.get_job(job_id)
+        job_id = request.job_id
+        row = self.ctx.store.get_job(job_id)
         if row["state"] != "SUCCEEDED":
             raise JobError(f"job {job_id} is {row['state']}; results exist only for SUCCEEDED jobs")
         folder = self.jobs_dir / job_id
@@ -185,15 +199,4 @@ class JobService:
             path = folder / name
             if path.is_file():
                 files[name] = await asyncio.to_thread(path.read_bytes)
-        return {"files": files}
-
-
-def _job_id(payload: dict[str, Any]) -> str:
-    job_id = payload.get("job_id")
-    if not isinstance(job_id, str) or not job_id.isalnum() or len(job_id) > 64:
-        raise JobError(f"job_id must be an alphanumeric string, got {job_id!r}")
-    return job_id
-
-
-def make_service(broker: Any) -> JobService:
-    return JobService(broker)
+        return JobResultsReply(files=files)

@@ -12,7 +12,7 @@ import torch
 
 from fusionnet.dag.ir import IRGraph
 from fusionnet.errors import JobError
-from fusionnet.runtime.jobwire import RunSpec
+from fusionnet.messages.jobwire import RunSpec
 
 
 @dataclass

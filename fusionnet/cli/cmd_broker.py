@@ -70,9 +70,10 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fusionnet.broker.daemon import BrokerConfig, BrokerDaemon
+    from fusionnet.broker.config import BrokerConfig
+    from fusionnet.broker.daemon import BrokerDaemon
+    from fusionnet.broker.jobs import JobService
     from fusionnet.daemon.config import common_config
-    from fusionnet.daemon.plugins import BROKER_PLUGIN, add_plugin_services
     from fusionnet.metrics import BROKER_METRICS
     from fusionnet.planning.placement import BALANCED, SCHEDULER
 
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         )
         # One broker per process: its metrics are the process's set, so module-level users count too.
         broker = BrokerDaemon(config, BROKER_METRICS)
-        add_plugin_services(broker, BROKER_PLUGIN)
+        broker.add_service(JobService(broker.job_context()))
         return broker.serve()
     except ValueError as e:  # configuration and start-up problems (FusionNetErrors included): one line
         print(f"fusionnet broker: error: {e}", file=sys.stderr)

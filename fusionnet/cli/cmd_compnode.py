@@ -49,8 +49,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fusionnet.compnode.daemon import CompnodeConfig, CompnodeDaemon
+    from fusionnet.compnode.tasks import SubtaskService
     from fusionnet.daemon.config import common_config
-    from fusionnet.daemon.plugins import COMPNODE_PLUGIN, add_plugin_services
     from fusionnet.metrics import COMPNODE_METRICS
 
     try:
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         )
         # One compnode per process: its metrics are the process's set, so module-level users count too.
         compnode = CompnodeDaemon(config, COMPNODE_METRICS)
-        add_plugin_services(compnode, COMPNODE_PLUGIN)
+        compnode.add_service(SubtaskService(compnode))
         return compnode.serve()
     except ValueError as e:  # configuration and start-up problems (FusionNetErrors included): one line
         print(f"fusionnet compnode: error: {e}", file=sys.stderr)

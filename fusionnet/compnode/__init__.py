@@ -6,7 +6,8 @@ Map of the package:
 
 - ``daemon.py``      ``Compnode``: DHT join, start-up profiling, hardware record, RPC services, shutdown.
 - ``tasks.py``       the service behind the broker's ``assign``: sub-task execution, step RPCs.
-- ``assignment.py``  one job's sub-DAG here: checked IR, rebuilt executor, network channel, data.
+- ``assignment_intake.py``  one job's sub-DAG here, from a validated ``assign``: checked IR, rebuilt
+                     executor, network channel, data.
 - ``netchannel.py``  the executor's ``Channel`` over the network (authenticated tensor frames).
 - ``linkprobe.py``   timing the links to the job's other compnodes (alpha + beta * M).
 - ``throttle.py``    an emulated slow device (``--slowdown F``) for heterogeneous swarms on one host.

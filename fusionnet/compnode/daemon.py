@@ -6,7 +6,7 @@ sub-tasks) -> DRAINING (SIGTERM: services finish or hand over their work) -> OFF
 the DHT node stops, so the swarm learns of the departure at once instead of after the record expires).
 
 Extension points for sub-task execution (a ``Service``, see ``fusionnet.daemon.base``; ``cmd_compnode``
-adds ``fusionnet.compnode.tasks.make_service(compnode)`` when that module exists):
+adds ``fusionnet.compnode.tasks.SubtaskService(compnode)``):
 - its ``rpc_<name>`` coroutines (assignments from the broker, handovers) are served with ``rpc_ping``;
 - its ``start()`` runs after profiling and before ONLINE: the place to start the data path server on
   ``settings.data_host``/``settings.data_port`` and report it with ``set_data_path_address("host:port")``;
@@ -30,7 +30,6 @@ import ipaddress
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from fusionnet import __version__
 from fusionnet.compnode.throttle import check_slowdown, slowed_hardware
@@ -45,6 +44,9 @@ from fusionnet.dht.records import (
     is_host_port,
     join_host_port,
 )
+from fusionnet.messages.base import handles
+from fusionnet.messages.broker_rpc import PingReply, PingRequest
+from fusionnet.messages.compnode_rpc import InfoRequest
 from fusionnet.metrics import CompnodeMetrics
 from fusionnet.profiling.node import profile_hardware, profile_software_overheads
 from fusionnet.rpc.server import RPCContext
@@ -200,20 +202,22 @@ class CompnodeDaemon(Daemon):
         return address
 
     # ---- RPC -------------------------------------------------------------------------------------
-    async def rpc_ping(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+    @handles(PingRequest)
+    async def rpc_ping(self, request: PingRequest, context: RPCContext) -> PingReply:
         """The broker's heartbeat (FusionAI 3.2): echoes the nonce, says how we are doing."""
-        return {
-            "nonce": payload.get("nonce"),
-            "peer_id": self.peer_id,
-            "state": self.state.value,
-            "load": self.load,
-            "running_tasks": self.running_tasks,
-            "time": time.time(),
-        }
+        return PingReply(
+            nonce=request.nonce,
+            peer_id=self.peer_id,
+            state=self.state.value,
+            load=self.load,
+            running_tasks=self.running_tasks,
+            time=time.time(),
+        )
 
-    async def rpc_info(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+    @handles(InfoRequest)
+    async def rpc_info(self, request: InfoRequest, context: RPCContext) -> CompnodeRecord:
         """Our current record, straight from us (no DHT round trip)."""
-        return self.record().model_dump(mode="json")
+        return self.record()
 
 
 def _maddr_host(maddrs: list[str]) -> str | None:

@@ -22,8 +22,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
+from pydantic import ValidationError
 
 from fusionnet.errors import JobError, WireError
+from fusionnet.messages.base import first_error
+from fusionnet.messages.compnode_rpc import MAX_PROBE_BYTES, ProbeSettings
 from fusionnet.perfmodel.fitting import fit_link
 from fusionnet.perfmodel.types import Link
 from fusionnet.wire.frames import TensorFrame
@@ -33,33 +36,20 @@ log = logging.getLogger("fusionnet.compnode.linkprobe")
 PROBE, ECHO = "probe", "echo"
 DEFAULT_SIZES = (1, 64 << 10, 512 << 10, 2 << 20)  # bytes: latency-bound to bandwidth-bound
 DEFAULT_REPEATS = 3
-MAX_PROBE_BYTES = 8 << 20
-MAX_SIZES, MAX_REPEATS = 8, 10
 ECHO_TIMEOUT = 5.0
 
 SendFrame = Callable[[int, TensorFrame], Awaitable[None]]
 
 
 def check_probe_request(sizes: object, repeats: object) -> tuple[list[int], int]:
-    """The sizes and repeat count of a ``probe_links`` request, or a ``JobError`` saying what is wrong."""
-    if sizes is None:
-        sizes = list(DEFAULT_SIZES)
-    if repeats is None:
-        repeats = DEFAULT_REPEATS
-    if (
-        not isinstance(sizes, list)
-        or not 2 <= len(sizes) <= MAX_SIZES
-        or not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes)
-        or not all(1 <= s <= MAX_PROBE_BYTES for s in sizes)
-        or len(set(sizes)) < 2
-    ):
-        raise JobError(
-            f"probe sizes must be 2..{MAX_SIZES} integers in 1..{MAX_PROBE_BYTES} bytes, two of them "
-            f"distinct; got {sizes!r}"[:300]
-        )
-    if not isinstance(repeats, int) or isinstance(repeats, bool) or not 1 <= repeats <= MAX_REPEATS:
-        raise JobError(f"probe repeats must be an integer in 1..{MAX_REPEATS}, got {repeats!r}")
-    return sizes, repeats
+    """The sizes and repeat count of a ``probe_links`` request (defaults for None), or a ``JobError``
+    saying what is wrong (the limits are ``messages.compnode_rpc.ProbeSettings``'s)."""
+    try:
+        settings = ProbeSettings.model_validate({"sizes": sizes, "repeats": repeats})
+    except ValidationError as e:
+        raise JobError(f"probe {first_error(e)}"[:300]) from None
+    chosen = list(DEFAULT_SIZES) if settings.sizes is None else settings.sizes
+    return chosen, DEFAULT_REPEATS if settings.repeats is None else settings.repeats
 
 
 class LinkProber:

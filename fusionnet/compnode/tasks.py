@@ -16,15 +16,31 @@ import asyncio
 import logging
 from typing import Any
 
-from fusionnet.compnode.assignment import JobAssignment, build_assignment
+from fusionnet.compnode.assignment_intake import JobAssignment, build_assignment
 from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, arm
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
 from fusionnet.compnode.throttle import throttle
 from fusionnet.errors import JobError
+from fusionnet.messages.base import handles
+from fusionnet.messages.blobs import pack_tensors
+from fusionnet.messages.broker_rpc import BrokerClient
+from fusionnet.messages.broker_rpc import JobRequest as BrokerJobRequest
+from fusionnet.messages.compnode_rpc import (
+    AssignReply,
+    AssignRequest,
+    CollectReply,
+    JobRequest,
+    ProbedLink,
+    ProbeLinksReply,
+    ProbeLinksRequest,
+    ReleaseReply,
+    ReleaseRequest,
+    StepReply,
+    StepRequest,
+)
 from fusionnet.results.assemble import output_tensors
 from fusionnet.rpc.server import RPCContext
-from fusionnet.runtime.blobs import pack_tensors
 from fusionnet.wire.datapath import DataPathClient, DataPathServer
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.refusal import PeerUnreachable
@@ -40,6 +56,7 @@ class SubtaskService:
 
     def __init__(self, compnode: CompnodeDaemon) -> None:
         self.node = compnode
+        self.brokers = BrokerClient(compnode.call)
         self.jobs: dict[str, JobAssignment] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.server: DataPathServer | None = None
@@ -81,7 +98,7 @@ class SubtaskService:
         for job in list(self.jobs.values()):
             event = self._released.setdefault(job.job_id, asyncio.Event())
             try:
-                await self.node.call(job.broker, "leaving", {"job_id": job.job_id}, timeout=10.0)
+                await self.brokers.call_leaving(job.broker, BrokerJobRequest(job_id=job.job_id), timeout=10.0)
             except Exception as e:  # the broker may be gone too: nothing to hand over to
                 log.warning("job %s: could not announce our leave to %s: %s", job.job_id, job.broker, e)
                 continue
@@ -112,9 +129,9 @@ class SubtaskService:
         self.node.metrics.count_data("p2p", "sent", nbytes)
 
     # ---- helpers ---------------------------------------------------------------------------------
-    def _job(self, payload: dict[str, Any], context: RPCContext) -> JobAssignment:
-        job_id = payload.get("job_id")
-        job = self.jobs.get(job_id) if isinstance(job_id, str) else None
+    def _job(self, request: JobRequest, context: RPCContext) -> JobAssignment:
+        job_id = request.job_id
+        job = self.jobs.get(job_id)
         if job is None:
             raise JobError(f"no job {job_id!r} is assigned to this compnode")
         if context.remote_peer != job.broker:
@@ -151,16 +168,17 @@ class SubtaskService:
         return total + (job.channel.refused if job else 0) + (prober.refused if prober else 0)
 
     # ---- RPC -------------------------------------------------------------------------------------
-    async def rpc_assign(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
-        job_id = payload.get("job_id")
-        if isinstance(job_id, str) and job_id in self.jobs:
+    @handles(AssignRequest)
+    async def rpc_assign(self, request: AssignRequest, context: RPCContext) -> AssignReply:
+        job_id = request.job_id
+        if job_id in self.jobs:
             held = self.jobs[job_id]
             if held.broker != context.remote_peer:
                 raise JobError(f"job {job_id} is already assigned here by {held.broker}")
-            if payload.get("attempt", 0) == held.attempt and payload.get("subdag") == held.index:
-                return {"subdag": held.index, "nodes": len(held.subdag.nodes)}  # a repeated request
+            if request.attempt == held.attempt and request.subdag == held.index:
+                return AssignReply(subdag=held.index, nodes=len(held.subdag.nodes))  # a repeated request
             # A new round of the same job (failover, re-plan, restarted broker): the old one is void.
-            self._release(job_id, f"superseded by attempt {payload.get('attempt')}")
+            self._release(job_id, f"superseded by attempt {request.attempt}")
         if len(self.jobs) >= MAX_JOBS:
             raise JobError(f"this compnode already runs {MAX_JOBS} jobs")
         holder: dict[str, JobAssignment] = {}
@@ -169,7 +187,7 @@ class SubtaskService:
             await self._send(holder["job"], dst, frame)
 
         job = await asyncio.to_thread(
-            build_assignment, payload, own_peer_id=self.node.peer_id, broker=context.remote_peer, send=send
+            build_assignment, request, own_peer_id=self.node.peer_id, broker=context.remote_peer, send=send
         )
         holder["job"] = job
         arm(job.executor, self.fault)
@@ -195,17 +213,16 @@ class SubtaskService:
             len(job.subdag.nodes),
             len(job.subdag.params),
         )
-        return {"subdag": job.index, "nodes": len(job.subdag.nodes)}
+        return AssignReply(subdag=job.index, nodes=len(job.subdag.nodes))
 
-    async def rpc_step(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+    @handles(StepRequest)
+    async def rpc_step(self, request: StepRequest, context: RPCContext) -> StepReply:
         """Runs one GPipe step (FP of every micro-batch, BP, Update) of the caller's job."""
-        job = self._job(payload, context)
-        step = payload.get("step")
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise JobError(f"job {job.job_id}: step must be an integer")
+        job = self._job(request, context)
+        step = request.step
         async with self._locks[job.job_id]:
             if step in job.steps_done:
-                if job.last_reply is not None and job.last_reply["step"] == step:
+                if job.last_reply is not None and job.last_reply.step == step:
                     return job.last_reply  # a repeated request whose answer was lost on the way
                 raise JobError(f"job {job.job_id}: step {step} already ran on sub-DAG {job.index}")
             try:
@@ -221,63 +238,56 @@ class SubtaskService:
             if job.spec.task != "infer" or phase == "fp":
                 self.node.metrics.observe_compute(phase, seconds)
         self.node.metrics.count_subtask("succeeded")
-        reply: dict[str, Any] = {
-            "step": step,
-            "loss": report.loss,
-            "fp_seconds": report.fp_seconds,
-            "bp_seconds": report.bp_seconds,
-            "update_seconds": report.update_seconds,
-            "refused": self._refused(job.job_id),
-            "outputs": None,
-        }
+        outputs = None
         if report.outputs:
-            reply["outputs"] = pack_tensors(output_tensors(report.outputs))
+            outputs = pack_tensors(output_tensors(report.outputs))
+        reply = StepReply(
+            step=step,
+            loss=report.loss,
+            fp_seconds=report.fp_seconds,
+            bp_seconds=report.bp_seconds,
+            update_seconds=report.update_seconds,
+            refused=self._refused(job.job_id),
+            outputs=outputs,
+        )
         job.last_reply = reply
         return reply
 
-    async def rpc_probe_links(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+    @handles(ProbeLinksRequest)
+    async def rpc_probe_links(self, request: ProbeLinksRequest, context: RPCContext) -> ProbeLinksReply:
         """Times the links from this compnode to the job's sub-DAGs ``to`` (``linkprobe``): per
         sub-DAG its ``alpha`` (s), ``beta`` (s/byte) and the fastest round trip per size."""
-        job = self._job(payload, context)
-        targets = payload.get("to")
-        if (
-            not isinstance(targets, list)
-            or not targets
-            or not all(isinstance(t, int) and not isinstance(t, bool) for t in targets)
-            or any(not 0 <= t < len(job.peers) or t == job.index for t in targets)
-        ):
+        job = self._job(request, context)
+        targets = request.to
+        if any(t >= len(job.peers) or t == job.index for t in targets):
             why = f"job {job.job_id}: 'to' must list other sub-DAGs of the job, got {targets!r}"
             raise JobError(why[:300])
-        sizes, repeats = check_probe_request(payload.get("sizes"), payload.get("repeats"))
+        sizes, repeats = check_probe_request(request.sizes, request.repeats)
         prober = self._probers[job.job_id]
         links = {}
         for dst in sorted(set(targets)):
             link, samples = await prober.measure(dst, sizes, repeats)
-            links[str(dst)] = {"alpha": link.alpha, "beta": link.beta, "round_trips": samples}
+            links[str(dst)] = ProbedLink(alpha=link.alpha, beta=link.beta, round_trips=samples)
             log.info(
                 "job %s: link to sub-DAG %d (%s): alpha %.0f us, %.3g GB/s",
                 job.job_id, dst, job.peers[dst].peer_id, link.alpha * 1e6, link.bandwidth / 1e9,
             )  # fmt: skip
-        return {"links": links}
+        return ProbeLinksReply(links=links)
 
-    async def rpc_collect(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+    @handles(JobRequest)
+    async def rpc_collect(self, request: JobRequest, context: RPCContext) -> CollectReply:
         """The sub-DAG's current parameters and buffers, and (task grad) the last step's gradients."""
-        job = self._job(payload, context)
+        job = self._job(request, context)
         if self.fault is not None and job.steps_done:
             self.fault.hit("sync")
-        reply: dict[str, Any] = {"state": job.state_blob(), "grads": None, "optim": job.optim_blob()}
-        if job.spec.task == "grad":
-            reply["grads"] = job.grads_blob()
-        return reply
+        grads = job.grads_blob() if job.spec.task == "grad" else None
+        return CollectReply(state=job.state_blob(), grads=grads, optim=job.optim_blob())
 
-    async def rpc_release(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
-        if payload.get("job_id") not in self.jobs:
-            return {"released": False, "refused": 0}  # released already (a repeated request) or never here
-        job = self._job(payload, context)
+    @handles(ReleaseRequest)
+    async def rpc_release(self, request: ReleaseRequest, context: RPCContext) -> ReleaseReply:
+        if request.job_id not in self.jobs:
+            return ReleaseReply(released=False)  # released already (a repeated request) or never here
+        job = self._job(request, context)
         refused = self._refused(job.job_id)
-        self._release(job.job_id, str(payload.get("reason", "done"))[:200])
-        return {"released": True, "refused": refused}
-
-
-def make_service(compnode: CompnodeDaemon) -> SubtaskService:
-    return SubtaskService(compnode)
+        self._release(job.job_id, request.reason[:200])
+        return ReleaseReply(released=True, refused=refused)

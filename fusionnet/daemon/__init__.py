@@ -6,7 +6,6 @@ Map of the package:
                    forces exit), owned background tasks (``spawn``/``every``), ``Service`` plug-ins.
 - ``config.py``    ``DaemonConfig``, validated; built from the parsed flags (``common_config``).
 - ``flags.py``     the command-line flags all daemons share (light: no hivemind import).
-- ``plugins.py``   ``add_plugin_services``: services from ``fusionnet.broker.jobs`` / ``compnode.tasks``.
 - ``swarm.py``     ``SwarmPeer``: DHT child + p2pd handle + RPC server/client + announcer, started and
                    stopped together.
 - ``observer.py``  ``SwarmObserver``: a DHT client that reads records and asks the broker for its status.

@@ -14,6 +14,7 @@ from fusionnet.daemon.swarm import SwarmPeer
 from fusionnet.dht.announce import Found
 from fusionnet.dht.node import DHTConfig
 from fusionnet.dht.records import BrokerRecord, CompnodeRecord, NodeState
+from fusionnet.messages.broker_rpc import BrokerClient, StatusRequest
 from fusionnet.rpc.protocol import RPCError
 
 
@@ -61,4 +62,7 @@ class SwarmObserver:
         return await self._peer().client.call(peer_id, method, payload, **kw)
 
     async def broker_status(self, timeout: float = 10.0) -> dict[str, Any]:
-        return await self.call(await self.find_broker(), "status", {}, timeout=timeout)
+        """The broker's ``status`` reply (``messages.broker_rpc.StatusReply``) as a map."""
+        client = BrokerClient(self.call)
+        reply = await client.call_status(await self.find_broker(), StatusRequest(), timeout=timeout)
+        return reply.model_dump()

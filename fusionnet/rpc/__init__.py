@@ -9,7 +9,10 @@ Map of the package:
                    stream protocol; every bad request gets an error response, never a crash.
 - ``client.py``    ``RPCClient.call(peer_id, "name", payload, timeout=)``.
 
-Handlers have the signature ``async def rpc_name(self, payload: dict, context: RPCContext) -> dict``.
+Handlers have the signature ``async def rpc_name(self, payload: dict, context: RPCContext) -> dict``;
+the daemons write theirs typed (``fusionnet.messages.base.handles``: a request model in, a reply model
+out, a malformed payload refused with one ``WireError``) and call each other through typed clients
+(``fusionnet.messages``' ``BrokerClient`` / ``CompnodeClient``) built on ``RPCClient.call``.
 """
 
 from fusionnet.rpc.client import RPCClient, as_peer_id

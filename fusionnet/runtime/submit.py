@@ -20,9 +20,16 @@ from typing import Any, TextIO
 from fusionnet.dag.codec import encode_ir
 from fusionnet.errors import ExecutionError, JobError
 from fusionnet.job.loader import LoadedJob, load_job
+from fusionnet.messages.blobs import pack_tensors
+from fusionnet.messages.broker_rpc import (
+    BrokerClient,
+    JobRequest,
+    JobStatusReply,
+    JobStatusRequest,
+    SubmitJobRequest,
+)
+from fusionnet.messages.jobwire import run_spec_of
 from fusionnet.rpc.protocol import RPCError
-from fusionnet.runtime.blobs import pack_tensors
-from fusionnet.runtime.jobwire import run_spec_of
 from fusionnet.runtime.prepare import loss_reduction_of, trace_job
 
 SUBMIT_TIMEOUT = 300.0
@@ -41,20 +48,20 @@ class SubmitOutcome:
     placement: list[dict[str, Any]]
 
 
-def submission_payload(job: LoadedJob) -> dict[str, Any]:
+def submission_payload(job: LoadedJob) -> SubmitJobRequest:
     """Traces the job here and packs what the broker needs."""
     traced = trace_job(job)
     loss_reduction = loss_reduction_of(job)
     data = {"inputs": job.inputs}
     if job.labels is not None:
         data["labels"] = job.labels
-    return {
-        "request_id": secrets.token_hex(16),
-        "spec": run_spec_of(job, loss_reduction).model_dump(mode="json"),
-        "ir": encode_ir(traced.graph),
-        "state": pack_tensors(traced.job_state(job.model.state_dict())),
-        "data": pack_tensors(data),
-    }
+    return SubmitJobRequest(
+        request_id=secrets.token_hex(16),
+        spec=run_spec_of(job, loss_reduction),
+        ir=encode_ir(traced.graph),
+        state=pack_tensors(traced.job_state(job.model.state_dict())),
+        data=pack_tensors(data),
+    )
 
 
 class Progress:
@@ -98,20 +105,21 @@ async def submit_and_wait(
     from fusionnet.daemon.observer import SwarmObserver
 
     job = load_job(job_path, allow_outside_paths=allow_outside_paths)
-    payload = await asyncio.to_thread(submission_payload, job)
+    request = await asyncio.to_thread(submission_payload, job)
     async with SwarmObserver(initial_peers) as observer:
+        client = BrokerClient(observer.call)
         broker = await observer.find_broker()
-        reply = await observer.call(broker, "submit_job", payload, timeout=SUBMIT_TIMEOUT)
-        job_id, steps = reply["job_id"], int(reply["steps"])
+        reply = await client.call_submit_job(broker, request, timeout=SUBMIT_TIMEOUT)
+        job_id, steps = reply.job_id, reply.steps
         print(f"job {job_id} submitted to broker {broker}", file=stream)
         progress = Progress(steps, stream)
         metrics: list[dict[str, Any]] = []
         placement: list[dict[str, Any]] = []
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            status = await _poll(observer, broker, {"job_id": job_id, "since": len(metrics)})
-            if status["placement"] and not placement:
-                placement = status["placement"]
+            status = await _poll(client, broker, JobStatusRequest(job_id=job_id, since=len(metrics)))
+            if status.placement and not placement:
+                placement = status.placement
                 if show_plan:
                     for p in placement:
                         print(
@@ -119,10 +127,10 @@ async def submit_and_wait(
                             f"on compnode {p['peer_id']}",
                             file=stream,
                         )
-            for row in status["metrics"]:
+            for row in status.metrics:
                 metrics.append(row)
                 progress.show(row)
-            state = status["job"]["state"]
+            state = status.job["state"]
             if state in TERMINAL:
                 break
             if deadline is not None and time.monotonic() > deadline:
@@ -131,21 +139,21 @@ async def submit_and_wait(
             await asyncio.sleep(POLL_INTERVAL)
         progress.close()
         if state != "SUCCEEDED":
-            raise JobError(f"job {job_id} {state}: {status['job'].get('error') or 'no reason given'}")
-        results = await observer.call(broker, "job_results", {"job_id": job_id}, timeout=SUBMIT_TIMEOUT)
+            raise JobError(f"job {job_id} {state}: {status.job.get('error') or 'no reason given'}")
+        results = await client.call_job_results(broker, JobRequest(job_id=job_id), timeout=SUBMIT_TIMEOUT)
     output.mkdir(parents=True, exist_ok=True)
-    for name, blob in results["files"].items():
+    for name, blob in results.files.items():
         if "/" in name or name.startswith("."):
             raise JobError(f"broker sent a result file with a bad name {name!r}")
         (output / name).write_bytes(blob)
     return SubmitOutcome(job_id, state, output, metrics, placement)
 
 
-async def _poll(observer: Any, broker: str, payload: dict[str, Any]) -> dict[str, Any]:
+async def _poll(client: BrokerClient, broker: str, request: JobStatusRequest) -> JobStatusReply:
     """``job_status`` is idempotent: a stream that breaks on the way is simply asked again."""
     for attempt in range(POLL_RETRIES):
         try:
-            return await observer.call(broker, "job_status", payload, timeout=30.0)
+            return await client.call_job_status(broker, request, timeout=30.0)
         except RPCError as e:
             if attempt == POLL_RETRIES - 1 or e.kind not in RETRYABLE:
                 raise

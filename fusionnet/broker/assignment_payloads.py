@@ -1,4 +1,5 @@
-"""What the broker sends each compnode of a placement in ``assign`` (FusionAI 3.5-3.6).
+"""What the broker sends each compnode of a placement in ``assign`` (FusionAI 3.5-3.6), as
+``messages.compnode_rpc.AssignRequest`` models (the compnode's side: ``compnode.assignment_intake``).
 
 One payload per sub-DAG: the job's spec and IR, the whole op -> sub-DAG assignment (so every compnode
 knows where its inputs come from and its outputs go), its own sub-DAG index, every peer with its data
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.partition import Partition
-from fusionnet.runtime.blobs import pack_tensors
+from fusionnet.messages.blobs import pack_tensors
+from fusionnet.messages.compnode_rpc import AssignRequest, JobPeer
 
 KEY_BYTES = 32
 
@@ -31,29 +32,28 @@ def assignment_payloads(
     ckpt: Checkpoint,
     *,
     key: bytes | None = None,
-) -> list[dict[str, Any]]:
-    """The ``assign`` payload of every sub-DAG, in sub-DAG order (sub-DAG ``i`` runs on ``peers[i]``)."""
+) -> list[AssignRequest]:
+    """The ``assign`` request of every sub-DAG, in sub-DAG order (sub-DAG ``i`` runs on ``peers[i]``)."""
     key = secrets.token_bytes(KEY_BYTES) if key is None else key
-    peers_doc = [{"peer_id": p, "data_address": data_addresses.get(p)} for p in peers]
+    peers_doc = [JobPeer(peer_id=p, data_address=data_addresses.get(p)) for p in peers]
     assignment = {n: s.index for s in partition.subdags for n in s.nodes}
-    spec_doc = job.spec.model_dump(mode="json")
-    payloads = []
+    requests = []
     for s in partition.subdags:
         wanted = {job.graph.node(p).target for p in s.placeholders}
         state, optim = ckpt.for_subdag(s.params, s.buffers)
-        payloads.append(
-            {
-                "job_id": job.job_id,
-                "attempt": attempt,
-                "spec": spec_doc,
-                "ir": job.ir,
-                "assignment": assignment,
-                "subdag": s.index,
-                "peers": peers_doc,
-                "key": key,
-                "state": pack_tensors(state),
-                "optim": pack_tensors(optim) if optim else None,
-                "data": pack_tensors({k: v for k, v in job.data.items() if k in wanted}),
-            }
+        requests.append(
+            AssignRequest(
+                job_id=job.job_id,
+                attempt=attempt,
+                spec=job.spec,
+                ir=job.ir,
+                assignment=assignment,
+                subdag=s.index,
+                peers=peers_doc,
+                key=key,
+                state=pack_tensors(state),
+                optim=pack_tensors(optim) if optim else None,
+                data=pack_tensors({k: v for k, v in job.data.items() if k in wanted}),
+            )
         )
-    return payloads
+    return requests

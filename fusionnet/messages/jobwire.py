@@ -2,15 +2,16 @@
 
 A job on the wire is: the IR (msgpack bytes, ``fusionnet.dag.codec``), the initial state and the
 dataset (safetensors bytes, ``blobs``), and a ``RunSpec``: the few job-file settings the execution
-plane needs. Everything a peer sends is checked here with pydantic (strict, unknown keys refused)
-before anything acts on it; the model's code itself never travels (the IR does).
+plane needs. Everything a peer sends is checked here with pydantic (strict; unknown keys ignored, as
+a newer peer may add some) before anything acts on it; the model's code itself never travels (the IR
+does).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fusionnet.errors import JobError
 from fusionnet.job.batches import batch_indices, infer_batches, split_microbatches
@@ -26,7 +27,7 @@ from fusionnet.job.schema import (
 
 
 class RunSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     task: Literal["train", "grad", "infer"]
@@ -37,6 +38,17 @@ class RunSpec(BaseModel):
     loss_reduction: Literal["mean", "sum", "none"] = "mean"
     compnodes: int = Field(ge=1, le=MAX_COMPNODES)
     optimizer: dict[str, Any] | None = None  # an OptimizerSpec document, re-validated by ``optimizer_spec``
+
+    @model_validator(mode="after")
+    def _optimizer_fits_task(self) -> RunSpec:
+        if self.optimizer is not None:
+            try:
+                OptimizerSpec.model_validate(self.optimizer)
+            except (ValidationError, ValueError) as e:
+                raise ValueError(f"optimizer: {_first_error(e)}") from None
+        if self.task == "train" and self.optimizer is None:
+            raise ValueError("task train needs an optimizer")
+        return self
 
     def optimizer_spec(self) -> OptimizerSpec | None:
         if self.optimizer is None:
@@ -75,9 +87,6 @@ class RunSpec(BaseModel):
             spec = cls.model_validate(doc)
         except ValidationError as e:
             raise JobError(f"run spec: {_first_error(e)}") from None
-        spec.optimizer_spec()
-        if spec.task == "train" and spec.optimizer is None:
-            raise JobError(f"job {spec.name!r}: task train needs an optimizer")
         return spec
 
 

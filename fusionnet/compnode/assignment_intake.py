@@ -1,11 +1,13 @@
 """One job's sub-DAG on a compnode: decoded and checked IR, rebuilt executor, network channel, data.
 
-Built from the broker's ``assign`` message (see ``fusionnet.broker.jobrun``), which carries the whole
-IR, the node -> sub-DAG assignment, this node's sub-DAG index, the job's peers (peer id and data-path
-address per sub-DAG), a fresh per-job key for the data path, this sub-DAG's initial state, the dataset
-fields its placeholders read, and the ``RunSpec``. Every part is validated before anything runs: the IR
-by the codec (allowlisted ops only), the partition by ``build_partition``, the state against the IR's
-parameter table, the data against the run spec.
+Built from the broker's ``assign`` message (``messages.compnode_rpc.AssignRequest``, made by
+``broker.assignment_payloads``), which carries the whole IR, the node -> sub-DAG assignment, this node's
+sub-DAG index, the job's peers (peer id and data-path address per sub-DAG), a fresh per-job key for the
+data path, this sub-DAG's initial state, the dataset fields its placeholders read, and the ``RunSpec``.
+The message model has already checked shapes, types and ranges; here every part is checked for what it
+means before anything runs: the IR by the codec (allowlisted ops only), the partition by
+``build_partition``, the peers against it, the state against the IR's parameter table, the data against
+the run spec.
 """
 
 from __future__ import annotations
@@ -28,19 +30,14 @@ from fusionnet.dag.ir import IRGraph, dtype_name
 from fusionnet.dag.partition import SubDag, build_partition
 from fusionnet.errors import JobError, WireError
 from fusionnet.job.optim import optimizer_factory
-from fusionnet.runtime.blobs import pack_tensors, unpack_tensors
-from fusionnet.runtime.jobwire import RunSpec, select_fields
+from fusionnet.messages.blobs import pack_tensors, unpack_tensors
+from fusionnet.messages.compnode_rpc import AssignRequest, JobPeer, StepReply
+from fusionnet.messages.jobwire import RunSpec, select_fields
 from fusionnet.wire.frames import TensorFrame
 
-log = logging.getLogger("fusionnet.compnode.assignment")
+log = logging.getLogger("fusionnet.compnode.assignment_intake")
 
 SendFrame = Callable[[str, str | None, TensorFrame, bytes], Awaitable[str]]  # -> path used
-
-
-@dataclass
-class JobPeer:
-    peer_id: str
-    data_address: str | None
 
 
 @dataclass
@@ -59,7 +56,7 @@ class JobAssignment:
     example_batch: int
     steps_done: set[int] = field(default_factory=set)
     last_report: StepReport | None = None
-    last_reply: dict[str, Any] | None = None  # answer to the last step, for a repeated request
+    last_reply: StepReply | None = None  # answer to the last step, for a repeated request
     created_at: float = field(default_factory=time.time)
 
     @property
@@ -118,97 +115,88 @@ def _flatten_meta(meta: Any) -> list[Any]:
     return [meta]
 
 
-def _peers(doc: object) -> list[JobPeer]:
-    if not isinstance(doc, list) or not doc or len(doc) > 4096:
-        raise JobError("assign: peers must be a non-empty list")
-    peers = []
-    for i, p in enumerate(doc):
-        if not isinstance(p, dict) or not isinstance(p.get("peer_id"), str):
-            raise JobError(f"assign: peers[{i}] must be a map with a peer_id")
-        address = p.get("data_address")
-        if address is not None and not isinstance(address, str):
-            raise JobError(f"assign: peers[{i}].data_address must be HOST:PORT or null")
-        peers.append(JobPeer(p["peer_id"], address))
-    return peers
+@dataclass(frozen=True)
+class _Decoded:
+    """An ``assign`` request's parts, decoded and checked against each other."""
+
+    graph: IRGraph
+    subdag: SubDag
+    peers: list[JobPeer]
+    state: dict[str, torch.Tensor]
+    fields: dict[str, torch.Tensor]
 
 
-def build_assignment(
-    payload: dict[str, Any],
-    *,
-    own_peer_id: str,
-    broker: str,
-    send: Callable[[int, TensorFrame], Awaitable[None]],
-) -> JobAssignment:
-    """Validates an ``assign`` message and builds the executor. Raises ``JobError``/``IRError``/
-    ``WireError``/``PartitionError`` with a message naming the bad part; nothing is kept on failure."""
-    job_id = payload.get("job_id")
-    if not isinstance(job_id, str) or not 0 < len(job_id) <= 64:
-        raise JobError("assign: job_id must be a string of 1..64 characters")
-    spec = RunSpec.parse(payload.get("spec"))
-    ir = payload.get("ir")
-    if not isinstance(ir, bytes):
-        raise JobError(f"assign {job_id}: ir must be bytes")
-    graph = decode_ir(ir)
-    assignment = payload.get("assignment")
-    if not isinstance(assignment, dict) or not all(
-        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in assignment.items()
-    ):
-        raise JobError(f"assign {job_id}: assignment must map node names to sub-DAG indices")
-    partition = build_partition(graph, assignment)
-    index = payload.get("subdag")
-    if not isinstance(index, int) or not 0 <= index < len(partition.subdags):
-        raise JobError(f"assign {job_id}: subdag must be in 0..{len(partition.subdags) - 1}")
-    peers = _peers(payload.get("peers"))
-    if len(peers) != len(partition.subdags):
-        raise JobError(f"assign {job_id}: {len(peers)} peers for {len(partition.subdags)} sub-DAGs")
-    if peers[index].peer_id != own_peer_id:
-        raise JobError(f"assign {job_id}: sub-DAG {index} is for {peers[index].peer_id}, not this node")
-    attempt = payload.get("attempt", 0)
-    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-        raise JobError(f"assign {job_id}: attempt must be a non-negative integer")
-    key = payload.get("key")
-    if not isinstance(key, bytes) or len(key) < 16:
-        raise JobError(f"assign {job_id}: key must be at least 16 random bytes")
-    subdag = partition.subdags[index]
-    state = unpack_tensors(payload.get("state"), f"assign {job_id}: state")
+def _decode(request: AssignRequest, own_peer_id: str) -> _Decoded:
+    job_id, spec = request.job_id, request.spec
+    graph = decode_ir(request.ir)
+    partition = build_partition(graph, request.assignment)
+    n = len(partition.subdags)
+    if request.subdag >= n:
+        raise JobError(f"assign {job_id}: subdag must be in 0..{n - 1}")
+    if len(request.peers) != n:
+        raise JobError(f"assign {job_id}: {len(request.peers)} peers for {n} sub-DAGs")
+    mine = request.peers[request.subdag].peer_id
+    if mine != own_peer_id:
+        raise JobError(f"assign {job_id}: sub-DAG {request.subdag} is for {mine}, not this node")
+    subdag = partition.subdags[request.subdag]
+    state = unpack_tensors(request.state, f"assign {job_id}: state")
     _check_state(graph, subdag, state, job_id)
-    fields = unpack_tensors(payload.get("data"), f"assign {job_id}: data")
+    fields = unpack_tensors(request.data, f"assign {job_id}: data")
     _check_fields(graph, subdag, fields, spec, job_id)
-    example_batch = spec.microbatch_sizes(0)[0]
+    return _Decoded(graph, subdag, list(request.peers), state, fields)
 
-    holder: dict[str, JobAssignment] = {}
-    channel = NetChannel(
-        job_id=job_id,
-        peer_id=own_peer_id,
-        subdag_of_peer={p.peer_id: i for i, p in enumerate(peers) if i != index},
-        send_frame=send,
-        validate=lambda src, k, v: holder["a"].validate(src, k, v),
-    )
+
+
+def _executor(request: AssignRequest, parts: _Decoded, channel: NetChannel) -> SubDagExecutor:
+    spec = request.spec
     executor = SubDagExecutor(
-        graph,
-        subdag,
-        state,
+        parts.graph,
+        parts.subdag,
+        parts.state,
         channel,
         task=spec.task,
         make_optimizers=optimizer_factory(spec.task, spec.optimizer_spec()),
         loss_reduction=spec.loss_reduction,
     )
-    if payload.get("optim") is not None:
-        optim = unpack_tensors(payload["optim"], f"assign {job_id}: optimizer state")
+    if request.optim is not None:
+        optim = unpack_tensors(request.optim, f"assign {request.job_id}: optimizer state")
         load_optimizer_tensors(executor.optimizers, executor.named_params, optim)
+    return executor
+
+
+def build_assignment(
+    request: AssignRequest,
+    *,
+    own_peer_id: str,
+    broker: str,
+    send: Callable[[int, TensorFrame], Awaitable[None]],
+) -> JobAssignment:
+    """Checks a validated ``assign`` request for what it means and builds the executor. Raises
+    ``JobError``/``IRError``/``WireError``/``PartitionError`` naming the bad part; nothing is kept on
+    failure."""
+    parts = _decode(request, own_peer_id)
+    index = request.subdag
+    holder: dict[str, JobAssignment] = {}
+    channel = NetChannel(
+        job_id=request.job_id,
+        peer_id=own_peer_id,
+        subdag_of_peer={p.peer_id: i for i, p in enumerate(parts.peers) if i != index},
+        send_frame=send,
+        validate=lambda src, k, v: holder["a"].validate(src, k, v),
+    )
     job = JobAssignment(
-        job_id=job_id,
+        job_id=request.job_id,
         broker=broker,
-        attempt=attempt,
-        spec=spec,
-        graph=graph,
-        subdag=subdag,
-        peers=peers,
-        key=key,
-        fields=fields,
-        executor=executor,
+        attempt=request.attempt,
+        spec=request.spec,
+        graph=parts.graph,
+        subdag=parts.subdag,
+        peers=parts.peers,
+        key=request.key,
+        fields=parts.fields,
+        executor=_executor(request, parts, channel),
         channel=channel,
-        example_batch=example_batch,
+        example_batch=request.spec.microbatch_sizes(0)[0],
     )
     holder["a"] = job
     return job

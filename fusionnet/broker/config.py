@@ -1,0 +1,42 @@
+"""The broker's settings (``fusionnet broker`` flags), validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fusionnet.daemon.config import DaemonConfig
+from fusionnet.planning.placement import BALANCED, SCHEDULER
+
+
+@dataclass
+class BrokerConfig:
+    common: DaemonConfig = field(default_factory=DaemonConfig)
+    heartbeat_period: float = 1.0  # seconds between ping rounds
+    heartbeat_timeout: float = 3.0  # a compnode silent this long is unreachable
+    sync_every: int = 1  # train jobs: checkpoint parameters and optimizer state every this many steps
+    placement_policy: str = SCHEDULER  # or BALANCED (the plain equal split), for comparison
+    replan_gain: float = 0.1  # a joining compnode triggers a re-plan when the step gets this much faster
+    ping_timeout: float | None = None  # one ping's limit; default min(heartbeat period, timeout)
+    sd_file: Path | None = None  # Prometheus file_sd target list of compnodes, rewritten at every refresh
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_period > 0:
+            raise ValueError(f"--heartbeat-period must be > 0 seconds, got {self.heartbeat_period}")
+        if not self.heartbeat_timeout > self.heartbeat_period:
+            raise ValueError(
+                f"--heartbeat-timeout ({self.heartbeat_timeout} s) must exceed --heartbeat-period "
+                f"({self.heartbeat_period} s), or every compnode looks unreachable between pings"
+            )
+        if self.sync_every < 1:
+            raise ValueError(f"--sync-every must be >= 1 step, got {self.sync_every}")
+        if not 0.0 <= self.replan_gain < 1.0:
+            raise ValueError(f"--replan-gain must be in [0, 1), got {self.replan_gain}")
+        if self.placement_policy not in (SCHEDULER, BALANCED):
+            raise ValueError(f"unknown placement policy {self.placement_policy!r}")
+        if self.ping_timeout is None:
+            self.ping_timeout = min(self.heartbeat_period, self.heartbeat_timeout)
+        if self.sd_file is not None:
+            self.sd_file = Path(self.sd_file)
+            if not self.sd_file.parent.is_dir():
+                raise ValueError(f"--sd-file {self.sd_file}: directory {self.sd_file.parent} does not exist")

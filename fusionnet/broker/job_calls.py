@@ -1,0 +1,100 @@
+"""A job's calls to its compnodes, typed: assign, step, collect, release and link probes, all at once.
+
+Every call names the compnode and the method when it fails (``compnode <peer> (step): ...``), and a
+batch of calls ends at the first failure with the rest cancelled (their compnodes get a release when
+the job re-plans). Timeouts are per method: a step may run for minutes on a slow compnode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+from fusionnet.errors import FusionNetError
+from fusionnet.messages.compnode_rpc import (
+    AssignRequest,
+    CollectReply,
+    CompnodeClient,
+    JobRequest,
+    ProbeLinksRequest,
+    ReleaseRequest,
+    StepReply,
+    StepRequest,
+)
+
+log = logging.getLogger("fusionnet.broker.jobs")
+
+ASSIGN_TIMEOUT = 120.0
+STEP_TIMEOUT = 600.0
+RELEASE_TIMEOUT = 5.0
+
+T = TypeVar("T")
+
+
+class JobCalls:
+    def __init__(self, client: CompnodeClient, job_id: str) -> None:
+        self.client = client
+        self.job_id = job_id
+
+    async def assign(self, peers: Sequence[str], requests: Sequence[AssignRequest]) -> None:
+        """Sub-DAG ``i`` (``requests[i]``) to ``peers[i]``."""
+        await gather(
+            [
+                self._named(p, "assign", self.client.call_assign(p, r, timeout=ASSIGN_TIMEOUT))
+                for p, r in zip(peers, requests, strict=True)
+            ]
+        )
+
+    async def step(self, peers: Sequence[str], step: int) -> list[StepReply]:
+        request = StepRequest(job_id=self.job_id, step=step)
+        return await gather(
+            [self._named(p, "step", self.client.call_step(p, request, timeout=STEP_TIMEOUT)) for p in peers]
+        )
+
+    async def collect(self, peers: Sequence[str]) -> list[CollectReply]:
+        request = JobRequest(job_id=self.job_id)
+        return await gather(
+            [
+                self._named(p, "collect", self.client.call_collect(p, request, timeout=ASSIGN_TIMEOUT))
+                for p in peers
+            ]
+        )
+
+    async def release(self, peers: Sequence[str], why: str) -> None:
+        """Best effort: a compnode that does not answer has forgotten the job or is gone."""
+        request = ReleaseRequest(job_id=self.job_id, reason=why)
+        results = await asyncio.gather(
+            *(self.client.call_release(p, request, timeout=RELEASE_TIMEOUT) for p in peers),
+            return_exceptions=True,
+        )
+        for r in results:
+            if isinstance(r, BaseException):
+                log.debug("job %s: release: %s", self.job_id, r)
+
+    async def probe(self, peer: str, method: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """The untyped call ``links.probe_placement`` makes, served by the typed ``call_probe_links``."""
+        assert method == "probe_links", method
+        request = ProbeLinksRequest.model_validate(payload)
+        reply = await self._named(peer, method, self.client.call_probe_links(peer, request, timeout=timeout))
+        return reply.model_dump()
+
+    @staticmethod
+    async def _named(peer: str, method: str, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except FusionNetError as e:
+            raise type(e)(f"compnode {peer} ({method}): {e}") from e
+
+
+async def gather(calls: list[Awaitable[T]]) -> list[T]:
+    """All calls, or the first failure (the rest are cancelled: their compnodes get a release)."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -1,0 +1,129 @@
+"""When a job needs a new placement, and which one: the decisions of a job run, as plain values.
+
+A ``Replan`` says that the job must be placed (again) before its next step and why: its first
+placement, a failure (``lost``: the dead compnodes), a proactive hand-over (``lost``: the leavers) or
+an elastic join (``proposed``: the placement the model chose at the step boundary). ``JobRun`` keeps
+at most one pending ``Replan``; these functions decide it and turn it into a placement, without any
+I/O, so they are tested in-process (``tests/test_jobrun_decisions.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from fusionnet.broker.registry import CompnodeRegistry
+from fusionnet.errors import FusionNetError
+from fusionnet.planning.placement import (
+    Candidate,
+    JobShape,
+    PeerLinks,
+    Placement,
+    consider_growth,
+    first_pool,
+    plan_placement,
+    pool_after_loss,
+)
+from fusionnet.planning.speeds import SpeedBook
+
+log = logging.getLogger("fusionnet.broker.jobs")
+
+ReplanReason = Literal["first", "failure", "hand-over", "growth"]
+
+
+@dataclass(frozen=True)
+class Replan:
+    """The job must be placed before its next step: ``reason``, the compnodes whose sub-DAGs must move
+    (``lost``), and for a growth the placement already chosen (``proposed``)."""
+
+    reason: ReplanReason
+    lost: frozenset[str] = frozenset()
+    proposed: Placement | None = None
+
+    def __post_init__(self) -> None:
+        assert (self.proposed is not None) == (self.reason == "growth"), "only a growth proposes"
+        assert not self.lost or self.reason in ("failure", "hand-over"), "only a loss moves sub-DAGs"
+
+
+FIRST = Replan("first")
+
+
+def failure(dead: Collection[str]) -> Replan:
+    return Replan("failure", frozenset(dead))
+
+
+def hand_over(leaving: Collection[str]) -> Replan:
+    return Replan("hand-over", frozenset(leaving))
+
+
+def candidates(registry: CompnodeRegistry, speeds: SpeedBook, excluded: Collection[str]) -> list[Candidate]:
+    """Compnodes a placement may use: schedulable, with a data path, not ``excluded`` (dead or leaving)."""
+    out = []
+    for e in registry.schedulable():
+        if e.record.data_path_address is None or e.peer_id in excluded:
+            continue
+        try:
+            device = speeds.device(e.peer_id, e.device_spec())
+        except FusionNetError:  # no (or unusable) hardware record: the balanced policy places it
+            device = None
+        out.append(Candidate(e.peer_id, e.record.backup, device))
+    return out
+
+
+def next_placement(
+    shape: JobShape,
+    replan: Replan,
+    peers: Sequence[str],
+    pool: Sequence[Candidate],
+    *,
+    policy: str,
+    links: PeerLinks | None,
+) -> Placement:
+    """The placement ``replan`` asks for: the proposed one (growth), a first one over the fastest
+    compnodes, or the job's survivors topped up with backups (failure, hand-over) on at most as many
+    sub-DAGs as before. ``PlanError`` when nobody is left to run it."""
+    if replan.proposed is not None:
+        return replan.proposed
+    if not peers:
+        return plan_placement(shape, first_pool(pool), policy=policy, links=links)
+    survivors = pool_after_loss(peers, set(replan.lost), pool)
+    stages = min(len(peers), len(survivors))
+    return plan_placement(shape, survivors, stages=stages, policy=policy, links=links)
+
+
+def growth_replan(
+    job_id: str,
+    shape: JobShape,
+    current: Placement,
+    pool: Sequence[Candidate],
+    min_gain: float,
+    links: PeerLinks | None,
+) -> Replan | None:
+    """Elastic join: a ``Replan`` onto a larger placement when the model predicts a step faster by more
+    than ``min_gain``; None otherwise (nobody new, no prediction, or not enough gain)."""
+    try:
+        growth = consider_growth(shape, current, pool, min_gain, links)
+    except FusionNetError as e:
+        log.info("job %s: no re-plan with the new compnodes: %s", job_id, e)
+        return None
+    if growth is None:
+        return None
+    if not growth.adopt:
+        log.info("job %s: not re-planning: %s, gain below %g", job_id, growth.describe(), min_gain)
+        return None
+    log.info(
+        "job %s: re-planning at this step boundary: %d -> %d compnode(s), %s",
+        job_id,
+        len(current.peers),
+        len(growth.proposed.peers),
+        growth.describe(),
+    )
+    return Replan("growth", proposed=growth.proposed)
+
+
+def sync_due(step: int, steps: int, sync_every: int, leaving: bool) -> bool:
+    """A train job checkpoints after ``step`` (the count of steps done) every ``sync_every`` steps, at
+    the end, and before a hand-over (the leaver's state must be in the checkpoint)."""
+    return step % sync_every == 0 or step == steps or leaving

@@ -1,0 +1,113 @@
+"""The broker's RPC surface: one request and one reply model per method, and ``BrokerClient``.
+
+Methods (served by ``broker.daemon`` and ``broker.jobs``):
+
+- ``ping``        heartbeat echo (``PingRequest`` -> ``PingReply``, shared with compnodes)
+- ``status``      compnodes and jobs, for ``fusionnet status`` and dashboards
+- ``submit_job``  spec + IR + state + data of a new job -> its id and step count
+- ``job_status``  a job's row, its per-step metrics from ``since`` on, placement, recoveries, events
+- ``job_results`` the result files of a SUCCEEDED job, by name
+- ``leaving``     a compnode going away gracefully announces it (its sub-DAG moves at the next step)
+
+Rows that are documents of their own (a job's store row, metrics rows, events) stay maps: their
+schema belongs to the store and to interface.md, and a client shows them as they come.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field
+
+from fusionnet.messages.base import Caller, JobId, Message, TypedCaller
+from fusionnet.messages.jobwire import RunSpec
+
+MAX_JOB_LIMIT = 10_000
+
+
+class PingRequest(Message):
+    nonce: Annotated[str, Field(max_length=128)] = ""
+
+
+class PingReply(Message):
+    nonce: str
+    peer_id: str
+    state: str
+    load: float | None = None  # compnodes only
+    running_tasks: int | None = None  # compnodes only
+    time: float | None = None  # compnodes only: their wall clock
+
+
+class StatusRequest(Message):
+    job_limit: Annotated[int, Field(ge=0, le=MAX_JOB_LIMIT)] = 50
+
+
+class StatusReply(Message):
+    broker: dict[str, Any]
+    compnodes: list[dict[str, Any]]
+    jobs: list[dict[str, Any]]
+
+
+class SubmitJobRequest(Message):
+    request_id: Annotated[str, Field(max_length=64)] | None = None  # repeated submissions map to one job
+    spec: RunSpec
+    ir: bytes  # ``fusionnet.dag.codec`` bytes; decoded against the allowlist by the broker
+    state: bytes  # safetensors (``blobs``)
+    data: bytes  # safetensors (``blobs``)
+
+
+class SubmitJobReply(Message):
+    job_id: JobId
+    steps: Annotated[int, Field(ge=0)]
+
+
+class JobRequest(Message):
+    """A request that names one job and nothing else (``job_results``, ``leaving``)."""
+
+    job_id: JobId
+
+
+class JobStatusRequest(JobRequest):
+    since: Annotated[int, Field(ge=0)] = 0  # first metrics row wanted
+
+
+class JobStatusReply(Message):
+    job: dict[str, Any]
+    metrics: list[dict[str, Any]] = []
+    placement: list[dict[str, Any]] = []
+    refused_frames: int = 0
+    recoveries: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
+
+
+class JobResultsReply(Message):
+    files: dict[str, bytes]
+
+
+class LeavingReply(Message):
+    accepted: bool
+
+
+class BrokerClient(TypedCaller):
+    """Typed calls to a broker: ``await BrokerClient(daemon.call).call_job_status(broker, request)``."""
+
+    def __init__(self, call: Caller) -> None:
+        super().__init__(call)
+
+    async def call_ping(self, peer: str, request: PingRequest, **kw: Any) -> PingReply:
+        return await self.call_typed(peer, "ping", request, PingReply, **kw)
+
+    async def call_status(self, peer: str, request: StatusRequest, **kw: Any) -> StatusReply:
+        return await self.call_typed(peer, "status", request, StatusReply, **kw)
+
+    async def call_submit_job(self, peer: str, request: SubmitJobRequest, **kw: Any) -> SubmitJobReply:
+        return await self.call_typed(peer, "submit_job", request, SubmitJobReply, **kw)
+
+    async def call_job_status(self, peer: str, request: JobStatusRequest, **kw: Any) -> JobStatusReply:
+        return await self.call_typed(peer, "job_status", request, JobStatusReply, **kw)
+
+    async def call_job_results(self, peer: str, request: JobRequest, **kw: Any) -> JobResultsReply:
+        return await self.call_typed(peer, "job_results", request, JobResultsReply, **kw)
+
+    async def call_leaving(self, peer: str, request: JobRequest, **kw: Any) -> LeavingReply:
+        return await self.call_typed(peer, "leaving", request, LeavingReply, **kw)

@@ -1,0 +1,170 @@
+"""A compnode's RPC surface: one request and one reply model per method, and ``CompnodeClient``.
+
+Methods (served by ``compnode.daemon`` and ``compnode.tasks``; only the broker that assigned a job
+may drive, read or release it):
+
+- ``ping``         heartbeat echo (``broker_rpc.PingRequest`` -> ``PingReply``)
+- ``info``         the compnode's current record, straight from it (``dht.records.CompnodeRecord``)
+- ``assign``       one sub-DAG of a job: spec, IR, op -> sub-DAG map, peers, data-path key, its state
+- ``step``         run one GPipe step (FP, BP, Update) -> loss, phase times, refused frames, outputs
+- ``collect``      the sub-DAG's parameters, optimizer state and (task grad) gradients
+- ``release``      forget the job (end, failover, re-plan)
+- ``probe_links``  time the links to the sub-DAGs ``to`` over the data path
+
+The size and range limits here are what a compnode accepts from a broker; what the IR and the
+tensors mean is checked after decoding (``compnode.assignment_intake``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, model_validator
+
+from fusionnet.dht.records import CompnodeRecord
+from fusionnet.messages.base import Caller, JobId, Message, PeerIdText, TypedCaller
+from fusionnet.messages.broker_rpc import PingReply, PingRequest
+from fusionnet.messages.jobwire import RunSpec
+
+MAX_PEERS = 4096
+MIN_KEY_BYTES = 16
+MAX_PROBE_BYTES = 8 << 20  # one link probe's payload (a compnode refuses larger probe frames)
+MAX_PROBE_SIZES, MAX_PROBE_REPEATS = 8, 10
+
+NonNegative = Annotated[int, Field(ge=0)]
+Seconds = Annotated[float, Field(ge=0.0)]
+
+
+class JobRequest(Message):
+    """A request about one job the caller assigned (``collect``)."""
+
+    job_id: JobId
+
+
+class JobPeer(Message):
+    peer_id: PeerIdText
+    data_address: Annotated[str, Field(min_length=3, max_length=300)] | None = None  # HOST:PORT
+
+
+class AssignRequest(Message):
+    job_id: JobId
+    attempt: NonNegative = 0  # the broker's assignment round (failover and re-plan start a new one)
+    spec: RunSpec
+    ir: bytes
+    assignment: dict[str, NonNegative]  # op name -> sub-DAG index, the whole graph
+    subdag: NonNegative  # which of them this compnode runs
+    peers: Annotated[list[JobPeer], Field(min_length=1, max_length=MAX_PEERS)]  # per sub-DAG
+    key: Annotated[bytes, Field(min_length=MIN_KEY_BYTES, max_length=1024)]  # data-path key
+    state: bytes  # safetensors: this sub-DAG's parameters and buffers
+    optim: bytes | None = None  # safetensors: its optimizer state (opt::<key>::<slot>)
+    data: bytes  # safetensors: the dataset fields its placeholders read
+
+    @model_validator(mode="after")
+    def _subdag_has_a_peer(self) -> AssignRequest:
+        if self.subdag >= len(self.peers):
+            raise ValueError(f"subdag {self.subdag} but only {len(self.peers)} peers")
+        return self
+
+
+class AssignReply(Message):
+    subdag: NonNegative
+    nodes: NonNegative
+
+
+class StepRequest(JobRequest):
+    step: NonNegative
+
+
+class StepReply(Message):
+    step: NonNegative
+    loss: float | None = None  # the sub-DAG that holds the loss reports it
+    fp_seconds: Seconds = 0.0
+    bp_seconds: Seconds = 0.0
+    update_seconds: Seconds = 0.0
+    refused: NonNegative = 0  # frames refused so far for this job (bad key, wrong sender, ...)
+    outputs: bytes | None = None  # infer: safetensors of "<micro-batch>/<leaf>" outputs
+
+    @property
+    def busy_seconds(self) -> float:
+        return self.fp_seconds + self.bp_seconds + self.update_seconds
+
+
+class CollectReply(Message):
+    state: bytes
+    grads: bytes | None = None
+    optim: bytes | None = None
+
+
+class ReleaseRequest(JobRequest):
+    reason: Annotated[str, Field(max_length=1000)] = "done"
+
+
+class ReleaseReply(Message):
+    released: bool
+    refused: NonNegative = 0
+
+
+class ProbeSettings(Message):
+    """How to probe: payload sizes (bytes; two distinct at least, for a slope) and repeats per size;
+    None: the compnode's defaults."""
+
+    sizes: (
+        Annotated[
+            list[Annotated[int, Field(ge=1, le=MAX_PROBE_BYTES)]],
+            Field(min_length=2, max_length=MAX_PROBE_SIZES),
+        ]
+        | None
+    ) = None
+    repeats: Annotated[int, Field(ge=1, le=MAX_PROBE_REPEATS)] | None = None
+
+    @model_validator(mode="after")
+    def _two_distinct_sizes(self) -> ProbeSettings:
+        if self.sizes is not None and len(set(self.sizes)) < 2:
+            raise ValueError("sizes: two of them must differ")
+        return self
+
+
+class ProbeLinksRequest(ProbeSettings, JobRequest):
+    to: Annotated[list[NonNegative], Field(min_length=1, max_length=MAX_PEERS)]  # sub-DAG indices
+
+
+class ProbedLink(Message):
+    alpha: float
+    beta: float
+    round_trips: Any = None
+
+
+class ProbeLinksReply(Message):
+    links: dict[str, ProbedLink]  # by destination sub-DAG index (a msgpack map key is a string)
+
+
+class InfoRequest(Message):
+    pass
+
+
+class CompnodeClient(TypedCaller):
+    """Typed calls to a compnode: ``await CompnodeClient(broker.call).call_step(peer, request)``."""
+
+    def __init__(self, call: Caller) -> None:
+        super().__init__(call)
+
+    async def call_ping(self, peer: str, request: PingRequest, **kw: Any) -> PingReply:
+        return await self.call_typed(peer, "ping", request, PingReply, **kw)
+
+    async def call_info(self, peer: str, request: InfoRequest, **kw: Any) -> CompnodeRecord:
+        return await self.call_typed(peer, "info", request, CompnodeRecord, **kw)
+
+    async def call_assign(self, peer: str, request: AssignRequest, **kw: Any) -> AssignReply:
+        return await self.call_typed(peer, "assign", request, AssignReply, **kw)
+
+    async def call_step(self, peer: str, request: StepRequest, **kw: Any) -> StepReply:
+        return await self.call_typed(peer, "step", request, StepReply, **kw)
+
+    async def call_collect(self, peer: str, request: JobRequest, **kw: Any) -> CollectReply:
+        return await self.call_typed(peer, "collect", request, CollectReply, **kw)
+
+    async def call_release(self, peer: str, request: ReleaseRequest, **kw: Any) -> ReleaseReply:
+        return await self.call_typed(peer, "release", request, ReleaseReply, **kw)
+
+    async def call_probe_links(self, peer: str, request: ProbeLinksRequest, **kw: Any) -> ProbeLinksReply:
+        return await self.call_typed(peer, "probe_links", request, ProbeLinksReply, **kw)

@@ -1,0 +1,69 @@
+"""The broker's job service in one process: a submission runs to its result files over fake
+compnodes, and what must be refused is (malformed requests, unknown jobs, results of an unfinished
+job, a leave from a compnode that runs nothing of the job)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusionnet.broker.jobs import JobService
+from fusionnet.errors import JobError, WireError
+from fusionnet.job.loader import load_job
+from fusionnet.rpc.server import RPCContext
+from fusionnet.runtime.submit import submission_payload
+from tests.jobfiles import REPO
+from tests.test_jobrun_decisions import PEERS, FakeCompnodes, make_context
+
+SUBMITTER = f"12D3KooW{'S' * 44}"
+
+
+def ctx(method: str, sender: str = SUBMITTER) -> RPCContext:
+    return RPCContext(remote_peer=sender, method=method)
+
+
+@pytest.fixture(scope="module")
+def submission() -> dict[str, Any]:
+    request = submission_payload(load_job(REPO / "examples" / "figure3" / "job.yaml"))
+    spec = request.spec.model_copy(update={"steps": 2})
+    return request.model_copy(update={"spec": spec}).model_dump()
+
+
+@pytest.mark.timeout(120)
+def test_a_submission_runs_to_its_results_and_refusals_are_clear(
+    tmp_path: Path, submission: dict[str, Any]
+) -> None:
+    service = JobService(make_context(tmp_path, FakeCompnodes()))
+
+    async def scenario() -> None:
+        await service.start()
+        with pytest.raises(WireError, match=r"^rpc submit_job: malformed message: spec.task: "):
+            bad = {**submission, "spec": {**submission["spec"], "task": "x"}}
+            await service.rpc_submit_job(bad, ctx("submit_job"))
+        with pytest.raises(JobError, match="the IR was traced for task 'train', the spec says 'grad'"):
+            grad = {**submission, "spec": {**submission["spec"], "task": "grad"}, "request_id": "r2"}
+            await service.rpc_submit_job(grad, ctx("submit_job"))
+        reply = await service.rpc_submit_job(submission, ctx("submit_job"))
+        job_id = reply["job_id"]
+        again = await service.rpc_submit_job(submission, ctx("submit_job"))  # same request id: same job
+        assert again == reply and len(service.runs) == 1
+        with pytest.raises(JobError, match="results exist only for SUCCEEDED jobs"):
+            await service.rpc_job_results({"job_id": job_id}, ctx("job_results"))
+        with pytest.raises(JobError, match=f"{PEERS[4]} runs no sub-DAG of job {job_id}"):
+            await service.rpc_leaving({"job_id": job_id}, ctx("leaving", PEERS[4]))
+        await asyncio.gather(*service._tasks.values())
+        status = await service.rpc_job_status({"job_id": job_id, "since": 1}, ctx("job_status"))
+        assert status["job"]["state"] == "SUCCEEDED", status["job"]["error"]
+        assert [r["step"] for r in status["metrics"]] == [1]  # rows from ``since`` on
+        results = await service.rpc_job_results({"job_id": job_id}, ctx("job_results"))
+        assert {"weights.safetensors", "metrics.jsonl", "plan.json"} <= set(results["files"])
+        with pytest.raises(JobError, match="no job with id 'nope'"):
+            await service.rpc_job_results({"job_id": "nope"}, ctx("job_results"))
+        with pytest.raises(WireError, match=r"^rpc job_status: malformed message: job_id: "):
+            await service.rpc_job_status({"job_id": "../x"}, ctx("job_status"))
+        await service.stop()
+
+    asyncio.run(scenario())

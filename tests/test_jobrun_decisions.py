@@ -1,0 +1,239 @@
+"""A job run's re-planning and failover decisions, in one process: a real ``JobRun`` (store, registry,
+checkpoints, result files) driving fake compnodes behind a ``CompnodeClient``. No daemon, no network:
+what the multi-process recovery tests reach only through a swarm is checked here in a second."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusionnet.broker import replanning
+from fusionnet.broker.config import BrokerConfig
+from fusionnet.broker.context import JobContext
+from fusionnet.broker.jobrun import JobRun
+from fusionnet.broker.registry import CompnodeRegistry
+from fusionnet.broker.store import BrokerStore
+from fusionnet.broker.submission import SubmittedJob
+from fusionnet.dag.codec import encode_ir
+from fusionnet.dht.announce import Found
+from fusionnet.dht.records import CompnodeRecord, NodeState
+from fusionnet.errors import JobError
+from fusionnet.job.loader import load_job
+from fusionnet.messages.compnode_rpc import AssignRequest, CompnodeClient
+from fusionnet.messages.jobwire import run_spec_of
+from fusionnet.metrics import BrokerMetrics
+from fusionnet.planning.links import LinkBook
+from fusionnet.planning.placement import BALANCED, Candidate, JobShape, Placement
+from fusionnet.planning.speeds import SpeedBook
+from fusionnet.rpc.protocol import RPCError
+from fusionnet.runtime.prepare import trace_job
+from tests.jobfiles import REPO
+
+PEERS = [f"12D3KooW{c * 44}" for c in "ABCDE"]  # A, B, C regular; D, E backups
+BACKUPS = set(PEERS[3:])
+STEPS = 4
+
+
+class FakeCompnodes:
+    """Answers like compnodes would: keeps each assignment, hands its state back on ``collect``; a
+    peer in ``dead`` answers nothing (not even pings); ``on_step`` may change the world mid-step."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, AssignRequest] = {}
+        self.dead: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+        self.on_step: Callable[[str, int], None] = lambda peer, step: None
+
+    async def call(self, peer: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
+        payload = payload or {}
+        self.calls.append((peer, method))
+        if method == "step":
+            self.on_step(peer, payload["step"])
+        if peer in self.dead:
+            why = f"rpc {method} on peer {peer}: no answer"
+            raise RPCError(why, peer=peer, method=method, kind="Timeout")
+        if method == "ping":
+            return {"nonce": payload["nonce"], "peer_id": peer, "state": "ONLINE"}
+        if method == "assign":
+            request = AssignRequest.model_validate(payload)
+            self.held[peer] = request
+            return {"subdag": request.subdag, "nodes": 1}
+        held = self.held[peer]
+        if method == "step":
+            last = held.subdag == len(held.peers) - 1  # the loss lives on the last sub-DAG
+            return {"step": payload["step"], "loss": 1.0 / (1 + payload["step"]) if last else None}
+        if method == "collect":
+            return {"state": held.state, "optim": held.optim}
+        if method == "release":
+            return {"released": True}
+        if method == "probe_links":
+            return {"links": {}}
+        raise AssertionError(method)
+
+
+@pytest.fixture(scope="module")
+def submitted() -> SubmittedJob:
+    job = load_job(REPO / "examples" / "figure3" / "job.yaml")
+    traced = trace_job(job)
+    spec = run_spec_of(job, "mean").model_copy(update={"steps": STEPS})
+    return SubmittedJob(
+        job_id="j1",
+        spec=spec,
+        ir=encode_ir(traced.graph),
+        graph=traced.graph,
+        state=dict(traced.state),
+        data={"inputs": job.inputs, "labels": job.labels},
+        submitter="me",
+    )
+
+
+def make_context(tmp_path: Path, fake: FakeCompnodes) -> JobContext:
+    """A broker's job context from in-memory parts: five ONLINE compnodes, a fresh store."""
+    registry = CompnodeRegistry(heartbeat_timeout=3.0)
+    now = time.time()
+    records = [
+        CompnodeRecord(
+            peer_id=p,
+            state=NodeState.ONLINE,
+            backup=p in BACKUPS,
+            data_path_address=f"127.0.0.1:{9000 + i}",
+        )
+        for i, p in enumerate(PEERS)
+    ]
+    registry.update_records([Found(r, now + 3600, b"") for r in records], now)
+    store = BrokerStore(tmp_path / "broker.sqlite3")
+    refreshed: list[int] = []
+    return JobContext(
+        open_store=lambda: store,
+        registry=registry,
+        settings=BrokerConfig(placement_policy=BALANCED),
+        metrics=BrokerMetrics(process=False),
+        speeds=SpeedBook(),
+        links=LinkBook(),
+        compnodes=CompnodeClient(fake.call),
+        refresh_job_metrics=lambda: refreshed.append(1),
+        jobs_folder=lambda: tmp_path / "jobs",
+    )
+
+
+def make_run(tmp_path: Path, job: SubmittedJob, fake: FakeCompnodes) -> tuple[JobRun, JobContext]:
+    context = make_context(tmp_path, fake)
+    context.store.create_job(job.job_id, job.spec.name, steps=job.spec.step_count, submitter=job.submitter)
+    return JobRun(context, job, tmp_path / "jobs" / job.job_id), context
+
+
+def events(context: JobContext, kind: str) -> list[dict[str, Any]]:
+    return [e for e in context.store.job_events("j1") if e["kind"] == kind]
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_compnode_is_replaced_by_a_backup_and_the_steps_replayed(
+    tmp_path: Path, submitted: SubmittedJob
+) -> None:
+    fake = FakeCompnodes()
+    victim = PEERS[1]
+
+    def die(peer: str, step: int) -> None:
+        if step == 2 and peer == victim:
+            fake.dead.add(victim)
+
+    fake.on_step = die
+    run, context = make_run(tmp_path, submitted, fake)
+    assert run.pending == replanning.FIRST
+    asyncio.run(run.run())
+    assert context.store.get_job("j1")["state"] == "SUCCEEDED", context.store.get_job("j1")["error"]
+    assert run.pending is None and run.dead == {victim} and run.attempt == 2
+    assert victim not in run.peers and PEERS[0] in run.peers and PEERS[2] in run.peers
+    assert set(run.peers) & BACKUPS  # the backup pool took over, not a free regular compnode
+    (recovery,) = run.progress.recoveries
+    assert recovery["lost"] == [victim] and recovery["replay_from"] == 2 and recovery["failed_step"] == 2
+    assert "replay" in recovery and "redistribution" in recovery
+    assert [r["step"] for r in run.progress.metrics] == list(range(STEPS))  # each step recorded once
+    assert len(events(context, "planned")) == 2 and len(events(context, "recovered")) == 1
+    assert (victim, "release") not in fake.calls  # a dead compnode is not called again
+    assert (run.out_dir / "weights.safetensors").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_a_leaving_compnode_hands_over_at_the_step_boundary_without_replay(
+    tmp_path: Path, submitted: SubmittedJob
+) -> None:
+    fake = FakeCompnodes()
+    run, context = make_run(tmp_path, submitted, fake)
+    leaver = PEERS[0]
+
+    def leave(peer: str, step: int) -> None:
+        if step == 1 and peer == leaver:
+            run.leaving.add(leaver)  # what rpc_leaving does
+
+    fake.on_step = leave
+    asyncio.run(run.run())
+    assert context.store.get_job("j1")["state"] == "SUCCEEDED"
+    assert leaver not in run.peers and run.attempt == 2 and not run.dead
+    (handover,) = run.progress.recoveries
+    assert handover["lost"] == [leaver] and "handover_stall" in handover and "replay_from" not in handover
+    assert [r["step"] for r in run.progress.metrics] == list(range(STEPS))
+    assert fake.calls.count((leaver, "release")) == 1  # its signal that the hand-over is done
+    assert events(context, "hand-over")[0]["detail"] == {"leaving": [leaver], "step": 2}
+
+
+@pytest.mark.timeout(120)
+def test_an_error_from_a_compnode_that_still_answers_fails_the_job_without_failover(
+    tmp_path: Path, submitted: SubmittedJob
+) -> None:
+    fake = FakeCompnodes()
+    real = fake.call
+
+    async def call(peer: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
+        if method == "step" and payload and payload["step"] == 1 and peer == PEERS[2]:
+            raise JobError("boom in the executor")
+        return await real(peer, method, payload, **kw)
+
+    fake.call = call  # type: ignore[method-assign]
+    run, context = make_run(tmp_path, submitted, fake)
+    asyncio.run(run.run())
+    row = context.store.get_job("j1")
+    assert row["state"] == "FAILED" and not run.progress.recoveries and run.attempt == 1
+    assert row["error"] == f"compnode {PEERS[2]} (step): boom in the executor"
+    assert {p for p, m in fake.calls if m == "release"} == set(run.peers)  # all released at the end
+
+
+def _candidates() -> list[Candidate]:
+    return [Candidate(p, p in BACKUPS, None) for p in PEERS]
+
+
+def test_next_placement_moves_only_what_was_lost(submitted: SubmittedJob) -> None:
+    shape = JobShape(submitted.graph, wanted=3, microbatches=2, batch_size=16, optimizer=None)
+    first = replanning.next_placement(shape, replanning.FIRST, [], _candidates(), policy=BALANCED, links=None)
+    assert first.peers == tuple(PEERS[:3])  # regular compnodes first, backups kept in reserve
+    lost = replanning.next_placement(
+        shape, replanning.failure({PEERS[1]}), PEERS[:3], _candidates(), policy=BALANCED, links=None
+    )
+    assert len(lost.peers) == 3 and PEERS[1] not in lost.peers and lost.peers[:2] == (PEERS[0], PEERS[2])
+    assert lost.peers[2] in BACKUPS
+    proposed = Placement(tuple(PEERS[:2]), first.assignment, BALANCED)
+    growth = replanning.Replan("growth", proposed=proposed)
+    assert replanning.next_placement(shape, growth, PEERS[:3], [], policy=BALANCED, links=None) is proposed
+
+
+def test_replan_values_say_why() -> None:
+    assert replanning.failure(["x"]) == replanning.Replan("failure", frozenset({"x"}))
+    assert replanning.hand_over({"y"}).reason == "hand-over"
+    with pytest.raises(AssertionError):
+        replanning.Replan("growth")  # a growth must carry its placement
+    with pytest.raises(AssertionError):
+        replanning.Replan("first", frozenset({"x"}))
+    assert replanning.sync_due(4, 10, 2, leaving=False) and not replanning.sync_due(3, 10, 2, leaving=False)
+    assert replanning.sync_due(3, 10, 2, leaving=True) and replanning.sync_due(10, 10, 4, leaving=False)
+
+
+def test_no_growth_replan_under_the_balanced_policy(submitted: SubmittedJob) -> None:
+    shape = JobShape(submitted.graph, wanted=3, microbatches=2, batch_size=16, optimizer=None)
+    pool = _candidates()
+    current = replanning.next_placement(shape, replanning.FIRST, [], pool, policy=BALANCED, links=None)
+    assert replanning.growth_replan("j1", shape, current, _candidates(), 0.1, None) is None

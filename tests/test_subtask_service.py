@@ -1,0 +1,162 @@
+"""A compnode's sub-task service refusing what it must refuse, in one process: assignments that do
+not validate (malformed, or well-formed but meaningless), calls about unknown jobs, calls from a peer
+other than the broker that assigned the job. The service keeps nothing of a refused assignment."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from fusionnet.broker.assignment_payloads import assignment_payloads
+from fusionnet.broker.checkpoints import Checkpoint
+from fusionnet.broker.submission import SubmittedJob
+from fusionnet.compnode.daemon import CompnodeConfig
+from fusionnet.compnode.tasks import SubtaskService
+from fusionnet.dag.codec import encode_ir
+from fusionnet.dag.partition import balanced_assignment, build_partition
+from fusionnet.errors import IRError, JobError, PartitionError, WireError
+from fusionnet.job.loader import load_job
+from fusionnet.messages.blobs import pack_tensors
+from fusionnet.messages.jobwire import run_spec_of
+from fusionnet.metrics import CompnodeMetrics
+from fusionnet.rpc.server import RPCContext
+from fusionnet.runtime.prepare import trace_job
+from tests.jobfiles import REPO
+
+PEERS = [f"12D3KooW{c * 44}" for c in "ABC"]
+ME = PEERS[1]
+BROKER = f"12D3KooW{'Z' * 44}"
+STRANGER = f"12D3KooW{'Y' * 44}"
+
+
+class FakePath:
+    """A data path (TCP server or P2P) that only records which jobs it serves."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, list[str]] = {}
+        self.stats: dict[str, Any] = {}
+
+    def register_job(self, job_id: str, key: bytes, allowed: list[str], route: Any) -> None:
+        self.jobs[job_id] = allowed
+
+    def unregister_job(self, job_id: str) -> None:
+        self.jobs.pop(job_id, None)
+
+
+class FakeNode:
+    """What the service uses of its compnode daemon."""
+
+    def __init__(self) -> None:
+        self.peer_id = ME
+        self.settings = CompnodeConfig()
+        self.metrics = CompnodeMetrics(process=False)
+        self.load = (0.0, 0)
+
+    def set_load(self, *, load: float, running_tasks: int) -> None:
+        self.load = (load, running_tasks)
+
+    async def call(self, *args: Any, **kw: Any) -> dict:
+        raise AssertionError("the service calls nobody in these tests")
+
+
+@pytest.fixture(scope="module")
+def assign_docs() -> list[dict[str, Any]]:
+    """The broker's three ``assign`` payloads of figure3 (we are sub-DAG 1), as they go on the wire."""
+    job = load_job(REPO / "examples" / "figure3" / "job.yaml")
+    traced = trace_job(job)
+    partition = build_partition(traced.graph, balanced_assignment(traced.graph, 3))
+    submitted = SubmittedJob(
+        job_id="j1",
+        spec=run_spec_of(job, "mean"),
+        ir=encode_ir(traced.graph),
+        graph=traced.graph,
+        state=dict(traced.state),
+        data={"inputs": job.inputs, "labels": job.labels},
+        submitter="me",
+    )
+    ckpt = Checkpoint(0, dict(traced.state))
+    requests = assignment_payloads(submitted, partition, PEERS, {}, 1, ckpt)
+    return [r.model_dump() for r in requests]
+
+
+def service() -> SubtaskService:
+    s = SubtaskService(FakeNode())  # type: ignore[arg-type]
+    s.server, s.p2p = FakePath(), FakePath()  # type: ignore[assignment]
+    return s
+
+
+def call(s: SubtaskService, method: str, payload: dict[str, Any], sender: str = BROKER) -> dict[str, Any]:
+    handler = getattr(s, f"rpc_{method}")
+    return asyncio.run(handler(payload, RPCContext(remote_peer=sender, method=method)))
+
+
+@pytest.mark.timeout(60)
+def test_an_assignment_is_held_and_only_its_broker_may_drive_it(assign_docs: list[dict]) -> None:
+    s = service()
+    doc = assign_docs[1]
+    assert call(s, "assign", doc) == {"subdag": 1, "nodes": len(s.jobs["j1"].subdag.nodes)}
+    assert s.server.jobs["j1"] == [PEERS[0], PEERS[2]]  # type: ignore[union-attr]  # only the job's peers
+    assert call(s, "assign", doc)["subdag"] == 1  # a repeated request: same answer, same job
+    with pytest.raises(JobError, match=f"already assigned here by {BROKER}"):
+        call(s, "assign", doc, sender=STRANGER)
+    for method, payload in (
+        ("step", {"job_id": "j1", "step": 0}),
+        ("collect", {"job_id": "j1"}),
+        ("release", {"job_id": "j1"}),
+        ("probe_links", {"job_id": "j1", "to": [0]}),
+    ):
+        with pytest.raises(JobError, match=f"assigned by {BROKER}; {STRANGER} may not drive it"):
+            call(s, method, payload, sender=STRANGER)
+    with pytest.raises(JobError, match="no job 'j2' is assigned to this compnode"):
+        call(s, "step", {"job_id": "j2", "step": 0})
+    with pytest.raises(JobError, match=r"'to' must list other sub-DAGs of the job, got \[1\]"):
+        call(s, "probe_links", {"job_id": "j1", "to": [1]})
+    assert call(s, "release", {"job_id": "j1", "reason": "done"}) == {"released": True, "refused": 0}
+    assert not s.jobs and not s.server.jobs  # type: ignore[union-attr]
+    assert call(s, "release", {"job_id": "j1"}) == {"released": False, "refused": 0}  # repeated
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("method", "payload", "field"),
+    [
+        ("step", {"job_id": "j1", "step": -1}, "step"),
+        ("step", {"job_id": "j1"}, "step"),
+        ("step", {"job_id": "../etc", "step": 0}, "job_id"),
+        ("collect", {}, "job_id"),
+        ("release", {"job_id": "j1", "reason": 5}, "reason"),
+        ("probe_links", {"job_id": "j1", "to": []}, "to"),
+        ("assign", {"job_id": "j1"}, "spec"),
+    ],
+)
+def test_malformed_requests_are_refused_by_validation(method: str, payload: dict, field: str) -> None:
+    with pytest.raises(WireError, match=rf"^rpc {method}: malformed message: {field}: "):
+        call(service(), method, payload)
+
+
+def _changed(doc: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    return {**doc, **changes}
+
+
+@pytest.mark.timeout(60)
+def test_assignments_that_mean_nothing_are_refused_and_nothing_is_kept(assign_docs: list[dict]) -> None:
+    doc = assign_docs[1]
+    bad_state = pack_tensors({"not.a.parameter": torch.zeros(1)})
+    cases = [
+        (_changed(doc, subdag=0), JobError, f"sub-DAG 0 is for {PEERS[0]}, not this node"),
+        (_changed(doc, peers=doc["peers"][:2]), JobError, "2 peers for 3 sub-DAGs"),
+        (_changed(doc, ir=b"\x93\x01\x02\x03"), IRError, "IR: top level must be a map"),
+        (_changed(doc, assignment={}), PartitionError, "not assigned"),
+        (_changed(doc, state=b"not safetensors"), WireError, "assign j1: state: not a valid safetensors"),
+        (_changed(doc, state=bad_state), JobError, "assign j1: state lacks"),
+        (_changed(doc, data=pack_tensors({"inputs": torch.zeros(3, 1)})), JobError, "data"),
+    ]
+    s = service()
+    for payload, error, needle in cases:
+        with pytest.raises(error, match=needle):
+            call(s, "assign", payload)
+        assert not s.jobs and not s.server.jobs  # type: ignore[union-attr]
+    assert call(s, "assign", doc)["subdag"] == 1  # and a good one still goes through
