@@ -32,7 +32,7 @@ import torch
 
 from fusionnet.broker.assignments import assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
-from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog
+from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog, step_timeout
 from fusionnet.broker.links import LinkBook, probe_placement
 from fusionnet.broker.placement import (
     Candidate,
@@ -57,7 +57,6 @@ from fusionnet.runtime.results import assemble_state, join_step_outputs, plan_do
 log = logging.getLogger("fusionnet.broker.jobs")
 
 ASSIGN_TIMEOUT = 120.0
-STEP_TIMEOUT = 600.0
 RELEASE_TIMEOUT = 5.0
 
 
@@ -89,6 +88,7 @@ class JobRun:
         self._busy: dict[int, float] = {}  # sub-DAG -> FP+BP+Update seconds over the steps below
         self._busy_steps = 0
         self._placement: Placement | None = None
+        self._last_step_seconds: float | None = None  # scales the step call's timeout
         self._lost: set[str] = set()  # peers whose sub-DAGs the next placement must move
         self._next: Placement | None = None  # a re-plan decided at a step boundary
         self._seen_candidates: set[str] = set()  # the compnodes offered at the last placement decision
@@ -358,10 +358,13 @@ class JobRun:
     async def _step(self, step: int) -> None:
         job = self.job
         started = time.perf_counter()
+        predicted = None if self._placement is None else self._placement.predicted_step
+        timeout = step_timeout(predicted, self._last_step_seconds)
         replies = await self._gather(
-            [self._call(p, "step", {"job_id": job.job_id, "step": step}, STEP_TIMEOUT) for p in self.peers]
+            [self._call(p, "step", {"job_id": job.job_id, "step": step}, timeout) for p in self.peers]
         )
         seconds = time.perf_counter() - started
+        self._last_step_seconds = seconds
         self._busy_steps += 1
         samples = sum(job.spec.microbatch_sizes(step))
         row: dict[str, Any] = {"step": step, "seconds": seconds, "samples": samples}

@@ -8,21 +8,28 @@ compnodes may send: anything else is refused and counted, and the job goes on.
 
 Only the peer that assigned a job may drive it (``step``), read it (``collect``) or end it
 (``release``); a call about a job from anyone else is refused with a ``JobError``.
+
+Compute runs on one compute thread per compnode (``compute_pool``), never on the event loop: while a
+sub-task computes for minutes the loop keeps answering pings and RPCs and moving data. One thread, not
+one per job: a stretch of compute never waits for the network (receives happen on the loop between
+stretches), so jobs sharing it cannot deadlock, and torch's intra-op threads (``--threads``) already
+use the cores; two compute threads would only fight over them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torch.utils._pytree import tree_flatten
 
 from fusionnet.compnode.assignment import JobAssignment, build_assignment
 from fusionnet.compnode.daemon import CompnodeDaemon
-from fusionnet.compnode.faults import FaultPoint, arm
+from fusionnet.compnode.faults import FaultPoint, fault_hooks
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
-from fusionnet.compnode.throttle import throttle
+from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.errors import JobError
 from fusionnet.rpc.server import RPCContext
 from fusionnet.runtime.blobs import pack_tensors
@@ -50,6 +57,7 @@ class SubtaskService:
         self._released: dict[str, asyncio.Event] = {}
         self._probers: dict[str, LinkProber] = {}
         self.fault = FaultPoint.from_env()
+        self.compute = compute_pool(compnode.settings.threads)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -74,6 +82,7 @@ class SubtaskService:
             await self.p2p.stop()
         if self.server is not None:
             await self.server.stop()
+        self.compute.shutdown(wait=False, cancel_futures=True)
 
     async def _hand_over(self) -> None:
         """Proactive leave (Confidant's proactive mode): tell each job's broker we are going, keep serving
@@ -173,8 +182,9 @@ class SubtaskService:
             build_assignment, payload, own_peer_id=self.node.peer_id, broker=context.remote_peer, send=send
         )
         holder["job"] = job
-        arm(job.executor, self.fault)
-        throttle(job.executor, self.node.settings.slowdown)  # --slowdown: nothing wrapped at 1
+        job.executor.compute = self.compute
+        for hook in (*fault_hooks(self.fault), *throttle_hooks(self.node.settings.slowdown)):
+            job.executor.hooks.add(hook)
         allowed = job.allowed_senders()
         prober = LinkProber(job.job_id, self.node.peer_id, job.channel.subdag_of_peer, send)
         self._probers[job.job_id] = prober
@@ -282,6 +292,19 @@ class SubtaskService:
         refused = self._refused(job.job_id)
         self._release(job.job_id, str(payload.get("reason", "done"))[:200])
         return {"released": True, "refused": refused}
+
+
+def compute_pool(threads: int | None) -> ThreadPoolExecutor:
+    """The compnode's compute thread. torch keeps the intra-op thread count per process, but set it
+    on the new thread too (``--threads``) in case the backend reads it per thread."""
+
+    def init() -> None:
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusionnet-compute", initializer=init)
 
 
 def make_service(compnode: CompnodeDaemon) -> SubtaskService:
