@@ -202,8 +202,7 @@ def _ir_assignment(graph: IRGraph, op_label: Mapping[str, int]) -> dict[str, int
 
 
 def _partition(graph: IRGraph, labels: Mapping[str, int]) -> Partition:
-    """``build_partition`` on a copy of the nodes (it stamps compnode fields onto the graph it gets)."""
-    return build_partition(IRGraph(nodes=[replace(n) for n in graph.nodes], task=graph.task), labels)
+    return build_partition(graph, labels)
 
 
 def plan_graph(
