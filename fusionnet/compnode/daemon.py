@@ -135,6 +135,10 @@ class CompnodeDaemon(Daemon):
     async def on_startup(self) -> None:
         self.metrics_address = await self._metrics_address()
         await self.announce_now()  # JOINING: visible while we profile
+        # Refreshed from now on, not from ONLINE: profiling and calibration take seconds (more with
+        # several nodes starting on a few cores), longer than a record lives, and a JOINING record that
+        # expired reads to the broker as a node gone without an OFFLINE announcement.
+        self.every(self.config.refresh_period, self.announce_now, "dht refresh")
         if self.settings.threads is not None:
             import torch
 
@@ -165,7 +169,6 @@ class CompnodeDaemon(Daemon):
         await self.start_services()
         self.state = NodeState.ONLINE
         await self.announce_now()
-        self.every(self.config.refresh_period, self.announce_now, "dht refresh")
 
     async def on_draining(self) -> None:
         if self.state in (NodeState.JOINING, NodeState.ONLINE):
