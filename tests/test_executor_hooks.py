@@ -95,7 +95,12 @@ def test_after_hooks_run_when_a_stretch_fails() -> None:
 
     with pytest.raises(RuntimeError, match="boom"):
         chain.run("bp", 3, 1, boom)
-    assert [entry[:2] for entry in log] == [("a", "before"), ("b", "before"), ("b", "after!"), ("a", "after!")]
+    assert [entry[:2] for entry in log] == [
+        ("a", "before"),
+        ("b", "before"),
+        ("b", "after!"),
+        ("a", "after!"),
+    ]
 
 
 def test_a_compute_thread_gives_the_same_bits_and_runs_every_stretch() -> None:
