@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -246,7 +247,9 @@ class SubtaskService:
             for mb, value in enumerate(report.outputs):
                 for i, leaf in enumerate(tree_flatten(value)[0]):
                     tensors[f"{mb}/{i}"] = leaf
-            reply["outputs"] = pack_tensors(tensors)
+            reply["outputs"] = await asyncio.get_running_loop().run_in_executor(
+                self.compute, pack_tensors, tensors
+            )
         job.last_reply = reply
         return reply
 
@@ -280,10 +283,14 @@ class SubtaskService:
         job = self._job(payload, context)
         if self.fault is not None and job.steps_done:
             self.fault.hit("sync")
-        reply: dict[str, Any] = {"state": job.state_blob(), "grads": None, "optim": job.optim_blob()}
-        if job.spec.task == "grad":
-            reply["grads"] = job.grads_blob()
-        return reply
+
+        def blobs() -> dict[str, Any]:
+            # Packing a big model's state is compute (seconds for 100M parameters): on the compute
+            # thread, after any stretch still queued there, never on the event loop.
+            grads = job.grads_blob() if job.spec.task == "grad" else None
+            return {"state": job.state_blob(), "grads": grads, "optim": job.optim_blob()}
+
+        return await asyncio.get_running_loop().run_in_executor(self.compute, blobs)
 
     async def rpc_release(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
         if payload.get("job_id") not in self.jobs:
@@ -294,9 +301,18 @@ class SubtaskService:
         return {"released": True, "refused": refused}
 
 
+GIL_SWITCH_INTERVAL = 0.001  # seconds; CPython's default is 0.005
+
+
 def compute_pool(threads: int | None) -> ThreadPoolExecutor:
     """The compnode's compute thread. torch keeps the intra-op thread count per process, but set it
-    on the new thread too (``--threads``) in case the backend reads it per thread."""
+    on the new thread too (``--threads``) in case the backend reads it per thread.
+
+    torch releases the GIL inside its kernels, but an fx module's Python between ops holds it, and the
+    event loop waits up to the switch interval each time it wants it back; a ping takes several such
+    turns. A 1 ms interval keeps heartbeat round trips short while a sub-task runs; it costs the compute
+    thread nothing while the loop is idle (the interval only matters when another thread asks)."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL)
 
     def init() -> None:
         if threads is not None:
