@@ -9,19 +9,14 @@ compnodes may send: anything else is refused and counted, and the job goes on.
 Only the peer that assigned a job may drive it (``step``), read it (``collect``) or end it
 (``release``); a call about a job from anyone else is refused with a ``JobError``.
 
-Compute runs on one compute thread per compnode (``compute_pool``), never on the event loop: while a
-sub-task computes for minutes the loop keeps answering pings and RPCs and moving data. One thread, not
-one per job: a stretch of compute never waits for the network (receives happen on the loop between
-stretches), so jobs sharing it cannot deadlock, and torch's intra-op threads (``--threads``) already
-use the cores; two compute threads would only fight over them.
+Compute runs on the compnode's compute thread (``fusionnet.compnode.compute``), never on the event
+loop: while a sub-task computes for minutes the loop keeps answering pings and RPCs and moving data.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torch.utils._pytree import tree_flatten
@@ -58,7 +53,6 @@ class SubtaskService:
         self._released: dict[str, asyncio.Event] = {}
         self._probers: dict[str, LinkProber] = {}
         self.fault = FaultPoint.from_env()
-        self.compute = compute_pool(compnode.settings.threads)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -83,7 +77,6 @@ class SubtaskService:
             await self.p2p.stop()
         if self.server is not None:
             await self.server.stop()
-        self.compute.shutdown(wait=False, cancel_futures=True)
 
     async def _hand_over(self) -> None:
         """Proactive leave (Confidant's proactive mode): tell each job's broker we are going, keep serving
@@ -183,7 +176,7 @@ class SubtaskService:
             build_assignment, payload, own_peer_id=self.node.peer_id, broker=context.remote_peer, send=send
         )
         holder["job"] = job
-        job.executor.compute = self.compute
+        job.executor.compute = self.node.compute
         for hook in (*fault_hooks(self.fault), *throttle_hooks(self.node.settings.slowdown)):
             job.executor.hooks.add(hook)
         allowed = job.allowed_senders()
@@ -248,7 +241,7 @@ class SubtaskService:
                 for i, leaf in enumerate(tree_flatten(value)[0]):
                     tensors[f"{mb}/{i}"] = leaf
             reply["outputs"] = await asyncio.get_running_loop().run_in_executor(
-                self.compute, pack_tensors, tensors
+                self.node.compute, pack_tensors, tensors
             )
         job.last_reply = reply
         return reply
@@ -290,7 +283,7 @@ class SubtaskService:
             grads = job.grads_blob() if job.spec.task == "grad" else None
             return {"state": job.state_blob(), "grads": grads, "optim": job.optim_blob()}
 
-        return await asyncio.get_running_loop().run_in_executor(self.compute, blobs)
+        return await asyncio.get_running_loop().run_in_executor(self.node.compute, blobs)
 
     async def rpc_release(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
         if payload.get("job_id") not in self.jobs:
@@ -299,28 +292,6 @@ class SubtaskService:
         refused = self._refused(job.job_id)
         self._release(job.job_id, str(payload.get("reason", "done"))[:200])
         return {"released": True, "refused": refused}
-
-
-GIL_SWITCH_INTERVAL = 0.001  # seconds; CPython's default is 0.005
-
-
-def compute_pool(threads: int | None) -> ThreadPoolExecutor:
-    """The compnode's compute thread. torch keeps the intra-op thread count per process, but set it
-    on the new thread too (``--threads``) in case the backend reads it per thread.
-
-    torch releases the GIL inside its kernels, but an fx module's Python between ops holds it, and the
-    event loop waits up to the switch interval each time it wants it back; a ping takes several such
-    turns. A 1 ms interval keeps heartbeat round trips short while a sub-task runs; it costs the compute
-    thread nothing while the loop is idle (the interval only matters when another thread asks)."""
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL)
-
-    def init() -> None:
-        if threads is not None:
-            import torch
-
-            torch.set_num_threads(threads)
-
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusionnet-compute", initializer=init)
 
 
 def make_service(compnode: CompnodeDaemon) -> SubtaskService:
