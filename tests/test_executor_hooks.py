@@ -189,3 +189,12 @@ def test_a_failing_forward_names_the_sub_dag_and_micro_batch() -> None:
     bad = [{"inputs": mb["inputs"][:, :1], "labels": mb["labels"]} for mb in steps[0].microbatches]
     with pytest.raises(ExecutionError, match="FP of step 0 micro-batch 0"):
         asyncio.run(ex.run_step(0, bad, steps[0].sizes))
+
+
+def test_the_step_call_timeout_scales_with_the_step() -> None:
+    from fusionnet.broker.failures import STEP_TIMEOUT_FACTOR, STEP_TIMEOUT_FLOOR, step_timeout
+
+    assert step_timeout(None, None) == STEP_TIMEOUT_FLOOR
+    assert step_timeout(0.5, 2.0) == STEP_TIMEOUT_FLOOR  # short steps: the floor
+    assert step_timeout(120.0, None) == 120.0 * STEP_TIMEOUT_FACTOR  # minutes-long sub-tasks: scaled
+    assert step_timeout(10.0, 300.0) == 300.0 * STEP_TIMEOUT_FACTOR  # the longer of predicted and measured

@@ -88,7 +88,6 @@ class JobRun:
         self._busy: dict[int, float] = {}  # sub-DAG -> FP+BP+Update seconds over the steps below
         self._busy_steps = 0
         self._placement: Placement | None = None
-        self._last_step_seconds: float | None = None  # scales the step call's timeout
         self._lost: set[str] = set()  # peers whose sub-DAGs the next placement must move
         self._next: Placement | None = None  # a re-plan decided at a step boundary
         self._seen_candidates: set[str] = set()  # the compnodes offered at the last placement decision
@@ -358,13 +357,12 @@ class JobRun:
     async def _step(self, step: int) -> None:
         job = self.job
         started = time.perf_counter()
-        predicted = None if self._placement is None else self._placement.predicted_step
-        timeout = step_timeout(predicted, self._last_step_seconds)
+        last = self.progress.metrics[-1]["seconds"] if self.progress.metrics else None
+        timeout = step_timeout(getattr(self._placement, "predicted_step", None), last)
         replies = await self._gather(
             [self._call(p, "step", {"job_id": job.job_id, "step": step}, timeout) for p in self.peers]
         )
         seconds = time.perf_counter() - started
-        self._last_step_seconds = seconds
         self._busy_steps += 1
         samples = sum(job.spec.microbatch_sizes(step))
         row: dict[str, Any] = {"step": step, "seconds": seconds, "samples": samples}
