@@ -14,7 +14,7 @@
 
 Prints a table, then one JSON line. Logs and results stay in ``--workdir``.
 
-    python benchmarks/responsiveness.py [--d-model 384] [--layers 16] [--batch 128] [--steps 2]
+    python benchmarks/responsiveness.py [--d-model 384] [--layers 24] [--batch 128] [--steps 2]
                                          [--workdir DIR]
 """
 
@@ -82,6 +82,8 @@ async def run_job(swarm: LocalSwarm, job_path: Path, out: Path, errors: list[str
     async with SwarmObserver(swarm.initial_peers) as observer:
         await swarm.wait_members(observer)
         peers = [node.peer_id for node in swarm.nodes]
+        for peer in peers:  # connection set-up (a DHT lookup and a dial) is not a round trip
+            await observer.call(peer, "ping", {"nonce": "warm-up"}, timeout=30.0)
         job = asyncio.create_task(
             submit_and_wait(job_path, swarm.initial_peers, out, stream=io.StringIO(), timeout=900)
         )
@@ -105,7 +107,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--d-model", type=int, default=384)
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None)
