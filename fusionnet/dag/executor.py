@@ -93,7 +93,11 @@ class Outbox:
         if failed.done():
             failed.result()
         waiting = asyncio.ensure_future(receive)
-        await asyncio.wait({waiting, failed}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({waiting, failed}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the step was cancelled: the receive goes with it
+            waiting.cancel()
+            raise
         if not waiting.done():
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
