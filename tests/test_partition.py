@@ -63,8 +63,12 @@ def test_table3_attributes(fig3_graph) -> None:
     assert s3.inner_required == ["labels", "cat", "linear"]
     assert s3.outwards == [] and s3.compnode_users == []
     assert s3.holds_loss and s3.holds_output
-    # Table 2's compnode location / compnode users are stamped on the graph.
-    assert fig3_graph.node("add").compnode == 0 and fig3_graph.node("add").compnode_users == [0, 1]
+    # Table 2's compnode location / compnode users are part of the analysis; the graph is not touched.
+    assert part.assignment["add"] == 0 and part.node_users["add"] == [0, 1]
+    assert fig3_graph.node("add").compnode is None and fig3_graph.node("add").compnode_users == []
+    stamped = part.annotated(fig3_graph)
+    assert stamped.node("add").compnode == 0 and stamped.node("add").compnode_users == [0, 1]
+    assert stamped.node("cross_entropy").compnode == 2 and fig3_graph.node("cross_entropy").compnode is None
     assert "Inner required" in part.describe()
 
 

@@ -1,19 +1,17 @@
-"""``--slowdown``: the throttled executor (on a fake clock, so timing is exact and the tests take no time),
-the slowed hardware profile, and the configuration checks."""
+"""``--slowdown``: the throttle hook (on a fake clock, so timing is exact and the tests take no time), a
+real executor throttled on its compute thread, the slowed hardware profile, and the configuration checks."""
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
 
 from fusionnet.compnode.daemon import CompnodeConfig
-from fusionnet.compnode.throttle import Throttle, check_slowdown, slowed_hardware, throttle
-from fusionnet.dag.channel import Channel, MessageKey
+from fusionnet.compnode.throttle import Throttle, check_slowdown, slowed_hardware, throttle_hooks
 from fusionnet.dag.executor import StepReport
+from fusionnet.dag.hooks import HookChain, Phase
 from fusionnet.dht.records import HardwareInfo
 from fusionnet.perfmodel.types import ClassCost, Overheads
 
@@ -23,7 +21,7 @@ class FakeClock:
 
     def __init__(self, overshoot: float = 0.0) -> None:
         self.now = 0.0
-        self.overshoot = overshoot  # every sleep lasts this much longer than asked, as a busy loop's do
+        self.overshoot = overshoot  # every sleep lasts this much longer than asked, as a busy host's do
         self.sleeps: list[float] = []
 
     def __call__(self) -> float:
@@ -32,83 +30,70 @@ class FakeClock:
     def advance(self, seconds: float) -> None:
         self.now += seconds
 
-    async def sleep(self, seconds: float) -> None:
+    def sleep(self, seconds: float) -> None:
         self.sleeps.append(seconds)
         self.now += seconds + self.overshoot
-        await asyncio.sleep(0)  # a real await point, as asyncio.sleep is
 
 
-class FakeChannel(Channel):
-    """Waits ``wait`` seconds of fake time in every recv and send; logs when each message left."""
+class FakeSteps:
+    """Drives a hook chain the way ``SubDagExecutor.run_step`` does: per micro-batch a wait for the input
+    (the event loop's, outside any stretch), FP compute, a send; BP compute and a send in reverse; one
+    Update. Logs when each message left."""
 
-    def __init__(self, clock: FakeClock, wait: float) -> None:
-        self.clock, self.wait = clock, wait
-        self.sent_at: list[tuple[MessageKey, float]] = []
-        self.mailbox = "the wrapped channel's attribute"
+    def __init__(self, clock: FakeClock, chain: HookChain, *, fp: float, bp: float, up: float, wait: float):
+        self.clock, self.chain = clock, chain
+        self.fp, self.bp, self.up, self.wait = fp, bp, up, wait
+        self.sent_at: list[tuple[str, float]] = []
 
-    async def send(self, dst: int, key: MessageKey, value: Any) -> None:
-        self.sent_at.append((key, self.clock.now))
+    def stretch(self, phase: Phase, step: int, mb: int, seconds: float) -> None:
+        self.chain.run(phase, step, mb, lambda: self.clock.advance(seconds))
+
+    def send(self, what: str) -> None:
+        self.sent_at.append((what, self.clock.now))
         self.clock.advance(self.wait)
 
-    async def recv(self, src: int, key: MessageKey) -> Any:
-        self.clock.advance(self.wait)
-        return 1.0
+    def forward(self, step: int, mb: int) -> None:
+        self.clock.advance(self.wait)  # the input arrives
+        self.stretch("fp", step, mb, self.fp)
+        self.send(f"act {mb}")
+
+    def run_step(self, step: int, mbs: int, bp: Any = None) -> StepReport:
+        self.chain.step_started(step)
+        for mb in range(mbs):
+            self.forward(step, mb)
+        for mb in reversed(range(mbs)):
+            if bp is None:
+                self.stretch("bp", step, mb, self.bp)
+            else:
+                self.chain.run("bp", step, mb, bp)
+            self.send(f"grad {mb}")
+        self.stretch("update", step, 0, self.up)
+        seconds = self.chain.timer.seconds
+        report = StepReport(step, fp_seconds=seconds["fp"], bp_seconds=seconds["bp"])
+        report.update_seconds = seconds["update"]
+        self.chain.step_finished(step, report)
+        return report
 
 
-class FakeExecutor:
-    """Shaped like ``SubDagExecutor``: run_step calls self.forward/backward/update; FP receives, computes
-    ``fp`` seconds and sends; BP computes ``bp`` seconds and sends; Update computes ``up`` seconds."""
-
-    def __init__(self, clock: FakeClock, *, fp: float, bp: float, up: float, wait: float) -> None:
-        self.clock, self.fp, self.bp, self.up = clock, fp, bp, up
-        self.channel: Channel = FakeChannel(clock, wait)
-        self.updates = 0
-
-    async def forward(self, step: int, mb: int, data: Any) -> tuple[Any, ...]:
-        x = await self.channel.recv(0, ("act", step, mb, "x"))
-        self.clock.advance(self.fp)
-        await self.channel.send(1, ("act", step, mb, "y"), x)
-        return (x,)
-
-    async def backward(self, step: int, mb: int, loss_weight: float) -> None:
-        self.clock.advance(self.bp)
-        await self.channel.send(0, ("grad", step, mb, "x"), loss_weight)
-
-    def update(self) -> None:
-        self.clock.advance(self.up)
-        self.updates += 1
-
-    async def run_step(
-        self, step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]
-    ) -> StepReport:
-        for mb, data in enumerate(microbatches):
-            await self.forward(step, mb, data)
-        for mb in reversed(range(len(microbatches))):
-            await self.backward(step, mb, 0.5)
-        self.update()
-        n = len(microbatches)
-        return StepReport(step, fp_seconds=n * self.fp, bp_seconds=n * self.bp, update_seconds=self.up)
+def _throttled(
+    factor: float, overshoot: float = 0.0, **times: float
+) -> tuple[FakeClock, FakeSteps, Throttle]:
+    clock = FakeClock(overshoot)
+    hooks = throttle_hooks(factor, clock=clock, sleep=clock.sleep)
+    [debt] = hooks
+    assert isinstance(debt, Throttle)
+    chain = HookChain(hooks)
+    chain.timer.clock = clock
+    return clock, FakeSteps(clock, chain, **times), debt
 
 
-def _throttled(factor: float, **times: float) -> tuple[FakeClock, FakeExecutor, Throttle]:
-    clock = FakeClock()
-    executor = FakeExecutor(clock, **times)
-    debt = throttle(executor, factor, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
-    assert debt is not None
-    return clock, executor, debt
-
-
-def test_factor_one_wraps_nothing() -> None:
-    clock = FakeClock()
-    executor = FakeExecutor(clock, fp=1, bp=1, up=1, wait=0)
-    channel, forward = executor.channel, executor.forward
-    assert throttle(executor, 1) is None  # type: ignore[arg-type]
-    assert executor.channel is channel and executor.forward == forward
+def test_factor_one_adds_no_hook() -> None:
+    assert throttle_hooks(1) == [] and throttle_hooks(1.0) == []
 
 
 def test_forward_sleeps_for_its_compute_not_for_its_waits() -> None:
-    clock, executor, debt = _throttled(3.0, fp=2.0, bp=0.0, up=0.0, wait=5.0)
-    asyncio.run(executor.forward(0, 0, {}))
+    clock, steps, debt = _throttled(3.0, fp=2.0, bp=0.0, up=0.0, wait=5.0)
+    steps.forward(0, 0)
     # 5 s waiting for the input, 2 s compute, 5 s sending: only the compute is charged, (3-1) x 2 s.
     assert clock.sleeps == [pytest.approx(4.0)]
     assert debt.charged == pytest.approx(2.0) and debt.slept == pytest.approx(4.0)
@@ -116,25 +101,23 @@ def test_forward_sleeps_for_its_compute_not_for_its_waits() -> None:
 
 
 def test_output_leaves_when_the_slow_device_would_have_produced_it() -> None:
-    _, executor, _ = _throttled(4.0, fp=1.0, bp=0.0, up=0.0, wait=0.5)
-    asyncio.run(executor.forward(0, 0, {}))
-    (_key, sent_at), *_ = executor.channel.inner.sent_at  # type: ignore[attr-defined]
+    _, steps, _ = _throttled(4.0, fp=1.0, bp=0.0, up=0.0, wait=0.5)
+    steps.forward(0, 0)
+    (_what, sent_at), *_ = steps.sent_at
     assert sent_at == pytest.approx(0.5 + 4 * 1.0)  # input wait, then the compute at a quarter speed
 
 
-def test_update_debt_is_paid_asynchronously_at_the_end_of_the_step() -> None:
-    clock, executor, debt = _throttled(2.0, fp=0.0, bp=0.0, up=3.0, wait=0.0)
-    executor.update()  # synchronous, on the event loop: it may not sleep
-    assert clock.sleeps == [] and debt.debt == pytest.approx(3.0)
-    asyncio.run(debt.pay())
+def test_update_debt_is_slept_off_on_the_compute_thread() -> None:
+    clock, steps, debt = _throttled(2.0, fp=0.0, bp=0.0, up=3.0, wait=0.0)
+    steps.stretch("update", 0, 0, 3.0)
     assert clock.sleeps == [pytest.approx(3.0)] and debt.debt == 0
 
 
 @pytest.mark.parametrize("factor", [1.5, 2.0, 3.0, 4.0])
 def test_a_step_takes_factor_times_its_compute_plus_the_waits(factor: float) -> None:
     fp, bp, up, wait, mbs = 0.3, 0.5, 0.2, 0.1, 4
-    clock, executor, debt = _throttled(factor, fp=fp, bp=bp, up=up, wait=wait)
-    report = asyncio.run(executor.run_step(0, [{}] * mbs, [8] * mbs))
+    clock, steps, debt = _throttled(factor, fp=fp, bp=bp, up=up, wait=wait)
+    report = steps.run_step(0, mbs)
     compute = mbs * (fp + bp) + up
     waits = mbs * 2 * wait + mbs * wait  # FP: a recv and a send each; BP: a send each
     assert clock.now == pytest.approx(factor * compute + waits)
@@ -144,60 +127,44 @@ def test_a_step_takes_factor_times_its_compute_plus_the_waits(factor: float) -> 
     assert report.fp_seconds == pytest.approx(factor * mbs * fp)
     assert report.bp_seconds == pytest.approx(factor * mbs * bp)
     assert report.update_seconds == pytest.approx(factor * up)
-    assert executor.updates == 1
 
 
 def test_a_sleep_that_ran_long_is_credited_against_the_next_one() -> None:
-    clock = FakeClock(overshoot=0.5)
-    executor = FakeExecutor(clock, fp=1.0, bp=1.0, up=0.0, wait=0.0)
-    debt = throttle(executor, 2.0, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
-    assert debt is not None
-    asyncio.run(executor.run_step(0, [{}], [8]))
+    clock, steps, _ = _throttled(2.0, overshoot=0.5, fp=1.0, bp=1.0, up=0.0, wait=0.0)
+    steps.run_step(0, 1)
     # FP: 1 s compute, asked 1 s, slept 1.5 s; BP: 1 s compute owes 1 s less the 0.5 s credit.
     assert clock.sleeps == [pytest.approx(1.0), pytest.approx(0.5)]
     assert clock.now == pytest.approx(2 * 2.0 + 0.5)  # only the last sleep's overshoot remains
 
 
-def test_the_wrapped_channel_passes_other_attributes_through() -> None:
-    _, executor, _ = _throttled(2.0, fp=0, bp=0, up=0, wait=0)
-    assert executor.channel.mailbox == "the wrapped channel's attribute"  # type: ignore[attr-defined]
+def test_a_failed_stretch_still_pays_and_a_new_step_owes_nothing_old() -> None:
+    clock, steps, debt = _throttled(2.0, fp=1.0, bp=0.0, up=0.0, wait=0.0)
 
-
-def test_a_failed_call_still_pays_and_a_new_step_owes_nothing_old() -> None:
-    clock = FakeClock()
-    executor = FakeExecutor(clock, fp=1.0, bp=0.0, up=0.0, wait=0.0)
-
-    async def broken(step: int, mb: int, loss_weight: float) -> None:
+    def broken() -> None:
         clock.advance(0.5)
         raise RuntimeError("boom")
 
-    executor.backward = broken  # type: ignore[method-assign]
-    debt = throttle(executor, 2.0, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type]
-    assert debt is not None
     debt.charge(7.0)  # left over from a step that was cut short
     with pytest.raises(RuntimeError, match="boom"):
-        asyncio.run(executor.run_step(1, [{}], [8]))
+        steps.run_step(1, 1, bp=broken)
     assert sum(clock.sleeps) == pytest.approx(1.0 + 0.5)  # FP's and the failed BP's; the old debt dropped
     assert debt.debt == 0 and not debt.running
 
 
 def test_real_sleep_is_at_least_the_debt() -> None:
-    """Real clocks and asyncio.sleep: 20 ms of CPU at F=3 sleeps >= 40 ms (compute is charged in the
-    thread's CPU time, so the busy loop counts CPU time too: on a loaded machine its wall time is more)."""
+    """Real clocks: 20 ms of CPU at F=3 sleeps >= 40 ms (compute is charged in the thread's CPU time, so
+    the busy loop counts CPU time too: on a loaded machine its wall time is more)."""
     import time
 
-    class Busy(FakeExecutor):
-        async def forward(self, step: int, mb: int, data: Any) -> tuple[Any, ...]:
-            end = time.thread_time() + 0.02
-            while time.thread_time() < end:
-                pass
-            return ()
+    def busy() -> None:
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
 
-    executor = Busy(FakeClock(), fp=0, bp=0, up=0, wait=0)
-    debt = throttle(executor, 3.0)  # type: ignore[arg-type]
-    assert debt is not None
+    [debt] = throttle_hooks(3.0)
+    assert isinstance(debt, Throttle)
     started = time.perf_counter()
-    asyncio.run(executor.forward(0, 0, {}))
+    HookChain([debt]).run("fp", 0, 0, busy)
     elapsed = time.perf_counter() - started
     assert debt.charged >= 0.02 and debt.slept >= 2 * debt.charged * 0.99
     assert elapsed >= 3 * 0.02 * 0.95

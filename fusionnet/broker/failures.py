@@ -30,6 +30,18 @@ log = logging.getLogger("fusionnet.broker.jobs")
 
 PROBE_TIMEOUT = 1.5
 MAX_RECOVERIES = 50
+STEP_TIMEOUT_FLOOR = 600.0  # a step call is never cut shorter than this
+STEP_TIMEOUT_FACTOR = 20.0  # ... nor shorter than this many times the step's expected duration
+
+
+def step_timeout(predicted: float | None, measured: float | None) -> float:
+    """How long a ``step`` call may last. Not a failure detector: compnodes compute off their event loop
+    and answer pings while busy, so a dead one is found by heartbeats and ``FailureWatch`` probes
+    within seconds whatever the step's length. This bound only ends a call that hangs while its
+    compnode still answers; it scales with the predicted and last measured step, so a long sub-task
+    (minutes) is never taken for a hung one."""
+    expected = max((x for x in (predicted, measured) if x is not None and x > 0), default=0.0)
+    return max(STEP_TIMEOUT_FLOOR, STEP_TIMEOUT_FACTOR * expected)
 
 
 class PeerFailure(Exception):

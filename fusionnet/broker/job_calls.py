@@ -47,10 +47,12 @@ class JobCalls:
             ]
         )
 
-    async def step(self, peers: Sequence[str], step: int) -> list[StepReply]:
+    async def step(self, peers: Sequence[str], step: int, *, timeout: float) -> list[StepReply]:
+        """One step on every peer; ``timeout`` scales with the step's expected length (a busy compnode
+        is not a dead one: ``failures.step_timeout``)."""
         request = StepRequest(job_id=self.job_id, step=step)
         return await gather(
-            [self._named(p, "step", self.client.call_step(p, request, timeout=STEP_TIMEOUT)) for p in peers]
+            [self._named(p, "step", self.client.call_step(p, request, timeout=timeout)) for p in peers]
         )
 
     async def collect(self, peers: Sequence[str]) -> list[CollectReply]:

@@ -38,7 +38,7 @@ from fusionnet.broker import replanning
 from fusionnet.broker.assignment_payloads import assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
 from fusionnet.broker.context import JobContext
-from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog
+from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog, step_timeout
 from fusionnet.broker.job_calls import JobCalls
 from fusionnet.broker.links import probe_placement
 from fusionnet.broker.replanning import Replan
@@ -324,7 +324,9 @@ class JobRun:
     async def _step(self, step: int) -> None:
         job = self.job
         started = time.perf_counter()
-        replies = await self.calls.step(self.peers, step)
+        last = self.progress.metrics[-1]["seconds"] if self.progress.metrics else None
+        predicted = None if self._placement is None else self._placement.predicted_step
+        replies = await self.calls.step(self.peers, step, timeout=step_timeout(predicted, last))
         seconds = time.perf_counter() - started
         self._busy_steps += 1
         samples = sum(job.spec.microbatch_sizes(step))

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 from fusionnet import __version__
+from fusionnet.compnode.compute import compute_pool
 from fusionnet.compnode.throttle import check_slowdown, slowed_hardware
 from fusionnet.daemon.base import Daemon
 from fusionnet.daemon.config import DaemonConfig
@@ -52,6 +53,8 @@ from fusionnet.profiling.node import profile_hardware, profile_software_overhead
 from fusionnet.rpc.server import RPCContext
 
 log = logging.getLogger("fusionnet.compnode")
+
+CALIBRATION_WAIT = 1.0  # seconds the start-up waits for the overheads (a cache hit) before going ONLINE
 
 
 @dataclass
@@ -96,6 +99,7 @@ class CompnodeDaemon(Daemon):
         self.metrics_address: str | None = None
         self._maddrs: list[str] = []
         self._announce_lock = asyncio.Lock()
+        self.compute = compute_pool(config.threads)  # FP/BP/Update and the calibration run there
 
     # ---- API for services ------------------------------------------------------------------------
     def set_load(self, *, load: float, running_tasks: int) -> None:
@@ -137,37 +141,54 @@ class CompnodeDaemon(Daemon):
     async def on_startup(self) -> None:
         self.metrics_address = await self._metrics_address()
         await self.announce_now()  # JOINING: visible while we profile
+        # Refreshed from now on, not from ONLINE: profiling and calibration take seconds (more with
+        # several nodes starting on a few cores), longer than a record lives, and a JOINING record that
+        # expired reads to the broker as a node gone without an OFFLINE announcement.
+        self.every(self.config.refresh_period, self.announce_now, "dht refresh")
         if self.settings.threads is not None:
             import torch
 
             torch.set_num_threads(self.settings.threads)
-        self.hardware = await asyncio.to_thread(
+        hardware = await asyncio.to_thread(
             profile_hardware,
             self.state_dir.path,
             device=self.settings.device,
             threads=self.settings.threads,
             refresh=self.settings.reprofile,
         )
-        self.hardware = await asyncio.to_thread(
-            profile_software_overheads, self.hardware, self.state_dir.path
+        # The per-op overheads: from the cache at once on a restart; on a first start the calibration
+        # (seconds, tens of them with several nodes starting on 2 cores) goes on after ONLINE, on the
+        # compute thread, so that no job's compute overlaps its timings; the record goes out without
+        # overheads until then (the planner then only loses their precision).
+        calibration = asyncio.get_running_loop().run_in_executor(
+            self.compute, profile_software_overheads, hardware, self.state_dir.path
         )
+        done, _ = await asyncio.wait({calibration}, timeout=CALIBRATION_WAIT)
+        self._set_hardware(calibration.result() if done else hardware)
+        await self.start_services()
+        self.state = NodeState.ONLINE
+        await self.announce_now()
+        if not done:
+            log.info("calibrating the per-op overheads in the background")
+            self.spawn(self._calibrated(calibration), "calibration")
+
+    async def _calibrated(self, calibration: asyncio.Future[HardwareInfo]) -> None:
+        self._set_hardware(await calibration)
+        await self.announce_now()
+
+    def _set_hardware(self, hardware: HardwareInfo) -> None:
         if self.settings.slowdown != 1.0:
             # Announce the device we emulate (the cached profile stays the real machine's).
-            self.hardware = slowed_hardware(self.hardware, self.settings.slowdown)
+            hardware = slowed_hardware(hardware, self.settings.slowdown)
             log.info(
                 "--slowdown %g: emulating a device %g times slower (announced λ=%.3g, overheads x%g)",
                 self.settings.slowdown,
                 self.settings.slowdown,
-                self.hardware.speed_factor,
+                hardware.speed_factor,
                 self.settings.slowdown,
             )
-        self.metrics.set_hardware(
-            speed_factor=self.hardware.speed_factor, peak_flops=self.hardware.peak_flops
-        )
-        await self.start_services()
-        self.state = NodeState.ONLINE
-        await self.announce_now()
-        self.every(self.config.refresh_period, self.announce_now, "dht refresh")
+        self.hardware = hardware
+        self.metrics.set_hardware(speed_factor=hardware.speed_factor, peak_flops=hardware.peak_flops)
 
     async def on_draining(self) -> None:
         if self.state in (NodeState.JOINING, NodeState.ONLINE):
@@ -175,6 +196,7 @@ class CompnodeDaemon(Daemon):
             await self.announce_now()
 
     async def on_stopped(self) -> None:
+        self.compute.shutdown(wait=False, cancel_futures=True)
         self.state = NodeState.OFFLINE
         await self.announce_now()
         log.info("announced OFFLINE")

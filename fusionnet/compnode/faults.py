@@ -4,8 +4,11 @@
 (SIGKILL, no goodbye) in ``phase`` of the k-th step (0-based; or the first one after, when that step was
 cut short) *this process* runs, whatever job, attempt or absolute step that is: ``fp`` or ``bp`` (at
 that micro-batch, default 0), ``update``, or ``sync`` (while the broker collects its state after that
-step). Counting per process lets a test arm a backup
-before anyone knows when it will be brought in. Unset (the normal case), nothing is wrapped.
+step). Counting per process lets a test arm a backup before anyone knows when it will be brought in.
+Unset (the normal case), no hook is added.
+
+FP, BP and Update points fire from an executor hook (``FaultHook``, see ``fusionnet.dag.hooks``) just
+before that compute stretch, on the compute thread; ``sync`` fires in the ``collect`` RPC.
 """
 
 from __future__ import annotations
@@ -14,9 +17,8 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
-from typing import Any
 
-from fusionnet.dag.executor import SubDagExecutor
+from fusionnet.dag.hooks import ExecutorHook, Phase
 
 log = logging.getLogger("fusionnet.compnode.faults")
 
@@ -56,24 +58,18 @@ class FaultPoint:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm(executor: SubDagExecutor, point: FaultPoint | None) -> None:
-    """Wraps the executor's FP/BP/Update so that reaching ``point`` kills the process."""
-    if point is None:
-        return
-    forward, backward, update = executor.forward, executor.backward, executor.update
+class FaultHook(ExecutorHook):
+    """Counts the steps an executor begins and fires the point before its FP, BP or Update."""
 
-    async def fp(step: int, mb: int, data: Any) -> Any:
-        if mb == 0:
-            point.steps_begun += 1
-        point.hit("fp", mb)
-        return await forward(step, mb, data)
+    def __init__(self, point: FaultPoint) -> None:
+        self.point = point
 
-    async def bp(step: int, mb: int, loss_weight: float) -> None:
-        point.hit("bp", mb)
-        await backward(step, mb, loss_weight)
+    def before(self, phase: Phase, step: int, mb: int) -> None:
+        if phase == "fp" and mb == 0:
+            self.point.steps_begun += 1
+        self.point.hit(phase, mb)
 
-    def up() -> None:
-        point.hit("update")
-        update()
 
-    executor.forward, executor.backward, executor.update = fp, bp, up  # type: ignore[method-assign]
+def fault_hooks(point: FaultPoint | None) -> list[ExecutorHook]:
+    """The hooks that arm ``point`` (none when fault injection is off)."""
+    return [] if point is None else [FaultHook(point)]

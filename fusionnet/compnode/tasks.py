@@ -8,6 +8,9 @@ compnodes may send: anything else is refused and counted, and the job goes on.
 
 Only the peer that assigned a job may drive it (``step``), read it (``collect``) or end it
 (``release``); a call about a job from anyone else is refused with a ``JobError``.
+
+Compute runs on the compnode's compute thread (``fusionnet.compnode.compute``), never on the event
+loop: while a sub-task computes for minutes the loop keeps answering pings and RPCs and moving data.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from typing import Any
 
 from fusionnet.compnode.assignment_intake import JobAssignment, build_assignment
 from fusionnet.compnode.daemon import CompnodeDaemon
-from fusionnet.compnode.faults import FaultPoint, arm
+from fusionnet.compnode.faults import FaultPoint, fault_hooks
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
-from fusionnet.compnode.throttle import throttle
+from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.errors import JobError
 from fusionnet.messages.base import handles
 from fusionnet.messages.blobs import pack_tensors
@@ -190,8 +193,9 @@ class SubtaskService:
             build_assignment, request, own_peer_id=self.node.peer_id, broker=context.remote_peer, send=send
         )
         holder["job"] = job
-        arm(job.executor, self.fault)
-        throttle(job.executor, self.node.settings.slowdown)  # --slowdown: nothing wrapped at 1
+        job.executor.compute = self.node.compute
+        for hook in (*fault_hooks(self.fault), *throttle_hooks(self.node.settings.slowdown)):
+            job.executor.hooks.add(hook)
         allowed = job.allowed_senders()
         prober = LinkProber(job.job_id, self.node.peer_id, job.channel.subdag_of_peer, send)
         self._probers[job.job_id] = prober
@@ -240,7 +244,10 @@ class SubtaskService:
         self.node.metrics.count_subtask("succeeded")
         outputs = None
         if report.outputs:
-            outputs = pack_tensors(output_tensors(report.outputs))
+            tensors = output_tensors(report.outputs)
+            outputs = await asyncio.get_running_loop().run_in_executor(
+                self.node.compute, pack_tensors, tensors
+            )
         reply = StepReply(
             step=step,
             loss=report.loss,
@@ -280,8 +287,14 @@ class SubtaskService:
         job = self._job(request, context)
         if self.fault is not None and job.steps_done:
             self.fault.hit("sync")
-        grads = job.grads_blob() if job.spec.task == "grad" else None
-        return CollectReply(state=job.state_blob(), grads=grads, optim=job.optim_blob())
+
+        def blobs() -> CollectReply:
+            # Packing a big model's state is compute (seconds for 100M parameters): on the compute
+            # thread, after any stretch still queued there, never on the event loop.
+            grads = job.grads_blob() if job.spec.task == "grad" else None
+            return CollectReply(state=job.state_blob(), grads=grads, optim=job.optim_blob())
+
+        return await asyncio.get_running_loop().run_in_executor(self.node.compute, blobs)
 
     @handles(ReleaseRequest)
     async def rpc_release(self, request: ReleaseRequest, context: RPCContext) -> ReleaseReply:

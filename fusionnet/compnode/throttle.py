@@ -7,41 +7,38 @@ own work: every stretch of compute in FP, BP or Update is followed by a pause of
 so that it appears to take F times as long. Sleeping costs no CPU, so the other compnodes keep theirs
 and the emulation stays faithful even on an oversubscribed machine.
 
-What is charged: the CPU time (of the event-loop thread, where the executor runs) the executor spends
-*running* in ``forward``/``backward``/``update`` (not wall time: time the host's scheduler gives to
-other processes is contention on this machine, not slowness of the emulated device, and should not be
-multiplied by F-1), minus the time it waits in its channel (activations or gradients from peers that
-are not here yet, and sending, which is the network's business, not the device's). The debt is paid,
-asynchronously, at the next await point: before any message leaves (so a peer receives an activation
-when a slow device would have produced it), at the end of an FP or BP call, and at the end of the step
-for the Update (which runs on the event loop; ``time.sleep`` there would stall the node's heartbeats
-and data path). The step's reported FP/BP/Update seconds are multiplied by F, as the slow device would
-measure them.
+How: ``Throttle`` is an executor hook (``fusionnet.dag.hooks``). Its ``before``/``after`` run on the
+compute thread around each compute stretch (FP or BP of one micro-batch, the Update), never around the
+waits for peers' data (those are on the event loop, between stretches). What is charged is the CPU time
+of the compute thread during the stretch (not wall time: time the host's scheduler gives to other
+processes is contention on this machine, not slowness of the emulated device, and should not be
+multiplied by F-1). The debt is slept off at once, on the compute thread, before the stretch's outputs
+are sent: a peer receives an activation when a slow device would have produced it, and the event loop
+(heartbeats, RPCs, data path) never sleeps. The step's reported FP/BP/Update seconds are multiplied by
+F, as the slow device would measure them.
 
 The announced profile says the same (``slowed_hardware``): λp and the memory bandwidth divided by F, the
 fixed per-op overheads multiplied by F, so that the broker's performance model sees the device it gets.
-Not emulated: memory and network speeds of the data path, and two jobs on one slowed node do not slow
-each other down more than two jobs on a normal node would (each job's executor pays its own debt).
+Not emulated: memory and network speeds of the data path.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fusionnet.dag.channel import Channel, MessageKey
+from fusionnet.dag.hooks import ExecutorHook, Phase
 from fusionnet.dht.records import HardwareInfo
 
 if TYPE_CHECKING:  # torch-free at import: the compnode daemon validates --slowdown before torch loads
-    from fusionnet.dag.executor import StepReport, SubDagExecutor
+    from fusionnet.dag.executor import StepReport
 
-MIN_SLEEP = 1e-4  # smaller debts wait for the next pay: a sleep costs an event-loop turn
+MIN_SLEEP = 1e-4  # smaller debts wait for the next pay: a sleep has a cost of its own
 
 Clock = Callable[[], float]
-Sleep = Callable[[float], Awaitable[Any]]
+Sleep = Callable[[float], Any]
 
 
 def check_slowdown(factor: float) -> float:
@@ -55,22 +52,26 @@ def check_slowdown(factor: float) -> float:
     return value
 
 
-class Throttle:
+class Throttle(ExecutorHook):
     """The compute debt of one executor: ``charge`` adds (F-1) x seconds of compute, ``pay`` sleeps it off.
 
-    ``clock`` and ``sleep`` are injectable so that tests run on a fake clock instead of real time."""
+    ``clock``, ``work_clock`` and ``sleep`` are injectable so that tests run on a fake clock instead of
+    real time. By default compute is charged in the calling thread's CPU time (``time.thread_time``):
+    the hook's ``before`` and ``after`` run on the compute thread."""
 
     def __init__(
         self,
         factor: float,
         *,
         clock: Clock = time.perf_counter,
-        sleep: Sleep = asyncio.sleep,
+        sleep: Sleep = time.sleep,
         work_clock: Clock | None = None,
     ):
         self.factor = check_slowdown(factor)
         self.clock = clock  # wall time: what a sleep lasted
-        self.work_clock = work_clock or clock  # what a compute stretch cost the device
+        if work_clock is None:
+            work_clock = time.thread_time if clock is time.perf_counter else clock
+        self.work_clock = work_clock  # what a compute stretch cost the device
         self.sleep = sleep
         self.debt = 0.0  # seconds still to sleep (negative: slept too long, a credit)
         self.charged = 0.0  # compute seconds charged so far (the device's own time)
@@ -92,118 +93,46 @@ class Throttle:
         self._mark = self.work_clock()
 
     def stop(self) -> None:
-        """The compute stretch ends now (a wait begins, or the call returns): charge it."""
+        """The compute stretch ends now: charge it."""
         if self._mark is not None:
             self.charge(self.work_clock() - self._mark)
             self._mark = None
 
-    async def pay(self) -> None:
-        """Sleeps off the debt (the event loop stays free). A sleep that ran long (timer granularity, or
-        the loop busy with other callbacks when it was due) is credited against the next debt:
-        uncorrected, some 20 sleeps a step overshot by ~2 ms each on a busy 2-core machine, which made
-        a 4x-slowed stage 15% slower still."""
+    def pay(self) -> None:
+        """Sleeps off the debt (on the compute thread). A sleep that ran long (timer granularity, a busy
+        host) is credited against the next debt: uncorrected, some 20 sleeps a step overshot by ~2 ms
+        each on a busy 2-core machine, which made a 4x-slowed stage 15% slower still."""
         if self.debt < MIN_SLEEP:
             return  # a crumb (or a credit): carried to the next pay
         debt, started = self.debt, self.clock()
-        await self.sleep(debt)
+        self.sleep(debt)
         slept = self.clock() - started
         self.slept += slept
         self.debt = debt - slept  # <= 0 after an overshoot: a credit
 
-    async def settle(self) -> None:
-        """At an await point: end the current compute stretch and pay for it; the wait is not charged."""
+    # -- the hook ----------------------------------------------------------------------------------
+    def before(self, phase: Phase, step: int, mb: int) -> None:
+        self.start()
+
+    def after(self, phase: Phase, step: int, mb: int, failed: bool) -> None:
         self.stop()
-        await self.pay()
+        self.pay()  # a failed stretch cost the device its time too
+
+    def step_started(self, step: int) -> None:
+        self.debt = 0.0  # nothing owed (or credited) from an earlier step, or one that was cut short
+        self._mark = None
+
+    def step_finished(self, step: int, report: StepReport) -> None:
+        report.fp_seconds *= self.factor
+        report.bp_seconds *= self.factor
+        report.update_seconds *= self.factor
 
 
-class ThrottledChannel(Channel):
-    """The executor's channel, with the debt paid before every wait and the waits left uncharged."""
-
-    def __init__(self, inner: Channel, throttle: Throttle) -> None:
-        self.inner = inner
-        self.throttle = throttle
-
-    async def send(self, dst: int, key: MessageKey, value: Any) -> None:
-        running = self.throttle.running
-        await self.throttle.settle()
-        try:
-            await self.inner.send(dst, key, value)
-        finally:
-            if running:
-                self.throttle.start()
-
-    async def recv(self, src: int, key: MessageKey) -> Any:
-        running = self.throttle.running
-        await self.throttle.settle()
-        try:
-            return await self.inner.recv(src, key)
-        finally:
-            if running:
-                self.throttle.start()
-
-    def __getattr__(self, name: str) -> Any:  # mailbox, refused, ... of the wrapped channel
-        return getattr(self.inner, name)
-
-
-def throttle(
-    executor: SubDagExecutor,
-    factor: float,
-    *,
-    clock: Clock = time.perf_counter,
-    sleep: Sleep = asyncio.sleep,
-    work_clock: Clock | None = None,
-) -> Throttle | None:
-    """Makes ``executor`` emulate a device ``factor`` times slower (see the module docstring); returns the
-    ``Throttle`` (for its counters), or None when ``factor`` is 1 and nothing is wrapped. Compute is
-    charged by ``work_clock``: the thread's CPU time on the real clock, ``clock`` itself on a fake one."""
+def throttle_hooks(factor: float, **clocks: Any) -> list[ExecutorHook]:
+    """The hooks that make an executor emulate a device ``factor`` times slower (none at 1); ``clocks``
+    go to ``Throttle`` (tests)."""
     factor = check_slowdown(factor)
-    if factor == 1.0:
-        return None
-    if work_clock is None:
-        work_clock = time.thread_time if clock is time.perf_counter else clock
-    debt = Throttle(factor, clock=clock, sleep=sleep, work_clock=work_clock)
-    executor.channel = ThrottledChannel(executor.channel, debt)
-    forward, backward, update = executor.forward, executor.backward, executor.update
-    run_step = executor.run_step
-
-    async def fp(step: int, mb: int, data: Any) -> Any:
-        debt.start()
-        try:
-            return await forward(step, mb, data)
-        finally:
-            await debt.settle()
-
-    async def bp(step: int, mb: int, loss_weight: float) -> None:
-        debt.start()
-        try:
-            await backward(step, mb, loss_weight)
-        finally:
-            await debt.settle()
-
-    def up() -> None:
-        # Runs on the event loop inside run_step: charge now, sleep when run_step next yields (below).
-        debt.start()
-        try:
-            update()
-        finally:
-            debt.stop()
-
-    async def whole_step(
-        step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]
-    ) -> StepReport:
-        debt.debt = 0.0  # nothing owed (or credited) from an earlier step, or one that was cut short
-        try:
-            report = await run_step(step, microbatches, sizes)
-        finally:
-            await debt.pay()  # the Update's debt
-        report.fp_seconds *= factor
-        report.bp_seconds *= factor
-        report.update_seconds *= factor
-        return report
-
-    executor.forward, executor.backward, executor.update = fp, bp, up  # type: ignore[method-assign]
-    executor.run_step = whole_step  # type: ignore[method-assign]
-    return debt
+    return [] if factor == 1.0 else [Throttle(factor, **clocks)]
 
 
 def slowed_hardware(hw: HardwareInfo, factor: float) -> HardwareInfo:

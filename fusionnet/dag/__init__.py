@@ -8,8 +8,10 @@ Map of the package:
 - ``costs.py``       per-op FLOPs and bytes moved; ``flop_rules.py`` the per-operator rules.
 - ``codec.py``       IR <-> msgpack bytes, with the checks a compnode applies to IR from a peer.
 - ``partition.py``   an assignment IR node -> sub-DAG turned into sub-DAGs (FusionAI Table 3).
-- ``rebuild.py``     IR nodes -> callables; a sub-DAG -> ``torch.fx.GraphModule``.
-- ``executor.py``    FP, BP and Update of one sub-DAG (``SubDagExecutor``).
+- ``rebuild.py``     IR nodes -> callables; a sub-DAG -> ``torch.fx.GraphModule``; the one IR interpreter
+                     (``run_whole_graph``, with a per-node hook the tracer uses).
+- ``executor.py``    FP, BP and Update of one sub-DAG (``SubDagExecutor``), inline or on a compute thread.
+- ``hooks.py``       what runs around each FP, BP and Update (timing, --slowdown, fault injection).
 - ``channel.py``     the message passing between executors; ``LocalHub`` keeps it in memory.
 - ``checkpoint.py``  a sub-DAG's optimizer state as flat named tensors, and back.
 """

@@ -9,35 +9,35 @@
 
 Micro-batches follow GPipe: all FPs, then all BPs (reverse order), then one Update, so gradients
 accumulate over micro-batches and equal the full-batch gradients up to float rounding.
+
+Compute never runs on the event loop (design decision): with a ``compute`` pool (a compnode's single
+compute thread) every FP, BP and Update stretch runs there while the loop keeps serving heartbeats,
+RPCs and the data path. Receives wait on the loop, and sends are started on the loop without being
+awaited, so the next micro-batch computes while the last one's outputs travel; the step waits for its
+sends at its end, and a failed send ends the step at its next receive. Without a pool (``run --local``,
+the calibration) the stretches run inline: the same code and the same op order, so the same bits.
+Hooks (``fusionnet.dag.hooks``) run around every stretch.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fusionnet.dag.channel import Channel
+from fusionnet.dag.hooks import ExecutorHook, HookChain, Phase, StepReport
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import SubDag
 from fusionnet.dag.rebuild import build_subdag_module
 from fusionnet.errors import ExecutionError
 
-
-@dataclass
-class StepReport:
-    """What one sub-DAG did in one step."""
-
-    step: int
-    loss: float | None = None  # full-batch loss (only on the sub-DAG holding the loss)
-    outputs: list[Any] = field(default_factory=list)  # infer: output value per micro-batch
-    fp_seconds: float = 0.0
-    bp_seconds: float = 0.0
-    update_seconds: float = 0.0
+T = TypeVar("T")
 
 
 def _is_float(value: Any) -> bool:
@@ -48,8 +48,70 @@ def _detach(value: Any) -> Any:
     return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
 
 
+class Outbox:
+    """Sends in flight for one step: started on the loop, awaited together at the end of the step."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._failed: asyncio.Future[None] | None = None
+
+    def reset(self) -> None:
+        self.cancel()
+        self._failed = asyncio.get_running_loop().create_future()
+
+    def start(self, send: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(send)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._failed is not None and not self._failed.done():
+            self._failed.set_exception(task.exception())  # type: ignore[arg-type]
+
+    async def guard(self, receive: Awaitable[T]) -> T:
+        """Awaits ``receive``, or raises the error of a send that failed meanwhile (no peer would
+        answer a step whose data never left)."""
+        failed = self._failed
+        if failed is None:
+            return await receive
+        if failed.done():
+            failed.result()
+        waiting = asyncio.ensure_future(receive)
+        try:
+            await asyncio.wait({waiting, failed}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the step was cancelled: the receive goes with it
+            waiting.cancel()
+            raise
+        if not waiting.done():
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            failed.result()
+        return waiting.result()
+
+    async def drain(self) -> None:
+        """Waits for every send; raises the first failure."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks))
+        if self._failed is not None and self._failed.done():
+            self._failed.result()
+
+    def cancel(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        self._tasks.clear()
+        failed = self._failed
+        if failed is not None and not failed.done():
+            failed.cancel()
+        elif failed is not None and not failed.cancelled():
+            failed.exception()  # retrieved: no "exception was never retrieved" warning
+
+
 class SubDagExecutor:
-    """Runs one sub-DAG. ``optimizers`` is a factory ``named_params -> list[Optimizer]`` (train only)."""
+    """Runs one sub-DAG. ``optimizers`` is a factory ``named_params -> list[Optimizer]`` (train only);
+    ``compute`` the pool FP/BP/Update run on (None: inline); ``hooks`` run around each of them."""
 
     def __init__(
         self,
@@ -61,12 +123,16 @@ class SubDagExecutor:
         task: str,
         make_optimizers: Any = None,
         loss_reduction: str = "mean",
+        compute: Executor | None = None,
+        hooks: Sequence[ExecutorHook] = (),
     ) -> None:
         self.graph = graph
         self.subdag = subdag
         self.channel = channel
         self.task = task
         self.loss_reduction = loss_reduction
+        self.compute = compute
+        self.hooks = HookChain(hooks)
         self.loss_name = graph.loss_node().name if graph.loss_node() else None
         self.output_refs = graph.output.input_names() if subdag.holds_output else []
         outputs = list(subdag.outwards)
@@ -89,35 +155,51 @@ class SubDagExecutor:
         self.named_params = {k: self.root.param(k) for k in subdag.params}
         self.optimizers = make_optimizers(self.named_params) if (task == "train" and make_optimizers) else []
         self._stash: dict[int, tuple[list[Any], tuple[Any, ...]]] = {}
+        self.outbox = Outbox()
+        self._placeholder_target = {n: graph.node(n).target for n in subdag.placeholders}
+
+    async def _run(self, phase: Phase, step: int, mb: int, work: Callable[[], T]) -> T:
+        """One compute stretch, between the hooks, on the compute pool (or inline without one)."""
+        call = partial(self.hooks.run, phase, step, mb, work)
+        if self.compute is None:
+            return call()
+        return await asyncio.get_running_loop().run_in_executor(self.compute, call)
+
+    def _failed(self, what: str, step: int, mb: int, e: Exception) -> ExecutionError:
+        return ExecutionError(
+            f"sub-DAG {self.subdag.index}: {what} of step {step} micro-batch {mb} "
+            f"failed: {type(e).__name__}: {e}"
+        )
 
     # -- FP ------------------------------------------------------------------------------------
     async def forward(self, step: int, mb: int, data: Mapping[str, Any]) -> tuple[Any, ...]:
         inputs: list[Any] = []
-        placeholder_target = {n: self.graph.node(n).target for n in self.subdag.placeholders}
         for name in self.subdag.outer_required:
-            if name in placeholder_target:
-                if placeholder_target[name] not in data:
+            if name in self._placeholder_target:
+                if self._placeholder_target[name] not in data:
                     raise ExecutionError(f"sub-DAG {self.subdag.index}: no data for placeholder {name!r}")
-                inputs.append(data[placeholder_target[name]])
+                inputs.append(data[self._placeholder_target[name]])
                 continue
-            value = await self.channel.recv(self.subdag.sources[name], ("act", step, mb, name))
+            value = await self.outbox.guard(
+                self.channel.recv(self.subdag.sources[name], ("act", step, mb, name))
+            )
             if self.task != "infer":
                 # Received float tensors become leaves so their gradients can be returned in BP.
                 value = tree_map(lambda v: v.detach().requires_grad_(True) if _is_float(v) else v, value)
             inputs.append(value)
-        started = time.perf_counter()
-        with torch.set_grad_enabled(self.task != "infer"):
-            try:
-                outs = self.module(*inputs)
-            except Exception as e:
-                raise ExecutionError(
-                    f"sub-DAG {self.subdag.index}: FP of step {step} micro-batch {mb} "
-                    f"failed: {type(e).__name__}: {e}"
-                ) from e
-        self._fp_time += time.perf_counter() - started
+
+        def work() -> tuple[Any, ...]:
+            # Grad mode is per thread: set it on the thread that computes.
+            with torch.set_grad_enabled(self.task != "infer"):
+                try:
+                    return self.module(*inputs)
+                except Exception as e:
+                    raise self._failed("FP", step, mb, e) from e
+
+        outs = await self._run("fp", step, mb, work)
         for name, value in zip(self.output_names, outs):
             for dst in self.subdag.consumers.get(name, ()):
-                await self.channel.send(dst, ("act", step, mb, name), _detach(value))
+                self.outbox.start(self.channel.send(dst, ("act", step, mb, name), _detach(value)))
         if self.task != "infer":
             self._stash[mb] = (inputs, outs)
         return outs
@@ -125,18 +207,48 @@ class SubDagExecutor:
     # -- BP ------------------------------------------------------------------------------------
     async def backward(self, step: int, mb: int, loss_weight: float) -> None:
         inputs, outs = self._stash.pop(mb)
-        roots: list[torch.Tensor] = []
-        seeds: list[torch.Tensor] = []
+        received: list[tuple[str, Any, list[tuple[int, Any]]]] = []
         for name, value in zip(self.output_names, outs):
             # Consumers return gradients exactly for values with a float part (see the send below).
             consumers = self.subdag.consumers.get(name, ()) if self.expects_grad(value) else ()
-            leaves, _ = tree_flatten(value)
-            total: list[torch.Tensor | None] = [None] * len(leaves)
             # Latest consumer first: eager autograd accumulates a value's gradients in reverse execution
             # order, and sub-DAGs are contiguous in that order, so this grouping keeps sums bit-exact.
-            for dst in sorted(consumers, reverse=True):
-                grads = await self.channel.recv(dst, ("grad", step, mb, name))
-                flat, _ = tree_flatten(grads)
+            grads = [
+                (dst, await self.outbox.guard(self.channel.recv(dst, ("grad", step, mb, name))))
+                for dst in sorted(consumers, reverse=True)
+            ]
+            received.append((name, value, grads))
+
+        def work() -> None:
+            roots, seeds = self._seeds(received, loss_weight)
+            if roots:
+                try:
+                    torch.autograd.backward(roots, seeds)
+                except Exception as e:
+                    raise self._failed("BP", step, mb, e) from e
+
+        await self._run("bp", step, mb, work)
+        for name, value in zip(self.subdag.outer_required, inputs):
+            if name in self.subdag.placeholders:
+                continue  # placeholders need no gradient (section 3.6)
+            leaves, _spec = tree_flatten(value)
+            if not self.expects_grad(value):
+                continue  # nothing differentiable was received, so the producer expects nothing
+            grads = [v.grad if _is_float(v) else None for v in leaves]
+            self.outbox.start(self.channel.send(self.subdag.sources[name], ("grad", step, mb, name), grads))
+
+    def _seeds(
+        self, received: list[tuple[str, Any, list[tuple[int, Any]]]], loss_weight: float
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The roots and seed gradients of one BP: received gradients summed per output leaf (in the
+        order received), plus the loss seeded with its share of the batch."""
+        roots: list[torch.Tensor] = []
+        seeds: list[torch.Tensor] = []
+        for name, value, grads in received:
+            leaves, _ = tree_flatten(value)
+            total: list[torch.Tensor | None] = [None] * len(leaves)
+            for dst, got in grads:
+                flat, _ = tree_flatten(got)
                 if len(flat) != len(leaves):
                     raise ExecutionError(
                         f"sub-DAG {self.subdag.index}: gradient for {name!r} from sub-DAG "
@@ -146,10 +258,10 @@ class SubDagExecutor:
                     if g is None:
                         continue
                     if not isinstance(g, torch.Tensor) or g.shape != leaves[i].shape:
-                        got = getattr(g, "shape", type(g).__name__)
+                        shape = getattr(g, "shape", type(g).__name__)
                         raise ExecutionError(
                             f"sub-DAG {self.subdag.index}: gradient for {name!r} from sub-DAG {dst} "
-                            f"has shape {got}, expected {tuple(leaves[i].shape)}"
+                            f"has shape {shape}, expected {tuple(leaves[i].shape)}"
                         )
                     total[i] = g if total[i] is None else total[i] + g
             for leaf, g in zip(leaves, total):
@@ -159,36 +271,17 @@ class SubDagExecutor:
             if name == self.loss_name and self.subdag.holds_loss:
                 roots.append(value)
                 seeds.append(torch.full_like(value, loss_weight))
-        started = time.perf_counter()
-        if roots:
-            try:
-                torch.autograd.backward(roots, seeds)
-            except Exception as e:
-                raise ExecutionError(
-                    f"sub-DAG {self.subdag.index}: BP of step {step} micro-batch {mb} "
-                    f"failed: {type(e).__name__}: {e}"
-                ) from e
-        self._bp_time += time.perf_counter() - started
-        for name, value in zip(self.subdag.outer_required, inputs):
-            if name in self.subdag.placeholders:
-                continue  # placeholders need no gradient (section 3.6)
-            leaves, _spec = tree_flatten(value)
-            if not self.expects_grad(value):
-                continue  # nothing differentiable was received, so the producer expects nothing
-            grads = [v.grad if _is_float(v) else None for v in leaves]
-            await self.channel.send(self.subdag.sources[name], ("grad", step, mb, name), grads)
+        return roots, seeds
 
     def expects_grad(self, value: Any) -> bool:
         return any(_is_float(v) for v in tree_flatten(value)[0])
 
     # -- Update --------------------------------------------------------------------------------
     def update(self) -> None:
-        started = time.perf_counter()
         for opt in self.optimizers:
             opt.step()
         for p in self.named_params.values():
             p.grad = None
-        self._update_time += time.perf_counter() - started
 
     def gradients(self) -> dict[str, torch.Tensor]:
         return {k: p.grad.detach().clone() for k, p in self.named_params.items() if p.grad is not None}
@@ -202,7 +295,25 @@ class SubDagExecutor:
         self, step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]
     ) -> StepReport:
         """GPipe step: FP of every micro-batch, BP in reverse order, then Update (train)."""
-        self._fp_time = self._bp_time = self._update_time = 0.0
+        self.hooks.step_started(step)
+        self.outbox.reset()
+        try:
+            report = await self._step(step, microbatches, sizes)
+            await self.outbox.drain()
+        finally:
+            self.outbox.cancel()  # a failed step leaves no send behind
+        timer = self.hooks.timer.seconds
+        report.fp_seconds, report.bp_seconds, report.update_seconds = (
+            timer["fp"],
+            timer["bp"],
+            timer["update"],
+        )
+        self.hooks.step_finished(step, report)
+        return report
+
+    async def _step(
+        self, step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]
+    ) -> StepReport:
         report = StepReport(step=step)
         batch = sum(sizes)
         losses: list[float] = []
@@ -218,14 +329,9 @@ class SubDagExecutor:
             for mb in reversed(range(len(microbatches))):
                 await self.backward(step, mb, self._loss_weight(sizes[mb], batch))
             if self.task == "train":
-                self.update()
+                await self._run("update", step, 0, self.update)
         if losses:
             report.loss = sum(losses)
-        report.fp_seconds, report.bp_seconds, report.update_seconds = (
-            self._fp_time,
-            self._bp_time,
-            self._update_time,
-        )
         return report
 
     def _loss_weight(self, size: int, batch: int) -> float:

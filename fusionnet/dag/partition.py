@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fusionnet.dag.ir import IRGraph
@@ -46,8 +46,20 @@ class SubDag:
 
 @dataclass
 class Partition:
+    """The analysis of an assignment: the sub-DAGs (Table 3) and each node's Table 2 location. The graph
+    it was built from is not touched; ``annotated`` gives a copy with the Table 2 fields filled."""
+
     subdags: list[SubDag]  # in a topological order of the sub-DAG graph
-    assignment: dict[str, int]  # node -> sub-DAG index
+    assignment: dict[str, int]  # node -> sub-DAG index (Table 2 "Compnode location")
+    node_users: dict[str, list[int]] = field(default_factory=dict)  # node -> Table 2 "Compnode users"
+
+    def annotated(self, graph: IRGraph) -> IRGraph:
+        """A copy of ``graph`` whose nodes carry their compnode location and users (Table 2)."""
+        nodes = [
+            replace(n, compnode=self.assignment[n.name], compnode_users=list(self.node_users[n.name]))
+            for n in graph.nodes
+        ]
+        return replace(graph, nodes=nodes)
 
     def describe(self) -> str:
         """Table 3 as text."""
@@ -77,10 +89,28 @@ def build_partition(graph: IRGraph, assignment: Mapping[str, int]) -> Partition:
     """Builds sub-DAGs from ``assignment`` (node name -> any int label; the output node may be omitted).
 
     Labels are renumbered 0..k-1 in a topological order of the sub-DAG graph; ``compnode`` keeps
-    the caller's label. Also stamps Table 2's compnode location/users onto the graph's nodes.
+    the caller's label. A pure analysis: ``graph`` is left as it is (``Partition.annotated`` stamps
+    Table 2's compnode location/users onto a copy).
     """
-    names = [n.name for n in graph.nodes]
-    unknown = sorted(set(assignment) - set(names))
+    label = _labels(graph, assignment)
+    # Quotient graph over labels.
+    edges: dict[tuple[int, int], list[tuple[str, str]]] = {}
+    for n in graph.nodes:
+        for src in n.input_names():
+            a, b = label[src], label[n.name]
+            if a != b:
+                edges.setdefault((a, b), []).append((src, n.name))
+    order = _topological_labels(sorted(set(label.values())), edges)
+    index_of = {lab: i for i, lab in enumerate(order)}
+    node_index = {n.name: index_of[label[n.name]] for n in graph.nodes}
+    subdags = _subdags(graph, order, node_index)
+    node_users = {n.name: sorted({node_index[u] for u in n.users}) for n in graph.nodes}
+    return Partition(subdags=subdags, assignment=node_index, node_users=node_users)
+
+
+def _labels(graph: IRGraph, assignment: Mapping[str, int]) -> dict[str, int]:
+    """The caller's label of every node, checked; the output goes with the producer of its last input."""
+    unknown = sorted(set(assignment) - {n.name for n in graph.nodes})
     if unknown:
         raise PartitionError(f"assignment names unknown nodes {unknown[:5]}")
     label: dict[str, int] = {}
@@ -96,16 +126,12 @@ def build_partition(graph: IRGraph, assignment: Mapping[str, int]) -> Partition:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise PartitionError(f"node {n.name!r}: compnode label must be a non-negative int, got {value!r}")
         label[n.name] = value
-    # Quotient graph over labels.
-    edges: dict[tuple[int, int], list[tuple[str, str]]] = {}
-    for n in graph.nodes:
-        for src in n.input_names():
-            a, b = label[src], label[n.name]
-            if a != b:
-                edges.setdefault((a, b), []).append((src, n.name))
-    labels = sorted(set(label.values()))
-    order = _topological_labels(labels, edges)
-    index_of = {lab: i for i, lab in enumerate(order)}
+    return label
+
+
+def _subdags(graph: IRGraph, order: list[int], node_index: Mapping[str, int]) -> list[SubDag]:
+    """Table 3's rows: each sub-DAG's nodes, required data, outwards data and users."""
+    position = {n.name: i for i, n in enumerate(graph.nodes)}
     subdags = [
         SubDag(
             index=i,
@@ -118,7 +144,6 @@ def build_partition(graph: IRGraph, assignment: Mapping[str, int]) -> Partition:
         )
         for i, lab in enumerate(order)
     ]
-    node_index = {name: index_of[label[name]] for name in names}
     for n in graph.nodes:
         s = subdags[node_index[n.name]]
         s.nodes.append(n.name)
@@ -150,11 +175,8 @@ def build_partition(graph: IRGraph, assignment: Mapping[str, int]) -> Partition:
                 producer.compnode_users.append(s.index)
     for s in subdags:
         s.compnode_users.sort()
-        s.inner_required.sort(key=names.index)
-    for n in graph.nodes:
-        n.compnode = node_index[n.name]
-        n.compnode_users = sorted({node_index[u] for u in n.users})
-    return Partition(subdags=subdags, assignment=node_index)
+        s.inner_required.sort(key=position.__getitem__)
+    return subdags
 
 
 def _topological_labels(

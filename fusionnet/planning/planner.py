@@ -10,7 +10,7 @@ inputs.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition, build_partition
@@ -48,8 +48,7 @@ def make_swarm(devices: Sequence[DeviceSpec], links: Links, default_link: Link |
 
 
 def _partition(graph: IRGraph, labels: Mapping[str, int]) -> Partition:
-    """``build_partition`` on a copy of the nodes (it stamps compnode fields onto the graph it gets)."""
-    return build_partition(IRGraph(nodes=[replace(n) for n in graph.nodes], task=graph.task), labels)
+    return build_partition(graph, labels)  # returns its analysis; the graph is left as it is
 
 
 def plan_graph(
