@@ -379,6 +379,55 @@ def single(result: list[dict[str, Any]]) -> float:
     return float(result[0]["value"][1])
 
 
+def assert_swarm_gauges(prom: Any, everyone: set[str], started: float) -> None:
+    """The broker's and compnodes' gauges describe the 3-compnode swarm (one backup) as it is."""
+    # The daemons export the fusionnet.metrics set (names are the contract of deploy/).
+    for daemon, count in (("broker", 1), ("compnode", 3)):
+        build = prom.query(f'fusionnet_build_info{{daemon="{daemon}"}}')
+        assert len(build) == count, build
+    # No scraped label collided with a target label (Prometheus would have renamed it exported_*).
+    series = prom.query('{__name__=~"fusionnet_.+"}')
+    clashes = {k for r in series for k in r["metric"] if k.startswith("exported_")}
+    assert series and not clashes, clashes
+    prom.wait_for(
+        'sum(fusionnet_swarm_compnodes{state="online"})',
+        lambda r: r and float(r[0]["value"][1]) == 3,
+        "the broker to count 3 online compnodes",
+    )
+    by_role = prom.query('fusionnet_swarm_compnodes{state="online"}')
+    assert values_by(by_role, "role") == {"supernode": 2.0, "antnode": 1.0}
+    prom.wait_for(
+        "fusionnet_backup_pool_compnodes",
+        lambda r: r and float(r[0]["value"][1]) == 1,
+        "the broker's backup pool to hold the late backup compnode",
+    )
+    online = prom.wait_for(
+        'fusionnet_compnode_state{state="online"} == 1',
+        lambda r: len(r) == 3,
+        "every compnode online",
+    )
+    assert {r["metric"]["peer"] for r in online} == everyone
+    speed = prom.query("fusionnet_compnode_speed_factor")
+    assert len(speed) == 3 and all(0 < float(r["value"][1]) <= 10 for r in speed), speed
+    peak = prom.query("fusionnet_compnode_peak_flops")
+    assert len(peak) == 3 and all(1e8 < float(r["value"][1]) < 1e16 for r in peak), peak
+    assert values_by(prom.query("fusionnet_compnode_load"), "peer") == dict.fromkeys(everyone, 0.0)
+    pings = prom.wait_for(
+        "fusionnet_heartbeat_rtt_seconds_count",
+        lambda r: r and float(r[0]["value"][1]) >= 3,
+        "heartbeats",
+    )
+    assert pings[0]["metric"]["job"] == "fusionnet-broker"
+    mean_rtt = single(
+        prom.query("fusionnet_heartbeat_rtt_seconds_sum / fusionnet_heartbeat_rtt_seconds_count")
+    )
+    assert 0 < mean_rtt < 1.0, mean_rtt  # loopback pings: milliseconds
+    for r in prom.query("fusionnet_start_time_seconds"):
+        assert started - 1 <= float(r["value"][1]) <= time.time(), r
+    for r in prom.query("process_resident_memory_bytes"):
+        assert 10e6 < float(r["value"][1]) < 16e9, r
+
+
 @pytest.mark.swarm
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -415,51 +464,7 @@ def test_real_swarm_is_scraped(tmp_path: Path) -> None:
                 "the broker's --sd-file to list all three compnodes",
             )
 
-            # The daemons export the fusionnet.metrics set (names are the contract of deploy/).
-            for daemon, count in (("broker", 1), ("compnode", 3)):
-                build = prom.query(f'fusionnet_build_info{{daemon="{daemon}"}}')
-                assert len(build) == count, build
-            # No scraped label collided with a target label (Prometheus would have renamed it exported_*).
-            series = prom.query('{__name__=~"fusionnet_.+"}')
-            clashes = {k for r in series for k in r["metric"] if k.startswith("exported_")}
-            assert series and not clashes, clashes
-            prom.wait_for(
-                'sum(fusionnet_swarm_compnodes{state="online"})',
-                lambda r: r and float(r[0]["value"][1]) == 3,
-                "the broker to count 3 online compnodes",
-            )
-            by_role = prom.query('fusionnet_swarm_compnodes{state="online"}')
-            assert values_by(by_role, "role") == {"supernode": 2.0, "antnode": 1.0}
-            prom.wait_for(
-                "fusionnet_backup_pool_compnodes",
-                lambda r: r and float(r[0]["value"][1]) == 1,
-                "the broker's backup pool to hold the late backup compnode",
-            )
-            online = prom.wait_for(
-                'fusionnet_compnode_state{state="online"} == 1',
-                lambda r: len(r) == 3,
-                "every compnode online",
-            )
-            assert {r["metric"]["peer"] for r in online} == everyone
-            speed = prom.query("fusionnet_compnode_speed_factor")
-            assert len(speed) == 3 and all(0 < float(r["value"][1]) <= 10 for r in speed), speed
-            peak = prom.query("fusionnet_compnode_peak_flops")
-            assert len(peak) == 3 and all(1e8 < float(r["value"][1]) < 1e16 for r in peak), peak
-            assert values_by(prom.query("fusionnet_compnode_load"), "peer") == dict.fromkeys(everyone, 0.0)
-            pings = prom.wait_for(
-                "fusionnet_heartbeat_rtt_seconds_count",
-                lambda r: r and float(r[0]["value"][1]) >= 3,
-                "heartbeats",
-            )
-            assert pings[0]["metric"]["job"] == "fusionnet-broker"
-            mean_rtt = single(
-                prom.query("fusionnet_heartbeat_rtt_seconds_sum / fusionnet_heartbeat_rtt_seconds_count")
-            )
-            assert 0 < mean_rtt < 1.0, mean_rtt  # loopback pings: milliseconds
-            for r in prom.query("fusionnet_start_time_seconds"):
-                assert started - 1 <= float(r["value"][1]) <= time.time(), r
-            for r in prom.query("process_resident_memory_bytes"):
-                assert 10e6 < float(r["value"][1]) < 16e9, r
+            assert_swarm_gauges(prom, everyone, started)
             jobs = values_by(prom.query("fusionnet_jobs"), "state")
             assert set(jobs) == set(JOB_STATES)
             record_finished_job_in_store(swarm.broker, "probe-1")
