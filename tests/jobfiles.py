@@ -75,3 +75,25 @@ def example_job(name: str, tmp: Path, **overrides: Any) -> Path:
     path = src.parent / f".test-{tmp.name}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
+
+
+def write_token_job(directory: Path, model_class: str, task: str = "train", **model_kwargs: object) -> Path:
+    """A 12-sample token job for a ``tests.dag_models`` language model (its forward computes the loss):
+    2 steps of 6 samples in 2 micro-batches on 2 compnodes, SGD with momentum; labels dropped for infer."""
+    from tests.dag_models import token_data
+
+    ids, labels = token_data(12)
+    return write_job(
+        directory,
+        model_class=model_class,
+        model_kwargs=dict(model_kwargs),
+        inputs=ids,
+        labels=None if task == "infer" else labels,
+        task=task,
+        loss=False,  # type: ignore[arg-type]  # False: no loss key, the model returns its loss
+        microbatches=2,
+        batch_size=6,
+        steps=2,
+        compnodes=2,
+        optimizer={"name": "sgd", "lr": 0.1, "kwargs": {"momentum": 0.9}},
+    )

@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 from fusionnet.job.loader import load_job
 from fusionnet.reference import run_reference
 from fusionnet.runtime.local import run_local
-from tests.dag_models import HF_DECODERS, token_data
-from tests.jobfiles import write_job
+from tests.dag_models import HF_DECODERS
+from tests.jobfiles import write_token_job
 
 TOL = 1e-5
 SGD = {"name": "sgd", "lr": 0.1, "kwargs": {"momentum": 0.9}}
@@ -27,27 +27,10 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def _job(tmp_path: Path, model_class: str, task: str = "train", **model_kwargs: object) -> Path:
-    ids, labels = token_data(12)
-    return write_job(
-        tmp_path / "job",
-        model_class=model_class,
-        model_kwargs=dict(model_kwargs),
-        inputs=ids,
-        labels=None if task == "infer" else labels,
-        task=task,
-        loss=False,
-        microbatches=2,
-        batch_size=6,
-        steps=2,
-        optimizer=SGD,
-    )
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", HF_DECODERS)
 def test_decoder_family_trains_exactly(family: str, tmp_path: Path) -> None:
-    path = _job(tmp_path, "HFDecoder", family=family)
+    path = write_token_job(tmp_path / "job", "HFDecoder", family=family)
     ref = run_reference(load_job(path))
     got = run_local(load_job(path), 2, tmp_path / "out")
     assert _max_diff(got.weights, ref.weights) <= TOL
@@ -66,7 +49,7 @@ def test_infer_with_tied_embeddings_equals_plain_pytorch(
 ) -> None:
     """The model's single output (logits) reads the tied input/output embedding; ``run --local`` used to
     crash joining its outputs (torch.export returns them as a tuple)."""
-    path = _job(tmp_path, model_class, task="infer", **kwargs)
+    path = write_token_job(tmp_path / "job", model_class, task="infer", **kwargs)
     ref = run_reference(load_job(path))
     got = run_local(load_job(path), 2, tmp_path / "out")
     written = load_file(tmp_path / "out" / "outputs.safetensors")
@@ -87,7 +70,7 @@ def test_submission_carries_the_non_persistent_buffers_the_ir_reads(tmp_path: Pa
     from fusionnet.messages.jobwire import RunSpec
     from fusionnet.runtime.submit import submission_payload
 
-    job = load_job(_job(tmp_path, "HFDecoder", family="llama"))
+    job = load_job(write_token_job(tmp_path / "job", "HFDecoder", family="llama"))
     payload = submission_payload(job)
     graph = decode_ir(payload["ir"])
     state = unpack_tensors(payload["state"], "state")

@@ -25,8 +25,8 @@ from fusionnet.job.loader import load_job
 from fusionnet.reference import run_reference
 from fusionnet.runtime.local import run_local
 from fusionnet.runtime.process_swarm import BlockingObserver, ProcessSwarm, running_swarm
-from tests.dag_models import hf_decoder_config, token_data
-from tests.jobfiles import REPO, write_job
+from tests.dag_models import hf_decoder_config
+from tests.jobfiles import REPO, write_token_job
 
 pytestmark = pytest.mark.swarm
 TOL = 1e-5
@@ -43,29 +43,11 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessSwarm]:
         yield sw
 
 
-def _job(folder: Path, model_class: str, task: str, **model_kwargs: object) -> Path:
-    ids, labels = token_data(12)
-    return write_job(
-        folder,
-        model_class=model_class,
-        model_kwargs=dict(model_kwargs),
-        inputs=ids,
-        labels=None if task == "infer" else labels,
-        task=task,
-        loss=False,
-        microbatches=2,
-        batch_size=6,
-        steps=2,
-        compnodes=2,
-        optimizer={"name": "sgd", "lr": 0.1, "kwargs": {"momentum": 0.9}},
-    )
-
-
 def _llama_from_pretrained(folder: Path) -> Path:
     torch.manual_seed(7)
     hf = transformers.AutoModelForCausalLM.from_config(hf_decoder_config("llama", 40, 32, 2, 4, 2))
     hf.save_pretrained(folder / "pretrained", max_shard_size="20KB")
-    path = _job(folder, "HFDecoder", "train", family="llama")
+    path = write_token_job(folder, "HFDecoder", "train", family="llama")
     doc = yaml.safe_load(path.read_text())
     doc["model"]["weights"] = "pretrained"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -93,9 +75,9 @@ def test_llm_on_the_swarm_equals_plain_pytorch(swarm: ProcessSwarm, case: str, t
     if case == "llama-pretrained":
         path = _llama_from_pretrained(tmp_path / "job")
     elif case == "gemma":
-        path = _job(tmp_path / "job", "HFDecoder", "train", family="gemma")
+        path = write_token_job(tmp_path / "job", "HFDecoder", "train", family="gemma")
     else:
-        path = _job(tmp_path / "job", "HFCausalLM", "infer")
+        path = write_token_job(tmp_path / "job", "HFCausalLM", "infer")
     out = tmp_path / "out"
     _submit(path, swarm, out)
     job = load_job(path)
