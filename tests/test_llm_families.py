@@ -67,13 +67,12 @@ def test_submission_carries_the_non_persistent_buffers_the_ir_reads(tmp_path: Pa
     from fusionnet.dag.codec import decode_ir
     from fusionnet.errors import JobError
     from fusionnet.messages.blobs import unpack_tensors
-    from fusionnet.messages.jobwire import RunSpec
     from fusionnet.runtime.submit import submission_payload
 
     job = load_job(write_token_job(tmp_path / "job", "HFDecoder", family="llama"))
     payload = submission_payload(job)
-    graph = decode_ir(payload["ir"])
-    state = unpack_tensors(payload["state"], "state")
+    graph = decode_ir(payload.ir)
+    state = unpack_tensors(payload.state, "state")
     non_persistent = {n for n, _ in job.model.named_buffers() if n not in job.model.state_dict()}
     assert (
         "lm.model.rotary_emb.inv_freq" in non_persistent and "lm.model.rotary_emb.inv_freq" in graph.buffers
@@ -81,9 +80,9 @@ def test_submission_carries_the_non_persistent_buffers_the_ir_reads(tmp_path: Pa
     assert set(graph.buffers) <= set(state) and set(graph.params) <= set(state)
     assert set(job.model.state_dict()) <= set(state)
     torch.testing.assert_close(state["lm.model.rotary_emb.inv_freq"], job.model.lm.model.rotary_emb.inv_freq)
-    check_submission(graph, state, unpack_tensors(payload["data"], "data"), RunSpec.parse(payload["spec"]))
+    check_submission(graph, state, unpack_tensors(payload.data, "data"), payload.spec)
     without = {k: v for k, v in state.items() if k in job.model.state_dict()}
     with pytest.raises(JobError, match="inv_freq"):
         check_submission(
-            graph, without, unpack_tensors(payload["data"], "data"), RunSpec.parse(payload["spec"])
+            graph, without, unpack_tensors(payload.data, "data"), payload.spec
         )
