@@ -54,6 +54,7 @@ class FakeNode:
         self.settings = CompnodeConfig()
         self.metrics = CompnodeMetrics(process=False)
         self.load = (0.0, 0)
+        self.compute = None  # executors compute inline here; packing uses the loop's default pool
 
     def set_load(self, *, load: float, running_tasks: int) -> None:
         self.load = (load, running_tasks)
