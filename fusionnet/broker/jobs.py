@@ -223,6 +223,7 @@ class JobService:
                 state=row["state"], cancelled=False, message=f"job {job_id} already {row['state']}"
             )
         reason = f"{request.reason} (asked by {context.remote_peer})"
+        self.ctx.store.add_job_event(job_id, "cancel", {"by": context.remote_peer, "reason": request.reason})
         run, task = self.runs.get(job_id), self._tasks.get(job_id)
         if run is not None and task is not None and not task.done():
             run.cancel(task, reason)
