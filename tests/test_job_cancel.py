@@ -205,6 +205,27 @@ def test_submit_timeout_cancels_its_job_and_says_so(
     assert _job(observer, sw, job_id)["job"]["state"] == "CANCELLED"
 
 
+@pytest.mark.timeout(300)
+def test_ctrl_c_on_submit_cancels_its_job_and_says_so(
+    swarm: tuple[ProcessSwarm, BlockingObserver], tmp_path: Path, submitters: list[Submitter]
+) -> None:
+    sw, observer = swarm
+    job_path = example_job("mlp", tmp_path, steps=LONG)
+    try:
+        submitter = Submitter(job_path, sw, tmp_path / "interrupted")
+        submitters.append(submitter)
+        job_id = submitter.job_id()
+        _running(observer, sw, job_id, 1)
+        submitter.proc.send_signal(signal.SIGINT)
+        code, log = submitter.wait()
+    finally:
+        job_path.unlink()
+    assert code == 130, log
+    assert f"job {job_id} cancelled on the broker (the submitter was interrupted)" in log, log
+    assert "fusionnet submit: interrupted" in log, log
+    assert _job(observer, sw, job_id)["job"]["state"] == "CANCELLED"
+
+
 @pytest.mark.timeout(400)
 def test_a_job_submitted_the_moment_the_address_files_exist_succeeds(tmp_path: Path) -> None:
     """The start-up race of issue 17: submit waits for the broker to have the job's compnodes."""
