@@ -35,7 +35,8 @@ def add_parser(subparsers: Any) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="cancel the job on the broker and give up after S seconds (Ctrl-C cancels it as well)",
+        help="cancel the job on the broker and give up when it has not finished S seconds after it was "
+        "submitted (Ctrl-C cancels it as well)",
     )
     p.add_argument(
         "--wait-compnodes",
