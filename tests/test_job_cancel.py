@@ -24,7 +24,7 @@ from fusionnet.runtime.process_swarm import BlockingObserver, ProcessSwarm, runn
 from fusionnet.runtime.processes import wait_until
 from tests.jobfiles import REPO, example_job
 
-pytestmark = [pytest.mark.swarm]
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 TOL = 1e-5
 LONG = 10_000_000  # steps: a job that would hold the swarm for days
 

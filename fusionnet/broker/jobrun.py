@@ -150,7 +150,9 @@ class JobRun:
             self._fail(f"internal error: {type(e).__name__}: {e}")
         finally:
             self.watch.detach()
-            await self._release_all("the job ended")
+            await self._release_all(
+                "the job ended" if self.cancel_reason is None else "the job was cancelled"
+            )
             self._update_job_gauges()
 
     async def _after_step(self, step: int, ckpt: Checkpoint) -> Checkpoint:
