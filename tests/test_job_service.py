@@ -5,6 +5,7 @@ job, a leave from a compnode that runs nothing of the job)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,5 +66,61 @@ def test_a_submission_runs_to_its_results_and_refusals_are_clear(
         with pytest.raises(WireError, match=r"^rpc job_status: malformed message: job_id: "):
             await service.rpc_job_status({"job_id": "../x"}, ctx("job_status"))
         await service.stop()
+
+    asyncio.run(scenario())
+
+
+class HangingSteps(FakeCompnodes):
+    """Compnodes whose step ``hang_from`` never finishes (a long job), so a cancel finds a step in flight."""
+
+    def __init__(self, hang_from: int) -> None:
+        super().__init__()
+        self.hang_from = hang_from
+        self.in_flight = asyncio.Event()
+
+    async def call(self, peer: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
+        if method == "step" and (payload or {})["step"] >= self.hang_from:
+            self.calls.append((peer, method))
+            self.in_flight.set()
+            await asyncio.Event().wait()  # until cancelled
+        return await super().call(peer, method, payload, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_cancel_stops_a_step_in_flight_releases_the_compnodes_and_is_kept(
+    tmp_path: Path, submission: dict[str, Any]
+) -> None:
+    fake = HangingSteps(hang_from=1)
+    service = JobService(make_context(tmp_path, fake))
+
+    async def scenario() -> None:
+        await service.start()
+        with pytest.raises(JobError, match="no job with id 'nope'"):
+            await service.rpc_cancel_job({"job_id": "nope"}, ctx("cancel_job"))
+        job_id = (await service.rpc_submit_job(submission, ctx("submit_job")))["job_id"]
+        await asyncio.wait_for(fake.in_flight.wait(), 60)
+        peers = list(service.runs[job_id].peers)
+        started = time.monotonic()
+        reply = await service.rpc_cancel_job({"job_id": job_id}, ctx("cancel_job"))
+        assert time.monotonic() - started < 5.0
+        assert reply["cancelled"] and reply["state"] == "CANCELLED", reply
+        assert service._tasks.get(job_id) is None  # the run task is over, not orphaned
+        released = {p for p, m in fake.calls if m == "release"}
+        assert released == set(peers)
+        steps_before = sum(1 for _, m in fake.calls if m == "step")
+        await asyncio.sleep(0.3)
+        assert sum(1 for _, m in fake.calls if m == "step") == steps_before  # nothing drives it any more
+        row = service.ctx.store.get_job(job_id)
+        assert row["state"] == "CANCELLED" and "cancelled by the user" in row["error"]
+        again = await service.rpc_cancel_job({"job_id": job_id}, ctx("cancel_job"))
+        assert not again["cancelled"] and again["state"] == "CANCELLED"
+        with pytest.raises(JobError, match="results exist only for SUCCEEDED jobs"):
+            await service.rpc_job_results({"job_id": job_id}, ctx("job_results"))
+        await service.stop()
+        # A broker restart does not resume a cancelled job.
+        restarted = JobService(service.ctx)
+        await restarted.start()
+        assert job_id not in restarted.runs
+        await restarted.stop()
 
     asyncio.run(scenario())

@@ -94,6 +94,12 @@ class FailureWatch:
             alarm = asyncio.ensure_future(self._alarm.wait())
             try:
                 await asyncio.wait({work, alarm}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                # The job is cancelled (or the broker stops): the work goes too, or it would keep
+                # driving the compnodes as an orphan task.
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                raise
             finally:
                 alarm.cancel()
             if work.done():

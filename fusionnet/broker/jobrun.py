@@ -42,7 +42,7 @@ from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure,
 from fusionnet.broker.job_calls import JobCalls
 from fusionnet.broker.links import probe_placement
 from fusionnet.broker.replanning import Replan
-from fusionnet.broker.store import JobState
+from fusionnet.broker.store import BrokerStore, JobState
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.partition import Partition, build_partition
 from fusionnet.errors import ExecutionError, FusionNetError
@@ -78,6 +78,7 @@ class JobRun:
         self.pending: Replan | None = replanning.FIRST  # a placement to make before the next step
         self.attempt = 0
         self.resume = resume
+        self.cancel_reason: str | None = None  # set by ``JobService`` just before it cancels the run
         self.leaving: set[str] = set()
         self.dead: set[str] = set()
         self.calls = JobCalls(context.compnodes, job.job_id)
@@ -133,9 +134,15 @@ class JobRun:
             self.progress.results = self.out_dir
             store.update_job(job.job_id, state=JobState.SUCCEEDED, step=step)
             log.info("job %s: succeeded; results in %s", job.job_id, self.out_dir)
-        except asyncio.CancelledError:  # the broker stops: the job stays RUNNING, its checkpoint on disk
-            log.warning("job %s: the broker stopped; the job resumes when it is back", job.job_id)
-            raise
+        except asyncio.CancelledError:
+            if self.cancel_reason is None:  # the broker stops: the job stays RUNNING, its checkpoint on disk
+                log.warning("job %s: the broker stopped; the job resumes when it is back", job.job_id)
+                raise
+            # ``cancel_job``: the in-flight step is abandoned; the compnodes are released below.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # handled here: the release below must not be cancelled too
+            mark_cancelled(store, job.job_id, self.cancel_reason)
         except FusionNetError as e:
             self._fail(str(e))
         except Exception as e:  # a bug of ours must still end the job with a reason, not hang it
@@ -143,7 +150,9 @@ class JobRun:
             self._fail(f"internal error: {type(e).__name__}: {e}")
         finally:
             self.watch.detach()
-            await self._release_all("the job ended")
+            await self._release_all(
+                "the job ended" if self.cancel_reason is None else "the job was cancelled"
+            )
             self._update_job_gauges()
 
     async def _after_step(self, step: int, ckpt: Checkpoint) -> Checkpoint:
@@ -168,6 +177,12 @@ class JobRun:
                 self.ctx.store.add_job_event(self.job.job_id, "resumed", {"step": ckpt.step})
                 return ckpt
         return Checkpoint(0, self.job.state, {}, [])
+
+    def cancel(self, task: asyncio.Task[None], reason: str) -> None:
+        """Stops the run (``task``) at once: whatever it awaits is cancelled, the job ends CANCELLED and
+        its compnodes are released (they drop their sub-DAGs and fail the step they were in)."""
+        self.cancel_reason = reason
+        task.cancel()
 
     def _fail(self, reason: str) -> None:
         log.warning("job %s: failed: %s", self.job.job_id, reason)
@@ -413,3 +428,12 @@ class JobRun:
     async def _release_all(self, why: str, only: list[str] | None = None) -> None:
         peers = self.peers if only is None else only
         await self.calls.release([p for p in peers if p not in self.dead], why)
+
+
+def mark_cancelled(store: BrokerStore, job_id: str, reason: str) -> bool:
+    """CANCELLED in the store unless the job already ended (a job that just finished stays finished)."""
+    if JobState(store.get_job(job_id)["state"]).terminal:
+        return False
+    log.info("job %s: cancelled (%s)", job_id, reason)
+    store.update_job(job_id, state=JobState.CANCELLED, error=reason)
+    return True

@@ -1,10 +1,16 @@
-"""Job intake on the broker: ``submit_job``, ``job_status``, ``job_results`` (used by ``fusionnet submit``).
+"""Job intake on the broker: ``submit_job``, ``job_status``, ``job_results`` (used by ``fusionnet submit``
+and ``fusionnet results``) and ``cancel_job`` (``fusionnet cancel``, and ``submit`` on Ctrl-C or --timeout).
 
 A submission is validated completely before it is accepted (run spec, IR through the codec's
 allowlist, state against the IR, data against the spec), so a bad job is refused with one clear
 message and nothing runs. An accepted job gets an id, a row in SQLite, a folder for its results under
 ``STATE_DIR/broker/jobs/<id>`` and a ``JobRun`` task the service owns. The broker daemon's command
 builds the service explicitly: ``JobService(broker.job_context())``.
+
+A job does not depend on its submitter staying connected: it runs to its end and its result files
+stay in its folder until the state dir is removed, for ``job_results`` at any later time. A
+cancelled job stops at once (its run task is cancelled, its compnodes released) and has no results.
+Who may cancel a job is not checked yet: knowing its id is enough (authorisation is issue 12's).
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ from pathlib import Path
 
 from fusionnet.broker.checkpoints import JobFiles
 from fusionnet.broker.context import JobContext
-from fusionnet.broker.jobrun import JobRun
+from fusionnet.broker.jobrun import JobRun, mark_cancelled
+from fusionnet.broker.store import JobState
 from fusionnet.broker.submission import SubmittedJob, check_submission
 from fusionnet.dag.codec import decode_ir
 from fusionnet.errors import JobError
 from fusionnet.messages.base import handles
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.messages.broker_rpc import (
+    CancelJobReply,
+    CancelJobRequest,
     JobRequest,
     JobResultsReply,
     JobStatusReply,
@@ -44,6 +53,7 @@ RESULT_FILES = (
     "plan.json",
 )
 MAX_RUNNING_JOBS = 8
+CANCEL_WAIT = 10.0  # a cancelled run releases its compnodes (5 s per call, all at once) within this
 
 
 class JobService:
@@ -200,3 +210,31 @@ class JobService:
             if path.is_file():
                 files[name] = await asyncio.to_thread(path.read_bytes)
         return JobResultsReply(files=files)
+
+    @handles(CancelJobRequest)
+    async def rpc_cancel_job(self, request: CancelJobRequest, context: RPCContext) -> CancelJobReply:
+        """Stops a job now: its in-flight step is abandoned, its compnodes released, its state CANCELLED.
+        Answers once the compnodes are released (or ``CANCEL_WAIT`` passed). A job that already ended
+        keeps its state."""
+        job_id = request.job_id
+        row = self.ctx.store.get_job(job_id)  # an unknown id: JobError naming it
+        if JobState(row["state"]).terminal:
+            return CancelJobReply(
+                state=row["state"], cancelled=False, message=f"job {job_id} already {row['state']}"
+            )
+        reason = f"{request.reason} (asked by {context.remote_peer})"
+        self.ctx.store.add_job_event(job_id, "cancel", {"by": context.remote_peer, "reason": request.reason})
+        run, task = self.runs.get(job_id), self._tasks.get(job_id)
+        if run is not None and task is not None and not task.done():
+            run.cancel(task, reason)
+            done, _ = await asyncio.wait({task}, timeout=CANCEL_WAIT)
+            if not done:
+                log.warning("job %s: its run did not stop within %.0f s of the cancel", job_id, CANCEL_WAIT)
+        mark_cancelled(self.ctx.store, job_id, reason)  # a no-op when the run recorded it already
+        state = self.ctx.store.get_job(job_id)["state"]
+        self.ctx.refresh_job_metrics()
+        if state != JobState.CANCELLED:  # it ended on its own in the meantime
+            return CancelJobReply(state=state, cancelled=False, message=f"job {job_id} already {state}")
+        return CancelJobReply(
+            state=state, cancelled=True, message=f"job {job_id} cancelled; its compnodes are released"
+        )

@@ -9,6 +9,8 @@ from typing import Any
 
 from fusionnet.cli.jobflags import add_job_loading_flags, check_output_dir
 
+DEFAULT_WAIT_COMPNODES = 60.0  # = runtime.jobcontrol's (not imported here: --help stays light)
+
 
 def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -28,7 +30,22 @@ def add_parser(subparsers: Any) -> None:
         help="multiaddrs of any swarm members (e.g. the broker's address file lines)",
     )
     p.add_argument("--output", type=Path, required=True, metavar="DIR", help="directory for the result files")
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="give up after S seconds")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="cancel the job on the broker and give up when it has not finished S seconds after it was "
+        "submitted (Ctrl-C cancels it as well)",
+    )
+    p.add_argument(
+        "--wait-compnodes",
+        type=float,
+        default=DEFAULT_WAIT_COMPNODES,
+        metavar="S",
+        help="wait up to S seconds for the broker to have the job's placement.compnodes ready before "
+        "submitting (after that: submit to as many as it has, fail if none; default %(default)g)",
+    )
     add_job_loading_flags(p)
     p.set_defaults(func=run)
 
@@ -46,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             args.output,
             timeout=args.timeout,
             allow_outside_paths=args.allow_outside_paths,
+            wait_compnodes=args.wait_compnodes,
         )
     )
     print(summary(outcome))

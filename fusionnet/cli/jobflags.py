@@ -1,4 +1,5 @@
-"""The job-loading flags that ``plan``, ``run`` and ``submit`` share, and the one way they load a job."""
+"""The job-loading flags that ``plan``, ``run`` and ``submit`` share, the one way they load a job, and the
+``--output`` and ``JOB_ID`` checks of the commands that write results or name a job."""
 
 from __future__ import annotations
 
@@ -55,3 +56,14 @@ def check_output_dir(output: Path) -> None:
         probe.unlink()
     except OSError as e:
         raise JobError(f"--output: {output}: not writable ({e.strerror or e})") from None
+
+
+def add_job_id_argument(p: Any) -> None:
+    """``JOB_ID`` as brokers make them, checked here so that a typo is a clear bad-input error."""
+
+    def job_id(text: str) -> str:
+        if not (0 < len(text) <= 64 and text.isascii() and text.isalnum()):
+            raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a job id (letters and digits, <= 64)")
+        return text
+
+    p.add_argument("job_id", metavar="JOB_ID", type=job_id, help="the job's id (submit and status print it)")

@@ -22,7 +22,9 @@ EXIT_BAD_INPUT = 2
 BAD_INPUT = (JobError, TraceError)
 
 # Order is the order shown by --help.
-COMMANDS: tuple[str, ...] = ("demo", "broker", "compnode", "submit", "run", "plan", "status", "section4")
+COMMANDS: tuple[str, ...] = (
+    "demo", "broker", "compnode", "submit", "cancel", "results", "run", "plan", "status", "section4",
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ Methods (served by ``broker.daemon`` and ``broker.jobs``):
 - ``submit_job``  spec + IR + state + data of a new job -> its id and step count
 - ``job_status``  a job's row, its per-step metrics from ``since`` on, placement, recoveries, events
 - ``job_results`` the result files of a SUCCEEDED job, by name
+- ``cancel_job``  stops a job at once (in-flight step abandoned, compnodes released) -> its state
 - ``leaving``     a compnode going away gracefully announces it (its sub-DAG moves at the next step)
 
 Rows that are documents of their own (a job's store row, metrics rows, events) stay maps: their
@@ -88,6 +89,16 @@ class LeavingReply(Message):
     accepted: bool
 
 
+class CancelJobRequest(JobRequest):
+    reason: Annotated[str, Field(max_length=200)] = "cancelled by the user"
+
+
+class CancelJobReply(Message):
+    state: str  # the job's state after the call: CANCELLED, or the terminal state it already had
+    cancelled: bool  # this call stopped it (False: it had already ended)
+    message: str  # one line for the user
+
+
 class BrokerClient(TypedCaller):
     """Typed calls to a broker: ``await BrokerClient(daemon.call).call_job_status(broker, request)``."""
 
@@ -108,6 +119,9 @@ class BrokerClient(TypedCaller):
 
     async def call_job_results(self, peer: str, request: JobRequest, **kw: Any) -> JobResultsReply:
         return await self.call_typed(peer, "job_results", request, JobResultsReply, **kw)
+
+    async def call_cancel_job(self, peer: str, request: CancelJobRequest, **kw: Any) -> CancelJobReply:
+        return await self.call_typed(peer, "cancel_job", request, CancelJobReply, **kw)
 
     async def call_leaving(self, peer: str, request: JobRequest, **kw: Any) -> LeavingReply:
         return await self.call_typed(peer, "leaving", request, LeavingReply, **kw)

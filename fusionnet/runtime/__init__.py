@@ -10,7 +10,10 @@ Map of the package:
 - ``local.py``       ``fusionnet run --local N``: ``InMemorySwarm``, N executors in one process over the
                      in-memory channel (results assembled and written by ``fusionnet.results``, as the
                      broker does).
-- ``submit.py``      ``fusionnet submit``: send the IR, state and data to a broker, follow, download.
+- ``submit.py``      ``fusionnet submit``: send the IR, state and data to a broker, follow, download;
+                     cancel the job on Ctrl-C or --timeout.
+- ``jobcontrol.py``  waiting for the compnodes a job needs, ``cancel_job``, downloading kept results
+                     (``submit``, ``fusionnet cancel``, ``fusionnet results``).
 - ``process_swarm.py`` ``ProcessSwarm``: a broker and compnodes as real processes on loopback
                      (``fusionnet demo``, benchmarks, tests); ``BlockingObserver`` reads it from sync code.
 - ``processes.py``   one daemon as a child process (``DaemonProcess``, ``start_daemon``), process-tree

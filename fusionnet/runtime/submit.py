@@ -1,5 +1,6 @@
-"""Submitting a job to a swarm: trace locally, send IR + state + data to the broker, follow progress,
-download the results. Shared by ``fusionnet submit`` and ``fusionnet demo``.
+"""Submitting a job to a swarm: trace locally, wait until the broker has the compnodes the job needs,
+send IR + state + data, follow progress, download the results; cancel the job on Ctrl-C or --timeout.
+Shared by ``fusionnet submit`` and ``fusionnet demo``.
 
 The model's code never leaves this machine: the broker and compnodes receive only the IR (checked
 against the operator allowlist) and tensors.
@@ -11,7 +12,6 @@ import asyncio
 import json
 import secrets
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +23,18 @@ from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.broker_rpc import (
     BrokerClient,
-    JobRequest,
     JobStatusReply,
     JobStatusRequest,
     SubmitJobRequest,
 )
 from fusionnet.messages.jobwire import run_spec_of
 from fusionnet.rpc.protocol import RPCError
+from fusionnet.runtime.jobcontrol import (
+    DEFAULT_WAIT_COMPNODES,
+    cancel_job,
+    download_results,
+    wait_for_compnodes,
+)
 from fusionnet.runtime.prepare import loss_reduction_of, trace_job
 
 SUBMIT_TIMEOUT = 300.0
@@ -101,7 +106,11 @@ async def submit_and_wait(
     timeout: float | None = None,
     show_plan: bool = True,
     allow_outside_paths: bool = False,
+    wait_compnodes: float = DEFAULT_WAIT_COMPNODES,
 ) -> SubmitOutcome:
+    """Submits the job once the broker has the compnodes it needs (bounded wait), follows it, downloads
+    its results. Interrupted (Ctrl-C: this task cancelled) or past ``timeout``, it cancels the job on the
+    broker and says so: a job is never left running with nobody waiting for it."""
     from fusionnet.daemon.observer import SwarmObserver
 
     job = load_job(job_path, allow_outside_paths=allow_outside_paths)
@@ -109,44 +118,75 @@ async def submit_and_wait(
     async with SwarmObserver(initial_peers) as observer:
         client = BrokerClient(observer.call)
         broker = await observer.find_broker()
+        await wait_for_compnodes(client, broker, request.spec.compnodes, wait_compnodes, stream)
         reply = await client.call_submit_job(broker, request, timeout=SUBMIT_TIMEOUT)
-        job_id, steps = reply.job_id, reply.steps
+        job_id = reply.job_id
         print(f"job {job_id} submitted to broker {broker}", file=stream)
-        progress = Progress(steps, stream)
-        metrics: list[dict[str, Any]] = []
-        placement: list[dict[str, Any]] = []
-        deadline = None if timeout is None else time.monotonic() + timeout
+        follow = _Follow(client, broker, job_id, Progress(reply.steps, stream), show_plan)
+        try:
+            status = await asyncio.wait_for(follow.until_done(), timeout)
+        except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels us, then raises KeyboardInterrupt)
+            follow.progress.close()
+            await _cancel_on_broker(client, broker, job_id, "the submitter was interrupted", stream)
+            raise
+        except TimeoutError:
+            follow.progress.close()
+            await _cancel_on_broker(client, broker, job_id, f"submit --timeout {timeout:g} s passed", stream)
+            raise ExecutionError(f"job {job_id} did not finish within {timeout:g} s; cancelled") from None
+        follow.progress.close()
+        state, why = status.job["state"], status.job.get("error") or "no reason given"
+        if state == "CANCELLED":  # by someone else (``fusionnet cancel``): not the job file's fault
+            raise ExecutionError(f"job {job_id} was cancelled: {why}")
+        if state != "SUCCEEDED":
+            raise JobError(f"job {job_id} {state}: {why}")
+        await download_results(client, broker, job_id, output)
+    return SubmitOutcome(job_id, state, output, follow.metrics, follow.placement)
+
+
+async def _cancel_on_broker(client: BrokerClient, broker: str, job_id: str, why: str, stream: TextIO) -> None:
+    """Cancels the job and prints what happened: the user must know whether it still runs."""
+    try:
+        reply = await cancel_job(client, broker, job_id, why)
+    except Exception as e:  # the broker is gone or does not answer: say so, the job may still run
+        print(f"job {job_id} could NOT be cancelled on the broker ({e}); "
+              f"try `fusionnet cancel {job_id}`", file=stream)  # fmt: skip
+        return
+    if reply.cancelled:
+        print(f"job {job_id} cancelled on the broker ({why})", file=stream)
+    else:
+        print(f"job {job_id} was not cancelled: {reply.message}", file=stream)
+
+
+class _Follow:
+    """Polls ``job_status`` until the job ends, showing the placement once and each step's row."""
+
+    def __init__(
+        self, client: BrokerClient, broker: str, job_id: str, progress: Progress, show_plan: bool
+    ) -> None:
+        self.client, self.broker, self.job_id = client, broker, job_id
+        self.progress, self.show_plan = progress, show_plan
+        self.metrics: list[dict[str, Any]] = []
+        self.placement: list[dict[str, Any]] = []
+
+    async def until_done(self) -> JobStatusReply:
         while True:
-            status = await _poll(client, broker, JobStatusRequest(job_id=job_id, since=len(metrics)))
-            if status.placement and not placement:
-                placement = status.placement
-                if show_plan:
-                    for p in placement:
+            request = JobStatusRequest(job_id=self.job_id, since=len(self.metrics))
+            status = await _poll(self.client, self.broker, request)
+            if status.placement and not self.placement:
+                self.placement = status.placement
+                if self.show_plan:
+                    for p in self.placement:
                         print(
                             f"  sub-DAG {p['subdag']}: {p['nodes']} nodes, {p['params']} parameters "
                             f"on compnode {p['peer_id']}",
-                            file=stream,
+                            file=self.progress.stream,
                         )
             for row in status.metrics:
-                metrics.append(row)
-                progress.show(row)
-            state = status.job["state"]
-            if state in TERMINAL:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                progress.close()
-                raise ExecutionError(f"job {job_id} did not finish within {timeout:.0f} s (state {state})")
+                self.metrics.append(row)
+                self.progress.show(row)
+            if status.job["state"] in TERMINAL:
+                return status
             await asyncio.sleep(POLL_INTERVAL)
-        progress.close()
-        if state != "SUCCEEDED":
-            raise JobError(f"job {job_id} {state}: {status.job.get('error') or 'no reason given'}")
-        results = await client.call_job_results(broker, JobRequest(job_id=job_id), timeout=SUBMIT_TIMEOUT)
-    output.mkdir(parents=True, exist_ok=True)
-    for name, blob in results.files.items():
-        if "/" in name or name.startswith("."):
-            raise JobError(f"broker sent a result file with a bad name {name!r}")
-        (output / name).write_bytes(blob)
-    return SubmitOutcome(job_id, state, output, metrics, placement)
 
 
 async def _poll(client: BrokerClient, broker: str, request: JobStatusRequest) -> JobStatusReply:

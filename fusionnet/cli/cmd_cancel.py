@@ -1,0 +1,44 @@
+"""``fusionnet cancel JOB_ID --initial-peers MADDR...``: stop a job on the swarm and free its compnodes.
+
+The broker cancels the job's run at once (the step in flight is abandoned), releases its compnodes
+(they drop their sub-DAGs) and records the job CANCELLED; a cancelled job has no results. Exit 0 when
+the job is cancelled now or was already; 1 when it had already ended otherwise (SUCCEEDED, FAILED) or
+no broker answers; 2 for an unknown job id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from fusionnet.cli.jobflags import add_job_id_argument
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "cancel",
+        help="stop a running job and free its compnodes",
+        description="Asks the swarm's broker to stop job JOB_ID now: its in-flight step is abandoned, its "
+        "compnodes released, its state CANCELLED (no results are kept). Returns once the compnodes are "
+        "released. Exit 0 when the job is cancelled (now or before), 1 when it had already ended "
+        "otherwise, 2 for an unknown id.",
+    )
+    add_job_id_argument(p)
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fusionnet.daemon.observer import SwarmObserver
+    from fusionnet.messages.broker_rpc import BrokerClient
+    from fusionnet.runtime.jobcontrol import cancel_job
+
+    async def cancel() -> Any:
+        async with SwarmObserver(args.initial_peers) as observer:
+            broker = await observer.find_broker()
+            return await cancel_job(BrokerClient(observer.call), broker, args.job_id, "fusionnet cancel")
+
+    reply = asyncio.run(cancel())
+    print(reply.message)
+    return 0 if reply.state == "CANCELLED" else 1
