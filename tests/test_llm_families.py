@@ -83,6 +83,4 @@ def test_submission_carries_the_non_persistent_buffers_the_ir_reads(tmp_path: Pa
     check_submission(graph, state, unpack_tensors(payload.data, "data"), payload.spec)
     without = {k: v for k, v in state.items() if k in job.model.state_dict()}
     with pytest.raises(JobError, match="inv_freq"):
-        check_submission(
-            graph, without, unpack_tensors(payload.data, "data"), payload.spec
-        )
+        check_submission(graph, without, unpack_tensors(payload.data, "data"), payload.spec)

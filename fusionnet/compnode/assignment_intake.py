@@ -146,7 +146,6 @@ def _decode(request: AssignRequest, own_peer_id: str) -> _Decoded:
     return _Decoded(graph, subdag, list(request.peers), state, fields)
 
 
-
 def _executor(request: AssignRequest, parts: _Decoded, channel: NetChannel) -> SubDagExecutor:
     spec = request.spec
     executor = SubDagExecutor(
