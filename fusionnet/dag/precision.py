@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -111,6 +111,28 @@ class LossScaler:
             raise ValueError("loss scaler state must be two scalars")
         self.scale.copy_(scale.reshape(()).to(torch.float32))
         self.growth_tracker.copy_(tracker.reshape(()).to(torch.int32))
+
+
+def assert_tensor_metadata(
+    a: torch.Tensor,
+    size: Any = None,
+    stride: Any = None,
+    dtype: torch.dtype | None = None,
+    *,
+    device: Any = None,
+    layout: Any = None,
+) -> None:
+    """``aten._assert_tensor_metadata`` as ``torch.export`` records it, aware of autocast: the IR is traced
+    in float32, so under autocast a recorded float32 is also met by the autocast dtype (the check the
+    same model makes in eager mode, where no such assertion exists, passes either way)."""
+    kind = a.device.type
+    if (
+        dtype == torch.float32
+        and torch.is_autocast_enabled(kind)
+        and a.dtype == torch.get_autocast_dtype(kind)
+    ):
+        dtype = a.dtype
+    torch.ops.aten._assert_tensor_metadata.default(a, size, stride, dtype, device=device, layout=layout)
 
 
 def make_scaler(precision: str) -> LossScaler | None:
