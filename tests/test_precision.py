@@ -29,7 +29,7 @@ import yaml
 from safetensors.torch import load_file
 
 from fusionnet.broker.checkpoints import Checkpoint
-from fusionnet.compnode.netchannel import check_against_meta
+from fusionnet.compnode.netchannel import NetChannel, check_against_meta
 from fusionnet.dag.channel import LocalHub
 from fusionnet.dag.precision import LossScaler, autocast
 from fusionnet.errors import JobError, WireError
@@ -39,8 +39,10 @@ from fusionnet.messages.jobwire import RunSpec
 from fusionnet.reference import run_reference
 from fusionnet.runtime.local import InMemorySwarm, run_local
 from fusionnet.runtime.prepare import prepare_job
+from fusionnet.wire.frames import TensorFrame
 from tests.dag_models import token_data
 from tests.jobfiles import REPO, example_job, write_job
+from tests.wire_support import frame_bytes, read_bytes
 
 EPS = {"bf16": torch.finfo(torch.bfloat16).eps, "fp16": torch.finfo(torch.float16).eps}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -277,6 +279,49 @@ def test_activations_and_gradients_travel_in_the_compute_dtype(tmp_path: Path) -
     kinds = {(kind, dtype) for kind, _node, dtype in hub.sent}
     assert ("act", torch.bfloat16) in kinds and ("grad", torch.bfloat16) in kinds, hub.sent
     assert not any(kind == "act" and dtype == torch.float32 for kind, _n, dtype in hub.sent), hub.sent
+
+
+@pytest.mark.timeout(120)
+def test_a_bf16_activation_arrives_as_bf16_frames_and_passes_validation(tmp_path: Path) -> None:
+    """The value sub-DAG 0 of a bf16 job sends goes through the real frame codec (bytes) into a
+    ``NetChannel`` that validates it against the float32 IR, as a compnode's does."""
+    path = example_job("mlp", tmp_path, precision="bf16", microbatches=1, steps=1)
+    try:
+        prepared = prepare_job(load_job(path), 2)
+    finally:
+        path.unlink()
+    swarm = InMemorySwarm(prepared)
+    graph, first = prepared.traced.graph, swarm.executors[0]
+    name = first.subdag.outwards[0]
+    meta = graph.node(name).meta
+
+    async def run() -> tuple[Any, list[torch.dtype]]:
+        data = next(iter(swarm.steps(1)))
+        inputs = {
+            k: v
+            for k, v in data.microbatches[0].items()
+            if k in {graph.node(p).target for p in first.subdag.placeholders}
+        }
+        outs = await first.forward(0, 0, inputs)
+        value = dict(zip(first.output_names, outs))[name]
+        on_wire: list[torch.dtype] = []
+
+        async def send_frame(dst: int, frame: TensorFrame) -> None:
+            got = await read_bytes(frame_bytes(frame))
+            on_wire.append(got.tensor.dtype)
+            receiver.on_frame(got)
+
+        receiver = NetChannel(
+            job_id="job1", peer_id="B", subdag_of_peer={"A": 0}, send_frame=send_frame,
+            validate=lambda src, key, v: check_against_meta(v, meta, None, "act", torch.bfloat16),
+        )  # fmt: skip
+        sender = NetChannel(job_id="job1", peer_id="A", subdag_of_peer={}, send_frame=send_frame)
+        await sender.send(1, ("act", 0, 0, name), value.detach())
+        return await asyncio.wait_for(receiver.recv(0, ("act", 0, 0, name)), 10), on_wire
+
+    received, on_wire = asyncio.run(run())
+    assert received.dtype == torch.bfloat16 and meta["dtype"] == "float32"
+    assert on_wire[0] == torch.bfloat16  # the tensor frame; the last one is the structure (uint8)
 
 
 def test_autocast_is_off_for_fp32() -> None:
