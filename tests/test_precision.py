@@ -179,6 +179,20 @@ def test_examples_microbatched_equal_to_rounding(example: str, precision: str, t
         path.unlink()
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_infer_outputs_in_the_compute_dtype(precision: str, tmp_path: Path) -> None:
+    path = example_job("figure3", tmp_path, precision=precision, task="infer")
+    try:
+        job = load_job(path)
+        ref, got = run_reference(job), run_local(job, 3)
+    finally:
+        path.unlink()
+    assert ref.outputs is not None and ref.outputs.dtype == DTYPES[precision]
+    assert got.outputs is not None and got.outputs.dtype == ref.outputs.dtype
+    assert torch.equal(got.outputs, ref.outputs)
+
+
 @pytest.mark.timeout(600)
 def test_fp32_unchanged_bit_for_bit(tmp_path: Path) -> None:
     implicit = example_job("mlp", tmp_path / "a", steps=3)
