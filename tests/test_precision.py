@@ -230,22 +230,28 @@ def test_transformers_gpt2_equals_reference(precision: str, tmp_path: Path) -> N
     _assert_close(got.grads, ref_grads.grads, EPS[precision])
 
 
+def _overflowing_fp16_job(directory: Path, steps: int) -> Path:
+    """An fp16 job whose first steps overflow (checked: one step leaves the weights as they were)."""
+    g = torch.Generator().manual_seed(0)
+    inputs, labels = torch.randn(16, 12, generator=g), 1e3 * torch.randn(16, 3, generator=g)
+    path = write_job(
+        directory, model_class="SkipEverywhere", inputs=inputs, labels=labels,
+        loss={"name": "mse_loss", "kwargs": {"reduction": "sum"}}, optimizer={"name": "sgd", "lr": 1e-6},
+        microbatches=1, batch_size=16, steps=1, compnodes=2,
+    )  # fmt: skip
+    one = load_job(_set_precision(path, "fp16"))
+    initial = one.model.state_dict()
+    assert all(torch.equal(v, initial[k]) for k, v in run_reference(one).weights.items()), "no overflow"
+    return _set_precision(path, "fp16", steps=steps)
+
+
 @pytest.mark.timeout(600)
 def test_fp16_overflow_skips_every_subdag_together(tmp_path: Path) -> None:
     """Targets of size 1e3 under a summed MSE overflow fp16 gradients at the initial scale 2**16: the
     scaler must back off and skip the step on every sub-DAG at once, as the single-process one does."""
-    g = torch.Generator().manual_seed(0)
-    inputs, labels = torch.randn(16, 12, generator=g), 1e3 * torch.randn(16, 3, generator=g)
-    path = write_job(
-        tmp_path / "job", model_class="SkipEverywhere", inputs=inputs, labels=labels,
-        loss={"name": "mse_loss", "kwargs": {"reduction": "sum"}}, optimizer={"name": "sgd", "lr": 1e-6},
-        microbatches=1, batch_size=16, steps=10, compnodes=3,
-    )  # fmt: skip
-    job = load_job(_set_precision(path, "fp16"))
+    path = _overflowing_fp16_job(tmp_path / "job", steps=10)
+    job = load_job(path)
     ref = run_reference(job)
-    initial = job.model.state_dict()
-    skipped = load_job(_set_precision(path, "fp16", steps=1))
-    assert all(torch.equal(v, initial[k]) for k, v in run_reference(skipped).weights.items()), "no overflow"
     for pieces in (2, 3):
         got = run_local(job, pieces)
         _assert_equal(got.weights, ref.weights)
@@ -348,33 +354,37 @@ def test_autocast_is_off_for_fp32() -> None:
 # -- the swarm ---------------------------------------------------------------------------------------
 @pytest.mark.swarm
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_swarm_bf16_job_equals_reference(tmp_path: Path) -> None:
+@pytest.mark.timeout(900)
+def test_swarm_bf16_and_fp16_jobs_equal_reference(tmp_path: Path) -> None:
+    """A bf16 example and an fp16 job that overflows (steps skipped on both compnodes together, agreed
+    over the network) equal plain PyTorch under the same autocast, bit for bit."""
     from fusionnet.runtime.process_swarm import BlockingObserver, running_swarm
 
-    job_path = example_job("mlp", tmp_path, precision="bf16", steps=3, microbatches=1)
+    bf16 = example_job("mlp", tmp_path, precision="bf16", steps=3, microbatches=1)
     try:
-        job = load_job(job_path)
+        jobs = {"bf16": bf16, "fp16": _overflowing_fp16_job(tmp_path / "fp16", steps=6)}
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as the compnodes compute (OMP_NUM_THREADS=1): the same reductions
         try:
-            ref = run_reference(job)
+            refs = {k: run_reference(load_job(p)) for k, p in jobs.items()}
         finally:
             torch.set_num_threads(threads)
         with running_swarm(tmp_path / "swarm", [{}, {}]) as sw:
             observer = BlockingObserver(sw.initial_peers)
             try:
                 observer.wait_online(2, 120)
-                out = tmp_path / "out"
-                cmd = [
-                    sys.executable, "-m", "fusionnet.cli.main", "submit", str(job_path),
-                    "--initial-peers", *sw.initial_peers, "--output", str(out), "--timeout", "240",
-                ]  # fmt: skip
-                env = {**os.environ, "OMP_NUM_THREADS": "1"}
-                done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
-                assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{sw.dump_logs()[-6000:]}"
+                for name, path in jobs.items():
+                    cmd = [
+                        sys.executable, "-m", "fusionnet.cli.main", "submit", str(path),
+                        "--initial-peers", *sw.initial_peers, "--output", str(tmp_path / name),
+                        "--timeout", "240",
+                    ]  # fmt: skip
+                    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+                    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{sw.dump_logs()[-6000:]}"
             finally:
                 observer.close()
     finally:
-        job_path.unlink()
-    _assert_equal(load_file(out / "weights.safetensors"), ref.weights)
+        bf16.unlink()
+    for name, ref in refs.items():
+        _assert_equal(load_file(tmp_path / name / "weights.safetensors"), ref.weights)
