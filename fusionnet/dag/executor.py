@@ -179,6 +179,10 @@ class SubDagExecutor:
             return call()
         return await asyncio.get_running_loop().run_in_executor(self.compute, call)
 
+    def _device_type(self) -> str:
+        """Where this sub-DAG computes (its parameters' device), for autocast."""
+        return next((p.device.type for p in self.named_params.values()), "cpu")
+
     def _failed(self, what: str, step: int, mb: int, e: Exception) -> ExecutionError:
         return ExecutionError(
             f"sub-DAG {self.subdag.index}: {what} of step {step} micro-batch {mb} "
@@ -204,7 +208,7 @@ class SubDagExecutor:
 
         def work() -> tuple[Any, ...]:
             # Grad mode is per thread: set it on the thread that computes.
-            with torch.set_grad_enabled(self.task != "infer"), autocast(self.precision):
+            with torch.set_grad_enabled(self.task != "infer"), autocast(self.precision, self._device_type()):
                 try:
                     return self.module(*inputs)
                 except Exception as e:
