@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from fusionnet.dag.precision import SCALER_PREFIX
+
 STATE = "state::"
 
 
@@ -34,7 +36,7 @@ class Checkpoint:
 
     def for_subdag(self, params: list[str], buffers: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
         state = {k: self.state[k] for k in (*params, *buffers)}
-        wanted = tuple(f"opt::{k}::" for k in params)
+        wanted = (*(f"opt::{k}::" for k in params), SCALER_PREFIX)  # fp16's loss scale goes to every one
         optim = {k: v for k, v in self.optim.items() if k.startswith(wanted)}
         return state, optim
 

@@ -28,6 +28,7 @@ from fusionnet.dag.codec import decode_ir
 from fusionnet.dag.executor import StepReport, SubDagExecutor
 from fusionnet.dag.ir import IRGraph, dtype_name
 from fusionnet.dag.partition import SubDag, build_partition
+from fusionnet.dag.precision import FOUND_INF_NODE, compute_dtype
 from fusionnet.errors import JobError, WireError
 from fusionnet.job.optim import optimizer_factory
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
@@ -79,6 +80,11 @@ class JobAssignment:
         """Checks a received value against the IR: an activation must look like the producer's output,
         a gradient list like the flattened value it is the gradient of (``None`` allowed per part)."""
         kind, _step, _mb, node_name = key
+        if node_name == FOUND_INF_NODE:  # fp16's per-step flag, from any sub-DAG of the job
+            if kind != "grad" or not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise WireError(f"sub-DAG {src} sent a malformed found-inf flag")
+            return
+        compute = compute_dtype(self.spec.precision)
         try:
             node = self.graph.node(node_name)
         except KeyError:
@@ -87,7 +93,7 @@ class JobAssignment:
         if kind == "act":
             if node_name not in self.subdag.outer_required or self.subdag.sources.get(node_name) != src:
                 raise WireError(f"{where}: this sub-DAG does not read that value from that sub-DAG")
-            check_against_meta(value, node.meta, self.example_batch, where)
+            check_against_meta(value, node.meta, self.example_batch, where, compute)
             return
         if node_name not in self.subdag.outwards or src not in self.subdag.consumers.get(node_name, ()):
             raise WireError(f"{where}: that sub-DAG does not consume this value")
@@ -97,7 +103,7 @@ class JobAssignment:
             raise WireError(f"{where}: {len(parts)} gradient parts, expected {len(metas)}")
         for i, (g, m) in enumerate(zip(parts, metas)):
             if g is not None:
-                check_against_meta(g, m, self.example_batch, f"{where}[{i}]")
+                check_against_meta(g, m, self.example_batch, f"{where}[{i}]", compute)
 
     def state_blob(self) -> bytes:
         return pack_tensors(self.executor.state())
@@ -106,7 +112,10 @@ class JobAssignment:
         return pack_tensors(self.executor.gradients())
 
     def optim_blob(self) -> bytes:
-        return pack_tensors(optimizer_tensors(self.executor.optimizers, self.executor.named_params))
+        tensors = optimizer_tensors(self.executor.optimizers, self.executor.named_params)
+        if self.executor.scaler is not None:
+            tensors |= self.executor.scaler.state()
+        return pack_tensors(tensors)
 
 
 def _flatten_meta(meta: Any) -> list[Any]:
@@ -156,10 +165,17 @@ def _executor(request: AssignRequest, parts: _Decoded, channel: NetChannel) -> S
         task=spec.task,
         make_optimizers=optimizer_factory(spec.task, spec.optimizer_spec()),
         loss_reduction=spec.loss_reduction,
+        precision=spec.precision,
+        subdags=len(parts.peers),
     )
     if request.optim is not None:
         optim = unpack_tensors(request.optim, f"assign {request.job_id}: optimizer state")
         load_optimizer_tensors(executor.optimizers, executor.named_params, optim)
+        if executor.scaler is not None:
+            try:
+                executor.scaler.load_state(optim)
+            except ValueError as e:
+                raise JobError(f"assign {request.job_id}: {e}") from None
     return executor
 
 

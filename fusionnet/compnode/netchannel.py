@@ -6,7 +6,8 @@ whose payload is a msgpack description with the tensors replaced by their index.
 sender travel in order over one connection, so when the structure arrives its tensors are there.
 
 Every received value is checked against the IR's description of that node (dtype, rank, and every
-dimension except the micro-batch one): a peer that sends a wrongly shaped tensor is refused and
+dimension except the micro-batch one; the IR is traced in float32, so under mixed precision a float32
+value may also arrive in the job's compute dtype): a peer that sends a wrongly shaped tensor is refused and
 logged, and the executor keeps waiting for a correct value (a retry, or a replacement's).
 """
 
@@ -56,14 +57,18 @@ def decode_structure(doc: Any, tensors: Mapping[int, torch.Tensor], depth: int =
     raise WireError(f"unsupported value of type {type(doc).__name__} in value structure")
 
 
-def check_against_meta(value: Any, meta: Any, batch: int | None, where: str) -> None:
-    """Refuses a received value whose tensors disagree with the IR's shapes/dtypes for that node."""
+def check_against_meta(
+    value: Any, meta: Any, batch: int | None, where: str, compute: torch.dtype = torch.float32
+) -> None:
+    """Refuses a received value whose tensors disagree with the IR's shapes/dtypes for that node
+    (``compute``: the job's autocast dtype, which a float32 value of the IR may arrive in)."""
     if meta is None:
         return
     if isinstance(meta, dict) and "shape" in meta:
         if not isinstance(value, torch.Tensor):
             raise WireError(f"{where}: expected a tensor, got {type(value).__name__}")
-        if dtype_name(value.dtype) != meta["dtype"]:
+        autocast = meta["dtype"] == "float32" and value.dtype == compute
+        if dtype_name(value.dtype) != meta["dtype"] and not autocast:
             raise WireError(f"{where}: dtype {dtype_name(value.dtype)}, expected {meta['dtype']}")
         want = meta["shape"]
         if value.dim() != len(want) or any(
@@ -75,7 +80,7 @@ def check_against_meta(value: Any, meta: Any, batch: int | None, where: str) -> 
         if not isinstance(value, tuple | list) or len(value) != len(meta["$seq"]):
             raise WireError(f"{where}: expected a sequence of {len(meta['$seq'])} values")
         for i, (v, m) in enumerate(zip(value, meta["$seq"])):
-            check_against_meta(v, m, batch, f"{where}[{i}]")
+            check_against_meta(v, m, batch, f"{where}[{i}]", compute)
 
 
 class NetChannel(Channel):

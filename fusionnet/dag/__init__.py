@@ -14,4 +14,5 @@ Map of the package:
 - ``hooks.py``       what runs around each FP, BP and Update (timing, --slowdown, fault injection).
 - ``channel.py``     the message passing between executors; ``LocalHub`` keeps it in memory.
 - ``checkpoint.py``  a sub-DAG's optimizer state as flat named tensors, and back.
+- ``precision.py``   the job's ``precision``: autocast of the forward pass, fp16's loss scaler.
 """

@@ -17,6 +17,12 @@ awaited, so the next micro-batch computes while the last one's outputs travel; t
 sends at its end, and a failed send ends the step at its next receive. Without a pool (``run --local``,
 the calibration) the stretches run inline: the same code and the same op order, so the same bits.
 Hooks (``fusionnet.dag.hooks``) run around every stretch.
+
+Mixed precision (``fusionnet.dag.precision``): FP runs under the job's autocast, so activations and
+their gradients are in the compute dtype where autocast made them so, and travel as such. fp16 scales
+the loss seed; the last BP unscales this sub-DAG's gradients and notes whether one is inf/nan; before
+Update every executor sends its flag to every other one (key ``("grad", step, 0, FOUND_INF_NODE)``)
+and all skip, or all step, together, as the single-process scaler would.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from fusionnet.dag.channel import Channel
 from fusionnet.dag.hooks import ExecutorHook, HookChain, Phase, StepReport
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import SubDag
+from fusionnet.dag.precision import FOUND_INF_NODE, autocast, make_scaler
 from fusionnet.dag.rebuild import build_subdag_module
 from fusionnet.errors import ExecutionError
 
@@ -111,7 +118,8 @@ class Outbox:
 
 class SubDagExecutor:
     """Runs one sub-DAG. ``optimizers`` is a factory ``named_params -> list[Optimizer]`` (train only);
-    ``compute`` the pool FP/BP/Update run on (None: inline); ``hooks`` run around each of them."""
+    ``compute`` the pool FP/BP/Update run on (None: inline); ``hooks`` run around each of them;
+    ``precision`` the job's autocast (``subdags``, the job's sub-DAG count, is who shares fp16's flag)."""
 
     def __init__(
         self,
@@ -125,6 +133,8 @@ class SubDagExecutor:
         loss_reduction: str = "mean",
         compute: Executor | None = None,
         hooks: Sequence[ExecutorHook] = (),
+        precision: str = "fp32",
+        subdags: int = 1,
     ) -> None:
         self.graph = graph
         self.subdag = subdag
@@ -133,6 +143,10 @@ class SubDagExecutor:
         self.loss_reduction = loss_reduction
         self.compute = compute
         self.hooks = HookChain(hooks)
+        self.precision = precision
+        self.subdags = subdags
+        self.scaler = make_scaler(precision) if task != "infer" else None
+        self._found_inf = False  # this sub-DAG's gradients of the current step held an inf/nan
         self.loss_name = graph.loss_node().name if graph.loss_node() else None
         self.output_refs = graph.output.input_names() if subdag.holds_output else []
         outputs = list(subdag.outwards)
@@ -165,6 +179,10 @@ class SubDagExecutor:
             return call()
         return await asyncio.get_running_loop().run_in_executor(self.compute, call)
 
+    def _device_type(self) -> str:
+        """Where this sub-DAG computes (its parameters' device), for autocast."""
+        return next((p.device.type for p in self.named_params.values()), "cpu")
+
     def _failed(self, what: str, step: int, mb: int, e: Exception) -> ExecutionError:
         return ExecutionError(
             f"sub-DAG {self.subdag.index}: {what} of step {step} micro-batch {mb} "
@@ -190,7 +208,7 @@ class SubDagExecutor:
 
         def work() -> tuple[Any, ...]:
             # Grad mode is per thread: set it on the thread that computes.
-            with torch.set_grad_enabled(self.task != "infer"):
+            with torch.set_grad_enabled(self.task != "infer"), autocast(self.precision, self._device_type()):
                 try:
                     return self.module(*inputs)
                 except Exception as e:
@@ -226,6 +244,8 @@ class SubDagExecutor:
                     torch.autograd.backward(roots, seeds)
                 except Exception as e:
                     raise self._failed("BP", step, mb, e) from e
+            if mb == 0 and self.scaler is not None:  # the step's last BP: the gradients are complete
+                self._found_inf = self.scaler.unscale_(p.grad for p in self.named_params.values())
 
         await self._run("bp", step, mb, work)
         for name, value in zip(self.subdag.outer_required, inputs):
@@ -270,15 +290,34 @@ class SubDagExecutor:
                     seeds.append(g.to(leaf.dtype))
             if name == self.loss_name and self.subdag.holds_loss:
                 roots.append(value)
-                seeds.append(torch.full_like(value, loss_weight))
+                seed = loss_weight if self.scaler is None else self.scaler.loss_seed(loss_weight)
+                seeds.append(torch.full_like(value, seed))
         return roots, seeds
 
     def expects_grad(self, value: Any) -> bool:
         return any(_is_float(v) for v in tree_flatten(value)[0])
 
     # -- Update --------------------------------------------------------------------------------
-    def update(self) -> None:
-        for opt in self.optimizers:
+    async def _agree_found_inf(self, step: int) -> bool:
+        """fp16: whether any sub-DAG of the job found an inf/nan gradient this step (every executor
+        sends its flag to every other one, then reads theirs), and the scale updated by it."""
+        assert self.scaler is not None
+        found = self._found_inf
+        others = [i for i in range(self.subdags) if i != self.subdag.index]
+        key = ("grad", step, 0, FOUND_INF_NODE)
+        flag = torch.tensor([1.0 if found else 0.0])
+        for dst in others:
+            self.outbox.start(self.channel.send(dst, key, flag))
+        for src in others:
+            got = await self.outbox.guard(self.channel.recv(src, key))
+            if not isinstance(got, torch.Tensor) or got.numel() != 1:
+                raise ExecutionError(f"sub-DAG {self.subdag.index}: malformed found-inf flag from {src}")
+            found = found or bool(got.item() != 0)
+        self.scaler.update(found)
+        return found
+
+    def update(self, skip: bool = False) -> None:
+        for opt in self.optimizers if not skip else ():
             opt.step()
         for p in self.named_params.values():
             p.grad = None
@@ -328,8 +367,9 @@ class SubDagExecutor:
             self.zero_grad()
             for mb in reversed(range(len(microbatches))):
                 await self.backward(step, mb, self._loss_weight(sizes[mb], batch))
+            skip = await self._agree_found_inf(step) if self.scaler is not None else False
             if self.task == "train":
-                await self._run("update", step, 0, self.update)
+                await self._run("update", step, 0, partial(self.update, skip))
         if losses:
             report.loss = sum(losses)
         return report

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fusionnet.dag import precision
 from fusionnet.errors import IRError, TraceError
 
 # Names in the default families that are not tensor math: file access, global RNG/threads state,
@@ -235,6 +236,8 @@ def _build_default_registry() -> OpRegistry:
     for name in _OPERATORS:
         registry.register_op(f"operator.{name}", getattr(operator, name))
     registry.register_op("builtins.getattr", _safe_getattr)
+    # torch.export's dtype assertions, relaxed for the autocast dtype under mixed precision.
+    registry.register_op("aten._assert_tensor_metadata.default", precision.assert_tensor_metadata)
     registry._by_id[id(builtins.getattr)] = "builtins.getattr"
     # torch.Tensor.* functions that fx records as call_function (e.g. torch.Tensor.add).
     return registry

@@ -173,6 +173,8 @@ class JobSpec(_Strict):
     optimizer: OptimizerSpec | None = None  # required when task == "train"
     steps: _bounded(MAX_STEPS) = 1
     seed: Seed = 0
+    # fp32 | bf16 | fp16 (fp16: fp32 master weights + dynamic loss scaling); ``fusionnet.dag.precision``
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     placement: PlacementSpec = PlacementSpec()
 
     @model_validator(mode="after")

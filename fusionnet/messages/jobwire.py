@@ -38,6 +38,8 @@ class RunSpec(BaseModel):
     loss_reduction: Literal["mean", "sum", "none"] = "mean"
     compnodes: int = Field(ge=1, le=MAX_COMPNODES)
     optimizer: dict[str, Any] | None = None  # an OptimizerSpec document, re-validated by ``optimizer_spec``
+    # Autocast dtype of the forward pass (``fusionnet.dag.precision``); older peers omit it: fp32.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
     @model_validator(mode="after")
     def _optimizer_fits_task(self) -> RunSpec:
@@ -102,6 +104,7 @@ def run_spec_of(job: LoadedJob, loss_reduction: str) -> RunSpec:
         loss_reduction=loss_reduction,  # type: ignore[arg-type]
         compnodes=spec.placement.compnodes,
         optimizer=None if spec.optimizer is None else spec.optimizer.model_dump(mode="json"),
+        precision=spec.precision,
     )
 
 

@@ -48,6 +48,7 @@ class InMemorySwarm:
             task=prepared.job.spec.task,
             make_optimizers=optimizer_factory(prepared.job.spec.task, prepared.job.spec.optimizer),
             loss_reduction=prepared.loss_reduction,
+            precision=prepared.job.spec.precision,
         )
 
     @classmethod
@@ -78,6 +79,7 @@ class InMemorySwarm:
         task: str,
         make_optimizers: OptimizerFactory | None,
         loss_reduction: str,
+        precision: str = "fp32",
     ) -> None:
         self.hub = LocalHub(len(partition.subdags))
         self.executors = [
@@ -89,6 +91,8 @@ class InMemorySwarm:
                 task=task,
                 make_optimizers=make_optimizers,
                 loss_reduction=loss_reduction,
+                precision=precision,
+                subdags=len(partition.subdags),
             )
             for s in partition.subdags
         ]
