@@ -117,8 +117,14 @@ def _eye(op: str, args: Sequence[Any], kwargs: dict[str, Any], self: Any) -> Non
 
 
 def _tri_indices(op: str, args: Sequence[Any], kwargs: dict[str, Any], self: Any) -> None:
-    _product(op, [2, _as_int(args[0] if args else kwargs.get("row", 0), op), _as_int(
-        args[1] if len(args) > 1 else kwargs.get("col", 0), op)])
+    _product(
+        op,
+        [
+            2,
+            _as_int(args[0] if args else kwargs.get("row", 0), op),
+            _as_int(args[1] if len(args) > 1 else kwargs.get("col", 0), op),
+        ],
+    )
 
 
 def _new_size(op: str, args: Sequence[Any], kwargs: dict[str, Any], self: Any) -> None:
