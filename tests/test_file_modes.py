@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,3 +104,39 @@ def test_job_files_written_by_a_daemon_process_are_0600(tmp_path: Path) -> None:
     assert written and all(_mode(p) == (0o700 if p.is_dir() else 0o600) for p in written), {
         str(p.relative_to(tmp_path)): oct(_mode(p)) for p in written
     }
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+def test_a_real_broker_keeps_its_state_dir_private(tmp_path: Path) -> None:
+    """A broker process started under the usual umask 022: everything it writes is 0600 / 0700."""
+    state, address = tmp_path / "broker.state", tmp_path / "broker.addr"
+    cmd = [sys.executable, "-m", "fusionnet.cli.main", "--log-level", "WARNING", "broker",
+           "--state-dir", str(state), "--address-file", str(address), "--refresh-period", "1"]  # fmt: skip
+    old = os.umask(0o022)  # the child inherits it
+    try:
+        with open(tmp_path / "broker.log", "wb") as log:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=Path(__file__).resolve().parents[1], start_new_session=True,
+            )  # fmt: skip
+    finally:
+        os.umask(old)
+    try:
+        deadline = time.monotonic() + 90
+        while not address.exists():
+            assert proc.poll() is None, (tmp_path / "broker.log").read_text()
+            assert time.monotonic() < deadline, "broker not ready"
+            time.sleep(0.1)
+        written = [p for p in state.rglob("*") if not p.is_symlink()]
+        assert any(p.name == "p2p_identity.key" for p in written)
+        modes = {str(p.relative_to(state)): oct(_mode(p)) for p in written}
+        assert _mode(state) == 0o700, oct(_mode(state))
+        assert all(_mode(p) == (0o700 if p.is_dir() else 0o600) for p in written), modes
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
