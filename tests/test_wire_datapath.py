@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable, Coroutine
 
 import pytest
@@ -23,6 +24,7 @@ from fusionnet.wire import (
     read_frame,
 )
 from fusionnet.wire import pool as pool_module
+from fusionnet.wire.datapath import hello_bytes, read_hello
 from tests.wire_support import KEY, OTHER_KEY, craft, frame, frame_bytes, reader_of, until
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
@@ -37,6 +39,7 @@ async def raw_send(address: tuple[str, int], data: bytes) -> bool:
     """Writes bytes on a fresh connection; True if the server then closed it."""
     reader, writer = await asyncio.open_connection(*address)
     try:
+        assert await read_hello(reader) == "S"  # the server's first bytes: who it is
         writer.write(data)
         await writer.drain()
         return await asyncio.wait_for(reader.read(), 10) == b""
@@ -290,7 +293,7 @@ def test_stop_closes_every_connection_and_task() -> None:
         await server.stop()
         assert not server._tasks and not server._sources
         for reader, writer in conns:
-            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert await asyncio.wait_for(reader.read(), 5) == b"FNH1\x00\x01S"  # hello, then closed
             writer.close()
 
     run("asyncio", scenario())
@@ -298,33 +301,47 @@ def test_stop_closes_every_connection_and_task() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_peer_close_the_event_loop_has_not_seen_yet_does_not_swallow_the_next_frame() -> None:
-    """The receiver here is a plain socket: its FIN reaches the kernel before the client's loop runs."""
+    """The receiver here is a plain socket in a thread: its FIN reaches the kernel while the client's
+    loop is blocked, so the loop has not seen it when the next send starts."""
+    first = frame_bytes(frame(torch.ones(3), name="first"))
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    addr = listener.getsockname()[:2]
+    closed = threading.Event()
+    got: list[bytes] = []
+
+    def plain_receiver() -> None:
+        conn, _ = listener.accept()
+        conn.sendall(hello_bytes("S"))
+        received = b""
+        while len(received) < len(first):
+            received += conn.recv(1 << 16)
+        conn.close()  # a clean FIN
+        closed.set()
+        conn2, _ = listener.accept()  # the client saw the FIN and reconnected
+        conn2.settimeout(10)
+        conn2.sendall(hello_bytes("S"))
+        data = b""
+        while chunk := conn2.recv(1 << 16):
+            data += chunk
+            if len(data) >= len(first):
+                break
+        conn2.close()
+        got.append(data)
+
+    thread = threading.Thread(target=plain_receiver, daemon=True)
+    thread.start()
 
     async def scenario() -> None:
-        listener = socket.create_server(("127.0.0.1", 0))
-        listener.settimeout(10)
-        addr = listener.getsockname()[:2]
-        first = frame_bytes(frame(torch.ones(3), name="first"))
-        try:
-            async with DataPathClient(peer_id="A") as client:
-                await client.send(addr, frame(torch.ones(3), name="first"), KEY)
-                conn, _ = listener.accept()
-                received = b""
-                while len(received) < len(first):
-                    received += conn.recv(1 << 16)
-                conn.close()  # a clean FIN; no await between this and the next send
-                await client.send(addr, frame(torch.arange(3.0), name="second"), KEY)
-                conn2, _ = listener.accept()  # the client saw the FIN and reconnected
-                conn2.settimeout(10)
-                data = b""
-                while chunk := conn2.recv(1 << 16):
-                    data += chunk
-                    if len(data) >= len(first):
-                        break
-                conn2.close()
-        finally:
-            listener.close()
-        f = await read_frame(await reader_of(data), lambda job: KEY, max_payload=1 << 20)
+        async with DataPathClient(peer_id="A") as client:
+            await client.send(addr, frame(torch.ones(3), name="first"), KEY)
+            assert closed.wait(10)  # blocks the loop on purpose: no await between the FIN and the send
+            await client.send(addr, frame(torch.arange(3.0), name="second"), KEY)
+            await asyncio.to_thread(thread.join, 10)
+        f = await read_frame(await reader_of(got[0]), lambda job: KEY, receiver="S", max_payload=1 << 20)
         assert f.name == "second" and torch.equal(f.tensor, torch.arange(3.0))
 
-    run("asyncio", scenario())
+    try:
+        run("asyncio", scenario())
+    finally:
+        listener.close()

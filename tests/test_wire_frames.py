@@ -78,11 +78,11 @@ def test_large_payload_uses_chunked_threaded_mac_and_round_trips() -> None:
 
 def test_payload_is_a_view_of_the_tensor_memory() -> None:
     t = torch.zeros(1000)
-    _, payload, _ = encode_frame(frame(t), KEY)
+    _, payload, _ = encode_frame(frame(t), KEY, receiver="S")
     assert isinstance(payload, memoryview) and len(payload) == 4000
     t[0] = 1.0  # the view sees the change: no copy was made
     assert bytes(payload[:4]) == torch.tensor([1.0]).numpy().tobytes()
-    assert prepare_frame(frame(t), KEY).tensor.data_ptr() == t.data_ptr()
+    assert prepare_frame(frame(t), KEY, "S").tensor.data_ptr() == t.data_ptr()
 
 
 def test_payload_is_received_into_the_memory_of_the_delivered_tensor() -> None:
@@ -122,7 +122,7 @@ def test_bad_local_frames_are_refused_on_construction(kwargs: dict, match: str) 
 @pytest.mark.parametrize("key", [b"short", "k" * 32, None, b"x" * 2000])
 def test_bad_keys_are_refused_before_anything_is_encoded(key) -> None:
     with pytest.raises(WireError, match="key"):
-        encode_frame(frame(torch.zeros(2)), key)
+        encode_frame(frame(torch.zeros(2)), key, receiver="S")
 
 
 def _refusal(data: bytes, **kw) -> FrameRefused:
@@ -138,7 +138,9 @@ def _refusal(data: bytes, **kw) -> FrameRefused:
         (b"FNW1" + (MAX_HEADER + 1).to_bytes(4, "big") + bytes(8), "header_size"),
         (b"FNW1" + (0).to_bytes(4, "big") + bytes(8), "header_size"),
         (b"FNW1" + (3).to_bytes(4, "big") + bytes(8) + b"\xc1\xc1\xc1", "malformed_header"),
-        (craft(b"abc", v=2), "malformed_header"),
+        (craft(b"abc", v=1), "malformed_header"),  # version 1 had no receiver / sequence number
+        (craft(b"abc", to=None), "malformed_header"),
+        (craft(b"abc", seq=-1), "malformed_header"),
         (craft(b"abc", kind=None), "malformed_header"),
         (craft(b"abc", step="0"), "malformed_header"),
         (craft(b"abc", nonce=b"short"), "malformed_header"),
@@ -173,7 +175,9 @@ def test_oversized_payload_is_refused_before_it_is_read() -> None:
 
     async def go() -> FrameRefused:
         with pytest.raises(FrameRefused) as info:
-            await read_frame(await reader_of(head_only, eof=False), lambda j: KEY, max_payload=399)
+            await read_frame(
+                await reader_of(head_only, eof=False), lambda j: KEY, receiver="S", max_payload=399
+            )
         return info.value
 
     e = asyncio.run(asyncio.wait_for(go(), 5))
@@ -188,7 +192,9 @@ def test_a_header_forged_without_the_key_is_refused_before_any_payload_buffer() 
 
     async def go() -> FrameRefused:
         with pytest.raises(FrameRefused) as info:
-            await read_frame(await reader_of(forged, eof=False), lambda j: KEY, max_payload=1 << 30)
+            await read_frame(
+                await reader_of(forged, eof=False), lambda j: KEY, receiver="S", max_payload=1 << 30
+            )
         return info.value
 
     e = asyncio.run(asyncio.wait_for(go(), 5))
@@ -198,7 +204,6 @@ def test_a_header_forged_without_the_key_is_refused_before_any_payload_buffer() 
 @pytest.mark.parametrize(
     "kw, reason",
     [
-        ({"keyring": lambda job: None}, "unknown_job"),
         ({"accept_sender": lambda job, sender: sender == "B"}, "sender_not_allowed"),
         ({"bound_sender": "B"}, "sender_mismatch"),
     ],
@@ -213,10 +218,11 @@ def test_policy_refusals_keep_the_stream_in_sync(kw: dict, reason: str) -> None:
             await read_frame(
                 r,
                 kw.get("keyring", lambda job: KEY),
+                receiver="S",
                 max_payload=1 << 20,
                 **{k: v for k, v in kw.items() if k != "keyring"},
             )
-        nxt = await read_frame(r, lambda job: KEY, max_payload=1 << 20, bound_sender="B")
+        nxt = await read_frame(r, lambda job: KEY, receiver="S", max_payload=1 << 20, bound_sender="B")
         return info.value, nxt
 
     e, nxt = asyncio.run(go())

@@ -56,7 +56,7 @@ def test_frames_round_trip_over_p2p_streams_and_forgeries_are_refused() -> None:
             # even though that sender is a member of the job and the key is right.
             path_b.register_job("job1", KEY, {a_id, "someone-else"}, got.append)
             _, _, writer = await p2p_a.call_binary_stream_handler(p2p_b.peer_id, path_b.protocol)
-            await write_frame(writer, frame(small, sender="someone-else", name="spoofed"), KEY)
+            await write_frame(writer, frame(small, sender="someone-else", name="spoofed"), KEY, receiver=b_id)
             await until(
                 lambda: path_b.stats["job1"].frames_refused.get("sender_mismatch") == 1, what="mismatch"
             )

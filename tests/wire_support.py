@@ -16,6 +16,7 @@ from fusionnet.wire.header import MAGIC
 from fusionnet.wire.mac import FrameMac
 
 KEY = b"k" * 32
+RECEIVER = "S"  # the receiving peer's id in every test
 OTHER_KEY = b"o" * 32
 
 
@@ -25,8 +26,10 @@ def frame(
     return TensorFrame(job_id=job, sender=sender, kind="act", step=step, microbatch=1, name=name, tensor=t)
 
 
-def frame_bytes(f: TensorFrame, key: bytes = KEY) -> bytes:
-    return b"".join(bytes(part) for part in encode_frame(f, key))
+def frame_bytes(
+    f: TensorFrame, key: bytes = KEY, *, receiver: str = RECEIVER, seq: int | None = None
+) -> bytes:
+    return b"".join(bytes(part) for part in encode_frame(f, key, receiver=receiver, seq=seq))
 
 
 def craft(
@@ -38,7 +41,7 @@ def craft(
 ) -> bytes:
     """A frame built by hand, so tests can send what ``encode_frame`` would never produce."""
     doc: dict[str, object] = {
-        "v": 1,
+        "v": 2,
         "job": "job1",
         "from": "A",
         "kind": "act",
@@ -48,6 +51,8 @@ def craft(
         "dtype": "uint8",
         "shape": [len(payload)],
         "nonce": os.urandom(16),
+        "to": RECEIVER,
+        "seq": 1,
     }
     doc.update(fields)
     doc = {k: v for k, v in doc.items() if v is not None}
@@ -73,6 +78,7 @@ async def read_bytes(
     data: bytes, keyring: Callable[[str], bytes | None] = lambda job: KEY, **kw
 ) -> TensorFrame:
     kw.setdefault("max_payload", 1 << 30)
+    kw.setdefault("receiver", RECEIVER)
     return await read_frame(await reader_of(data), keyring, **kw)
 
 

@@ -9,6 +9,10 @@ Every received value is checked against the IR's description of that node (dtype
 dimension except the micro-batch one; the IR is traced in float32, so under mixed precision a float32
 value may also arrive in the job's compute dtype): a peer that sends a wrongly shaped tensor is refused and
 logged, and the executor keeps waiting for a correct value (a retry, or a replacement's).
+
+Tensors that wait for their structure frame are bounded: a frame for a step the mailbox no longer
+(or not yet) expects is refused, at most ``max_pending_bytes`` may wait in all, and waiting tensors
+of past steps are dropped when the step moves on.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from fusionnet.wire.frames import TensorFrame
 
 log = logging.getLogger("fusionnet.compnode.netchannel")
 MAX_STRUCTURE_BYTES = 1 << 20
+DEFAULT_MAX_PENDING_BYTES = 4 << 30  # tensors of unfinished values, all sources and steps together
 
 
 def encode_structure(value: Any, tensors: list[torch.Tensor]) -> Any:
@@ -98,6 +103,7 @@ class NetChannel(Channel):
         subdag_of_peer: Mapping[str, int],
         send_frame: Callable[[int, TensorFrame], Awaitable[None]],
         validate: Callable[[int, MessageKey, Any], None] | None = None,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
     ) -> None:
         self.job_id = job_id
         self.peer_id = peer_id
@@ -106,6 +112,9 @@ class NetChannel(Channel):
         self.validate = validate
         self.mailbox = Mailbox()
         self._pending: dict[tuple[int, str, int, int, str], dict[int, torch.Tensor]] = {}
+        self._pending_bytes = 0
+        self._pending_floor: int | None = None
+        self.max_pending_bytes = max_pending_bytes
         self.refused = 0
 
     async def send(self, dst: int, key: MessageKey, value: Any) -> None:
@@ -167,14 +176,18 @@ class NetChannel(Channel):
             raise WireError(f"unexpected frame kind {frame.kind!r}")
         node, sep, index = frame.name.partition("/")
         slot = (src, frame.kind, frame.step, frame.microbatch, node)
+        self._drop_stale_pending()
+        if not self.mailbox.expects((frame.kind, frame.step, frame.microbatch, node)):
+            raise WireError(f"step {frame.step} is not expected now (current {self.mailbox.floor})")
         if sep:
             if not index.isdigit() or int(index) > 4096:
                 raise WireError(f"bad tensor index in frame name {frame.name!r}")
-            self._pending.setdefault(slot, {})[int(index)] = frame.tensor
+            self._park(slot, int(index), frame.tensor)
             return
         if frame.tensor.dtype != torch.uint8 or frame.tensor.numel() > MAX_STRUCTURE_BYTES:
             raise WireError("structure frame must be uint8 bytes under 1 MiB")
         tensors = self._pending.pop(slot, {})
+        self._pending_bytes -= sum(_nbytes(t) for t in tensors.values())
         try:
             doc = msgpack.unpackb(frame.tensor.numpy().tobytes(), raw=False, strict_map_key=True)
         except Exception as e:
@@ -189,3 +202,29 @@ class NetChannel(Channel):
         if self.validate is not None:
             self.validate(src, key, value)
         self.mailbox.deliver(src, key, value)
+
+    def _park(self, slot: tuple[int, str, int, int, str], index: int, tensor: torch.Tensor) -> None:
+        parts = self._pending.setdefault(slot, {})
+        size = _nbytes(tensor) - (_nbytes(parts[index]) if index in parts else 0)
+        if self._pending_bytes + size > self.max_pending_bytes:
+            if not parts:
+                del self._pending[slot]
+            raise WireError(
+                f"{self._pending_bytes} bytes already wait for their structure frames; "
+                f"{_nbytes(tensor)} more would pass the {self.max_pending_bytes} byte limit"
+            )
+        parts[index] = tensor
+        self._pending_bytes += size
+
+    def _drop_stale_pending(self) -> None:
+        """Frees tensors of past steps once the mailbox has moved on (their values can never complete)."""
+        floor = self.mailbox.floor
+        if floor is None or floor == self._pending_floor:
+            return
+        self._pending_floor = floor
+        for slot in [s for s in self._pending if s[2] < floor]:
+            self._pending_bytes -= sum(_nbytes(t) for t in self._pending.pop(slot).values())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

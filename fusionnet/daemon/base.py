@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from fusionnet.daemon.config import DaemonConfig
-from fusionnet.daemon.files import StateDir, write_address_file
+from fusionnet.daemon.files import StateDir, apply_private_umask, write_address_file
 from fusionnet.daemon.logs import install_peer_label
 from fusionnet.daemon.swarm import SwarmPeer
 from fusionnet.metrics.common import BaseMetrics
@@ -140,6 +140,7 @@ class Daemon:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def serve(self) -> int:
+        apply_private_umask()  # this process is the daemon: everything it writes is private
         return asyncio.run(self.serve_async())
 
     async def serve_async(self, *, install_signals: bool = True) -> int:

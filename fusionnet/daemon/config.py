@@ -55,7 +55,6 @@ def common_config(args: argparse.Namespace, role: str) -> DaemonConfig:
         host_maddrs=tuple(args.host_maddrs),
         announce_maddrs=tuple(args.announce_maddrs),
         identity_path=None if state_dir is None else state_dir / "p2p_identity.key",
-        signing_key_path=None if state_dir is None else state_dir / "dht_signing.key",
     )
     return DaemonConfig(
         dht=dht,

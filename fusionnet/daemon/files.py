@@ -1,5 +1,7 @@
 """The files a daemon owns: its state directory (locked while it runs) and its address file.
 
+State folders are 0700 and a daemon process runs under umask 077 (``apply_private_umask``).
+
 The address file is the readiness signal scripts wait for: it appears (atomically: written to a temporary
 name, then renamed) only once the daemon is fully up, holds its visible multiaddrs one per line, and is
 removed again on shutdown so a stale file never points at a dead peer.
@@ -12,10 +14,24 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
 log = logging.getLogger("fusionnet.daemon.files")
+
+PRIVATE_DIR_MODE = 0o700
+# A daemon process creates every file 0600 and folder 0700 (job files, checkpoints, results, the
+# database, profile caches): they hold other people's models and data.
+PRIVATE_UMASK = 0o077
+
+
+def apply_private_umask() -> int:
+    """Makes every file this process creates from now on private to its user; returns the old umask.
+
+    Called once by a daemon process's entry point (``Daemon.serve``), before anything is written, so
+    that files are private from creation rather than ``chmod``-ed after their content is on disk."""
+    return os.umask(PRIVATE_UMASK)
 
 
 def write_address_file(path: Path, maddrs: list[str]) -> None:
@@ -61,9 +77,17 @@ class StateDir:
         if self._path is None:
             self._path = Path(tempfile.mkdtemp(prefix=f"fusionnet-{self.role}-"))
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            # 0700 from creation (parents are the operator's business); mkdtemp already makes 0700
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
         except OSError as e:
             raise ValueError(f"--state-dir {self.path}: cannot create it ({e.strerror})") from e
+        mode = stat.S_IMODE(self.path.stat().st_mode)
+        if mode & 0o077:  # a folder from an older version, or made by hand: keys and jobs live here
+            log.warning(
+                "--state-dir %s was readable by others (mode %o): restricting it to 0700", self.path, mode
+            )
+            os.chmod(self.path, PRIVATE_DIR_MODE)
         fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -30,13 +30,30 @@ class Channel(ABC):
         """Waits for the message ``key`` from sub-DAG ``src``."""
 
 
+# How many steps beyond the current one a message may be for. Executors advance step by step, so a
+# peer is at most one step ahead; anything further is a replay or a forgery that would otherwise
+# park a value nobody takes.
+MAX_STEPS_AHEAD = 2
+
+
 class Mailbox:
-    """Futures keyed by (src, key); the first value for a key wins, later duplicates are dropped."""
+    """Futures keyed by (src, key); the first value for a key wins, later duplicates are dropped.
+
+    Once ``forget_step(s)`` has been called, messages of steps before ``s`` (stale) and after
+    ``s + MAX_STEPS_AHEAD`` are dropped too, so no message can park a slot that nobody will take.
+    """
 
     def __init__(self) -> None:
         self._slots: dict[tuple[int, MessageKey], asyncio.Future[Any]] = {}
         self._taken: set[tuple[int, MessageKey]] = set()
         self.duplicates_dropped = 0
+        self.unexpected_dropped = 0
+        self.floor: int | None = None  # the current step, once the executor has said it
+
+    def expects(self, key: MessageKey) -> bool:
+        """Whether a message with this key could still be taken (its step is current or near)."""
+        step = key[1]
+        return self.floor is None or self.floor <= step <= self.floor + MAX_STEPS_AHEAD
 
     def _slot(self, src: int, key: MessageKey) -> asyncio.Future[Any]:
         slot = self._slots.get((src, key))
@@ -49,6 +66,9 @@ class Mailbox:
         """Stores a message; returns False (and drops it) when that key was already delivered."""
         if (src, key) in self._taken:
             self.duplicates_dropped += 1
+            return False
+        if not self.expects(key):
+            self.unexpected_dropped += 1
             return False
         slot = self._slot(src, key)
         if slot.done():
@@ -69,6 +89,10 @@ class Mailbox:
     def forget_step(self, step: int) -> None:
         """Drops bookkeeping of a finished step (keys of older steps can no longer be confused)."""
         self._taken = {k for k in self._taken if k[1][1] >= step}
+        self.floor = step if self.floor is None else max(self.floor, step)
+        # values delivered for older steps that nobody took (and nobody waits for) are freed
+        for slot_key in [k for k, f in self._slots.items() if k[1][1] < self.floor and f.done()]:
+            del self._slots[slot_key]
 
     def fail_all(self, error: BaseException) -> None:
         for slot in self._slots.values():

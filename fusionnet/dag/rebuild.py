@@ -30,9 +30,10 @@ def resolve_args(
 
 
 def call_op(op: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-    if op.startswith("method:"):
+    fn = REGISTRY.executable(op)  # the op behind its argument checks
+    if fn is None:
         return getattr(args[0], op[len("method:") :])(*args[1:], **kwargs)
-    return REGISTRY.resolve(op)(*args, **kwargs)
+    return fn(*args, **kwargs)
 
 
 # Called by ``run_whole_graph`` after each node with (node, resolved args, resolved kwargs, its value);
@@ -137,10 +138,11 @@ def build_subdag_module(
             continue
         args = decode_value(n.args, resolve)
         kwargs = decode_kwargs(n.kwargs, resolve)
-        if n.op.startswith("method:"):
+        fn = REGISTRY.executable(n.op)  # the op behind its argument checks
+        if fn is None:
             env[n.name] = g.call_method(n.op[len("method:") :], tuple(args), kwargs)
         else:
-            env[n.name] = g.call_function(REGISTRY.resolve(n.op), tuple(args), kwargs)
+            env[n.name] = g.call_function(fn, tuple(args), kwargs)
         env[n.name].name = _safe(n.name)
     g.output(tuple(env[name] for name in output_names))
     gm = fx.GraphModule(root, g, class_name="SubDag")

@@ -252,11 +252,7 @@ class _GraphBuilder:
                 raise TraceError("a train/grad model must return a single loss tensor")
             loss_src = out
         for node in ops:
-            op_name = (
-                REGISTRY.method_name(node.target)
-                if node.op == "call_method"
-                else REGISTRY.name_of(node.target)
-            )
+            op_name = REGISTRY.node_op_name(node)
             args = [self._encode(a, ref_of, node) for a in node.args]
             kwargs = self._encode(dict(node.kwargs), ref_of, node)["$dict"]
             has_param = any(isinstance(a, dict) and "$param" in a for a in _walk((args, kwargs)))

@@ -5,9 +5,12 @@ Map of the package:
 - ``records.py``   pydantic v2 schemas (``CompnodeRecord``, ``HardwareInfo``, ``BrokerRecord``, ``NodeState``,
                    ``Role``) that ignore unknown fields; msgpack encode/decode (never pickle).
 - ``node.py``      ``DHTConfig``, ``start_dht`` / ``stop_dht`` / ``kill_dht``: the hivemind DHT child process
-                   (which runs p2pd), made to leave no process behind; the persisted record-signing key.
+                   (which runs p2pd), made to leave no process behind.
+- ``identity.py``  the peer's RSA identity: its libp2p peer id *and* the signer of its records; owner key
+                   -> peer id (how a lookup tells a peer's own record from a forgery); 0600 key files.
 - ``announce.py``  ``Announcer``: signed, expiring announcements under ``fusionnet/v1/compnodes`` and
-                   ``fusionnet/v1/brokers`` (subkey = peer id + owner key); lookups that skip bad records.
+                   ``fusionnet/v1/brokers`` (subkey = peer id + owner key); lookups that skip bad records,
+                   records not signed by their own peer, and take times from the DHT's expiration.
 """
 
 from fusionnet.dht.announce import BROKERS_KEY, COMPNODES_KEY, Announcer, Found

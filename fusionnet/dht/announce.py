@@ -2,7 +2,13 @@
 
 Each role has one key; each peer writes under its own subkey ``<peer id>[owner:<RSA public key>]``.
 hivemind's ``RSASignatureValidator`` (used by every FusionNet DHT node) then refuses any write to that
-subkey not signed by the owner, so no peer can overwrite or fake-expire another peer's record. Records
+subkey not signed by the owner, so no peer can overwrite or fake-expire another peer's record. The owner
+key is the peer's libp2p identity (``identity.py``), so a lookup recomputes the peer id from the owner
+key and ignores a record that claims any other peer id: a fake OFFLINE or broker record written by
+another peer for a victim's id is never seen. Times come from the DHT's expiration of the record: the
+``updated_at`` a peer claims is clamped into ``[expires_at - max_ttl, min(now, expires_at)]``, and a
+record that expires more than ``max_ttl`` from now is ignored (it could not have come from a peer that
+refreshes on schedule). Records
 expire on their own (``ttl``, normally 3 refresh periods), so a peer that vanishes without saying goodbye
 disappears from lookups; a peer that leaves gracefully writes an OFFLINE record first.
 
@@ -19,6 +25,7 @@ import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils import get_dht_time
 
+from fusionnet.dht.identity import owner_peer_id
 from fusionnet.dht.records import BrokerRecord, CompnodeRecord, R, decode_record, encode_record
 from fusionnet.errors import WireError
 
@@ -28,6 +35,8 @@ COMPNODES_KEY = "fusionnet/v1/compnodes"
 BROKERS_KEY = "fusionnet/v1/brokers"
 KEYS: dict[type, str] = {CompnodeRecord: COMPNODES_KEY, BrokerRecord: BROKERS_KEY}
 _MAX_REMEMBERED_BAD = 4096
+# A record may live this long at most (the daemons' default ttl is 3 refresh periods, well under it).
+DEFAULT_MAX_TTL = 3600.0
 
 
 @dataclass(frozen=True)
@@ -42,9 +51,16 @@ class Found(Generic[R]):
 class Announcer:
     """Stores this peer's record and reads everyone's, over a running ``hivemind.DHT``."""
 
-    def __init__(self, dht: hivemind.DHT, validator: RSASignatureValidator, peer_id: str):
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        validator: RSASignatureValidator,
+        peer_id: str,
+        max_ttl: float = DEFAULT_MAX_TTL,
+    ):
         self.dht = dht
         self.peer_id = peer_id
+        self.max_ttl = max_ttl
         self.subkey = peer_id.encode() + validator.local_public_key
         self._reported_bad: set[tuple[bytes, float]] = set()
 
@@ -76,30 +92,38 @@ class Announcer:
         if found is None or not isinstance(found.value, dict):
             return []
         best: dict[str, Found[R]] = {}
+        now = get_dht_time()
         for subkey, item in sorted(found.value.items(), key=lambda kv: repr(kv[0])):
-            entry = self._parse(cls, key, subkey, item)
+            entry = self._parse(cls, key, subkey, item, now)
             if entry is None:
                 continue
             other = best.get(entry.record.peer_id)
-            if other is not None and other.owner != entry.owner:
-                log.warning(
-                    "two owners announce peer %s under %s; keeping the newer", entry.record.peer_id, key
-                )
-            if other is None or entry.record.updated_at > other.record.updated_at:
+            if other is None or entry.expires_at > other.expires_at:  # only its owner could write either
                 best[entry.record.peer_id] = entry
         return [best[p] for p in sorted(best)]
 
-    def _parse(self, cls: type[R], key: str, subkey: object, item: object) -> Found[R] | None:
+    def _parse(self, cls: type[R], key: str, subkey: object, item: object, now: float) -> Found[R] | None:
         value = getattr(item, "value", None)
         expires_at = float(getattr(item, "expiration_time", 0.0))
         try:
-            if not isinstance(subkey, bytes) or b"[owner:" not in subkey:
+            if not isinstance(subkey, bytes) or b"[owner:" not in subkey or not subkey.endswith(b"]"):
                 raise WireError(f"{key}: unsigned subkey {subkey!r:.60}")
             claimed, _, rest = subkey.partition(b"[owner:")
             record = decode_record(cls, value, f"{key}[{claimed.decode(errors='replace')[:60]}]")
             if claimed != record.peer_id.encode():
                 raise WireError(
                     f"{key}: record for peer {record.peer_id} stored under subkey of {claimed!r:.60}"
+                )
+            owner = owner_peer_id(rest[:-1])
+            if owner != record.peer_id:
+                raise WireError(
+                    f"{key}: record for peer {record.peer_id} is signed by "
+                    f"{'an invalid key' if owner is None else 'peer ' + owner}, not by that peer"
+                )
+            if expires_at > now + self.max_ttl:
+                raise WireError(
+                    f"{key}: record of {record.peer_id} expires in {expires_at - now:.0f} s, "
+                    f"beyond the {self.max_ttl:.0f} s a record may live"
                 )
         except WireError as e:
             marker = (subkey if isinstance(subkey, bytes) else repr(subkey).encode(), expires_at)
@@ -109,4 +133,8 @@ class Announcer:
                 self._reported_bad.add(marker)
                 log.warning("skipping malformed DHT record: %s", e)
             return None
+        # The peer's own claim of when it announced is bounded by what the DHT says about its record.
+        stamped = min(max(record.updated_at, expires_at - self.max_ttl), now, expires_at)
+        if stamped != record.updated_at:
+            record = record.model_copy(update={"updated_at": stamped})
         return Found(record=record, expires_at=expires_at, owner=b"[owner:" + rest)

@@ -19,7 +19,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -33,6 +35,7 @@ from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
+from fusionnet.dht.identity import load_or_create_identity
 from fusionnet.errors import WireError
 
 log = logging.getLogger("fusionnet.dht.node")
@@ -49,8 +52,8 @@ class DHTConfig:
     initial_peers: Sequence[str] = ()
     host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS
     announce_maddrs: Sequence[str] = ()
-    identity_path: Path | None = None  # libp2p private key: a stable peer id across restarts
-    signing_key_path: Path | None = None  # RSA key that signs our DHT records: stable record ownership
+    # libp2p RSA identity: a stable peer id across restarts, and the key that signs our DHT records
+    identity_path: Path | None = None
     client_mode: bool = False  # a client (e.g. `fusionnet status`) stores nothing for others
     startup_timeout: float = 60.0
     extra: dict[str, object] = field(default_factory=dict)  # passed to hivemind.DHT (tests, tuning)
@@ -115,29 +118,18 @@ async def remove_with_parent(dht: SwarmDHT, p2p: P2P) -> None:
         )
 
 
-def load_or_create_signing_key(path: Path | None) -> RSAPrivateKey:
-    """The RSA key that owns our DHT records. Persisted in the state dir so that a restarted node keeps
-    overwriting its own records instead of leaving a stale twin behind until it expires."""
-    from cryptography.hazmat.primitives import serialization
-
-    if path is None:
-        return RSAPrivateKey()
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    if path.exists():
-        try:
-            key._private_key = serialization.load_der_private_key(path.read_bytes(), password=None)
-        except ValueError as e:
-            raise ValueError(f"{path}: not a DER RSA private key ({e}); delete it to make a new one") from e
-        return key
-    key = RSAPrivateKey()
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(key.to_bytes())
-    os.chmod(tmp, 0o600)
-    tmp.replace(path)
-    return key
+def _identity(config: DHTConfig) -> tuple[RSAPrivateKey, Path, Path | None]:
+    """Our RSA identity, the file p2pd reads it from, and a scratch folder to remove once the DHT is up
+    (when there is no state dir to keep the identity in). One key is both the peer id and the signer
+    of our DHT records, which is what lets everyone check that a record is really ours."""
+    if config.identity_path is not None:
+        return load_or_create_identity(config.identity_path), config.identity_path, None
+    scratch = Path(tempfile.mkdtemp(prefix="fusionnet-identity-"))  # 0700 from creation
+    path = scratch / "p2p_identity.key"
+    return load_or_create_identity(path), path, scratch
 
 
-def _start_blocking(config: DHTConfig, validator: RSASignatureValidator) -> SwarmDHT:
+def _start_blocking(config: DHTConfig, validator: RSASignatureValidator, identity: Path) -> SwarmDHT:
     kwargs: dict[str, object] = dict(
         host_maddrs=list(config.host_maddrs),
         client_mode=config.client_mode,
@@ -146,27 +138,31 @@ def _start_blocking(config: DHTConfig, validator: RSASignatureValidator) -> Swar
     )
     if config.announce_maddrs:
         kwargs["announce_maddrs"] = list(config.announce_maddrs)
-    if config.identity_path is not None:
-        kwargs["identity_path"] = str(config.identity_path)
-        # The state dir is locked by its daemon, so the identity cannot be in use by a sibling; skipping
-        # the check saves starting a second p2pd.
-        kwargs["check_if_identity_free"] = False
+    kwargs["identity_path"] = str(identity)
+    # The state dir is locked by its daemon (or the identity is brand new), so the identity cannot be in
+    # use by a sibling; skipping the check saves starting a second p2pd.
+    kwargs["check_if_identity_free"] = False
     return SwarmDHT(initial_peers=list(config.initial_peers) or None, start=False, **kwargs)
 
 
 async def start_dht(config: DHTConfig) -> tuple[SwarmDHT, RSASignatureValidator]:
     """Forks the DHT child and waits (without blocking the event loop) until it has joined the swarm."""
-    validator = RSASignatureValidator(load_or_create_signing_key(config.signing_key_path))
-    dht = _start_blocking(config, validator)
+    key, identity, scratch = _identity(config)
+    validator = RSASignatureValidator(key)
+    dht = _start_blocking(config, validator, identity)
     dht.start()  # the fork happens here, on the event loop's thread
     try:
         await asyncio.to_thread(dht.wait_until_ready, config.startup_timeout)
     except BaseException as e:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
         await stop_dht(dht, timeout=3.0)
         if isinstance(e, Exception) and not isinstance(e, asyncio.CancelledError):
             peers = ", ".join(config.initial_peers) or "none (new swarm)"
             raise WireError(f"could not start or join the DHT (initial peers: {peers}): {e}") from e
         raise
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)  # p2pd has read it; the key lives on in memory only
     return dht, validator
 
 

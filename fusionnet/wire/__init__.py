@@ -1,19 +1,22 @@
 """Tensor frames and the authenticated data paths between compnodes.
 
-Activations and gradients travel as frames: a msgpack header of plain fields, the tensor's raw
-bytes, and a per-job MAC. Nothing a peer sends is unpickled or evaluated. Bulk data goes over
-direct TCP when the receiver is reachable, over a hivemind P2P stream otherwise.
+Activations and gradients travel as frames: a msgpack header of plain fields (naming the receiver
+and carrying a sequence number), the tensor's raw bytes, and a per-job MAC. Nothing a peer sends
+is unpickled or evaluated. Bulk data goes over direct TCP when the receiver is reachable, over a
+hivemind P2P stream otherwise.
 
 Map of the package:
 
 - ``frames.py``    ``TensorFrame``, ``encode_frame``, ``read_frame``, ``write_frame``: one frame on a stream.
 - ``header.py``    frame prefix and msgpack header: layout, field checks, dtype allowlist (pure).
 - ``mac.py``       the frame MAC (HMAC-SHA256 key derivation + chunked AES-GMAC) and key checks (pure).
-- ``sources.py``   byte sources for ``read_frame``: ``StreamReader`` adapter, zero-copy ``BufferedSource``.
+- ``replay.py``    sequence numbers (``next_seq``) and the per-(job, sender) ``ReplayWindow``.
+- ``sources.py``   byte sources for ``read_frame``: ``StreamReader`` adapter, zero-copy ``BufferedSource``,
+                   ``PhasedSource`` (handshake / idle / progress timeouts).
 - ``refusal.py``   ``FrameRefused`` (reason codes, in-sync flag), ``StreamEnded``, ``PeerUnreachable``.
-- ``receiver.py``  job routes, per-connection frame loop, per-job counters (shared by both paths).
+- ``receiver.py``  job routes, replay windows, timeouts, per-connection frame loop, per-job counters.
 - ``pool.py``      outgoing streams: one per destination, ordered whole frames, reconnect once.
-- ``datapath.py``  ``DataPathServer`` / ``DataPathClient``: the direct TCP path.
+- ``datapath.py``  ``DataPathServer`` / ``DataPathClient``: the direct TCP path (hello, connection caps).
 - ``p2p_path.py``  ``P2PDataPath``: the same frames over hivemind P2P streams (fallback).
 """
 

@@ -8,6 +8,13 @@ jobs from that job's allowed senders.
 
 ``DataPathServer`` receives through ``sources.BufferedSource`` (payloads land straight in their
 frame's buffer); ``DataPathClient`` keeps one pooled connection per address (``pool.py``).
+
+Handshake: the server's first bytes on a connection are ``HELLO`` + its peer id, so that a client,
+which only knows an address, binds every frame it sends to the peer it reached (a frame names its
+receiver under its MAC: no other receiver accepts it, see ``replay.py``). Limits: at most
+``max_connections`` connections in all and ``max_per_host`` from one remote host; a connection must
+send its first frame within the handshake timeout, the next one within the idle timeout, and keep a
+frame's bytes coming (``receiver.Timeouts``); a frame for a job this server does not run closes it.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from fusionnet.errors import WireError
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.header import MAX_ID_LEN, check_text
 from fusionnet.wire.pool import StreamPool
-from fusionnet.wire.receiver import FrameHandler, FrameReceiver, JobStats
+from fusionnet.wire.receiver import FrameHandler, FrameReceiver, JobStats, Timeouts
 from fusionnet.wire.sources import BufferedSource
 
 log = logging.getLogger("fusionnet.wire")
@@ -49,15 +56,54 @@ def parse_address(address: tuple[str, int] | str) -> Address:
     return address
 
 
+HELLO = b"FNH1"
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_MAX_PER_HOST = 32
+
+
+def hello_bytes(peer_id: str) -> bytes:
+    raw = check_text(peer_id, "peer_id", MAX_ID_LEN).encode()
+    return HELLO + len(raw).to_bytes(2, "big") + raw
+
+
+async def read_hello(reader: asyncio.StreamReader) -> str:
+    """The peer id a data path server announces when a connection opens (``WireError`` if none)."""
+    try:
+        head = await reader.readexactly(len(HELLO) + 2)
+        if head[: len(HELLO)] != HELLO:
+            raise WireError(f"data path server did not say hello (got {head[:8]!r})")
+        size = int.from_bytes(head[len(HELLO) :], "big")
+        if not 0 < size <= MAX_ID_LEN:
+            raise WireError(f"data path server hello of {size} bytes")
+        return check_text((await reader.readexactly(size)).decode("ascii"), "hello", MAX_ID_LEN)
+    except (asyncio.IncompleteReadError, UnicodeDecodeError) as e:
+        raise WireError(f"data path server closed or garbled its hello ({type(e).__name__})") from None
+
+
 class DataPathServer:
     """Accepts frame streams on a TCP port and delivers each job's frames to its callback."""
 
-    def __init__(self, *, peer_id: str, max_payload: int = 1 << 30) -> None:
-        self.receiver = FrameReceiver(peer_id=peer_id, max_payload=max_payload)
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        max_payload: int = 1 << 30,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_per_host: int = DEFAULT_MAX_PER_HOST,
+        timeouts: Timeouts | None = None,
+    ) -> None:
+        if not 0 < max_per_host <= max_connections:
+            raise WireError(f"need 0 < max_per_host ({max_per_host}) <= max_connections ({max_connections})")
+        self.receiver = FrameReceiver(peer_id=peer_id, max_payload=max_payload, timeouts=timeouts)
         self.peer_id = peer_id
         self.address: Address | None = None
+        self.max_connections = max_connections
+        self.max_per_host = max_per_host
+        self.connections_refused = 0
+        self._hello = hello_bytes(peer_id)
         self._server: asyncio.Server | None = None
         self._sources: set[BufferedSource] = set()
+        self._per_host: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
 
@@ -89,6 +135,23 @@ class DataPathServer:
         if self._stopping:
             source.close()
             return
+        host = source.peername.rpartition(":")[0]
+        if len(self._sources) >= self.max_connections or self._per_host.get(host, 0) >= self.max_per_host:
+            self.connections_refused += 1
+            if self.connections_refused in (1, 10, 100) or self.connections_refused % 1000 == 0:
+                log.warning(
+                    "%s: refusing data path connections (%d open, %d from %s; %d refused so far)",
+                    self.peer_id,
+                    len(self._sources),
+                    self._per_host.get(host, 0),
+                    host,
+                    self.connections_refused,
+                )
+            source.close()
+            return
+        self._per_host[host] = self._per_host.get(host, 0) + 1
+        if source.transport is not None:
+            source.transport.write(self._hello)
         self._sources.add(source)
         task = asyncio.get_running_loop().create_task(
             self._serve(source), name=f"wire-conn-{source.peername}"
@@ -106,6 +169,12 @@ class DataPathServer:
         finally:
             source.close()
             self._sources.discard(source)
+            host = source.peername.rpartition(":")[0]
+            left = self._per_host.get(host, 1) - 1
+            if left > 0:
+                self._per_host[host] = left
+            else:
+                self._per_host.pop(host, None)
 
     async def stop(self) -> None:
         """Stops listening, closes every connection and waits for their tasks."""
@@ -136,8 +205,17 @@ class DataPathClient:
         self.connect_timeout = connect_timeout
         self._pool = StreamPool(self._open, describe=lambda dest: "%s:%d" % dest)  # noqa: UP031
 
-    async def _open(self, dest: Address) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.wait_for(asyncio.open_connection(*dest), self.connect_timeout)
+    async def _open(self, dest: Address) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
+        async with asyncio.timeout(self.connect_timeout):
+            reader, writer = await asyncio.open_connection(*dest)
+            try:
+                receiver = await read_hello(reader)
+            except BaseException as e:
+                writer.close()
+                if isinstance(e, WireError):
+                    raise ConnectionError(f"{dest[0]}:{dest[1]}: {e}") from None
+                raise
+        return reader, writer, receiver
 
     async def send(self, address: tuple[str, int] | str, frame: TensorFrame, key: bytes) -> None:
         """Sends one frame; returns once all of it is in the kernel. ``PeerUnreachable`` if it cannot."""

@@ -8,6 +8,9 @@ Layout of one frame on the stream::
     payload   the tensor's raw bytes, C order, native little-endian
     tag       TAG_SIZE bytes: authenticates the whole frame (``mac.py``)
 
+The header names the receiver (``to``) and carries the sender's sequence number (``seq``): both are
+under the head tag, which is what makes replay protection possible (``replay.py``).
+
 ``parse_prefix`` and ``parse_header`` are pure functions of bytes; every failure is a
 ``FrameRefused`` with a reason code. The same field checks guard frames built locally, so a bad
 frame is refused before anything is written.
@@ -29,7 +32,7 @@ from fusionnet.wire.mac import NONCE_SIZE
 from fusionnet.wire.refusal import FrameRefused
 
 MAGIC = b"FNW1"
-VERSION = 1
+VERSION = 2  # 2: the receiver's id and a sequence number under the MAC (replay protection)
 _PREFIX = struct.Struct(">4sIQ")
 PREFIX_SIZE = _PREFIX.size
 MAX_HEADER = 16 * 1024
@@ -69,6 +72,8 @@ class FrameHeader:
     shape: tuple[int, ...]
     nonce: bytes
     payload_len: int
+    receiver: str = ""  # the peer id the frame is for (``to``): no other receiver accepts it
+    seq: int = 0  # the sender's sequence number (``replay.py``)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -121,6 +126,8 @@ def pack_head(h: FrameHeader) -> bytes:
         "dtype": _DTYPE_NAMES[h.dtype],
         "shape": list(h.shape),
         "nonce": h.nonce,
+        "to": h.receiver,
+        "seq": h.seq,
     }
     header = msgpack.packb(doc, use_bin_type=True)
     assert len(header) <= MAX_HEADER, "field checks bound the header size"
@@ -175,6 +182,8 @@ def parse_header(raw: bytes, payload_len: int) -> FrameHeader:
         step = check_count(doc.get("step"), "step")
         microbatch = check_count(doc.get("mb"), "mb")
         name = check_text(doc.get("name"), "name", MAX_NAME_LEN, allow_empty=True)
+        receiver = check_text(doc.get("to"), "to", MAX_ID_LEN)
+        seq = check_count(doc.get("seq"), "seq")
     except WireError as e:
         raise refuse(str(e)) from None
     nonce = doc.get("nonce")
@@ -208,4 +217,6 @@ def parse_header(raw: bytes, payload_len: int) -> FrameHeader:
         shape=tuple(shape),
         nonce=nonce,
         payload_len=payload_len,
+        receiver=receiver,
+        seq=seq,
     )

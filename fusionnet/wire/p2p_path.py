@@ -103,14 +103,14 @@ class P2PDataPath:
             writer.close()
             self._tasks.discard(task)
 
-    async def _open(self, dest: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open(self, dest: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
         try:
             _, reader, writer = await self.p2p.call_binary_stream_handler(parse_peer_id(dest), self.protocol)
         except (OSError, WireError):
             raise
         except Exception as e:  # the daemon reports an unreachable peer with its own exception types
             raise ConnectionError(f"{type(e).__name__}: {e}") from e
-        return reader, writer
+        return reader, writer, dest  # libp2p authenticated the peer: frames are bound to its id
 
     async def send(self, peer_id: str, frame: TensorFrame, key: bytes) -> None:
         """Sends one frame to ``peer_id`` over a pooled P2P stream. ``PeerUnreachable`` if it cannot."""

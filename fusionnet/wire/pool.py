@@ -21,18 +21,20 @@ import select
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 
-from fusionnet.wire.frames import TensorFrame, prepare_frame, write_prepared
+from fusionnet.wire.frames import TensorFrame, check_frame, prepare_frame, write_prepared
 from fusionnet.wire.refusal import PeerUnreachable
 
 log = logging.getLogger("fusionnet.wire")
 
-Opener = Callable[[Hashable], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+# ``open_stream(dest)`` -> (reader, writer, the peer id of the receiver at the other end)
+Opener = Callable[[Hashable], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter, str]]]
 
 
 @dataclass
 class _Stream:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
+    receiver: str  # frames on this stream are bound to this peer id (under their MAC)
 
     def broken(self) -> bool:
         # Receivers never write back: anything readable on our end is the peer's FIN (or a protocol
@@ -62,7 +64,7 @@ class StreamPool:
         if self._closed:
             raise PeerUnreachable(f"cannot send to {self._describe(dest)}: the client is closed")
         try:
-            reader, writer = await self._open_stream(dest)
+            reader, writer, receiver = await self._open_stream(dest)
         except (TimeoutError, OSError) as e:
             raise PeerUnreachable(
                 f"cannot open a stream to {self._describe(dest)}: {e or type(e).__name__}"
@@ -72,7 +74,7 @@ class StreamPool:
             raise PeerUnreachable(f"cannot send to {self._describe(dest)}: the client is closed")
         # high=0: drain() returns only once the buffer is empty, so no payload view outlives send().
         writer.transport.set_write_buffer_limits(high=0)
-        stream = _Stream(reader, writer)
+        stream = _Stream(reader, writer, receiver)
         self._streams[dest] = stream
         return stream
 
@@ -86,7 +88,7 @@ class StreamPool:
     async def send(self, dest: Hashable, frame: TensorFrame, key: bytes) -> None:
         if self._closed:
             raise PeerUnreachable(f"cannot send to {self._describe(dest)}: the client is closed")
-        prepared = prepare_frame(frame, key)  # every check before a stream is touched
+        check_frame(frame, key)  # every check before a stream is touched
         lock = self._locks.setdefault(dest, asyncio.Lock())
         async with lock:
             stream = self._streams.get(dest)
@@ -95,7 +97,7 @@ class StreamPool:
                 stream = None
             if stream is not None:
                 try:
-                    await write_prepared(stream.writer, prepared)
+                    await write_prepared(stream.writer, prepare_frame(frame, key, stream.receiver))
                     return
                 except OSError as e:
                     log.info("stream to %s broke (%s); reconnecting once", self._describe(dest), e)
@@ -105,7 +107,8 @@ class StreamPool:
                     raise
             stream = await self._open(dest)
             try:
-                await write_prepared(stream.writer, prepared)
+                # prepared again: a new sequence number, and the receiver may have changed
+                await write_prepared(stream.writer, prepare_frame(frame, key, stream.receiver))
             except OSError as e:
                 await self._drop(dest)
                 raise PeerUnreachable(f"stream to {self._describe(dest)} broke while sending: {e}") from e

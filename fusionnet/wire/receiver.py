@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -22,13 +23,17 @@ from fusionnet.wire.frames import TensorFrame, read_frame
 from fusionnet.wire.header import MAX_ID_LEN, check_text
 from fusionnet.wire.mac import check_key
 from fusionnet.wire.refusal import FrameRefused, StreamEnded
-from fusionnet.wire.sources import ByteSource
+from fusionnet.wire.replay import ReplayWindow
+from fusionnet.wire.sources import ByteSource, PhasedSource
 
 log = logging.getLogger("fusionnet.wire")
 
 FrameHandler = Callable[[TensorFrame], Awaitable[None] | None]
 # Stats bucket for refusals that cannot be charged to a registered job (unreadable header, unknown job).
 NO_JOB = "<no job>"
+# Jobs remembered after they end, so that their late frames are skipped rather than closing a
+# connection that other jobs share; a frame of any other unknown job closes its connection.
+MAX_ENDED_JOBS = 1024
 
 
 @dataclass
@@ -60,16 +65,36 @@ class JobRoute:
     on_frame: FrameHandler
 
 
-class FrameReceiver:
-    """Job routes and counters of one peer; ``serve`` runs one connection's frame loop."""
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds a connection may take: to its first frame, between frames, and per read in a frame."""
 
-    def __init__(self, *, peer_id: str, max_payload: int) -> None:
+    handshake: float = 10.0
+    # Long: a sub-task may compute for minutes between two frames on a pooled connection, and a
+    # close that crosses a frame in flight loses that frame. Stalled attackers are cut by the
+    # handshake timeout and the connection caps long before this.
+    idle: float = 1800.0
+    progress: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not all(t > 0 for t in (self.handshake, self.idle, self.progress)):
+            raise WireError(f"timeouts must be > 0 seconds, got {self}")
+
+
+class FrameReceiver:
+    """Job routes, replay windows and counters of one peer; ``serve`` runs one connection's frame loop."""
+
+    def __init__(self, *, peer_id: str, max_payload: int, timeouts: Timeouts | None = None) -> None:
         check_text(peer_id, "peer_id", MAX_ID_LEN)
         if isinstance(max_payload, bool) or not isinstance(max_payload, int) or max_payload < 0:
             raise WireError(f"max_payload must be a non-negative integer, got {max_payload!r}")
         self.peer_id = peer_id
         self.max_payload = max_payload
+        self.timeouts = timeouts or Timeouts()
         self._routes: dict[str, JobRoute] = {}
+        # One window per (job, allowed sender): bounded by the routes, dropped with the job.
+        self._windows: dict[tuple[str, str], ReplayWindow] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()  # recently unregistered jobs
         self.stats: dict[str, JobStats] = {NO_JOB: JobStats()}
 
     def register_job(
@@ -88,11 +113,31 @@ class FrameReceiver:
         if not callable(on_frame):
             raise WireError(f"on_frame of job {job_id!r} must be callable")
         self._routes[job_id] = JobRoute(key, senders, on_frame)
+        self._ended.pop(job_id, None)
         self.stats.setdefault(job_id, JobStats())
 
     def unregister_job(self, job_id: str) -> None:
         """Refuses further frames of ``job_id`` (its counters stay readable)."""
-        self._routes.pop(job_id, None)
+        if self._routes.pop(job_id, None) is not None:
+            self._ended[job_id] = None
+            while len(self._ended) > MAX_ENDED_JOBS:
+                self._ended.popitem(last=False)
+        for pair in [p for p in self._windows if p[0] == job_id]:
+            del self._windows[pair]
+
+    def job_ended(self, job_id: str) -> bool:
+        """A job that ran here and ended: its late frames are skipped, not a reason to close."""
+        return job_id in self._ended
+
+    # -- replay guard (``frames.ReplayGuard``) --
+    def fresh(self, job_id: str, sender: str, seq: int) -> bool:
+        window = self._windows.get((job_id, sender))
+        return window is None or window.fresh(seq)
+
+    def accept(self, job_id: str, sender: str, seq: int) -> bool:
+        if job_id not in self._routes:
+            return True  # ended while the frame arrived: _deliver counts it; no window to keep
+        return self._windows.setdefault((job_id, sender), ReplayWindow()).accept(seq)
 
     @property
     def jobs(self) -> list[str]:
@@ -123,17 +168,28 @@ class FrameReceiver:
         )
 
     async def serve(self, source: ByteSource, peer: str, *, bound_sender: str | None = None) -> None:
-        """Reads frames until the peer closes the stream or it falls out of sync."""
+        """Reads frames until the peer closes the stream, falls out of sync or times out."""
+        phased = PhasedSource(source, self.timeouts.progress)
+        wait = self.timeouts.handshake
         while True:
+            phased.next_frame(wait)
+            wait = self.timeouts.idle
             try:
                 frame = await read_frame(
-                    source,
+                    phased,
                     self.keyring,
                     max_payload=self.max_payload,
+                    receiver=self.peer_id,
+                    replay=self,
+                    job_ended=self.job_ended,
                     accept_sender=self.accept_sender,
                     bound_sender=bound_sender,
                 )
             except StreamEnded:
+                return
+            except TimeoutError:
+                what = "the next frame" if phased.between_frames else "the rest of a frame"
+                self.count_refusal(FrameRefused(f"timed out waiting for {what}", reason=R.TIMEOUT), peer)
                 return
             except FrameRefused as e:
                 self.count_refusal(e, peer)

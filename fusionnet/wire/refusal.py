@@ -27,6 +27,10 @@ SENDER_MISMATCH = "sender_mismatch"
 BAD_MAC = "bad_mac"
 BAD_VALUE = "bad_value"
 HANDLER_ERROR = "handler_error"
+WRONG_RECEIVER = "wrong_receiver"
+REPLAY = "replay"
+TIMEOUT = "timeout"
+UNEXPECTED = "unexpected"
 
 REASONS = (
     TRUNCATED,
@@ -43,6 +47,10 @@ REASONS = (
     BAD_MAC,
     BAD_VALUE,
     HANDLER_ERROR,
+    WRONG_RECEIVER,
+    REPLAY,
+    TIMEOUT,
+    UNEXPECTED,
 )
 
 

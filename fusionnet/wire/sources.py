@@ -173,3 +173,38 @@ class BufferedSource(asyncio.BufferedProtocol):
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+
+
+class PhasedSource:
+    """A ``ByteSource`` whose reads must each complete in time, or raise ``TimeoutError``.
+
+    The first read of a frame (its prefix) may wait ``next_frame(wait)`` seconds: the handshake
+    timeout for a connection's first frame, the idle timeout after that. Every later read inside the
+    frame (at most a few MiB each) gets ``progress`` seconds. A peer that opens a connection and
+    sends nothing, or stops in the middle of a frame, is cut off instead of holding a buffer and a
+    descriptor for ever.
+    """
+
+    def __init__(self, inner: ByteSource, progress: float) -> None:
+        self.inner = inner
+        self.progress = progress
+        self._next = progress
+        self.between_frames = True  # whether the last read to start was a frame's first
+
+    def next_frame(self, wait: float) -> None:
+        self._next, self.between_frames = wait, True
+
+    def _timeout(self) -> float:
+        timeout, self._next = self._next, self.progress
+        return timeout
+
+    async def readexactly(self, n: int) -> bytes:
+        async with asyncio.timeout(self._timeout()):
+            data = await self.inner.readexactly(n)
+        self.between_frames = False
+        return data
+
+    async def readinto(self, view: memoryview) -> None:
+        async with asyncio.timeout(self._timeout()):
+            await self.inner.readinto(view)
+        self.between_frames = False

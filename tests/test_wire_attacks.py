@@ -1,0 +1,204 @@
+"""Attacks on the data path (issue 12, deliver 4): replay, frames for another receiver, a 1 GiB header
+for an unknown job, a flood of stalled connections, and values nobody will take."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+from typing import Any
+
+import pytest
+import torch
+
+from fusionnet.compnode.netchannel import NetChannel
+from fusionnet.dag.channel import Mailbox
+from fusionnet.errors import WireError
+from fusionnet.wire import NO_JOB, DataPathServer, TensorFrame
+from fusionnet.wire.datapath import read_hello
+from fusionnet.wire.receiver import Timeouts
+from fusionnet.wire.replay import ReplayWindow, next_seq
+from tests.wire_support import KEY, craft, frame, frame_bytes, until
+
+
+def run(coro: Any, timeout: float = 60) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def _connect(addr: tuple[str, int]) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection(*addr)
+    await read_hello(reader)
+    return reader, writer
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(60)
+def test_a_captured_frame_is_accepted_once_and_by_no_other_receiver() -> None:
+    async def scenario() -> None:
+        got: dict[str, list[TensorFrame]] = {"S": [], "T": []}
+        servers = {name: DataPathServer(peer_id=name) for name in got}
+        try:
+            addrs = {}
+            for name, server in servers.items():
+                server.register_job("job1", KEY, {"A"}, got[name].append)
+                addrs[name] = await server.start()
+            captured = frame_bytes(frame(torch.arange(4.0), name="w"), receiver="S")
+            for _ in range(5):  # the issue's attack: the same frame five times
+                _, writer = await _connect(addrs["S"])
+                writer.write(captured)
+                await writer.drain()
+                writer.close()
+            _, writer = await _connect(addrs["T"])  # and to another receiver of the same job
+            writer.write(captured)
+            await writer.drain()
+            writer.close()
+            s, t = servers["S"].stats["job1"], servers["T"].stats["job1"]
+            await until(lambda: s.refused_total == 4 and t.refused_total == 1, what="refusals")
+            assert len(got["S"]) == 1 and s.frames_refused == {"replay": 4}
+            assert got["T"] == [] and t.frames_refused == {"wrong_receiver": 1}
+            # a fresh frame of the same sender still gets through
+            _, writer = await _connect(addrs["S"])
+            writer.write(frame_bytes(frame(torch.ones(2), name="next"), receiver="S"))
+            await writer.drain()
+            await until(lambda: len(got["S"]) == 2, what="fresh frame")
+            writer.close()
+        finally:
+            for server in servers.values():
+                await server.stop()
+
+    run(scenario())
+
+
+def test_replay_window_accepts_out_of_order_once_and_stays_bounded() -> None:
+    w = ReplayWindow(span=1000, max_seen=64)
+    assert w.accept(500) and w.accept(400) and not w.accept(400) and not w.accept(500)
+    assert w.accept(1600) and not w.accept(500)  # more than ``span`` below the top: too old
+    for seq in range(2000, 2400):
+        assert w.accept(seq)
+    assert len(w._seen) <= 64 and not w.accept(2000) and not w.accept(2100)
+    a, b = next_seq(), next_seq()
+    assert b > a > 0
+
+
+@pytest.mark.timeout(60)
+def test_a_gib_header_for_an_unknown_job_closes_the_connection_at_once() -> None:
+    async def scenario() -> None:
+        server = DataPathServer(peer_id="S")
+        server.register_job("job1", KEY, {"A"}, lambda f: None)
+        addr = await server.start()
+        try:
+            reader, writer = await _connect(addr)
+            head_only = craft(b"", job="nojob", payload_len=1 << 30, shape=[1 << 30])[:-64]
+            writer.write(head_only)
+            await writer.drain()
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, nothing awaited
+            assert server.stats[NO_JOB].frames_refused == {"unknown_job": 1}
+            writer.close()
+        finally:
+            await server.stop()
+
+    run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_a_flood_of_stalled_connections_is_capped_and_timed_out(capsys) -> None:
+    """4000 connections that send nothing (the issue's attack took a compnode to 2.7 GB and 4020 fds)."""
+    flood = min(4000, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2 - 100)
+
+    async def scenario() -> dict[str, float]:
+        server = DataPathServer(peer_id="S", timeouts=Timeouts(handshake=1.0, idle=1.0, progress=1.0))
+        server.register_job("job1", KEY, {"A"}, lambda f: None)
+        addr = await server.start()
+        rss0, fds0 = _rss_bytes(), _fds()
+        conns = []
+        try:
+            for _ in range(flood):
+                conns.append(await asyncio.open_connection(*addr))
+            await until(lambda: server.connections_refused >= flood - server.max_connections, what="refusals")
+            assert len(server._sources) <= server.max_connections
+            peak_rss = _rss_bytes() - rss0
+            # the stalled ones are cut at the handshake timeout; nothing is left open on the server
+            await until(lambda: not server._sources, timeout=20, what="stalled connections closed")
+            stats = server.stats[NO_JOB].frames_refused
+            assert stats.get("timeout", 0) >= 1
+            # a legitimate sender gets in afterwards
+            _, writer = await _connect(addr)
+            writer.write(frame_bytes(frame(torch.ones(2)), receiver="S"))
+            await writer.drain()
+            await until(lambda: server.stats["job1"].frames_accepted == 1, what="good frame")
+            writer.close()
+        finally:
+            for _, w in conns:
+                w.close()
+            await server.stop()
+        return {"connections": flood, "peak_rss_mib": peak_rss / 2**20, "fds_before": fds0}
+
+    figures = run(scenario(), 100)
+    with capsys.disabled():
+        print(f"\nstalled-connection flood: {figures}")
+    # Both ends live in this process: the bound covers the attacker's 4000 sockets as well.
+    assert figures["peak_rss_mib"] < 64
+
+
+@pytest.mark.timeout(60)
+def test_a_frame_stalled_midway_is_cut_by_the_progress_timeout() -> None:
+    async def scenario() -> None:
+        server = DataPathServer(peer_id="S", timeouts=Timeouts(handshake=5.0, idle=5.0, progress=0.5))
+        server.register_job("job1", KEY, {"A"}, lambda f: None)
+        addr = await server.start()
+        try:
+            reader, writer = await _connect(addr)
+            data = frame_bytes(frame(torch.zeros(1 << 16)), receiver="S")
+            writer.write(data[: len(data) // 2])  # then nothing more
+            await writer.drain()
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert server.stats[NO_JOB].frames_refused == {"timeout": 1}
+            writer.close()
+        finally:
+            await server.stop()
+
+    run(scenario())
+
+
+def _frame(step: int, name: str, t: torch.Tensor) -> TensorFrame:
+    return TensorFrame(job_id="job1", sender="A", kind="act", step=step, microbatch=0, name=name, tensor=t)
+
+
+def test_values_for_steps_nobody_will_take_are_refused_and_parking_is_bounded() -> None:
+    async def scenario() -> None:
+        channel = NetChannel(
+            job_id="job1",
+            peer_id="B",
+            subdag_of_peer={"A": 0},
+            send_frame=lambda dst, f: asyncio.sleep(0),
+            max_pending_bytes=1 << 20,
+        )
+        channel.mailbox.forget_step(10)  # step 10 done: 10..12 may still come, nothing else
+        for step in (3, 9, 13, 10**6):
+            channel.on_frame(_frame(step, "n/0", torch.ones(4)))
+        assert channel.refused == 4 and not channel._pending
+        channel.on_frame(_frame(11, "n/0", torch.ones(1 << 17)))  # 512 KiB parked
+        channel.on_frame(_frame(11, "n/1", torch.ones(1 << 17)))  # another 512 KiB: at the cap
+        channel.on_frame(_frame(11, "m/0", torch.ones(4)))  # over it: refused
+        assert channel.refused == 5 and channel._pending_bytes == 1 << 20
+        channel.mailbox.forget_step(12)  # step 11's unfinished value can never complete: freed
+        channel.on_frame(_frame(12, "m/0", torch.ones(4)))
+        assert channel._pending_bytes == 16 and channel.refused == 5
+        box = Mailbox()
+        box.forget_step(5)
+        assert not box.deliver(0, ("act", 2, 0, "x"), 1) and box.unexpected_dropped == 1
+        assert box.deliver(0, ("act", 6, 0, "x"), 1)
+
+    with pytest.raises(WireError):  # sanity: the structure check still runs
+        NetChannel(job_id="j", peer_id="B", subdag_of_peer={}, send_frame=None)._on_frame(  # type: ignore[arg-type]
+            _frame(0, "x", torch.ones(1))
+        )
+    run(scenario())
