@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from fusionnet.messages.blobs import own_storage
+
 STATE = "state::"
 
 
@@ -98,4 +100,4 @@ class JobFiles:
 
 
 def _own(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+    return own_storage(tensors)

@@ -155,7 +155,7 @@ class JobRun:
         if replanning.sync_due(
             step, job.spec.step_count, self.ctx.settings.sync_every, bool(self._leavers())
         ):
-            return await self.watch.guarded(self._sync(step))
+            return await self.watch.guarded(self._sync(step, ckpt))
         return ckpt
 
     def _initial_checkpoint(self) -> Checkpoint:
@@ -356,15 +356,24 @@ class JobRun:
             predicted_seconds=None if self._placement is None else self._placement.predicted_step,
         )
 
-    async def _sync(self, step: int) -> Checkpoint:
-        """Parameters and optimizer state of every sub-DAG after ``step - 1``: the new checkpoint, on disk."""
+    async def _sync(self, step: int, last: Checkpoint) -> Checkpoint:
+        """Parameters and optimizer state of every sub-DAG after ``step - 1``: the new checkpoint, on disk.
+        Tensors no sub-DAG holds keep their value from the ``last`` checkpoint."""
+        started = time.perf_counter()
         replies = await self.calls.collect(self.peers)
-        state = dict(self.job.state)
+        state = dict(last.state)
         optim: dict[str, torch.Tensor] = {}
-        for peer, r in zip(self.peers, replies):
+        for peer in self.peers:
+            r = replies.pop(0)  # each reply's bytes go as soon as they are unpacked
             state.update(unpack_tensors(r.state, f"state from {peer}"))
             if r.optim is not None:
                 optim.update(unpack_tensors(r.optim, f"optimizer state from {peer}"))
+            del r
+        # The checkpoint now holds every tensor: the submitted state (on disk under submission/ for a
+        # restart) is no longer needed in memory, so the broker holds the model once, not twice.
+        self.job.state = {}
+        if self.progress.metrics:  # what the checkpoint cost this step (metrics.jsonl, benchmarks/scale.py)
+            self.progress.metrics[-1]["checkpoint_seconds"] = time.perf_counter() - started
         ckpt = Checkpoint(step, state, optim, list(self.progress.metrics))
         await asyncio.to_thread(self.files.save_checkpoint, ckpt, self.attempt)
         return ckpt
@@ -402,7 +411,7 @@ class JobRun:
             graph,
             job.spec.task,
             states=[ckpt.state],
-            initial=job.state,
+            initial=ckpt.state,  # holds every tensor: the submitted state, or synced since
             grads=grads,
             outputs=[self._outputs[s] for s in sorted(self._outputs)],
             metrics=self.progress.metrics,
