@@ -135,13 +135,11 @@ class JobService:
             data=data,
             submitter=context.remote_peer,
         )
-        await asyncio.to_thread(
-            JobFiles(self.jobs_dir / job_id).save_submission,
-            spec.model_dump(mode="json"),
-            job.ir,
-            state,
-            data,
-        )
+        files = JobFiles(self.jobs_dir / job_id)
+        await asyncio.to_thread(files.save_submission, spec.model_dump(mode="json"), job.ir, state, data)
+        # From here on the state is read from disk when needed: the broker does not hold the model.
+        job.state = files.submitted_state()
+        del state
         self._launch(job)
         if request_id is not None:
             self._requests[request_id] = job_id
