@@ -378,12 +378,14 @@ class JobRun:
             state = await asyncio.to_thread(files.write_part, step, "base-state", blob, "state")
         optim = TensorFiles()
         for i, peer in enumerate(self.peers):
-            (r,) = await self.calls.collect([peer])
+            # State and optimizer state in two answers: each stays under the message bound.
             name = f"a{self.attempt}-s{i:03d}"
+            (r,) = await self.calls.collect([peer], "state")
             part = await asyncio.to_thread(
                 files.write_part, step, f"{name}-state", r.state, f"state from {peer}"
             )
             state = state.merged(part)
+            (r,) = await self.calls.collect([peer], "optim")
             if r.optim is not None:
                 what = f"optimizer state from {peer}"
                 optim = optim.merged(
