@@ -53,6 +53,9 @@ GB = 1e9
 FULL = (32000, 768, 12, 12, 4, 2048)
 QUICK = (4000, 384, 4, 6, 2, 1024)  # ~8M parameters
 SEQ = 32
+# Generous: on a loaded 2-core machine a daemon moving 100s of MB can miss pings for seconds; a
+# SIGKILL is still seen at once (its streams break). Detection speed is benchmarks/recovery.py's.
+HEARTBEAT_TIMEOUT = 30.0
 SLOTS = {"sgd": 1, "adamw": 2}  # optimizer state tensors per parameter
 OPTIMIZERS = {
     "sgd": {"name": "sgd", "lr": 0.01, "kwargs": {"momentum": 0.9}},
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = [CompnodeSpec(refresh_period=2.0) for _ in range(3)] + [
         CompnodeSpec(refresh_period=2.0, backup=True)
     ]
-    swarm = ProcessSwarm(workdir / "swarm", specs, broker_args(1.0, 1.0, 5.0))
+    swarm = ProcessSwarm(workdir / "swarm", specs, broker_args(1.0, 1.0, HEARTBEAT_TIMEOUT))
     tol = 1e-5 if args.optimizer == "sgd" else OPTIMIZERS["adamw"]["lr"]
     try:
         swarm.start()
@@ -297,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         run.max_diff = max_diff(workdir / "out", ref)
         memory = memory_rows(swarm, held_bytes(run, sizes, SLOTS[args.optimizer]), baseline)
         print(f"  swarm: {step_ms(run)[0]:.0f} ms/step, max diff {run.max_diff:.1e}", flush=True)
+        for m in memory:  # now, so that a failure of the SIGKILL run below still leaves them
+            print(f"  {m['daemon']}: peak RSS {m['peak_rss'] / GB:.2f} GB, holds {m['state'] / GB:.2f} GB")
         kill = None
         if not args.no_kill:
             kill = asyncio.run(submit_job(swarm, job_path, workdir / "out-kill", 1, args.timeout))
