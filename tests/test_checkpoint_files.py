@@ -84,3 +84,25 @@ def test_a_bad_blob_from_a_peer_is_refused_and_not_kept(tmp_path: Path, blob: by
     with pytest.raises(WireError, match="state from peer"):
         files.write_part(1, "s0-state", blob, "state from peer")
     assert not list(files.checkpoint_dir(1).glob("*.safetensors"))
+
+
+def test_an_earlier_versions_checkpoint_still_loads_and_is_replaced(tmp_path: Path) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    files = _files(tmp_path)
+    a, m = torch.full((3, 4), 2.0), torch.full((3, 4), 3.0)
+    save_file(
+        {"state::a.weight": a, "opt::a.weight::momentum_buffer": m}, str(files.folder / "ckpt-3.safetensors")
+    )
+    doc = {"step": 3, "file": "ckpt-3.safetensors", "attempt": 4, "metrics": []}
+    (files.folder / "ckpt.json").write_text(json.dumps(doc))
+    loaded = files.load_checkpoint()
+    assert loaded is not None and loaded[0].step == 3 and loaded[1] == 4
+    assert torch.equal(loaded[0].state["a.weight"], a)
+    assert torch.equal(loaded[0].optim["opt::a.weight::momentum_buffer"], m)
+    files.save_checkpoint(loaded[0], attempt=5)
+    assert not (files.folder / "ckpt-3.safetensors").exists()
+    again = files.load_checkpoint()
+    assert again is not None and torch.equal(again[0].optim["opt::a.weight::momentum_buffer"], m)

@@ -34,6 +34,7 @@ from fusionnet.broker.tensorfiles import TensorFiles, select, write_blob
 from fusionnet.messages.blobs import own_storage
 
 CKPT_PREFIX = "ckpt-"
+LEGACY_STATE = "state::"
 
 
 @dataclass
@@ -122,6 +123,11 @@ class JobFiles:
         if not meta.is_file():
             return None
         doc = json.loads(meta.read_text())
+        if "index" not in doc:  # an earlier version's one file, ``state::`` before the state keys
+            tensors = load_file(str(self.folder / doc["file"]))
+            state = {k[len(LEGACY_STATE) :]: v for k, v in tensors.items() if k.startswith(LEGACY_STATE)}
+            optim = {k: v for k, v in tensors.items() if not k.startswith(LEGACY_STATE)}
+            return Checkpoint(int(doc["step"]), state, optim, list(doc["metrics"])), int(doc["attempt"])
         state, optim = (
             TensorFiles({k: self.folder / f for k, f in doc["index"][kind].items()})
             for kind in ("state", "optim")
