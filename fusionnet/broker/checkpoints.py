@@ -31,7 +31,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fusionnet.broker.tensorfiles import TensorFiles, select, write_blob
-from fusionnet.messages.blobs import own_storage
+from fusionnet.errors import WireError
+from fusionnet.messages.blobs import MAX_BLOB_BYTES, own_storage
 
 CKPT_PREFIX = "ckpt-"
 LEGACY_STATE = "state::"
@@ -64,15 +65,31 @@ class JobFiles:
 
     # ---- submission ------------------------------------------------------------------------------
     def save_submission(
-        self, spec: dict[str, Any], ir: bytes, state: dict[str, torch.Tensor], data: dict[str, torch.Tensor]
+        self,
+        spec: dict[str, Any],
+        ir: bytes,
+        state: Mapping[str, torch.Tensor] | None,
+        data: dict[str, torch.Tensor],
     ) -> None:
+        """``state`` None: ``write_submitted_state`` wrote it already."""
         self.submission.mkdir(parents=True, exist_ok=True)
         _atomic(self.submission / "ir.bin", lambda p: p.write_bytes(ir))
-        _atomic(self.submission / "state.safetensors", lambda p: save_file(_own(state), str(p)))
+        if state is not None:
+            _atomic(self.submission / "state.safetensors", lambda p: save_file(_own(state), str(p)))
         _atomic(self.submission / "data.safetensors", lambda p: save_file(_own(data), str(p)))
         _atomic(
             self.submission / "spec.json", lambda p: p.write_text(json.dumps(spec))
         )  # last: marks complete
+
+    def write_submitted_state(self, blob: bytes) -> TensorFiles:
+        """The submitted state's safetensors blob, on disk as it came (refused if not valid)."""
+        if len(blob) > MAX_BLOB_BYTES:
+            raise WireError(f"submission: state: {len(blob)} bytes exceeds the {MAX_BLOB_BYTES}-byte bound")
+        return write_blob(self.submission / "state.safetensors", blob, "submission: state")
+
+    def forget(self) -> None:
+        """Removes what a refused submission left on disk."""
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def has_submission(self) -> bool:
         return (self.submission / "spec.json").is_file()
