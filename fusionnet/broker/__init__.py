@@ -16,6 +16,8 @@ Map of the package:
 - ``assignment_payloads.py``  what each compnode of a placement is sent in ``assign``.
 - ``failures.py``     noticing that a job lost a compnode; the record of each recovery.
 - ``checkpoints.py``  a job's durable state: its submission and the latest step-boundary checkpoint.
+- ``tensorfiles.py``  tensors by key in safetensors files, read when asked for (the broker never
+                      holds a whole model in memory).
 - ``links.py``        probing a placement's links; the answers go into ``planning.links.LinkBook``.
 - ``store.py``        persistent state in SQLite under the state dir.
 """

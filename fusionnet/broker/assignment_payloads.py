@@ -12,7 +12,7 @@ a swarm.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.submission import SubmittedJob
@@ -34,26 +34,38 @@ def assignment_payloads(
     key: bytes | None = None,
 ) -> list[AssignRequest]:
     """The ``assign`` request of every sub-DAG, in sub-DAG order (sub-DAG ``i`` runs on ``peers[i]``)."""
+    return list(iter_assignment_payloads(job, partition, peers, data_addresses, attempt, ckpt, key=key))
+
+
+def iter_assignment_payloads(
+    job: SubmittedJob,
+    partition: Partition,
+    peers: Sequence[str],
+    data_addresses: Mapping[str, str | None],
+    attempt: int,
+    ckpt: Checkpoint,
+    *,
+    key: bytes | None = None,
+) -> Iterator[AssignRequest]:
+    """``assignment_payloads`` one at a time: the broker sends each before it reads the next slice of
+    the checkpoint, so it never holds more than one sub-DAG's state (issue 11)."""
     key = secrets.token_bytes(KEY_BYTES) if key is None else key
     peers_doc = [JobPeer(peer_id=p, data_address=data_addresses.get(p)) for p in peers]
     assignment = {n: s.index for s in partition.subdags for n in s.nodes}
-    requests = []
     for s in partition.subdags:
         wanted = {job.graph.node(p).target for p in s.placeholders}
         state, optim = ckpt.for_subdag(s.params, s.buffers)
-        requests.append(
-            AssignRequest(
-                job_id=job.job_id,
-                attempt=attempt,
-                spec=job.spec,
-                ir=job.ir,
-                assignment=assignment,
-                subdag=s.index,
-                peers=peers_doc,
-                key=key,
-                state=pack_tensors(state),
-                optim=pack_tensors(optim) if optim else None,
-                data=pack_tensors({k: v for k, v in job.data.items() if k in wanted}),
-            )
+        yield AssignRequest(
+            job_id=job.job_id,
+            attempt=attempt,
+            spec=job.spec,
+            ir=job.ir,
+            assignment=assignment,
+            subdag=s.index,
+            peers=peers_doc,
+            key=key,
+            state=pack_tensors(state),
+            optim=pack_tensors(optim) if optim else None,
+            data=pack_tensors({k: v for k, v in job.data.items() if k in wanted}),
         )
-    return requests
+        del state, optim

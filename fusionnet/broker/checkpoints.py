@@ -5,16 +5,24 @@ not by sub-DAG, so it can be cut again for any new placement: a replacement comp
 or a re-plan after a join. It is what FusionAI 3.5's "parameters synchronised to supernodes" buys:
 here the broker (the swarm's first supernode) holds it, on disk, so it also survives a broker restart.
 
+The broker keeps it on disk only (``tensorfiles.TensorFiles``: tensors are read when an assignment or
+the results need them), and a sync writes each compnode's blob to disk as it came: the broker's memory
+does not grow with the model (issue 11).
+
 Layout under ``jobs/<id>/``: ``submission/`` (spec.json, ir.bin, state.safetensors, data.safetensors),
-``ckpt-<step>.safetensors`` and ``ckpt.json`` (which checkpoint is current, the attempt counter, the
-metrics rows so far). ``ckpt.json`` is replaced atomically after its tensors are on disk, so a crash at
-any moment leaves a consistent pair.
+``ckpt-<step>/`` (one state and one optimizer file per sub-DAG, as their compnodes sent them, and
+``rest-*.safetensors`` for tensors of an earlier checkpoint that no file of this one holds) and
+``ckpt.json`` (which checkpoint is current, the file of each of its tensors, the attempt counter, the
+metrics rows so far). ``ckpt.json`` is replaced atomically after its tensors are on disk, so a crash
+at any moment leaves a consistent pair.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,22 +30,26 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from fusionnet.broker.tensorfiles import TensorFiles, select, write_blob
 from fusionnet.dag.precision import SCALER_PREFIX
+from fusionnet.errors import WireError
+from fusionnet.messages.blobs import MAX_BLOB_BYTES, own_storage
 
-STATE = "state::"
+CKPT_PREFIX = "ckpt-"
+LEGACY_STATE = "state::"
 
 
 @dataclass
 class Checkpoint:
     step: int  # the next step to run: everything before it is in this state
-    state: dict[str, torch.Tensor]  # parameters and buffers by state key
-    optim: dict[str, torch.Tensor] = field(default_factory=dict)  # opt::<key>::<slot>
+    state: Mapping[str, torch.Tensor]  # parameters and buffers by state key (on the broker: on disk)
+    optim: Mapping[str, torch.Tensor] = field(default_factory=dict)  # opt::<key>::<slot>
     metrics: list[dict[str, Any]] = field(default_factory=list)  # rows of the steps before ``step``
 
     def for_subdag(self, params: list[str], buffers: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
-        state = {k: self.state[k] for k in (*params, *buffers)}
+        state = select(self.state, (*params, *buffers))
         wanted = (*(f"opt::{k}::" for k in params), SCALER_PREFIX)  # fp16's loss scale goes to every one
-        optim = {k: v for k, v in self.optim.items() if k.startswith(wanted)}
+        optim = select(self.optim, [k for k in self.optim if k.startswith(wanted)])
         return state, optim
 
 
@@ -54,50 +66,92 @@ class JobFiles:
 
     # ---- submission ------------------------------------------------------------------------------
     def save_submission(
-        self, spec: dict[str, Any], ir: bytes, state: dict[str, torch.Tensor], data: dict[str, torch.Tensor]
+        self,
+        spec: dict[str, Any],
+        ir: bytes,
+        state: Mapping[str, torch.Tensor] | None,
+        data: dict[str, torch.Tensor],
     ) -> None:
+        """``state`` None: ``write_submitted_state`` wrote it already."""
         self.submission.mkdir(parents=True, exist_ok=True)
         _atomic(self.submission / "ir.bin", lambda p: p.write_bytes(ir))
-        _atomic(self.submission / "state.safetensors", lambda p: save_file(_own(state), str(p)))
+        if state is not None:
+            _atomic(self.submission / "state.safetensors", lambda p: save_file(_own(state), str(p)))
         _atomic(self.submission / "data.safetensors", lambda p: save_file(_own(data), str(p)))
         _atomic(
             self.submission / "spec.json", lambda p: p.write_text(json.dumps(spec))
         )  # last: marks complete
 
+    def write_submitted_state(self, blob: bytes) -> TensorFiles:
+        """The submitted state's safetensors blob, on disk as it came (refused if not valid)."""
+        if len(blob) > MAX_BLOB_BYTES:
+            raise WireError(f"submission: state: {len(blob)} bytes exceeds the {MAX_BLOB_BYTES}-byte bound")
+        return write_blob(self.submission / "state.safetensors", blob, "submission: state")
+
+    def forget(self) -> None:
+        """Removes what a refused submission left on disk."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+
     def has_submission(self) -> bool:
         return (self.submission / "spec.json").is_file()
 
+    def submitted_state(self) -> TensorFiles:
+        """The submitted parameters and buffers, read from disk when asked for."""
+        return TensorFiles.of_files([self.submission / "state.safetensors"], "submission: state")
+
     def load_submission(
         self,
-    ) -> tuple[dict[str, Any], bytes, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    ) -> tuple[dict[str, Any], bytes, TensorFiles, dict[str, torch.Tensor]]:
         spec = json.loads((self.submission / "spec.json").read_text())
         ir = (self.submission / "ir.bin").read_bytes()
-        state = load_file(str(self.submission / "state.safetensors"))
         data = load_file(str(self.submission / "data.safetensors"))
-        return spec, ir, state, data
+        return spec, ir, self.submitted_state(), data
 
     # ---- checkpoints -----------------------------------------------------------------------------
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.folder / f"{CKPT_PREFIX}{step}"
+
+    def write_part(self, step: int, name: str, blob: bytes, what: str) -> TensorFiles:
+        """One compnode's blob of the checkpoint after ``step``, on disk as it came."""
+        return write_blob(self.checkpoint_dir(step) / f"{name}.safetensors", blob, what)
+
     def save_checkpoint(self, ckpt: Checkpoint, attempt: int) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        name = f"ckpt-{ckpt.step}.safetensors"
-        tensors = {STATE + k: v for k, v in ckpt.state.items()} | dict(ckpt.optim)
-        _atomic(self.folder / name, lambda p: save_file(_own(tensors), str(p)))
-        doc = {"step": ckpt.step, "file": name, "attempt": attempt, "metrics": ckpt.metrics}
+        """Makes ``ckpt`` the current checkpoint: tensors it holds in memory, or in files of another
+        checkpoint (deleted below), are written to its folder first; then ``ckpt.json`` names its files."""
+        folder = self.checkpoint_dir(ckpt.step)
+        folder.mkdir(parents=True, exist_ok=True)
+        kept = {self.submission / "state.safetensors"} | set(folder.glob("*.safetensors"))
+        files = {}
+        for kind, tensors in (("state", ckpt.state), ("optim", ckpt.optim)):
+            index = dict(tensors.index) if isinstance(tensors, TensorFiles) else {}
+            loose = [k for k in tensors if index.get(k) not in kept]
+            if loose:
+                rest = folder / f"rest-{kind}.safetensors"
+                _atomic(rest, lambda p, t=tensors, ks=loose: save_file(_own(select(t, ks)), str(p)))
+                index.update(dict.fromkeys(loose, rest))
+            files[kind] = {k: str(p.relative_to(self.folder)) for k, p in index.items()}
+        doc = {"step": ckpt.step, "index": files, "attempt": attempt, "metrics": ckpt.metrics}
         _atomic(self.folder / "ckpt.json", lambda p: p.write_text(json.dumps(doc)))
-        for old in self.folder.glob("ckpt-*.safetensors"):
-            if old.name != name:
-                old.unlink(missing_ok=True)
+        for old in self.folder.glob(f"{CKPT_PREFIX}*"):
+            if old != folder:
+                shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
 
     def load_checkpoint(self) -> tuple[Checkpoint, int] | None:
         meta = self.folder / "ckpt.json"
         if not meta.is_file():
             return None
         doc = json.loads(meta.read_text())
-        tensors = load_file(str(self.folder / doc["file"]))
-        state = {k[len(STATE) :]: v for k, v in tensors.items() if k.startswith(STATE)}
-        optim = {k: v for k, v in tensors.items() if not k.startswith(STATE)}
+        if "index" not in doc:  # an earlier version's one file, ``state::`` before the state keys
+            tensors = load_file(str(self.folder / doc["file"]))
+            state = {k[len(LEGACY_STATE) :]: v for k, v in tensors.items() if k.startswith(LEGACY_STATE)}
+            optim = {k: v for k, v in tensors.items() if not k.startswith(LEGACY_STATE)}
+            return Checkpoint(int(doc["step"]), state, optim, list(doc["metrics"])), int(doc["attempt"])
+        state, optim = (
+            TensorFiles({k: self.folder / f for k, f in doc["index"][kind].items()})
+            for kind in ("state", "optim")
+        )
         return Checkpoint(int(doc["step"]), state, optim, list(doc["metrics"])), int(doc["attempt"])
 
 
-def _own(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+def _own(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return own_storage(tensors)

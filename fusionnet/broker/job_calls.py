@@ -55,8 +55,9 @@ class JobCalls:
             [self._named(p, "step", self.client.call_step(p, request, timeout=timeout)) for p in peers]
         )
 
-    async def collect(self, peers: Sequence[str]) -> list[CollectReply]:
-        request = JobRequest(job_id=self.job_id)
+    async def collect(self, peers: Sequence[str], part: str = "all") -> list[CollectReply]:
+        """``part``: "state" or "optim" alone (``JobRequest.part``)."""
+        request = JobRequest(job_id=self.job_id, part=part)
         return await gather(
             [
                 self._named(p, "collect", self.client.call_collect(p, request, timeout=ASSIGN_TIMEOUT))

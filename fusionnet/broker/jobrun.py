@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from fusionnet.broker import replanning
-from fusionnet.broker.assignment_payloads import assignment_payloads
+from fusionnet.broker.assignment_payloads import iter_assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog, step_timeout
@@ -44,9 +44,10 @@ from fusionnet.broker.links import probe_placement
 from fusionnet.broker.replanning import Replan
 from fusionnet.broker.store import BrokerStore, JobState
 from fusionnet.broker.submission import SubmittedJob
+from fusionnet.broker.tensorfiles import TensorFiles, select
 from fusionnet.dag.partition import Partition, build_partition
 from fusionnet.errors import ExecutionError, FusionNetError
-from fusionnet.messages.blobs import unpack_tensors
+from fusionnet.messages.blobs import pack_tensors, unpack_tensors
 from fusionnet.planning.optimizers import optimizer_profiles
 from fusionnet.planning.placement import Candidate, JobShape, Placement, predicted_step
 from fusionnet.results.assemble import RunResult, assemble_result
@@ -164,7 +165,7 @@ class JobRun:
         if replanning.sync_due(
             step, job.spec.step_count, self.ctx.settings.sync_every, bool(self._leavers())
         ):
-            return await self.watch.guarded(self._sync(step))
+            return await self.watch.guarded(self._sync(step, ckpt))
         return ckpt
 
     def _initial_checkpoint(self) -> Checkpoint:
@@ -332,8 +333,15 @@ class JobRun:
         for peer_id in self.peers:
             entry = self.ctx.registry.get(peer_id)
             addresses[peer_id] = None if entry is None else entry.record.data_path_address
-        requests = assignment_payloads(self.job, self.partition, self.peers, addresses, self.attempt, ckpt)
-        await self.calls.assign(self.peers, requests)
+        requests = iter_assignment_payloads(
+            self.job, self.partition, self.peers, addresses, self.attempt, ckpt
+        )
+        # One compnode at a time, each slice read from disk and packed just before it is sent: the
+        # broker never holds the whole model (issue 11).
+        for peer in self.peers:
+            request = await asyncio.to_thread(next, requests)
+            await self.calls.assign([peer], [request])
+            del request
 
     # ---- steps and syncs -------------------------------------------------------------------------
     async def _step(self, step: int) -> None:
@@ -371,15 +379,36 @@ class JobRun:
             predicted_seconds=None if self._placement is None else self._placement.predicted_step,
         )
 
-    async def _sync(self, step: int) -> Checkpoint:
-        """Parameters and optimizer state of every sub-DAG after ``step - 1``: the new checkpoint, on disk."""
-        replies = await self.calls.collect(self.peers)
-        state = dict(self.job.state)
-        optim: dict[str, torch.Tensor] = {}
-        for peer, r in zip(self.peers, replies):
-            state.update(unpack_tensors(r.state, f"state from {peer}"))
+    async def _sync(self, step: int, last: Checkpoint) -> Checkpoint:
+        """Parameters and optimizer state of every sub-DAG after ``step - 1``: the new checkpoint, on disk.
+        Tensors no sub-DAG holds keep their value from the ``last`` checkpoint.
+
+        One compnode at a time, its blobs written to disk as they came: the broker holds one sub-DAG's
+        state at a time, never the model (issue 11)."""
+        started = time.perf_counter()
+        files = self.files
+        state = last.state if isinstance(last.state, TensorFiles) else None
+        if state is None:  # an in-memory state (tests): on disk first, like the submission
+            blob = await asyncio.to_thread(pack_tensors, last.state)
+            state = await asyncio.to_thread(files.write_part, step, "base-state", blob, "state")
+        optim = TensorFiles()
+        for i, peer in enumerate(self.peers):
+            # State and optimizer state in two answers: each stays under the message bound.
+            name = f"a{self.attempt}-s{i:03d}"
+            (r,) = await self.calls.collect([peer], "state")
+            part = await asyncio.to_thread(
+                files.write_part, step, f"{name}-state", r.state, f"state from {peer}"
+            )
+            state = state.merged(part)
+            (r,) = await self.calls.collect([peer], "optim")
             if r.optim is not None:
-                optim.update(unpack_tensors(r.optim, f"optimizer state from {peer}"))
+                what = f"optimizer state from {peer}"
+                optim = optim.merged(
+                    await asyncio.to_thread(files.write_part, step, f"{name}-optim", r.optim, what)
+                )
+            del r
+        if self.progress.metrics:  # what the checkpoint cost this step (metrics.jsonl, benchmarks/scale.py)
+            self.progress.metrics[-1]["checkpoint_seconds"] = time.perf_counter() - started
         ckpt = Checkpoint(step, state, optim, list(self.progress.metrics))
         await asyncio.to_thread(self.files.save_checkpoint, ckpt, self.attempt)
         return ckpt
@@ -413,11 +442,13 @@ class JobRun:
         )
         for doc in plan["subdags"]:
             doc["compnode"] = self.peers[doc["subdag"]]
+        # The results hold the whole model: read once here, at the end (the checkpoint is on disk).
+        everything = await asyncio.to_thread(select, ckpt.state, list(ckpt.state))
         result = assemble_result(
             graph,
             job.spec.task,
-            states=[ckpt.state],
-            initial=job.state,
+            states=[everything],
+            initial=everything,
             grads=grads,
             outputs=[self._outputs[s] for s in sorted(self._outputs)],
             metrics=self.progress.metrics,

@@ -131,10 +131,17 @@ class JobService:
             raise JobError(
                 f"submission: the IR was traced for task {graph.task!r}, the spec says {spec.task!r}"
             )
-        state = unpack_tensors(request.state, "submission: state")
-        data = unpack_tensors(request.data, "submission: data")
-        check_submission(graph, state, data, spec)
         job_id = secrets.token_hex(6)
+        files = JobFiles(self.jobs_dir / job_id)
+        data = unpack_tensors(request.data, "submission: data")
+        try:
+            # The state goes to disk as it came and is read from there when needed (one tensor at a
+            # time for the checks): the broker never holds the model (issue 11).
+            state = await asyncio.to_thread(files.write_submitted_state, request.state)
+            await asyncio.to_thread(check_submission, graph, state, data, spec)
+        except BaseException:
+            files.forget()
+            raise
         self.ctx.store.create_job(job_id, spec.name, steps=spec.step_count, submitter=context.remote_peer)
         job = SubmittedJob(
             job_id=job_id,
@@ -145,13 +152,7 @@ class JobService:
             data=data,
             submitter=context.remote_peer,
         )
-        await asyncio.to_thread(
-            JobFiles(self.jobs_dir / job_id).save_submission,
-            spec.model_dump(mode="json"),
-            job.ir,
-            state,
-            data,
-        )
+        await asyncio.to_thread(files.save_submission, spec.model_dump(mode="json"), job.ir, None, data)
         self._launch(job)
         if request_id is not None:
             self._requests[request_id] = job_id

@@ -6,6 +6,7 @@ buffers, data against the spec) with a message naming the part, before anything 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ class SubmittedJob:
     spec: RunSpec
     ir: bytes
     graph: IRGraph
-    state: dict[str, torch.Tensor]
+    state: Mapping[str, torch.Tensor]  # once saved: ``TensorFiles`` over submission/state.safetensors
     data: dict[str, torch.Tensor]
     submitter: str
 

@@ -291,8 +291,11 @@ class SubtaskService:
         def blobs() -> CollectReply:
             # Packing a big model's state is compute (seconds for 100M parameters): on the compute
             # thread, after any stretch still queued there, never on the event loop.
+            if request.part == "optim":
+                return CollectReply(state=b"", optim=job.optim_blob())
             grads = job.grads_blob() if job.spec.task == "grad" else None
-            return CollectReply(state=job.state_blob(), grads=grads, optim=job.optim_blob())
+            optim = job.optim_blob() if request.part == "all" else None
+            return CollectReply(state=job.state_blob(), grads=grads, optim=optim)
 
         return await asyncio.get_running_loop().run_in_executor(self.node.compute, blobs)
 

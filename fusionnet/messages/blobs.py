@@ -18,9 +18,24 @@ from fusionnet.errors import WireError
 MAX_BLOB_BYTES = 1 << 30
 
 
+def own_storage(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor contiguous and on a storage of its own, as safetensors wants (it refuses shared
+    storage: tied weights). Only a tensor whose storage an earlier one already uses is copied: cloning
+    them all would hold the whole state twice while a large model is packed."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in tensors.items():
+        v = v.detach().contiguous()
+        ptr = v.untyped_storage().data_ptr()
+        if ptr in seen and v.numel():
+            v = v.clone()
+        seen.add(v.untyped_storage().data_ptr())
+        out[k] = v
+    return out
+
+
 def pack_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """Each tensor becomes its own contiguous buffer (safetensors refuses shared storage: tied weights)."""
-    return _save({k: v.detach().contiguous().clone() for k, v in tensors.items()})
+    return _save(own_storage(tensors))
 
 
 def unpack_tensors(blob: object, what: str, *, max_bytes: int = MAX_BLOB_BYTES) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ tensors mean is checked after decoding (``compnode.assignment_intake``).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -39,6 +39,9 @@ class JobRequest(Message):
     """A request about one job the caller assigned (``collect``)."""
 
     job_id: JobId
+    # collect: "state" or "optim" alone keeps each answer (and the memory it takes on both sides) to
+    # one of them, under the message bound for big sub-DAGs; the other field is then empty / None.
+    part: Literal["all", "state", "optim"] = "all"
 
 
 class JobPeer(Message):

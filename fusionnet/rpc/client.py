@@ -105,7 +105,7 @@ class RPCClient:
                 raw = await (
                     self._unary(peer_id, body)
                     if len(body) <= self.unary_limit
-                    else self._stream(peer_id, body)
+                    else self._stream(peer_id, body, timeout)
                 )
                 response = decode_response(raw)
                 if response.stashed is not None:
@@ -115,7 +115,7 @@ class RPCClient:
                             f"{self.max_message_bytes} bytes"
                         )
                     raw = await self._stream(
-                        peer_id, encode_request(FETCH_METHOD, {"token": response.stashed})
+                        peer_id, encode_request(FETCH_METHOD, {"token": response.stashed}), timeout
                     )
                     response = decode_response(raw)
                     if response.stashed is not None:
@@ -145,14 +145,14 @@ class RPCClient:
         )
         return reply.value
 
-    async def _stream(self, peer_id: PeerID, body: bytes) -> bytes:
+    async def _stream(self, peer_id: PeerID, body: bytes, timeout: float) -> bytes:
+        """``timeout`` also bounds the wait for the answer's first frame: a handler may work on a big
+        request (a 100M-parameter submission) for longer than the default before it answers."""
         _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, STREAM_PROTOCOL)
         try:
             # The server may refuse (oversize) and close before reading everything: its answer says why.
             with contextlib.suppress(ConnectionError, OSError):
                 await write_frame(writer, body)
-            return await read_frame(
-                reader, self.max_message_bytes, self.default_timeout, f"rpc answer from {peer_id}"
-            )
+            return await read_frame(reader, self.max_message_bytes, timeout, f"rpc answer from {peer_id}")
         finally:
             await close_writer(writer)
