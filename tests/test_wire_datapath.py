@@ -47,6 +47,26 @@ async def raw_send(address: tuple[str, int], data: bytes) -> bool:
         writer.close()
 
 
+def _assert_delivered_and_counted(
+    server: DataPathServer,
+    job1: tuple[list[TensorFrame], list[torch.Tensor]],
+    job2: tuple[list[TensorFrame], list[torch.Tensor]],
+    closed: dict[str, bool],
+) -> None:
+    """Every good frame arrived in order, every attack was counted once under its reason."""
+    (got1, sent1), (got2, sent2) = job1, job2
+    assert [f.step for f in got1] == list(range(len(sent1)))  # in order, none lost
+    assert all(torch.equal(f.tensor, t) for f, t in zip(got1, sent1))
+    assert all(torch.equal(f.tensor, t) for f, t in zip(got2, sent2))
+    assert server.stats["job1"].frames_refused == {"sender_not_allowed": 1, "bad_mac": 1, "size_mismatch": 1}
+    assert server.stats["job2"].frames_refused == {"oversized": 1, "bad_dtype": 1}
+    assert server.stats[NO_JOB].frames_refused == {"bad_magic": 1, "unknown_job": 1}
+    assert server.stats["job1"].frames_accepted == len(sent1)
+    assert server.stats["job2"].bytes_accepted == sum(t.numel() * 4 for t in sent2)
+    # Streams that can no longer be trusted are closed; the raw senders saw their connection end.
+    assert closed == {"mismatch": True, "oversized": True, "dtype": True, "garbled": True}
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("loop_name", sorted(LOOPS))
 def test_bad_frames_are_refused_and_counted_while_good_ones_keep_flowing(loop_name: str, caplog) -> None:
@@ -112,20 +132,7 @@ def test_bad_frames_are_refused_and_counted_while_good_ones_keep_flowing(loop_na
                 await c.close()
             await server.stop()
 
-        assert [f.step for f in got1] == list(range(len(sent1)))  # in order, none lost
-        assert all(torch.equal(f.tensor, t) for f, t in zip(got1, sent1))
-        assert all(torch.equal(f.tensor, t) for f, t in zip(got2, sent2))
-        assert server.stats["job1"].frames_refused == {
-            "sender_not_allowed": 1,
-            "bad_mac": 1,
-            "size_mismatch": 1,
-        }
-        assert server.stats["job2"].frames_refused == {"oversized": 1, "bad_dtype": 1}
-        assert server.stats[NO_JOB].frames_refused == {"bad_magic": 1, "unknown_job": 1}
-        assert server.stats["job1"].frames_accepted == len(sent1)
-        assert server.stats["job2"].bytes_accepted == sum(t.numel() * 4 for t in sent2)
-        # Streams that can no longer be trusted are closed; the raw senders saw their connection end.
-        assert closed == {"mismatch": True, "oversized": True, "dtype": True, "garbled": True}
+        _assert_delivered_and_counted(server, (got1, sent1), (got2, sent2), closed)
 
     run(loop_name, scenario())
     messages = [r.getMessage() for r in caplog.records if r.name == "fusionnet.wire"]
