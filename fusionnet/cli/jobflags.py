@@ -29,13 +29,22 @@ def add_job_loading_flags(p: Any) -> None:
     )
 
 
-def load_job_for_command(args: argparse.Namespace) -> LoadedJob:
-    """Loads ``args.job`` in a child process first (bounded; the model code cannot hang or exit this
-    command), then here."""
-    from fusionnet.job.loader import load_job
+def check_job_for_command(args: argparse.Namespace) -> None:
+    """Checks ``args.job`` without loading it here: first what needs no user code (schema, paths, data;
+    milliseconds, in this process), then the model in a child process (bounded; the model code cannot
+    hang or exit this command)."""
+    from fusionnet.job.loader import check_job_without_model
     from fusionnet.runtime.loadcheck import check_job_loads
 
+    check_job_without_model(args.job, allow_outside_paths=args.allow_outside_paths)
     check_job_loads(args.job, allow_outside_paths=args.allow_outside_paths, timeout=args.load_timeout)
+
+
+def load_job_for_command(args: argparse.Namespace) -> LoadedJob:
+    """Checks ``args.job`` (``check_job_for_command``), then loads it here."""
+    from fusionnet.job.loader import load_job
+
+    check_job_for_command(args)
     return load_job(args.job, allow_outside_paths=args.allow_outside_paths)
 
 

@@ -41,19 +41,28 @@ def _import_file(path: Path, shown: str) -> Any:
     return module
 
 
+def check_entrypoint_file(entrypoint: str, base_dir: Path, *, allow_outside: bool = False) -> Path | None:
+    """The entry point's file (None for ``package.module:callable``, allowed only with ``allow_outside``);
+    JobError when the file is missing, outside the job folder, or a module is named. Nothing is imported."""
+    where = entrypoint.rpartition(":")[0]
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        return resolve_file(base_dir, where, "model.entrypoint", allow_outside=allow_outside)
+    if not allow_outside:
+        raise JobError(
+            f"model.entrypoint: {entrypoint[:80]!r} names an importable module; an entrypoint must be "
+            "FILE.py:CALLABLE with FILE.py in the job folder (or pass --allow-outside-paths)"
+        )
+    return None
+
+
 def resolve_entrypoint(entrypoint: str, base_dir: Path, *, allow_outside: bool = False) -> Callable[..., Any]:
     """``FILE.py:callable`` (a file in the job folder ``base_dir``, the callable defined in it; attributes may
     be dotted, ``models.py:Net.build``). ``package.module:callable`` and files outside the folder only with
     ``allow_outside``: otherwise a job file could run any installed function (``os:system``)."""
     where, _, attr = entrypoint.rpartition(":")
-    is_file = where.endswith(".py") or "/" in where or "\\" in where
-    if not is_file and not allow_outside:
-        raise JobError(
-            f"model.entrypoint: {entrypoint[:80]!r} names an importable module; an entrypoint must be "
-            "FILE.py:CALLABLE with FILE.py in the job folder (or pass --allow-outside-paths)"
-        )
-    if is_file:
-        path = resolve_file(base_dir, where, "model.entrypoint", allow_outside=allow_outside)
+    path = check_entrypoint_file(entrypoint, base_dir, allow_outside=allow_outside)
+    is_file = path is not None
+    if path is not None:
         module = _import_file(path, where)
     else:
         try:

@@ -64,29 +64,29 @@ def _machine_memory_bytes() -> int:
         return 8 << 30
 
 
-def _check_finite(job: LoadedJob) -> None:
-    for name, t in (("inputs", job.inputs), ("labels", job.labels)):
+def check_data(spec: JobSpec, inputs: torch.Tensor, labels: torch.Tensor | None) -> None:
+    """The checks that need the data but not the model (no user code): finite values, one batch's size."""
+    for name, t in (("inputs", inputs), ("labels", labels)):
         if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             first = int((~torch.isfinite(t)).reshape(t.shape[0], -1).any(dim=1).nonzero()[0, 0])
-            raise JobError(
-                f"data.path: {job.spec.data.path}: '{name}' holds NaN or inf (first in sample {first})"
-            )
-    key = "model.weights" if job.spec.model.weights is not None else "model.entrypoint"
-    for name, t in job.model.state_dict().items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise JobError(f"{key}: {name!r} holds NaN or inf")
-
-
-def _check_batch_memory(job: LoadedJob) -> None:
-    per_sample = job.inputs[0].nbytes + (job.labels[0].nbytes if job.labels is not None else 0)
-    need = per_sample * job.spec.data.batch_size
+            where = f"data.path: {spec.data.path}"
+            raise JobError(f"{where}: '{name}' holds NaN or inf (first in sample {first})")
+    per_sample = inputs[0].nbytes + (labels[0].nbytes if labels is not None else 0)
+    need = per_sample * spec.data.batch_size
     have = _machine_memory_bytes()
     if need > _BATCH_MEMORY_SHARE * have:
         gib, total = need / 2**30, have / 2**30
         raise JobError(
-            f"data.batch_size: {job.spec.data.batch_size} samples need {gib:.1f} GiB for one batch's inputs "
+            f"data.batch_size: {spec.data.batch_size} samples need {gib:.1f} GiB for one batch's inputs "
             f"alone; this machine has {total:.1f} GiB (at most a quarter of it for inputs)"
         )
+
+
+def _check_weights_finite(job: LoadedJob) -> None:
+    key = "model.weights" if job.spec.model.weights is not None else "model.entrypoint"
+    for name, t in job.model.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise JobError(f"{key}: {name!r} holds NaN or inf")
 
 
 def _check_labels_range(job: LoadedJob, out: torch.Tensor, y: torch.Tensor) -> None:
@@ -146,8 +146,8 @@ def _dry_forward(job: LoadedJob) -> None:
 
 def preflight(job: LoadedJob) -> None:
     """One JobError for the first problem found; nothing about the job or the RNG changes."""
-    _check_finite(job)
-    _check_batch_memory(job)
+    check_data(job.spec, job.inputs, job.labels)
+    _check_weights_finite(job)
     was_training = job.model.training
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         try:
