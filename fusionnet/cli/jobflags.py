@@ -52,15 +52,41 @@ def check_output_dir(output: Path) -> None:
     """``--output`` is a directory we can write, made now: finding out after a job ran would lose it."""
     from fusionnet.errors import JobError
 
-    if output.exists() and not output.is_dir():
-        raise JobError(f"--output: {output} exists and is not a directory")
+    shown = str(output) if str(output).isprintable() and len(str(output)) <= 200 else repr(str(output))[:200]
     try:
+        if output.exists() and not output.is_dir():
+            raise JobError(f"--output: {shown} exists and is not a directory")
         output.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise JobError(f"--output: {output}: cannot create the directory ({e.strerror or e})") from None
+    except JobError:
+        raise
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:100]
+        raise JobError(f"--output: {shown}: cannot create the directory ({reason})") from None
     probe = output / ".fusionnet-write-test"
     try:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
         raise JobError(f"--output: {output}: not writable ({e.strerror or e})") from None
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """A file a command writes once its work is done (``plan --json``) can be written: checked before the
+    work, so a bad path is one line naming ``flag`` now, not a traceback after the work."""
+    from fusionnet.errors import JobError
+
+    shown = str(path) if str(path).isprintable() and len(str(path)) <= 200 else repr(str(path))[:200]
+    try:
+        if path.is_dir():
+            raise JobError(f"{flag}: {shown} is a directory; expected a file name")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with path.open("a"):
+            pass
+        if not existed:
+            path.unlink()
+    except JobError:
+        raise
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:100]
+        raise JobError(f"{flag}: {shown}: cannot write the file ({reason})") from None
