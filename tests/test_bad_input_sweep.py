@@ -74,8 +74,8 @@ def _argv(command: str, v: Variant, job: Path, out: Path, peers: list[str]) -> l
         return argv + (["--json", bad_out] if bad_out is not None else [])
     target = bad_out if bad_out is not None else str(out)
     if command == "run":
-        return argv + ["--local", "2", "--output", target, "--quiet", "--no-predict"]
-    return argv + ["--initial-peers", *peers, "--output", target, "--timeout", "60"]
+        return [*argv, "--local", "2", "--output", target, "--quiet", "--no-predict"]
+    return [*argv, "--initial-peers", *peers, "--output", target, "--timeout", "60"]
 
 
 def _classify(command: str, v: Variant, job: Path, code: int, err: str, seconds: tuple[float, float]) -> str:
@@ -119,7 +119,9 @@ def _commands(v: Variant, job: Path) -> tuple[str, ...]:
 _CHILD_TURN: dict[str, int] = {}
 
 
-def _run_variant(v: Variant, root: Path, peers: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, str]:
+def _run_variant(
+    v: Variant, root: Path, peers: list[str], capsys: pytest.CaptureFixture[str]
+) -> dict[str, str]:
     j = JobDir(root)
     v.edit(j)
     j.save()

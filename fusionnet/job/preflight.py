@@ -117,6 +117,9 @@ def _dry_forward(job: LoadedJob) -> None:
             out = job.model(x)
     except Exception as e:
         raise JobError(f"{where} ({_describe(x)}) failed: {_short(e)}") from None
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if any(not bool(torch.isfinite(t).all()) for t in leaves):
+        raise JobError(f"{where} ({_describe(x)}) returned NaN or inf from finite inputs and weights")
     if not uses_loss:
         # Infer results are every tensor the output holds (fusionnet.results.assemble.output_tensors).
         if not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(out)[0]):
@@ -142,6 +145,8 @@ def _dry_forward(job: LoadedJob) -> None:
         ) from None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise JobError(f"loss: {loss_name} must give one number per batch, got {_describe(loss)}")
+    if not bool(torch.isfinite(loss)):
+        raise JobError(f"loss: {loss_name} of the model's output and data.labels[0:1] is {float(loss)}")
 
 
 def preflight(job: LoadedJob) -> None:

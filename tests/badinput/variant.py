@@ -127,7 +127,12 @@ class Variant:
 
 
 def variant(
-    category: str, name: str, expect: str | tuple[str, ...], edit: Callable[[JobDir], None], says: str = "", **kw: Any
+    category: str,
+    name: str,
+    expect: str | tuple[str, ...],
+    edit: Callable[[JobDir], None],
+    says: str = "",
+    **kw: Any,
 ) -> Variant:
     expects = (expect,) if isinstance(expect, str) else expect
     return Variant(name=f"{category}/{name}", category=category, expect=expects, edit=edit, says=says, **kw)

@@ -80,13 +80,30 @@ SYNTAX = [
 KEYS = [
     variant("keys", "unknown-top-key", "stesp", setter(stesp=5), says="unknown key"),
     variant("keys", "capitalised-key", "Steps", setter(Steps=5), says="unknown key"),
-    variant("keys", "misspelt-entrypoint", ("model.entrypoint", "model.entrypiont"), lambda j: _rename(j, "model.entrypoint", "entrypiont")),
-    variant("keys", "misspelt-batch-size", "data.batch", lambda j: _rename(j, "data.batch_size", "batchsize")),
+    variant(
+        "keys",
+        "misspelt-entrypoint",
+        ("model.entrypoint", "model.entrypiont"),
+        lambda j: _rename(j, "model.entrypoint", "entrypiont"),
+    ),
+    variant(
+        "keys", "misspelt-batch-size", "data.batch", lambda j: _rename(j, "data.batch_size", "batchsize")
+    ),
     variant("keys", "misspelt-lr", "optimizer.l", lambda j: _rename(j, "optimizer.lr", "learning_rate")),
     variant("keys", "misspelt-loss-name", "loss.n", lambda j: _rename(j, "loss.name", "nmae")),
-    variant("keys", "misspelt-compnodes", "placement.compnode", lambda j: _rename(j, "placement.compnodes", "compnode")),
+    variant(
+        "keys",
+        "misspelt-compnodes",
+        "placement.compnode",
+        lambda j: _rename(j, "placement.compnodes", "compnode"),
+    ),
     variant("keys", "unknown-model-key", "model.weigths", setter(**{"model.weigths": "w.safetensors"})),
-    variant("keys", "unknown-per-op-key", "optimizer.per_op.fc1.*.lrr", setter(**{"optimizer.per_op": {"fc1.*": {"lrr": 1}}})),
+    variant(
+        "keys",
+        "unknown-per-op-key",
+        "optimizer.per_op.fc1.*.lrr",
+        setter(**{"optimizer.per_op": {"fc1.*": {"lrr": 1}}}),
+    ),
     variant("keys", "unknown-data-key", "data.shuffle", setter(**{"data.shuffle": True})),
     variant("keys", "missing-name", "name", dropper("name"), says="required"),
     variant("keys", "missing-task", "task", dropper("task"), says="required"),
@@ -129,7 +146,9 @@ TYPES = [
     variant("types", "model-a-string", "model", setter(model="model.py:build"), says="mapping"),
     variant("types", "model-kwargs-list", "model.kwargs", setter(**{"model.kwargs": [1, 2]}), says="mapping"),
     variant("types", "data-a-list", "data", setter(data=[]), says="mapping"),
-    variant("types", "optimizer-kwargs-string", "optimizer.kwargs", setter(**{"optimizer.kwargs": "momentum"})),
+    variant(
+        "types", "optimizer-kwargs-string", "optimizer.kwargs", setter(**{"optimizer.kwargs": "momentum"})
+    ),
     variant("types", "placement-a-number", "placement", setter(placement=2), says="mapping"),
     variant("types", "loss-a-string", "loss", setter(loss="cross_entropy"), says="mapping"),
     variant("types", "entrypoint-number", "model.entrypoint", setter(**{"model.entrypoint": 42})),
@@ -155,7 +174,12 @@ RANGES = [
     variant("range", "compnodes-1e6", "placement.compnodes", setter(**{"placement.compnodes": 10**6})),
     variant("range", "compnodes-1025", "placement.compnodes", setter(**{"placement.compnodes": 1025})),
     variant("range", "block-size-for-tensors", "data.block_size", setter(**{"data.block_size": 8})),
-    variant("range", "block-size-1e9", "data.block_size", setter(**{"data.path": "t.txt", "data.block_size": 10**9})),
+    variant(
+        "range",
+        "block-size-1e9",
+        "data.block_size",
+        setter(**{"data.path": "t.txt", "data.block_size": 10**9}),
+    ),
     variant("range", "lr-zero", "optimizer.lr", setter(**{"optimizer.lr": 0})),
     variant("range", "lr-negative", "optimizer.lr", setter(**{"optimizer.lr": -0.1})),
     variant("range", "lr-1e300", "optimizer.lr", setter(**{"optimizer.lr": 1e300})),
@@ -163,26 +187,70 @@ RANGES = [
     variant("range", "lr-nan", "optimizer.lr", text(VALID.replace("lr: 0.1", "lr: .nan"))),
     variant("range", "seed-2-63", "seed", setter(seed=2**63)),
     variant("range", "seed-negative", "seed", setter(seed=-1)),
-    variant("range", "per-op-lr-negative", "optimizer.per_op.fc1.*.lr", setter(**{"optimizer.per_op": {"fc1.*": {"lr": -1}}})),
-    variant("range", "momentum-negative", "optimizer.kwargs", setter(**{"optimizer.kwargs": {"momentum": -1}})),
+    variant(
+        "range",
+        "per-op-lr-negative",
+        "optimizer.per_op.fc1.*.lr",
+        setter(**{"optimizer.per_op": {"fc1.*": {"lr": -1}}}),
+    ),
+    variant(
+        "range", "momentum-negative", "optimizer.kwargs", setter(**{"optimizer.kwargs": {"momentum": -1}})
+    ),
 ]
 
 STRINGS = [
     variant("strings", "name-100k", "name", setter(name="n" * 100_000), says="at most"),
-    variant("strings", "entrypoint-5000", "model.entrypoint", setter(**{"model.entrypoint": "m" * 5000 + ".py:build"})),
-    variant("strings", "entrypoint-long-component", "model.entrypoint", setter(**{"model.entrypoint": "m" * 300 + ".py:build"})),
-    variant("strings", "entrypoint-nul", "model.entrypoint", setter(**{"model.entrypoint": "model.py\x00x.py:build"})),
+    variant(
+        "strings",
+        "entrypoint-5000",
+        "model.entrypoint",
+        setter(**{"model.entrypoint": "m" * 5000 + ".py:build"}),
+    ),
+    variant(
+        "strings",
+        "entrypoint-long-component",
+        "model.entrypoint",
+        setter(**{"model.entrypoint": "m" * 300 + ".py:build"}),
+    ),
+    variant(
+        "strings",
+        "entrypoint-nul",
+        "model.entrypoint",
+        setter(**{"model.entrypoint": "model.py\x00x.py:build"}),
+    ),
     variant("strings", "data-path-nul", "data.path", setter(**{"data.path": "data\x00.safetensors"})),
     variant("strings", "data-path-5000", "data.path", setter(**{"data.path": "d" * 5000 + ".safetensors"})),
-    variant("strings", "data-path-long-component", "data.path", setter(**{"data.path": "d" * 300 + ".safetensors"})),
+    variant(
+        "strings",
+        "data-path-long-component",
+        "data.path",
+        setter(**{"data.path": "d" * 300 + ".safetensors"}),
+    ),
     variant("strings", "weights-nul", "model.weights", setter(**{"model.weights": "w\x00.safetensors"})),
-    variant("strings", "weights-too-long", "model.weights", setter(**{"model.weights": "w" * (MAX_PATH_CHARS + 1)})),
+    variant(
+        "strings",
+        "weights-too-long",
+        "model.weights",
+        setter(**{"model.weights": "w" * (MAX_PATH_CHARS + 1)}),
+    ),
     variant("strings", "loss-name-100k", "loss.name", setter(**{"loss.name": "l" * 100_000})),
     variant("strings", "optimizer-name-nul", "optimizer.name", setter(**{"optimizer.name": "sg\x00d"})),
     variant("strings", "entrypoint-no-colon", "model.entrypoint", setter(**{"model.entrypoint": "model.py"})),
-    variant("strings", "entrypoint-empty-module", "model.entrypoint", setter(**{"model.entrypoint": ":build"})),
-    variant("strings", "entrypoint-call-syntax", "model.entrypoint", setter(**{"model.entrypoint": "model.py:build()"})),
-    variant("strings", "entrypoint-empty-callable", "model.entrypoint", setter(**{"model.entrypoint": "model.py:"})),
+    variant(
+        "strings", "entrypoint-empty-module", "model.entrypoint", setter(**{"model.entrypoint": ":build"})
+    ),
+    variant(
+        "strings",
+        "entrypoint-call-syntax",
+        "model.entrypoint",
+        setter(**{"model.entrypoint": "model.py:build()"}),
+    ),
+    variant(
+        "strings",
+        "entrypoint-empty-callable",
+        "model.entrypoint",
+        setter(**{"model.entrypoint": "model.py:"}),
+    ),
     variant("strings", "data-path-empty", "data.path", setter(**{"data.path": ""})),
 ]
 
