@@ -69,7 +69,8 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
 
 def _argv(command: str, v: Variant, job: Path, out: Path, peers: list[str]) -> list[str]:
     argv = [command, str(job), *v.flags]
-    bad_out = v.output(out.parent) if v.output is not None else None
+    flag = "--json" if command == "plan" else "--output"
+    bad_out = v.output(out.parent, flag) if v.output is not None else None
     if command == "plan":
         return argv + (["--json", bad_out] if bad_out is not None else [])
     target = bad_out if bad_out is not None else str(out)

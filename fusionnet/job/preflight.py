@@ -105,6 +105,26 @@ def _check_labels_range(job: LoadedJob, out: torch.Tensor, y: torch.Tensor) -> N
         )
 
 
+# Losses whose target holds class indices; every other loss compares its target element by element with
+# the output, and torch would broadcast a target of another shape (a wrong loss, with only a warning).
+_INDEX_LOSSES = _CLASS_LOSSES | {"multilabel_margin_loss"}
+
+
+def _check_label_form(job: LoadedJob, out: torch.Tensor, y: torch.Tensor) -> None:
+    assert job.spec.loss is not None
+    name, where = job.spec.loss.name, f"data.path: {job.spec.data.path}"
+    if name in _INDEX_LOSSES:
+        return
+    if tuple(y.shape) != tuple(out.shape):
+        raise JobError(
+            f"{where}: 'labels' of one sample have shape {tuple(y.shape[1:])}, but loss {name} compares "
+            f"them element by element with the model output of shape {tuple(out.shape[1:])}"
+        )
+    if not y.is_floating_point():
+        dtype = str(y.dtype).removeprefix("torch.")
+        raise JobError(f"{where}: 'labels' are {dtype}, but loss {name} needs floating-point labels")
+
+
 def _dry_forward(job: LoadedJob) -> None:
     where = "model.entrypoint: forward on data.inputs[0:1]"
     x = job.inputs[0:1]
@@ -136,6 +156,7 @@ def _dry_forward(job: LoadedJob) -> None:
     if not isinstance(out, torch.Tensor):
         raise JobError(f"{where} returned a {_describe(out)}; loss {loss_name} needs a Tensor")
     _check_labels_range(job, out, y)
+    _check_label_form(job, out, y)
     try:
         loss = job.loss_fn(out, y)
     except Exception as e:

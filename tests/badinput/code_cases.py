@@ -3,7 +3,12 @@ process of ``fusionnet.runtime.loadcheck``), except where the path alone tells."
 
 from __future__ import annotations
 
-from tests.badinput.variant import MLP, JobDir, Variant, model, setter, variant
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tests.badinput.variant import MLP, Edit, JobDir, Variant, model, setter, variant
 
 ORIGINAL = (MLP / "model.py").read_text()
 EP = "model.entrypoint"
@@ -27,7 +32,7 @@ def _forward(body: str) -> str:
     )
 
 
-def _outside_entry(kind: str):
+def _outside_entry(kind: str) -> Edit:
     def edit(j: JobDir) -> None:
         if kind == "relative":
             j.set(EP, "../outside/evil.py:build")
@@ -44,7 +49,7 @@ def _outside_entry(kind: str):
     return edit
 
 
-def _module_form(entry: str, **kwargs: object):
+def _module_form(entry: str, **kwargs: object) -> Edit:
     return setter(**{EP: entry, "model.kwargs": kwargs})
 
 
@@ -300,7 +305,7 @@ FORWARD = [
 ]
 
 
-def _labels(make):
+def _labels(make: Callable[[Any], Any]) -> Edit:
     return lambda j: j.tensors(
         "data.safetensors", {"inputs": j.data()["inputs"], "labels": make(j.data()["labels"])}
     )
@@ -324,7 +329,27 @@ LOSS = [
     variant("loss", "unknown-loss-kwarg", "loss.kwargs", setter(**{"loss.kwargs": {"foo": 1}})),
     variant("loss", "ignore-index-string", "loss.kwargs", setter(**{"loss.kwargs": {"ignore_index": "x"}})),
     variant("loss", "no-loss-model-not-a-loss", (EP, FWD), lambda j: j.doc.pop("loss")),
-    variant("loss", "mse-with-int-labels", "loss", setter(**{"loss.name": "mse_loss"})),
+    variant("loss", "mse-with-int-labels", "data.path", setter(**{"loss.name": "mse_loss"})),
+    variant(
+        "loss",
+        "mse-int-labels-of-output-shape",
+        "data.path",
+        lambda j: (
+            j.set("loss.name", "mse_loss"),
+            j.tensors(
+                "data.safetensors",
+                {"inputs": j.data()["inputs"], "labels": torch.ones(256, 4, dtype=torch.int64)},
+            ),
+        )[-1],
+        says="floating-point",
+    ),
+    variant(
+        "loss",
+        "l1-float-labels-broadcast",
+        "data.path",
+        lambda j: (j.set("loss.name", "l1_loss"), _labels(lambda y: y.float())(j))[-1],
+        says="shape",
+    ),
     variant("loss", "reduction-none", "loss", setter(**{"loss.kwargs": {"reduction": "none"}})),
 ]
 

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from tests.badinput.variant import MLP, JobDir, Variant, setter, variant
+from tests.badinput.variant import MLP, Edit, JobDir, Variant, setter, variant
 
 DATA = "data.path"
 W = "model.weights"
 GOOD_DATA = (MLP / "data.safetensors").read_bytes()
 
 
-def _data(make):
+def _data(make: Callable[[Any], Any]) -> Edit:
     return lambda j: j.tensors("data.safetensors", make(j.data()))
 
 
-def _bytes(content: bytes):
+def _bytes(content: bytes) -> Edit:
     return lambda j: j.file("data.safetensors", content)
 
 
@@ -26,7 +29,7 @@ def _header(n: int, body: bytes = b"") -> bytes:
     return struct.pack("<Q", n) + body
 
 
-def _poisoned(value: float):
+def _poisoned(value: float) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     def make(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         x = t["inputs"].clone()
         x[5, 3] = value
@@ -35,11 +38,11 @@ def _poisoned(value: float):
     return make
 
 
-def _data_path(path: str):
+def _data_path(path: str) -> Edit:
     return setter(**{DATA: path})
 
 
-def _data_link(target: str):
+def _data_link(target: str) -> Edit:
     def edit(j: JobDir) -> None:
         j.link("linked.safetensors", target.format(outside=j.outside))
         j.set(DATA, "linked.safetensors")
@@ -156,7 +159,7 @@ DATAFILES = [
 ]
 
 
-def _weights(make):
+def _weights(make: Callable[[Any], Any]) -> Edit:
     def edit(j: JobDir) -> None:
         j.tensors("w.safetensors", make(j.state()))
         j.set(W, "w.safetensors")
@@ -169,7 +172,7 @@ def _nan_weight(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return s
 
 
-def _folder(files: dict[str, bytes]):
+def _folder(files: dict[str, bytes]) -> Edit:
     def edit(j: JobDir) -> None:
         (j.dir / "pretrained").mkdir()
         for name, content in files.items():
@@ -234,26 +237,33 @@ WEIGHTS = [
 ]
 
 
-def _out(make):
-    return make
-
-
 OUTPUTS = [
-    variant("output", "an-existing-file", "{out}", lambda j: None, output=lambda r: str(_touch(r / "taken"))),
+    variant(
+        "output",
+        "an-existing-file",
+        "{out}",
+        lambda j: None,
+        output=lambda r, flag: str(_touch(r / "taken") if flag == "--output" else _folder_at(r / "taken")),
+    ),
     variant(
         "output",
         "under-a-file",
         "{out}",
         lambda j: None,
-        output=lambda r: str(_touch(r / "taken") / "sub" / "x"),
+        output=lambda r, flag: str(_touch(r / "taken") / "sub" / "x"),
     ),
-    variant("output", "nul-byte", "{out}", lambda j: None, output=lambda r: str(r / "o\x00ut")),
-    variant("output", "name-too-long", "{out}", lambda j: None, output=lambda r: str(r / ("o" * 300))),
-    variant("output", "in-proc", "{out}", lambda j: None, output=lambda r: "/proc/fusionnet-out/x"),
+    variant("output", "nul-byte", "{out}", lambda j: None, output=lambda r, flag: str(r / "o\x00ut")),
+    variant("output", "name-too-long", "{out}", lambda j: None, output=lambda r, flag: str(r / ("o" * 300))),
+    variant("output", "in-proc", "{out}", lambda j: None, output=lambda r, flag: "/proc/fusionnet-out/x"),
 ]
 
 
-def _touch(path):
+def _folder_at(path: Path) -> Path:  # plan --json may overwrite a file, not a folder
+    path.mkdir()
+    return path
+
+
+def _touch(path: Path) -> Path:
     path.write_text("taken")
     return path
 

@@ -108,6 +108,9 @@ class JobDir:
             self.job.write_text(self.raw)
 
 
+Edit = Callable[[JobDir], None]
+
+
 @dataclass(frozen=True)
 class Variant:
     """``edit`` breaks a fresh ``JobDir``; every command must then exit 2 with one line
@@ -121,7 +124,8 @@ class Variant:
     edit: Callable[[JobDir], None]
     says: str = ""
     flags: tuple[str, ...] = ()  # more command-line flags (e.g. a short --load-timeout)
-    output: Callable[[Path], str] | None = None  # a bad --output / --json path, from the variant's root
+    # A bad --output (run, submit) or --json (plan) path, from the variant's root folder and the flag.
+    output: Callable[[Path, str], str] | None = None
     job_path: Callable[[JobDir], Path] | None = None  # the path given to the command (default: job.yaml)
     tags: frozenset[str] = field(default_factory=frozenset)
 
