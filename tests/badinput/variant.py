@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,10 +81,12 @@ class JobDir:
 
     def state(self) -> dict[str, torch.Tensor]:
         """The MLP's initial state dict (as ``build()`` makes it)."""
+        spec = importlib.util.spec_from_file_location("badinput_mlp_model", MLP / "model.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
         torch.manual_seed(0)
-        mod: dict[str, Any] = {}
-        exec(compile((MLP / "model.py").read_text(), "model.py", "exec"), mod)  # our own example file
-        return {k: v.clone() for k, v in mod["build"]().state_dict().items()}
+        return {k: v.clone() for k, v in module.build().state_dict().items()}
 
     def file(self, name: str, content: str | bytes) -> Path:
         path = self.dir / name
