@@ -76,6 +76,8 @@ def resolve_entrypoint(entrypoint: str, base_dir: Path, *, allow_outside: bool =
         if not hasattr(target, part):
             raise JobError(f"model.entrypoint: {where} has no attribute {attr!r}")
         target = getattr(target, part)
+        if not callable(target) and part == attr.split(".")[-1]:
+            break  # named below as not a callable (``build = 42`` has no module to name)
         if target is not module and part == attr.split(".")[0] and is_file and not allow_outside:
             # A name the file merely imported (``from os import system``) is not the user's model code.
             defined_in = getattr(target, "__module__", None)
