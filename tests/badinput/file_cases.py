@@ -243,7 +243,7 @@ OUTPUTS = [
         "an-existing-file",
         "{out}",
         lambda j: None,
-        output=lambda r, flag: str(_touch(r / "taken") if flag == "--output" else _folder_at(r / "taken-dir")),
+        output=lambda r, flag: str(_touch(r / "taken") if flag == "--output" else _folder_at(r / "dir")),
     ),
     variant(
         "output",
