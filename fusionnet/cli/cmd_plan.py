@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fusionnet.cli.jobflags import add_job_loading_flags, load_job_for_command
+from fusionnet.cli.jobflags import add_job_loading_flags, check_output_file, load_job_for_command
 
 
 def add_parser(subparsers: Any) -> None:
@@ -33,6 +33,8 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from fusionnet.runtime.planjob import plan_job
 
+    if args.json:
+        check_output_file(args.json, "--json")
     job = load_job_for_command(args)
     planned = plan_job(job, nodes_file=args.nodes)
     print(planned.prepared.partition.describe())

@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from fusionnet.cli.jobflags import add_job_loading_flags, check_output_dir
+from fusionnet.cli.jobflags import add_job_loading_flags, check_job_for_command, check_output_dir
 
 DEFAULT_WAIT_COMPNODES = 60.0  # = runtime.jobcontrol's (not imported here: --help stays light)
 
@@ -51,11 +51,10 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fusionnet.runtime.loadcheck import check_job_loads
     from fusionnet.runtime.submit import submit_and_wait, summary
 
     check_output_dir(args.output)  # before the job is sent: a bad --output must not lose its results
-    check_job_loads(args.job, allow_outside_paths=args.allow_outside_paths, timeout=args.load_timeout)
+    check_job_for_command(args)
     outcome = asyncio.run(
         submit_and_wait(
             args.job,

@@ -30,13 +30,22 @@ def add_job_loading_flags(p: Any) -> None:
     )
 
 
-def load_job_for_command(args: argparse.Namespace) -> LoadedJob:
-    """Loads ``args.job`` in a child process first (bounded; the model code cannot hang or exit this
-    command), then here."""
-    from fusionnet.job.loader import load_job
+def check_job_for_command(args: argparse.Namespace) -> None:
+    """Checks ``args.job`` without loading it here: first what needs no user code (schema, paths, data;
+    milliseconds, in this process), then the model in a child process (bounded; the model code cannot
+    hang or exit this command)."""
+    from fusionnet.job.loader import check_job_without_model
     from fusionnet.runtime.loadcheck import check_job_loads
 
+    check_job_without_model(args.job, allow_outside_paths=args.allow_outside_paths)
     check_job_loads(args.job, allow_outside_paths=args.allow_outside_paths, timeout=args.load_timeout)
+
+
+def load_job_for_command(args: argparse.Namespace) -> LoadedJob:
+    """Checks ``args.job`` (``check_job_for_command``), then loads it here."""
+    from fusionnet.job.loader import load_job
+
+    check_job_for_command(args)
     return load_job(args.job, allow_outside_paths=args.allow_outside_paths)
 
 
@@ -44,12 +53,16 @@ def check_output_dir(output: Path) -> None:
     """``--output`` is a directory we can write, made now: finding out after a job ran would lose it."""
     from fusionnet.errors import JobError
 
-    if output.exists() and not output.is_dir():
-        raise JobError(f"--output: {output} exists and is not a directory")
+    shown = str(output) if str(output).isprintable() and len(str(output)) <= 200 else repr(str(output))[:200]
     try:
+        if output.exists() and not output.is_dir():
+            raise JobError(f"--output: {shown} exists and is not a directory")
         output.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise JobError(f"--output: {output}: cannot create the directory ({e.strerror or e})") from None
+    except JobError:
+        raise
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:100]
+        raise JobError(f"--output: {shown}: cannot create the directory ({reason})") from None
     probe = output / ".fusionnet-write-test"
     try:
         probe.write_bytes(b"")
@@ -67,3 +80,25 @@ def add_job_id_argument(p: Any) -> None:
         return text
 
     p.add_argument("job_id", metavar="JOB_ID", type=job_id, help="the job's id (submit and status print it)")
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """A file a command writes once its work is done (``plan --json``) can be written: checked before the
+    work, so a bad path is one line naming ``flag`` now, not a traceback after the work."""
+    from fusionnet.errors import JobError
+
+    shown = str(path) if str(path).isprintable() and len(str(path)) <= 200 else repr(str(path))[:200]
+    try:
+        if path.is_dir():
+            raise JobError(f"{flag}: {shown} is a directory; expected a file name")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with path.open("a"):
+            pass
+        if not existed:
+            path.unlink()
+    except JobError:
+        raise
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:100]
+        raise JobError(f"{flag}: {shown}: cannot write the file ({reason})") from None

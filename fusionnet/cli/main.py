@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except FusionNetError as e:
         # User-facing errors are one line, no traceback: the message already says what and where.
-        print(f"fusionnet {args.command}: error: {e}", file=sys.stderr)
+        # One line even when a message quotes text with line breaks (a parser's, a model's exception).
+        message = " ".join(str(e).split("\n"))
+        print(f"fusionnet {args.command}: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT if isinstance(e, BAD_INPUT) else EXIT_FAILED
     except Exception as e:
         # A bug of ours, not the user's: still one line, the traceback only when asked for.

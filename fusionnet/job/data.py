@@ -41,7 +41,7 @@ def resolve_file(base_dir: Path, rel: str, key: str, *, allow_outside: bool = Fa
         folder = base_dir.resolve()
         path = (folder / rel).resolve()
         exists, is_file = path.exists(), path.is_file()
-    except (OSError, ValueError) as e:  # name too long, NUL byte, symlink loop
+    except (OSError, ValueError, RuntimeError) as e:  # name too long, NUL byte; RuntimeError: symlink loop
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:100]
         raise JobError(f"{key}: {shown}: not a usable path ({reason})") from None
     if not allow_outside and not path.is_relative_to(folder):

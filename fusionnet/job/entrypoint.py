@@ -41,19 +41,28 @@ def _import_file(path: Path, shown: str) -> Any:
     return module
 
 
+def check_entrypoint_file(entrypoint: str, base_dir: Path, *, allow_outside: bool = False) -> Path | None:
+    """The entry point's file (None for ``package.module:callable``, allowed only with ``allow_outside``);
+    JobError when the file is missing, outside the job folder, or a module is named. Nothing is imported."""
+    where = entrypoint.rpartition(":")[0]
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        return resolve_file(base_dir, where, "model.entrypoint", allow_outside=allow_outside)
+    if not allow_outside:
+        raise JobError(
+            f"model.entrypoint: {entrypoint[:80]!r} names an importable module; an entrypoint must be "
+            "FILE.py:CALLABLE with FILE.py in the job folder (or pass --allow-outside-paths)"
+        )
+    return None
+
+
 def resolve_entrypoint(entrypoint: str, base_dir: Path, *, allow_outside: bool = False) -> Callable[..., Any]:
     """``FILE.py:callable`` (a file in the job folder ``base_dir``, the callable defined in it; attributes may
     be dotted, ``models.py:Net.build``). ``package.module:callable`` and files outside the folder only with
     ``allow_outside``: otherwise a job file could run any installed function (``os:system``)."""
     where, _, attr = entrypoint.rpartition(":")
-    is_file = where.endswith(".py") or "/" in where or "\\" in where
-    if not is_file and not allow_outside:
-        raise JobError(
-            f"model.entrypoint: {entrypoint[:80]!r} names an importable module; an entrypoint must be "
-            "FILE.py:CALLABLE with FILE.py in the job folder (or pass --allow-outside-paths)"
-        )
-    if is_file:
-        path = resolve_file(base_dir, where, "model.entrypoint", allow_outside=allow_outside)
+    path = check_entrypoint_file(entrypoint, base_dir, allow_outside=allow_outside)
+    is_file = path is not None
+    if path is not None:
         module = _import_file(path, where)
     else:
         try:
@@ -67,6 +76,8 @@ def resolve_entrypoint(entrypoint: str, base_dir: Path, *, allow_outside: bool =
         if not hasattr(target, part):
             raise JobError(f"model.entrypoint: {where} has no attribute {attr!r}")
         target = getattr(target, part)
+        if not callable(target) and part == attr.split(".")[-1]:
+            break  # named below as not a callable (``build = 42`` has no module to name)
         if target is not module and part == attr.split(".")[0] and is_file and not allow_outside:
             # A name the file merely imported (``from os import system``) is not the user's model code.
             defined_in = getattr(target, "__module__", None)

@@ -16,18 +16,19 @@ import torch
 
 from fusionnet.errors import JobError
 from fusionnet.job.batches import batch_indices, infer_batches, split_microbatches
-from fusionnet.job.data import load_dataset, resolve_file
-from fusionnet.job.entrypoint import build_model
+from fusionnet.job.data import Dataset, load_dataset
+from fusionnet.job.entrypoint import build_model, check_entrypoint_file
 from fusionnet.job.losses import make_loss_fn
 from fusionnet.job.optim import unmatched_globs
 from fusionnet.job.parse import load_job_spec
-from fusionnet.job.preflight import preflight
+from fusionnet.job.preflight import check_data, preflight
 from fusionnet.job.schema import JobSpec
 from fusionnet.job.weights import load_weights, resolve_weights
 
 __all__ = [
     "LoadedJob",
     "batch_indices",
+    "check_job_without_model",
     "infer_batches",
     "load_job",
     "load_job_spec",
@@ -51,22 +52,34 @@ class LoadedJob:
         return int(self.inputs.shape[0])
 
 
+def _check_without_model(path: str | Path, allow_outside_paths: bool) -> tuple[JobSpec, Dataset]:
+    spec = load_job_spec(path)
+    base_dir = Path(path).resolve().parent
+    outside = allow_outside_paths
+    check_entrypoint_file(spec.model.entrypoint, base_dir, allow_outside=outside)
+    if spec.model.weights is not None:
+        resolve_weights(base_dir, spec.model.weights, allow_outside=outside)
+    dataset = load_dataset(spec.data, base_dir, spec.task, allow_outside=outside)
+    check_data(spec, dataset.inputs, dataset.labels)
+    return spec, dataset
+
+
+def check_job_without_model(path: str | Path, *, allow_outside_paths: bool = False) -> JobSpec:
+    """Every check of ``load_job`` that runs no user code (schema, paths, data): quick, and safe to do
+    in the command's own process before the model is loaded in a child (``runtime.loadcheck``)."""
+    return _check_without_model(path, allow_outside_paths)[0]
+
+
 def load_job(path: str | Path, *, allow_outside_paths: bool = False) -> LoadedJob:
     """Validates the job file and builds what it describes; one ``JobError`` naming the key otherwise.
 
     Every file the job names must lie in the job file's folder (after symlinks) unless
     ``allow_outside_paths`` (the commands' ``--allow-outside-paths``) says otherwise.
     """
-    spec = load_job_spec(path)
+    spec, dataset = _check_without_model(path, allow_outside_paths)
     path = Path(path).resolve()
     base_dir = path.parent
     outside = allow_outside_paths
-    where, _, _ = spec.model.entrypoint.rpartition(":")
-    if where.endswith(".py") or "/" in where or "\\" in where:
-        resolve_file(base_dir, where, "model.entrypoint", allow_outside=outside)
-    if spec.model.weights is not None:
-        resolve_weights(base_dir, spec.model.weights, allow_outside=outside)
-    dataset = load_dataset(spec.data, base_dir, spec.task, allow_outside=outside)
     loss_fn = None
     if spec.loss is not None and spec.task != "infer":
         loss_fn = make_loss_fn(spec.loss.name, spec.loss.kwargs)

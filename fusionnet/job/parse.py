@@ -125,7 +125,7 @@ _JobYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_1_2, list
 
 def read_yaml(path: Path) -> Any:
     """The parsed document; JobError naming the file (and line) when it cannot be read or parsed."""
-    shown = short_repr(str(path))
+    shown = str(path) if str(path).isprintable() and len(str(path)) <= 200 else short_repr(str(path))
     try:
         if not path.exists():
             raise JobError(f"{shown}: job file not found")
@@ -135,8 +135,12 @@ def read_yaml(path: Path) -> Any:
         if size > MAX_JOB_FILE_BYTES:
             raise JobError(f"{shown}: job file is {size} bytes; at most {MAX_JOB_FILE_BYTES} are read")
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except JobError:
+        raise
+    except OSError as e:
         raise JobError(f"{shown}: cannot read job file: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise JobError(f"{shown}: a job file must be UTF-8 text (byte {e.start} is not)") from None
     except ValueError as e:  # e.g. an embedded NUL byte in the path
         raise JobError(f"{shown}: not a usable path: {e}") from None
     return parse_yaml_text(text, str(path))
@@ -150,6 +154,11 @@ def parse_yaml_text(text: str, source: str) -> Any:
         mark = e.problem_mark if isinstance(e, yaml.MarkedYAMLError | _Bounds) else None
         where = f"{source}:{mark.line + 1}" if mark is not None else source
         problem = (e.problem if isinstance(e, yaml.MarkedYAMLError | _Bounds) else None) or str(e)
+        if isinstance(e, yaml.reader.ReaderError):  # a character YAML refuses (NUL, most controls)
+            where = f"{source}:{text.count(chr(10), 0, e.position) + 1}"
+            char = e.character if isinstance(e.character, int) else ord(str(e.character)[:1] or " ")
+            problem = f"character #x{char:04x} is not allowed in YAML"
+        problem = " ".join(str(problem).split())  # one line, whatever the parser's message looked like
         kind = "refused" if isinstance(e, _Bounds) else "YAML syntax error"
         raise JobError(f"{where}: {kind}: {str(problem)[:200]}") from None
 

@@ -64,29 +64,29 @@ def _machine_memory_bytes() -> int:
         return 8 << 30
 
 
-def _check_finite(job: LoadedJob) -> None:
-    for name, t in (("inputs", job.inputs), ("labels", job.labels)):
+def check_data(spec: JobSpec, inputs: torch.Tensor, labels: torch.Tensor | None) -> None:
+    """The checks that need the data but not the model (no user code): finite values, one batch's size."""
+    for name, t in (("inputs", inputs), ("labels", labels)):
         if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             first = int((~torch.isfinite(t)).reshape(t.shape[0], -1).any(dim=1).nonzero()[0, 0])
-            raise JobError(
-                f"data.path: {job.spec.data.path}: '{name}' holds NaN or inf (first in sample {first})"
-            )
-    key = "model.weights" if job.spec.model.weights is not None else "model.entrypoint"
-    for name, t in job.model.state_dict().items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise JobError(f"{key}: {name!r} holds NaN or inf")
-
-
-def _check_batch_memory(job: LoadedJob) -> None:
-    per_sample = job.inputs[0].nbytes + (job.labels[0].nbytes if job.labels is not None else 0)
-    need = per_sample * job.spec.data.batch_size
+            where = f"data.path: {spec.data.path}"
+            raise JobError(f"{where}: '{name}' holds NaN or inf (first in sample {first})")
+    per_sample = inputs[0].nbytes + (labels[0].nbytes if labels is not None else 0)
+    need = per_sample * spec.data.batch_size
     have = _machine_memory_bytes()
     if need > _BATCH_MEMORY_SHARE * have:
         gib, total = need / 2**30, have / 2**30
         raise JobError(
-            f"data.batch_size: {job.spec.data.batch_size} samples need {gib:.1f} GiB for one batch's inputs "
+            f"data.batch_size: {spec.data.batch_size} samples need {gib:.1f} GiB for one batch's inputs "
             f"alone; this machine has {total:.1f} GiB (at most a quarter of it for inputs)"
         )
+
+
+def _check_weights_finite(job: LoadedJob) -> None:
+    key = "model.weights" if job.spec.model.weights is not None else "model.entrypoint"
+    for name, t in job.model.state_dict().items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise JobError(f"{key}: {name!r} holds NaN or inf")
 
 
 def _check_labels_range(job: LoadedJob, out: torch.Tensor, y: torch.Tensor) -> None:
@@ -105,6 +105,26 @@ def _check_labels_range(job: LoadedJob, out: torch.Tensor, y: torch.Tensor) -> N
         )
 
 
+# Losses whose target holds class indices; every other loss compares its target element by element with
+# the output, and torch would broadcast a target of another shape (a wrong loss, with only a warning).
+_INDEX_LOSSES = _CLASS_LOSSES | {"multilabel_margin_loss"}
+
+
+def _check_label_form(job: LoadedJob, out: torch.Tensor, y: torch.Tensor) -> None:
+    assert job.spec.loss is not None
+    name, where = job.spec.loss.name, f"data.path: {job.spec.data.path}"
+    if name in _INDEX_LOSSES:
+        return
+    if tuple(y.shape) != tuple(out.shape):
+        raise JobError(
+            f"{where}: 'labels' of one sample have shape {tuple(y.shape[1:])}, but loss {name} compares "
+            f"them element by element with the model output of shape {tuple(out.shape[1:])}"
+        )
+    if not y.is_floating_point():
+        dtype = str(y.dtype).removeprefix("torch.")
+        raise JobError(f"{where}: 'labels' are {dtype}, but loss {name} needs floating-point labels")
+
+
 def _dry_forward(job: LoadedJob) -> None:
     where = "model.entrypoint: forward on data.inputs[0:1]"
     x = job.inputs[0:1]
@@ -117,6 +137,9 @@ def _dry_forward(job: LoadedJob) -> None:
             out = job.model(x)
     except Exception as e:
         raise JobError(f"{where} ({_describe(x)}) failed: {_short(e)}") from None
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if any(not bool(torch.isfinite(t).all()) for t in leaves):
+        raise JobError(f"{where} ({_describe(x)}) returned NaN or inf from finite inputs and weights")
     if not uses_loss:
         # Infer results are every tensor the output holds (fusionnet.results.assemble.output_tensors).
         if not any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(out)[0]):
@@ -133,6 +156,7 @@ def _dry_forward(job: LoadedJob) -> None:
     if not isinstance(out, torch.Tensor):
         raise JobError(f"{where} returned a {_describe(out)}; loss {loss_name} needs a Tensor")
     _check_labels_range(job, out, y)
+    _check_label_form(job, out, y)
     try:
         loss = job.loss_fn(out, y)
     except Exception as e:
@@ -142,12 +166,14 @@ def _dry_forward(job: LoadedJob) -> None:
         ) from None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise JobError(f"loss: {loss_name} must give one number per batch, got {_describe(loss)}")
+    if not bool(torch.isfinite(loss)):
+        raise JobError(f"loss: {loss_name} of the model's output and data.labels[0:1] is {float(loss)}")
 
 
 def preflight(job: LoadedJob) -> None:
     """One JobError for the first problem found; nothing about the job or the RNG changes."""
-    _check_finite(job)
-    _check_batch_memory(job)
+    check_data(job.spec, job.inputs, job.labels)
+    _check_weights_finite(job)
     was_training = job.model.training
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         try:

@@ -44,7 +44,7 @@ def resolve_weights(base_dir: Path, rel: str, *, allow_outside: bool = False) ->
     try:
         path = (folder / rel).resolve()
         is_dir = path.is_dir()
-    except (OSError, ValueError):
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: a symlink loop
         is_dir = False  # resolve_file names the problem
     if not is_dir:
         return resolve_file(base_dir, rel, "model.weights", allow_outside=allow_outside)
