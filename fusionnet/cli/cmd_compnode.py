@@ -24,7 +24,11 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--backup", action="store_true", help="join the broker's backup pool")
     p.add_argument("--threads", type=int, metavar="N", help="torch compute threads (default: torch's choice)")
-    p.add_argument("--device", default="cpu", help="torch device for sub-tasks: cpu, cuda, cuda:1 ...")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="torch device to profile and announce: cpu, cuda, cuda:1 ... (sub-DAGs still execute on the CPU)",
+    )
     p.add_argument("--data-host", default="127.0.0.1", metavar="HOST", help="address of the direct data path")
     p.add_argument(
         "--data-port", type=int, default=0, metavar="PORT", help="port of the data path (0 = free)"
