@@ -27,7 +27,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--device",
         default="cpu",
-        help="torch device to profile and announce: cpu, cuda, cuda:1 ... (sub-DAGs still execute on the CPU)",
+        help="torch device to profile and announce: cpu, cuda, cuda:1 ... (sub-DAGs still run on the CPU)",
     )
     p.add_argument("--data-host", default="127.0.0.1", metavar="HOST", help="address of the direct data path")
     p.add_argument(
