@@ -25,8 +25,7 @@ import yaml
 from safetensors.torch import load_file
 
 from fusionnet.cli.main import EXIT_BAD_INPUT, main
-from fusionnet.errors import JobError
-from fusionnet.job.loader import check_job_without_model, load_job
+from fusionnet.job.loader import load_job
 from fusionnet.reference import run_reference
 from fusionnet.runtime.process_swarm import BlockingObserver, ProcessSwarm, running_swarm
 from fusionnet.runtime.processes import alive
@@ -40,10 +39,6 @@ COMMANDS = ("plan", "run", "submit")
 # shared 2-core machine measures the neighbours. A command still running after HANG_S wall seconds hangs.
 LIMIT_S = 10.0
 HANG_S = 60.0
-# A variant refused only by loading the model goes through one command (plan, run, submit in turn): the
-# three share that check (``cli.jobflags.check_job_for_command``) and each load costs seconds. Set this to
-# run every such variant through all three commands.
-ALL_COMMANDS = os.environ.get("FUSIONNET_SWEEP_ALL_COMMANDS") == "1"
 CHECK_EVERY = 25
 TOL = 1e-5
 OUTCOMES: dict[str, Counter[str]] = {c: Counter() for c in COMMANDS}
@@ -104,21 +99,6 @@ def _cpu() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def _commands(v: Variant, job: Path) -> tuple[str, ...]:
-    """All three, unless only loading the model refuses ``v`` (then one, in turn; see ALL_COMMANDS)."""
-    if ALL_COMMANDS or v.output is not None:
-        return COMMANDS
-    try:
-        check_job_without_model(job)
-    except (JobError, OSError, ValueError):
-        return COMMANDS
-    turn = _CHILD_TURN.setdefault(v.name, len(_CHILD_TURN))
-    return (COMMANDS[turn % len(COMMANDS)],)
-
-
-_CHILD_TURN: dict[str, int] = {}
-
-
 def _run_variant(
     v: Variant, root: Path, peers: list[str], capsys: pytest.CaptureFixture[str]
 ) -> dict[str, str]:
@@ -127,7 +107,7 @@ def _run_variant(
     j.save()
     job = v.job_path(j) if v.job_path is not None else j.job
     seen = {}
-    for command in _commands(v, job):
+    for command in COMMANDS:
         out = root / f"out-{command}"
         capsys.readouterr()
         start, cpu = time.monotonic(), _cpu()

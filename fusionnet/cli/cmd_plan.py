@@ -31,11 +31,12 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fusionnet.runtime.planjob import plan_job
-
     if args.json:
         check_output_file(args.json, "--json")
     job = load_job_for_command(args)
+    # Imported once the job is known to load: a refused job never pays for the planner's imports.
+    from fusionnet.runtime.planjob import plan_job
+
     planned = plan_job(job, nodes_file=args.nodes)
     print(planned.prepared.partition.describe())
     print()

@@ -9,9 +9,12 @@ path may fuse arithmetic differently depending on which tensors share a group.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import inspect
 import json
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -104,14 +107,52 @@ def normalize_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _dynamo_left_unimported() -> Iterator[None]:
+    """Lets torch's optimizer methods run without importing ``torch._dynamo`` (1-2 s of CPU).
+
+    ``Optimizer.add_param_group`` and ``zero_grad`` are wrapped by ``torch._compile._disable_dynamo``,
+    which imports dynamo on the first call only to wrap the method in ``dynamo.disable`` and caches
+    that wrapper on the function as ``__dynamo_disable``. A job-file check never compiles, so for its
+    duration the cache names the plain function itself; afterwards it is removed again so that a
+    later real call wraps as torch intends. Where torch's layout differs (another release), nothing
+    is changed and dynamo is simply imported. (``step`` imports dynamo for a graph break in its
+    ``_use_grad`` wrapper: ``_step_once`` calls the unwrapped step instead.)
+    """
+    seeded: list[Callable[..., Any]] = []
+    if "torch._dynamo" not in sys.modules:
+        for name in ("add_param_group", "zero_grad"):
+            plain = getattr(getattr(torch.optim.Optimizer, name, None), "__wrapped__", None)
+            if callable(plain) and getattr(plain, "__dynamo_disable", None) is None:
+                setattr(plain, "__dynamo_disable", plain)
+                seeded.append(plain)
+    try:
+        yield
+    finally:
+        for plain in seeded:
+            if getattr(plain, "__dynamo_disable", None) is plain:
+                delattr(plain, "__dynamo_disable")
+
+
+def _step_once(opt: torch.optim.Optimizer) -> None:
+    """``opt.step()`` without its wrappers (profiling hooks, and ``_use_grad``, which imports dynamo):
+    the same update under ``no_grad``, which is what ``_use_grad`` sets for a non-differentiable one."""
+    if opt.defaults.get("differentiable"):
+        opt.step()
+        return
+    with torch.no_grad():
+        inspect.unwrap(type(opt).step)(opt)
+
+
 def check_optimizer(cls_name: str, lr: float, kwargs: Mapping[str, Any]) -> None:
     """Builds the optimizer on a dummy parameter and steps it once, so a bad keyword or value is
     reported at load time instead of in the middle of a distributed run. ValueError on problems."""
     param = torch.nn.Parameter(torch.ones(2))
     param.grad = torch.full((2,), 0.5)
     try:
-        opt = getattr(torch.optim, cls_name)([param], lr=lr, foreach=False, **kwargs)
-        opt.step()
+        with _dynamo_left_unimported():
+            opt = getattr(torch.optim, cls_name)([param], lr=lr, foreach=False, **kwargs)
+            _step_once(opt)
     except Exception as e:  # TypeError (unknown keyword), ValueError (bad range), ...
         raise ValueError(f"{cls_name} refuses these arguments: {e}") from e
     if not torch.isfinite(param).all():
