@@ -41,6 +41,13 @@ class RunResult:
     phase_seconds: dict[int, list[tuple[float, float, float]]] = field(default_factory=dict)
     predicted_seconds: dict[int, float] | None = None
 
+    def __repr__(self) -> str:
+        # Short on purpose: at the end of ``asyncio.run`` Python 3.11's ``signal.getsignal`` formats
+        # the main task, and with it this result, so a full repr printed every tensor of the model
+        # (0.5 s for 4M parameters, and growing with the model) after each ``run --local``.
+        tensors = len(self.weights) + len(self.grads or {}) + len(self.output_files())
+        return f"RunResult({len(self.metrics)} steps, {tensors} tensors)"
+
     def output_files(self) -> dict[str, torch.Tensor]:
         """The tensors of ``outputs.safetensors``."""
         if self.outputs is None:
