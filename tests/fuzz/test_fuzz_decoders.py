@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fusionnet.dag.guards import element_cap, set_element_cap
+from tests.fuzz import rpc_targets as R
 from tests.fuzz import targets as T
 from tests.fuzz.harness import fuzz
 
@@ -46,6 +47,8 @@ def _target(name: str) -> T.Target:
         "tensor_blob": T.tensor_blob_target,
         "dht_record": T.dht_record_target,
         "value_structure": T.value_structure_target,
+        "rpc_request": R.rpc_request_target,
+        "rpc_reply": R.rpc_reply_target,
     }[name]()
 
 
@@ -58,6 +61,8 @@ NAMES = [
     "dht_record",
     "job_file",
     "value_structure",
+    "rpc_request",
+    "rpc_reply",
 ]
 
 
