@@ -27,6 +27,7 @@ def write_job(
     optimizer: dict[str, Any] | None = None,
     loss: dict[str, Any] | None = None,
     model_kwargs: dict[str, Any] | None = None,
+    schedule: str | None = None,
 ) -> Path:
     """A job whose model is ``tests.dag_models.<model_class>(**model_kwargs)``."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -49,6 +50,8 @@ def write_job(
         "seed": 0,
         "placement": {"compnodes": compnodes},
     }
+    if schedule is not None:
+        doc["placement"]["schedule"] = schedule
     if loss is not False:
         doc["loss"] = loss or {"name": "cross_entropy"}
     if task == "train":
@@ -66,8 +69,8 @@ def example_job(name: str, tmp: Path, **overrides: Any) -> Path:
     for key, value in overrides.items():
         if key in ("batch_size", "microbatches"):
             doc["data"][key] = value
-        elif key == "compnodes":
-            doc.setdefault("placement", {})["compnodes"] = value
+        elif key in ("compnodes", "schedule"):
+            doc.setdefault("placement", {})[key] = value
         else:
             doc[key] = value
     if doc["task"] != "train":

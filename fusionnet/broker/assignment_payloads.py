@@ -46,9 +46,12 @@ def iter_assignment_payloads(
     ckpt: Checkpoint,
     *,
     key: bytes | None = None,
+    schedule: str | None = None,
 ) -> Iterator[AssignRequest]:
     """``assignment_payloads`` one at a time: the broker sends each before it reads the next slice of
-    the checkpoint, so it never holds more than one sub-DAG's state (issue 11)."""
+    the checkpoint, so it never holds more than one sub-DAG's state (issue 11). ``schedule``: the
+    pipeline schedule the placement settled on (the job's ``auto`` becomes a name here)."""
+    spec = job.spec if schedule is None else job.spec.model_copy(update={"schedule": schedule})
     key = secrets.token_bytes(KEY_BYTES) if key is None else key
     peers_doc = [JobPeer(peer_id=p, data_address=data_addresses.get(p)) for p in peers]
     assignment = {n: s.index for s in partition.subdags for n in s.nodes}
@@ -58,7 +61,7 @@ def iter_assignment_payloads(
         yield AssignRequest(
             job_id=job.job_id,
             attempt=attempt,
-            spec=job.spec,
+            spec=spec,
             ir=job.ir,
             assignment=assignment,
             subdag=s.index,

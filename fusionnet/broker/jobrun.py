@@ -96,6 +96,7 @@ class JobRun:
             optimizer=optimizer_profiles(job.spec.optimizer_spec(), job.graph)
             if job.spec.task == "train"
             else None,
+            schedule=job.spec.schedule,
         )
         self._planned_slowness: list[float] = []  # per sub-DAG: its compnode's slowness when planned
         self.watch = FailureWatch(context, lambda: self.peers, self.leaving)
@@ -333,8 +334,15 @@ class JobRun:
         for peer_id in self.peers:
             entry = self.ctx.registry.get(peer_id)
             addresses[peer_id] = None if entry is None else entry.record.data_path_address
+        chosen = None if self._placement is None else self._placement.schedule
         requests = iter_assignment_payloads(
-            self.job, self.partition, self.peers, addresses, self.attempt, ckpt
+            self.job,
+            self.partition,
+            self.peers,
+            addresses,
+            self.attempt,
+            ckpt,
+            schedule=None if chosen is None else chosen.name,
         )
         # One compnode at a time, each slice read from disk and packed just before it is sent: the
         # broker never holds the whole model (issue 11).
@@ -413,6 +421,12 @@ class JobRun:
         await asyncio.to_thread(self.files.save_checkpoint, ckpt, self.attempt)
         return ckpt
 
+    def _schedule_doc(self) -> dict[str, Any]:
+        chosen = None if self._placement is None else self._placement.schedule
+        if chosen is None:
+            return {"name": self.job.spec.schedule, "why": "placement.schedule", "predicted_step_seconds": {}}
+        return chosen.to_dict()
+
     # ---- results ---------------------------------------------------------------------------------
     async def _collect_results(self, ckpt: Checkpoint) -> RunResult:
         assert self.partition is not None
@@ -438,6 +452,7 @@ class JobRun:
                 "links": self.ctx.links.describe(self.peers),
                 "predicted_step_seconds": None if self._placement is None else self._placement.predicted_step,
                 "recoveries": self.progress.recoveries,
+                "schedule": self._schedule_doc(),
             },
         )
         for doc in plan["subdags"]:

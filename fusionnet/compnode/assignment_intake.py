@@ -29,11 +29,12 @@ from fusionnet.dag.executor import StepReport, SubDagExecutor
 from fusionnet.dag.ir import IRGraph, dtype_name
 from fusionnet.dag.partition import SubDag, build_partition
 from fusionnet.dag.precision import FOUND_INF_NODE, compute_dtype
-from fusionnet.errors import JobError, WireError
+from fusionnet.errors import JobError, PlanError, WireError
 from fusionnet.job.optim import optimizer_factory
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
 from fusionnet.messages.compnode_rpc import AssignRequest, JobPeer, StepReply
 from fusionnet.messages.jobwire import RunSpec, select_fields
+from fusionnet.planning.pipeline_schedule import check_schedule
 from fusionnet.wire.frames import TensorFrame
 
 log = logging.getLogger("fusionnet.compnode.assignment_intake")
@@ -142,6 +143,10 @@ def _decode(request: AssignRequest, own_peer_id: str) -> _Decoded:
     n = len(partition.subdags)
     if request.subdag >= n:
         raise JobError(f"assign {job_id}: subdag must be in 0..{n - 1}")
+    try:  # the broker settles ``auto`` and checked the schedule; a peer's word is checked again
+        check_schedule(request.spec.schedule, partition, request.spec.microbatches, request.spec.task)
+    except PlanError as e:
+        raise JobError(f"assign {job_id}: {e}") from None
     if len(request.peers) != n:
         raise JobError(f"assign {job_id}: {len(request.peers)} peers for {n} sub-DAGs")
     mine = request.peers[request.subdag].peer_id
@@ -167,6 +172,7 @@ def _executor(request: AssignRequest, parts: _Decoded, channel: NetChannel) -> S
         loss_reduction=spec.loss_reduction,
         precision=spec.precision,
         subdags=len(parts.peers),
+        schedule=spec.schedule,
     )
     if request.optim is not None:
         optim = unpack_tensors(request.optim, f"assign {request.job_id}: optimizer state")

@@ -10,7 +10,10 @@ Map of the package:
 - ``partition.py``   an assignment IR node -> sub-DAG turned into sub-DAGs (FusionAI Table 3).
 - ``rebuild.py``     IR nodes -> callables; a sub-DAG -> ``torch.fx.GraphModule``; the one IR interpreter
                      (``run_whole_graph``, with a per-node hook the tracer uses).
-- ``executor.py``    FP, BP and Update of one sub-DAG (``SubDagExecutor``), inline or on a compute thread.
+- ``executor.py``    FP, BP and Update of one sub-DAG (``SubDagExecutor``), inline or on a compute thread,
+                     in the order of the job's pipeline schedule (``fusionnet.schedules``).
+- ``outbox.py``      the executor's sends in flight during a step.
+- ``split_backward.py`` a backward split into I (input gradients) and W (weight gradients).
 - ``hooks.py``       what runs around each FP, BP and Update (timing, --slowdown, fault injection).
 - ``channel.py``     the message passing between executors; ``LocalHub`` keeps it in memory.
 - ``checkpoint.py``  a sub-DAG's optimizer state as flat named tensors, and back.

@@ -7,8 +7,12 @@
   gradients of received inputs go back to their producers (placeholders get none).
 - **Update** applies the per-op optimizers of the job file to the parameters this sub-DAG owns.
 
-Micro-batches follow GPipe: all FPs, then all BPs (reverse order), then one Update, so gradients
-accumulate over micro-batches and equal the full-batch gradients up to float rounding.
+Micro-batches follow the job's pipeline schedule (``fusionnet.schedules``; GPipe by default: all FPs,
+then all BPs in reverse order, then one Update): one loop runs this sub-DAG's program of the schedule,
+action by action. Gradients accumulate over micro-batches and equal the full-batch gradients up to
+float rounding. A schedule may split a BP into I (the gradients of the received inputs, computed
+with ``torch.autograd.grad`` on a retained graph and sent at once, since the producers wait for them)
+and W (later: the parameters' gradients, ``split_backward.py``), by the ops a plain backward runs.
 
 Compute never runs on the event loop (design decision): with a ``compute`` pool (a compnode's single
 compute thread) every FP, BP and Update stretch runs there while the loop keeps serving heartbeats,
@@ -28,7 +32,7 @@ and all skip, or all step, together, as the single-process scaler would.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from functools import partial
 from typing import Any, TypeVar
@@ -39,10 +43,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fusionnet.dag.channel import Channel
 from fusionnet.dag.hooks import ExecutorHook, HookChain, Phase, StepReport
 from fusionnet.dag.ir import IRGraph
+from fusionnet.dag.outbox import Outbox
 from fusionnet.dag.partition import SubDag
 from fusionnet.dag.precision import FOUND_INF_NODE, autocast, make_scaler
 from fusionnet.dag.rebuild import build_subdag_module
+from fusionnet.dag.split_backward import WeightWork, input_gradients, weight_gradients
 from fusionnet.errors import ExecutionError
+from fusionnet.schedules import Action, Schedule, ScheduleError, make_schedule
 
 T = TypeVar("T")
 
@@ -53,67 +60,6 @@ def _is_float(value: Any) -> bool:
 
 def _detach(value: Any) -> Any:
     return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
-
-
-class Outbox:
-    """Sends in flight for one step: started on the loop, awaited together at the end of the step."""
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._failed: asyncio.Future[None] | None = None
-
-    def reset(self) -> None:
-        self.cancel()
-        self._failed = asyncio.get_running_loop().create_future()
-
-    def start(self, send: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(send)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if task.cancelled() or task.exception() is None:
-            return
-        if self._failed is not None and not self._failed.done():
-            self._failed.set_exception(task.exception())  # type: ignore[arg-type]
-
-    async def guard(self, receive: Awaitable[T]) -> T:
-        """Awaits ``receive``, or raises the error of a send that failed meanwhile (no peer would
-        answer a step whose data never left)."""
-        failed = self._failed
-        if failed is None:
-            return await receive
-        if failed.done():
-            failed.result()
-        waiting = asyncio.ensure_future(receive)
-        try:
-            await asyncio.wait({waiting, failed}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # the step was cancelled: the receive goes with it
-            waiting.cancel()
-            raise
-        if not waiting.done():
-            waiting.cancel()
-            await asyncio.gather(waiting, return_exceptions=True)
-            failed.result()
-        return waiting.result()
-
-    async def drain(self) -> None:
-        """Waits for every send; raises the first failure."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks))
-        if self._failed is not None and self._failed.done():
-            self._failed.result()
-
-    def cancel(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        self._tasks.clear()
-        failed = self._failed
-        if failed is not None and not failed.done():
-            failed.cancel()
-        elif failed is not None and not failed.cancelled():
-            failed.exception()  # retrieved: no "exception was never retrieved" warning
 
 
 class SubDagExecutor:
@@ -135,6 +81,7 @@ class SubDagExecutor:
         hooks: Sequence[ExecutorHook] = (),
         precision: str = "fp32",
         subdags: int = 1,
+        schedule: str | Schedule = "gpipe",
     ) -> None:
         self.graph = graph
         self.subdag = subdag
@@ -145,6 +92,7 @@ class SubDagExecutor:
         self.hooks = HookChain(hooks)
         self.precision = precision
         self.subdags = subdags
+        self.schedule = schedule
         self.scaler = make_scaler(precision) if task != "infer" else None
         self._found_inf = False  # this sub-DAG's gradients of the current step held an inf/nan
         self.loss_name = graph.loss_node().name if graph.loss_node() else None
@@ -169,6 +117,7 @@ class SubDagExecutor:
         self.named_params = {k: self.root.param(k) for k in subdag.params}
         self.optimizers = make_optimizers(self.named_params) if (task == "train" and make_optimizers) else []
         self._stash: dict[int, tuple[list[Any], tuple[Any, ...]]] = {}
+        self._weight_work: dict[int, WeightWork] = {}  # micro-batches whose I ran and whose W has not
         self.outbox = Outbox()
         self._placeholder_target = {n: graph.node(n).target for n in subdag.placeholders}
 
@@ -223,8 +172,64 @@ class SubDagExecutor:
         return outs
 
     # -- BP ------------------------------------------------------------------------------------
-    async def backward(self, step: int, mb: int, loss_weight: float) -> None:
+    async def backward(self, step: int, mb: int, loss_weight: float, *, last: bool | None = None) -> None:
+        """The whole BP of micro-batch ``mb`` (``last``: the step's last BP, after which this sub-DAG's
+        gradients are complete; by default micro-batch 0, GPipe's last)."""
         inputs, outs = self._stash.pop(mb)
+        received = await self._receive_grads(step, mb, outs)
+
+        def work() -> None:
+            roots, seeds = self._seeds(received, loss_weight)
+            if roots:
+                try:
+                    torch.autograd.backward(roots, seeds)
+                except Exception as e:
+                    raise self._failed("BP", step, mb, e) from e
+            if last if last is not None else mb == 0:
+                self._unscale()
+
+        await self._run("bp", step, mb, work)
+        self._send_input_grads(step, mb, inputs)
+
+    async def backward_input(self, step: int, mb: int, loss_weight: float) -> None:
+        """I of a split BP: the received inputs' gradients, sent at once (``split_backward``)."""
+        inputs, outs = self._stash.pop(mb)
+        received = await self._receive_grads(step, mb, outs)
+
+        def work() -> None:
+            roots, seeds = self._seeds(received, loss_weight)
+            leaves = [v for v in self._grad_leaves(inputs) if v.requires_grad]
+            params = [p for p in self.named_params.values() if p.requires_grad]
+            try:
+                self._weight_work[mb] = input_gradients(roots, seeds, leaves, params)
+            except Exception as e:
+                raise self._failed("BP (input gradients)", step, mb, e) from e
+
+        await self._run("bp", step, mb, work)
+        self._send_input_grads(step, mb, inputs)
+
+    async def backward_weight(self, step: int, mb: int, *, last: bool) -> None:
+        """W of a split BP: the parameters' gradients, accumulated as a plain backward would."""
+        pending = self._weight_work.pop(mb)
+
+        def work() -> None:
+            try:
+                weight_gradients(pending)
+            except Exception as e:
+                raise self._failed("BP (weight gradients)", step, mb, e) from e
+            if last:
+                self._unscale()
+
+        await self._run("bp", step, mb, work)
+
+    def _unscale(self) -> None:
+        """After the step's last BP the gradients are complete: fp16 unscales them (and notes inf/nan)."""
+        if self.scaler is not None:
+            self._found_inf = self.scaler.unscale_(p.grad for p in self.named_params.values())
+
+    async def _receive_grads(
+        self, step: int, mb: int, outs: tuple[Any, ...]
+    ) -> list[tuple[str, Any, list[tuple[int, Any]]]]:
         received: list[tuple[str, Any, list[tuple[int, Any]]]] = []
         for name, value in zip(self.output_names, outs):
             # Consumers return gradients exactly for values with a float part (see the send below).
@@ -236,18 +241,17 @@ class SubDagExecutor:
                 for dst in sorted(consumers, reverse=True)
             ]
             received.append((name, value, grads))
+        return received
 
-        def work() -> None:
-            roots, seeds = self._seeds(received, loss_weight)
-            if roots:
-                try:
-                    torch.autograd.backward(roots, seeds)
-                except Exception as e:
-                    raise self._failed("BP", step, mb, e) from e
-            if mb == 0 and self.scaler is not None:  # the step's last BP: the gradients are complete
-                self._found_inf = self.scaler.unscale_(p.grad for p in self.named_params.values())
+    def _grad_leaves(self, inputs: list[Any]) -> list[torch.Tensor]:
+        """The float leaves of the received (non-placeholder) inputs: what the producers want back."""
+        leaves: list[torch.Tensor] = []
+        for name, value in zip(self.subdag.outer_required, inputs):
+            if name not in self.subdag.placeholders:
+                leaves.extend(v for v in tree_flatten(value)[0] if _is_float(v))
+        return leaves
 
-        await self._run("bp", step, mb, work)
+    def _send_input_grads(self, step: int, mb: int, inputs: list[Any]) -> None:
         for name, value in zip(self.subdag.outer_required, inputs):
             if name in self.subdag.placeholders:
                 continue  # placeholders need no gradient (section 3.6)
@@ -333,7 +337,7 @@ class SubDagExecutor:
     async def run_step(
         self, step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]
     ) -> StepReport:
-        """GPipe step: FP of every micro-batch, BP in reverse order, then Update (train)."""
+        """One step of the schedule: this sub-DAG's FPs and BPs in its program's order, then Update."""
         self.hooks.step_started(step)
         self.outbox.reset()
         try:
@@ -350,23 +354,50 @@ class SubDagExecutor:
         self.hooks.step_finished(step, report)
         return report
 
+    def program(self, microbatches: int) -> tuple[Action, ...]:
+        """This sub-DAG's actions for a step of ``microbatches`` micro-batches."""
+        try:
+            if isinstance(self.schedule, Schedule):
+                if (self.schedule.stages, self.schedule.microbatches) != (self.subdags, microbatches):
+                    raise ScheduleError(
+                        f"schedule {self.schedule.name!r} is for {self.schedule.stages} stages x "
+                        f"{self.schedule.microbatches} micro-batches, this step has "
+                        f"{self.subdags} x {microbatches}"
+                    )
+                plan = self.schedule.for_task(self.task)
+            else:
+                plan = make_schedule(self.schedule, self.subdags, microbatches, self.task)
+        except ScheduleError as e:
+            raise ExecutionError(f"sub-DAG {self.subdag.index}: {e}") from None
+        return plan.program(self.subdag.index)
+
     async def _step(
         self, step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]
     ) -> StepReport:
+        """Runs this sub-DAG's program of the schedule; the update (and fp16's found-inf agreement,
+        which grad tasks need too) comes after the last backward."""
         report = StepReport(step=step)
         batch = sum(sizes)
         losses: list[float] = []
-        for mb, data in enumerate(microbatches):
-            outs = await self.forward(step, mb, data)
-            values = dict(zip(self.output_names, outs))
-            if self.subdag.holds_loss:
-                losses.append(float(values[self.loss_name].detach()) * self._loss_weight(sizes[mb], batch))
-            if self.task == "infer" and self.subdag.holds_output:
-                report.outputs.append(_detach(_rebuild_output(self.graph, values)))
+        program = self.program(len(microbatches))
+        last_bp = max((i for i, a in enumerate(program) if a.kind in ("B", "W")), default=-1)
+        self.zero_grad()
+        for i, action in enumerate(program):
+            mb = action.mb
+            if action.kind == "F":
+                values = dict(zip(self.output_names, await self.forward(step, mb, microbatches[mb])))
+                if self.subdag.holds_loss:
+                    loss = float(values[self.loss_name].detach())
+                    losses.append(loss * self._loss_weight(sizes[mb], batch))
+                if self.task == "infer" and self.subdag.holds_output:
+                    report.outputs.append(_detach(_rebuild_output(self.graph, values)))
+            elif action.kind == "B":
+                await self.backward(step, mb, self._loss_weight(sizes[mb], batch), last=i == last_bp)
+            elif action.kind == "I":
+                await self.backward_input(step, mb, self._loss_weight(sizes[mb], batch))
+            elif action.kind == "W":
+                await self.backward_weight(step, mb, last=i == last_bp)
         if self.task != "infer":
-            self.zero_grad()
-            for mb in reversed(range(len(microbatches))):
-                await self.backward(step, mb, self._loss_weight(sizes[mb], batch))
             skip = await self._agree_found_inf(step) if self.scaler is not None else False
             if self.task == "train":
                 await self._run("update", step, 0, partial(self.update, skip))

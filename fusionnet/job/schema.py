@@ -160,8 +160,24 @@ class OptimizerSpec(_Strict):
         return self
 
 
+# Pipeline schedules (``fusionnet.schedules``); ``auto`` lets the performance model choose.
+SCHEDULE_NAMES = ("gpipe", "1f1b", "zero-bubble", "auto")
+Schedule = Literal["gpipe", "1f1b", "zero-bubble", "interleaved-1f1b", "auto"]
+
+
 class PlacementSpec(_Strict):
     compnodes: _bounded(MAX_COMPNODES) = 1  # number of sub-DAGs / compnodes
+    schedule: Schedule = "gpipe"  # the order of each sub-DAG's forwards and backwards in a step
+
+    @field_validator("schedule")
+    @classmethod
+    def _available(cls, value: str) -> str:
+        if value == "interleaved-1f1b":
+            raise ValueError(
+                "interleaved-1f1b is not available yet (it needs several sub-DAGs per compnode); "
+                f"use one of {', '.join(SCHEDULE_NAMES)}"
+            )
+        return value
 
 
 class JobSpec(_Strict):

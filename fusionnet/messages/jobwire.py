@@ -40,6 +40,9 @@ class RunSpec(BaseModel):
     optimizer: dict[str, Any] | None = None  # an OptimizerSpec document, re-validated by ``optimizer_spec``
     # Autocast dtype of the forward pass (``fusionnet.dag.precision``); older peers omit it: fp32.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Pipeline schedule (``fusionnet.schedules``); older peers omit it: gpipe. The broker turns ``auto``
+    # into a name before a compnode sees it.
+    schedule: Literal["gpipe", "1f1b", "zero-bubble", "auto"] = "gpipe"
 
     @model_validator(mode="after")
     def _optimizer_fits_task(self) -> RunSpec:
@@ -105,6 +108,7 @@ def run_spec_of(job: LoadedJob, loss_reduction: str) -> RunSpec:
         compnodes=spec.placement.compnodes,
         optimizer=None if spec.optimizer is None else spec.optimizer.model_dump(mode="json"),
         precision=spec.precision,
+        schedule=spec.placement.schedule,
     )
 
 

@@ -105,6 +105,8 @@ def inflight_microbatches(workload: Workload, stage_index: int, num_stages: int)
         return 1
     if workload.schedule == "1f1b":
         return min(workload.microbatches, num_stages - stage_index)
+    if workload.schedule == "zero-bubble":  # ZB-H1: every stage holds up to p (W is deferred)
+        return min(workload.microbatches, num_stages)
     return workload.microbatches
 
 

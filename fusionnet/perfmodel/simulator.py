@@ -7,12 +7,10 @@ Stages are numbered in a topological order of the sub-DAG graph; a ``Hop`` from 
 later stage ``dst`` carries activations forward (``fwd`` seconds per micro-batch on src -> dst) and
 their gradients backward (``bwd`` seconds on dst -> src). Any DAG of stages works, not just a chain.
 
-Schedules (per stage, ``m`` micro-batches, ``S`` stages):
-
-- ``gpipe``: F0 .. F(m-1), then B(m-1) .. B0, then the update;
-- ``1f1b`` (PipeDream-flush): stage k warms up with ``min(S-k-1, m)`` forwards, alternates one forward
-  and one backward, drains the remaining backwards, then updates;
-- ``infer`` tasks run forwards only; ``grad`` tasks skip the update.
+Schedules are the executor's own ``fusionnet.schedules.Schedule`` objects (or their names: gpipe,
+1f1b, zero-bubble), so the prediction follows the order that runs. A split backward runs I (input
+gradients, sent on at its end) for ``input_share`` of the stage's BP seconds and W (weight gradients)
+for the rest; ``infer`` tasks run forwards only; ``grad`` tasks skip the update.
 
 The step ends when the last stage finishes its last operation.
 """
@@ -24,6 +22,7 @@ from dataclasses import dataclass
 
 from fusionnet.errors import PlanError
 from fusionnet.perfmodel.types import SCHEDULES, TASKS
+from fusionnet.schedules import Schedule, ScheduleError, check, make_schedule
 
 
 @dataclass(frozen=True)
@@ -31,6 +30,7 @@ class StageTimes:
     fp: float  # seconds per micro-batch
     bp: float  # seconds per micro-batch
     update: float = 0.0  # seconds per step
+    input_share: float = 0.5  # of ``bp``, the I half of a split backward (the rest is W)
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Hop:
 @dataclass(frozen=True)
 class Event:
     stage: int
-    kind: str  # "F", "B" or "U"
+    kind: str  # "F", "B", "I", "W" or "U"
     microbatch: int  # -1 for the update
     start: float
     end: float
@@ -61,23 +61,29 @@ class SimResult:
 
 def stage_program(schedule: str, task: str, stage: int, num_stages: int, m: int) -> list[tuple[str, int]]:
     """The order in which one stage runs its operations."""
-    if task == "infer":
-        return [("F", k) for k in range(m)]
-    if schedule == "gpipe":
-        prog = [("F", k) for k in range(m)] + [("B", k) for k in reversed(range(m))]
-    else:
-        warm = min(num_stages - stage - 1, m)
-        prog = [("F", k) for k in range(warm)]
-        for i in range(m - warm):
-            prog += [("F", warm + i), ("B", i)]
-        prog += [("B", k) for k in range(m - warm, m)]
-    if task == "train":
-        prog.append(("U", -1))
-    return prog
+    prog = make_schedule(schedule, num_stages, m, task).program(stage)
+    return [(a.kind, a.mb) for a in prog]
 
 
-def _validate(stages: Sequence[StageTimes], hops: Sequence[Hop], m: int, schedule: str, task: str) -> None:
-    if schedule not in SCHEDULES:
+def _resolve(schedule: str | Schedule, task: str, n: int, m: int) -> Schedule:
+    try:
+        if isinstance(schedule, Schedule):
+            check(schedule)
+            if (schedule.stages, schedule.microbatches) != (n, m):
+                raise PlanError(
+                    f"schedule {schedule.name!r} is for {schedule.stages} stages x {schedule.microbatches} "
+                    f"micro-batches, the pipeline has {n} x {m}"
+                )
+            return schedule.for_task(task)
+        return make_schedule(schedule, n, m, task)
+    except ScheduleError as e:
+        raise PlanError(str(e)) from None
+
+
+def _validate(
+    stages: Sequence[StageTimes], hops: Sequence[Hop], m: int, schedule: str | Schedule, task: str
+) -> None:
+    if not isinstance(schedule, Schedule) and schedule not in SCHEDULES:
         raise PlanError(f"schedule {schedule!r} must be one of {', '.join(SCHEDULES)}")
     if task not in TASKS:
         raise PlanError(f"task {task!r} must be one of {', '.join(TASKS)}")
@@ -88,6 +94,8 @@ def _validate(stages: Sequence[StageTimes], hops: Sequence[Hop], m: int, schedul
     for i, s in enumerate(stages):
         if min(s.fp, s.bp, s.update) < 0:
             raise PlanError(f"stage {i} has a negative time")
+        if not 0 <= s.input_share <= 1:
+            raise PlanError(f"stage {i}: input_share must be in [0, 1]")
     seen = set()
     for h in hops:
         if not 0 <= h.src < h.dst < len(stages):
@@ -133,7 +141,7 @@ def simulate(
     hops: Sequence[Hop],
     microbatches: int,
     *,
-    schedule: str = "gpipe",
+    schedule: str | Schedule = "gpipe",
     task: str = "train",
     record: bool = False,
 ) -> SimResult:
@@ -149,8 +157,15 @@ def simulate(
     bwd_arrival: list[list[float | None]] = [[None] * m for _ in hops]  # gradient at hop.src
     fwd_free = [0.0] * len(hops)  # the src -> dst link
     bwd_free = [0.0] * len(hops)  # the dst -> src link
-    programs = [stage_program(schedule, task, s, n, m) for s in range(n)]
-    dur = {"F": [st.fp for st in stages], "B": [st.bp for st in stages], "U": [st.update for st in stages]}
+    plan = _resolve(schedule, task, n, m)
+    programs = [[(a.kind, a.mb) for a in plan.program(s)] for s in range(n)]
+    dur = {
+        "F": [st.fp for st in stages],
+        "B": [st.bp for st in stages],
+        "I": [st.bp * st.input_share for st in stages],
+        "W": [st.bp * (1 - st.input_share) for st in stages],
+        "U": [st.update for st in stages],
+    }
     free = [0.0] * n
     busy = [0.0] * n
     held = [0] * n
@@ -168,7 +183,7 @@ def simulate(
                 kind, k = prog[pos[s]]
                 if kind == "F":
                     start = _ready(fwd_arrival, ins[s], k, free[s])
-                elif kind == "B":
+                elif kind in ("B", "I"):
                     start = _ready(bwd_arrival, outs[s], k, free[s])
                 else:
                     start = free[s]
@@ -190,10 +205,16 @@ def simulate(
                     else:
                         peak[s] = 1
                     _send(outs[s], k, end, fwd_free, fwd_arrival, fwd_t)
-                elif kind == "B":
-                    held[s] -= 1
+                if kind in ("B", "I"):
                     _send(ins[s], k, end, bwd_free, bwd_arrival, bwd_t)
-        assert progressed, "schedule deadlocked: stage programs and hops are inconsistent"
+                if kind in ("B", "W"):
+                    held[s] -= 1
+        if not progressed:  # check names what each stuck stage waits for
+            try:
+                check(plan, [(h.src, h.dst) for h in hops])
+            except ScheduleError as e:
+                raise PlanError(str(e)) from None
+            raise PlanError(f"schedule {plan.name!r} deadlocks on these hops")
         forward_sweep = not forward_sweep
     step = max(max(free), max(fwd_free, default=0.0), max(bwd_free, default=0.0))
     return SimResult(

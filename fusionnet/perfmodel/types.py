@@ -26,7 +26,7 @@ OP_KINDS = ("placeholder", "variable", "parametric", "non_parametric", "loss", "
 OP_CLASSES = ("view", "elementwise", "norm", "pool", "loss", "gather", "copy", "matmul", "conv", "other")
 DEVICE_KINDS = ("gpu", "cpu")
 TASKS = ("train", "grad", "infer")
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble")  # fusionnet.schedules.NAMES
 _INT_FIELDS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "param_bytes", "activation_bytes")
 
 
@@ -421,7 +421,7 @@ class Workload:
 
     microbatches: int
     task: str  # train | grad | infer
-    schedule: str = "gpipe"  # gpipe | 1f1b
+    schedule: str = "gpipe"  # gpipe | 1f1b | zero-bubble (fusionnet.schedules)
 
     def __post_init__(self) -> None:
         if not _is_int(self.microbatches) or self.microbatches < 1:

@@ -12,6 +12,7 @@ Map of the package:
 - ``optimizers.py``        torch.optim settings -> the performance model's optimizer profile names.
 - ``planner.py``           ``plan_graph``: IR + devices + links -> sub-DAG assignment, devices, prediction.
 - ``predict.py``           predictions for a partition already chosen (``run --local``, the broker).
+- ``pipeline_schedule.py`` ``placement.schedule``: a named schedule checked on the cut, or ``auto``.
 - ``placement.py``         which compnodes run a job: first placement, failover, hand-over, growth.
 - ``links.py``             ``LinkBook``: measured alpha-beta links per compnode pair, blended over jobs.
 - ``speeds.py``            ``SpeedBook``: per-compnode slowness refined from measured step times.

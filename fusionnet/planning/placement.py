@@ -26,10 +26,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from fusionnet.dag.ir import IRGraph
-from fusionnet.dag.partition import balanced_assignment
+from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.errors import PlanError
 from fusionnet.perfmodel.types import DeviceSpec, Link
 from fusionnet.planning.links import index_links
+from fusionnet.planning.pipeline_schedule import AUTO, ScheduleChoice, choose_schedule
 from fusionnet.planning.planner import plan_graph
 from fusionnet.planning.predict import predict_assignment
 
@@ -59,6 +60,12 @@ class JobShape:
     microbatches: int
     batch_size: int
     optimizer: Mapping[str, str] | None  # parameter key -> optimizer profile (train), else None
+    schedule: str = "gpipe"  # placement.schedule (``auto``: settled per placement)
+
+    @property
+    def priced(self) -> str:
+        """The schedule the search prices cuts with (``auto``: 1f1b, whose step is GPipe's)."""
+        return "1f1b" if self.schedule == AUTO else self.schedule
 
     @property
     def ops(self) -> int:
@@ -72,11 +79,14 @@ class Placement:
     policy: str  # SCHEDULER or BALANCED
     predicted: dict[int, float] | None = None  # sub-DAG -> predicted FP+BP+Update seconds per step
     predicted_step: float | None = None  # predicted seconds per step (schedule simulator)
+    schedule: ScheduleChoice | None = None  # the pipeline schedule this placement runs
 
     def describe(self) -> str:
         text = f"{len(self.peers)} sub-DAG(s) by the {self.policy} policy"
         if self.predicted_step is not None:
             text += f", predicted step {self.predicted_step:.4g} s"
+        if self.schedule is not None:
+            text += f", schedule {self.schedule.name}"
         return text
 
 
@@ -134,7 +144,28 @@ def plan_placement(
     balance on the fastest compnodes (``BALANCED``: the plain default policy, for comparison).
     ``links`` are the measured links between compnodes (``links.LinkBook.pairs``).
 
-    Raises ``PlanError`` when the performance model finds that nothing fits (naming the constraint)."""
+    Raises ``PlanError`` when the performance model finds that nothing fits (naming the constraint), or
+    when the job's pipeline schedule cannot run on the cut."""
+    placement = _place(shape, pool, stages, policy, links)
+    by_id = {c.peer_id: c.device for c in pool}
+    devices = [by_id.get(p) for p in placement.peers]
+    choice = choose_schedule(
+        shape.schedule,
+        shape.graph,
+        build_partition(shape.graph, placement.assignment),
+        microbatches=shape.microbatches,
+        devices=None if any(d is None for d in devices) else devices,  # type: ignore[arg-type]
+        batch_size=shape.batch_size,
+        optimizer=shape.optimizer,
+        links=index_links(placement.peers, links),
+    )
+    step = choice.predicted.get(choice.name, placement.predicted_step)
+    return replace(placement, schedule=choice, predicted_step=step)
+
+
+def _place(
+    shape: JobShape, pool: Sequence[Candidate], stages: int | None, policy: str, links: PeerLinks | None
+) -> Placement:
     if policy not in (SCHEDULER, BALANCED):
         raise PlanError(f"placement policy {policy!r} must be {SCHEDULER!r} or {BALANCED!r}")
     if not pool:
@@ -150,6 +181,7 @@ def plan_placement(
             batch_size=shape.batch_size,
             optimizer=shape.optimizer,
             stages=k,
+            schedule=shape.priced,
             links=index_links((c.peer_id for c in pool), links),
         )
         return Placement(
@@ -176,6 +208,7 @@ def plan_placement(
         batch_size=shape.batch_size,
         optimizer=shape.optimizer,
         links=index_links(placement.peers, links),
+        schedule=shape.priced,
     )
     return replace(placement, predicted=per_subdag, predicted_step=step)
 
@@ -197,6 +230,7 @@ def predicted_step(
         batch_size=shape.batch_size,
         optimizer=shape.optimizer,
         links=index_links(placement.peers, links),
+        schedule=shape.priced if placement.schedule is None else placement.schedule.name,
     )[1]
 
 

@@ -28,6 +28,8 @@ from fusionnet.job.loader import LoadedJob
 from fusionnet.job.optim import OptimizerFactory, optimizer_factory
 from fusionnet.perfmodel.types import DeviceSpec
 from fusionnet.planning.optimizers import job_optimizers
+from fusionnet.planning.pipeline_schedule import ScheduleChoice, choose_schedule
+from fusionnet.planning.planner import IN_PROCESS
 from fusionnet.planning.predict import predict_subdags
 from fusionnet.results.assemble import RunResult, assemble_result, output_tensors
 from fusionnet.results.files import plan_document, write_results
@@ -39,8 +41,19 @@ class InMemorySwarm:
     """The executors of one prepared job over an in-memory hub, stepped one batch at a time (one process,
     no daemons; ``process_swarm.ProcessSwarm`` is the swarm of real daemon processes)."""
 
-    def __init__(self, prepared: PreparedJob) -> None:
+    def __init__(self, prepared: PreparedJob, schedule: str | None = None) -> None:
+        """``schedule``: the pipeline schedule to run (default: the job's ``placement.schedule``, with
+        ``auto`` settled without a device to price on)."""
         self.prepared = prepared
+        if schedule is None:
+            spec = prepared.job.spec
+            schedule = choose_schedule(
+                spec.placement.schedule,
+                prepared.traced.graph,
+                prepared.partition,
+                microbatches=spec.data.microbatches,
+            ).name
+        self.schedule = schedule
         self._start(
             prepared.traced.graph,
             prepared.traced.state,
@@ -49,6 +62,7 @@ class InMemorySwarm:
             make_optimizers=optimizer_factory(prepared.job.spec.task, prepared.job.spec.optimizer),
             loss_reduction=prepared.loss_reduction,
             precision=prepared.job.spec.precision,
+            schedule=schedule,
         )
 
     @classmethod
@@ -80,6 +94,7 @@ class InMemorySwarm:
         make_optimizers: OptimizerFactory | None,
         loss_reduction: str,
         precision: str = "fp32",
+        schedule: str = "gpipe",
     ) -> None:
         self.hub = LocalHub(len(partition.subdags))
         self.executors = [
@@ -93,6 +108,7 @@ class InMemorySwarm:
                 loss_reduction=loss_reduction,
                 precision=precision,
                 subdags=len(partition.subdags),
+                schedule=schedule,
             )
             for s in partition.subdags
         ]
@@ -127,16 +143,23 @@ def run_local(
     performance model's prediction for each sub-DAG on that device."""
     prepared = prepared or prepare_job(job, pieces)
     predicted = None
+    graph, m = prepared.traced.graph, job.spec.data.microbatches
+    optimizer = job_optimizers(job, graph) if device is not None else None
+    choice = choose_schedule(
+        job.spec.placement.schedule,
+        graph,
+        prepared.partition,
+        microbatches=m,
+        devices=None if device is None else [device],
+        batch_size=job.spec.data.batch_size,
+        optimizer=optimizer,
+        links=IN_PROCESS,
+    )
     if device is not None:
-        graph = prepared.traced.graph
         predicted = predict_subdags(
-            graph,
-            prepared.partition,
-            [device],
-            microbatches=job.spec.data.microbatches,
-            optimizer=job_optimizers(job, graph),
+            graph, prepared.partition, [device], microbatches=m, optimizer=optimizer, schedule=choice.name
         )
-    return asyncio.run(_run(prepared, output_dir, on_step, predicted, device))
+    return asyncio.run(_run(prepared, output_dir, on_step, predicted, device, choice))
 
 
 def steady_seconds(per_step: list[float]) -> float:
@@ -152,10 +175,11 @@ async def _run(
     on_step: Callable[[dict[str, Any]], None] | None,
     predicted: dict[int, float] | None = None,
     device: DeviceSpec | None = None,
+    choice: ScheduleChoice | None = None,
 ) -> RunResult:
     job, graph, partition = prepared.job, prepared.traced.graph, prepared.partition
     spec = job.spec
-    swarm = InMemorySwarm(prepared)
+    swarm = InMemorySwarm(prepared, None if choice is None else choice.name)
     executors = swarm.executors
     metrics: list[dict[str, Any]] = []
     outputs: list[dict[str, torch.Tensor]] = []  # per step: "mb/leaf" tensors, as a compnode sends them
@@ -177,6 +201,7 @@ async def _run(
             on_step(row)
     measured = {i: steady_seconds([sum(p) for p in rows]) for i, rows in phases.items()}
     extra: dict[str, Any] = {"job": spec.name, "task": spec.task, "frontend": graph.frontend}
+    extra["schedule"] = (choice or ScheduleChoice(swarm.schedule, "placement.schedule")).to_dict()
     extra["measured_seconds_are"] = "FP+BP+Update seconds per step: median over the steps after the first"
     if device is not None:
         extra["predicted_for"] = {

@@ -1,0 +1,113 @@
+"""A backward pass split in two (zero-bubble schedules): I, the gradients of a sub-DAG's received
+inputs (the earlier stages wait for them), then W, later, the gradients of its parameters.
+
+I runs ``torch.autograd.grad`` to the input leaves on a retained graph and keeps (pre-hooks) the
+gradients that reach the nodes where the parameters' branches join the input's path (the parameter
+groups of torch's pipelining, ``torch.distributed.pipelining._backward``); W runs only those
+parameter branches from the kept gradients (torch's ``stage_backward_weight``) into ``.grad``. Both
+halves run the ops a plain backward runs, so the gradients are the same (bit-exact on the models
+tested). Where that split does not apply (nothing received needs a gradient: the first stage; a
+parameter's branch never joins the inputs' path, so it would get no gradient; or joins it at several
+nodes: a tied weight) I computes the input gradients alone and W runs the backward again into the
+parameters only: the same ops again, exact, at the price of recomputing the input side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+try:  # torch's own I/W split; private, so a torch without it gets the plain split below
+    from torch.distributed.pipelining import _backward as _tpb
+except ImportError:  # pragma: no cover - torch 2.13 has it
+    _tpb = None
+
+
+@dataclass
+class WeightWork:
+    """What W needs: torch's parameter groups, or (without them) the roots and seeds again."""
+
+    params: list[torch.Tensor]
+    groups: list[dict[str, Any]] | None = None
+    roots: list[torch.Tensor] | None = None
+    seeds: list[torch.Tensor] | None = None
+
+
+Tensors = Sequence[torch.Tensor]
+
+
+def _param_groups(roots: Tensors, leaves: Tensors, params: Tensors) -> list[dict[str, Any]] | None:
+    """torch's parameter groups (parameters + the nodes where their branches join the inputs' path),
+    or None where they would leave a reachable parameter without its gradient."""
+    if _tpb is None or not leaves or not roots:
+        return None
+    node_of = _tpb._get_grad_fn_or_grad_acc
+    root_fns = [f for f in map(node_of, roots) if f is not None]
+    reverse = _tpb.construct_reverse_graph(root_fns)
+    leaf_fns = [f for f in map(node_of, leaves) if f is not None]
+    # Every root must depend on the received inputs: then each path from a root to a parameter meets
+    # the inputs' path, where I keeps the gradient. (A root that does not, e.g. a parameter sent on
+    # as a value, would seed a parameter directly, and that seed would be lost.)
+    closure, _ = _tpb.reverse_closure(leaf_fns, set(), reverse)
+    if not all(f in closure for f in root_fns):
+        return None
+    reachable = [f for f in map(node_of, params) if f is not None and f in reverse]
+    groups = _tpb.get_param_groups(leaf_fns, reachable, reverse)
+    covered: set[Any] = set()
+    for group in groups:
+        if len(group["intermediates"]) != 1:
+            # A parameter whose branches join the inputs' path at several nodes (a tied weight): torch's
+            # W pass for such groups gave wrong gradients here, so the plain split handles them.
+            return None
+        covered |= group["params"]
+        group["intermediates"] = list(group["intermediates"])
+    return groups if all(f in covered for f in reachable) else None
+
+
+def _capture(groups: list[dict[str, Any]]) -> list[Any]:
+    """Pre-hooks that keep the gradients arriving at each group's join nodes during I."""
+
+    def hook_for(group: dict[str, Any], i: int) -> Any:
+        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            group["grads"][i] = grad_outputs
+
+        return hook
+
+    handles = []
+    for group in groups:
+        group["grads"] = [None] * len(group["intermediates"])
+        for i, node in enumerate(group["intermediates"]):
+            handles.append(node.register_prehook(hook_for(group, i)))
+    return handles
+
+
+def input_gradients(
+    roots: list[torch.Tensor], seeds: list[torch.Tensor], leaves: Tensors, params: list[torch.Tensor]
+) -> WeightWork:
+    """I: sets ``leaf.grad`` of every input leaf (None where unused) and returns W's work."""
+    groups = _param_groups(roots, leaves, params)
+    handles = _capture(groups) if groups else []
+    try:
+        if roots and leaves:
+            grads = torch.autograd.grad(roots, list(leaves), seeds, retain_graph=True, allow_unused=True)
+            for leaf, g in zip(leaves, grads):
+                leaf.grad = g
+    finally:
+        for handle in handles:
+            handle.remove()
+    if groups is not None and all(g is not None for group in groups for g in group["grads"]):
+        return WeightWork(params, groups=groups)
+    return WeightWork(params, roots=roots, seeds=seeds)  # W runs the backward again, params only
+
+
+def weight_gradients(work: WeightWork) -> None:
+    """W: accumulates the parameters' gradients of one micro-batch into ``.grad``; frees the graph."""
+    if work.groups is not None:
+        if work.groups:
+            _tpb.stage_backward_weight(iter(work.params), work.groups)
+        return
+    if work.roots and work.params:
+        torch.autograd.backward(work.roots, work.seeds, inputs=work.params)

@@ -1,0 +1,106 @@
+"""Which pipeline schedule a job runs (``placement.schedule``): a named one, checked against the real
+cut (skip edges included), or, for ``auto``, the one the performance model predicts fastest among
+those whose memory fits, preferring the one that holds fewer activations on a near tie.
+
+The simulator prices the same ``fusionnet.schedules`` objects the executors run, so the prediction
+in plan.json is for the order that runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from fusionnet.dag.ir import IRGraph
+from fusionnet.dag.partition import Partition
+from fusionnet.errors import PlanError
+from fusionnet.perfmodel.types import DeviceSpec, Workload
+from fusionnet.planning.costgraph import cost_graph, micro_batch_scale
+from fusionnet.planning.planner import Links, make_swarm
+from fusionnet.planning.scheduler import plan_for_assignment
+from fusionnet.schedules import NAMES, Edge, ScheduleError, check, make_schedule
+
+AUTO = "auto"
+# On a near tie (within TIE of the fastest) the first of these wins: fewer live activations first.
+PREFERENCE = ("1f1b", "zero-bubble", "gpipe")
+TIE = 0.01
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    name: str  # the schedule that runs
+    why: str
+    predicted: dict[str, float] = field(default_factory=dict)  # schedule -> predicted step seconds
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "why": self.why, "predicted_step_seconds": dict(self.predicted)}
+
+
+def stage_edges(partition: Partition) -> list[Edge]:
+    """(producer, consumer) sub-DAG pairs of the cut: every edge the data crosses."""
+    return sorted(
+        {(s.index, d) for s in partition.subdags for ds in s.consumers.values() for d in ds if d != s.index}
+    )
+
+
+def check_schedule(name: str, partition: Partition, microbatches: int, task: str) -> None:
+    """Raises ``PlanError`` when ``name`` is unknown or cannot run on this cut."""
+    try:
+        check(make_schedule(name, len(partition.subdags), microbatches, task), stage_edges(partition))
+    except ScheduleError as e:
+        raise PlanError(f"placement.schedule {name!r}: {e}") from None
+
+
+def _predict(
+    name: str,
+    graph: IRGraph,
+    partition: Partition,
+    devices: Sequence[DeviceSpec],
+    microbatches: int,
+    batch_size: int | None,
+    optimizer: str | Mapping[str, str] | None,
+    links: Links,
+) -> float | None:
+    """Predicted step seconds under ``name``, or None when its memory does not fit."""
+    k = len(partition.subdags)
+    devs = list(devices) * k if len(devices) == 1 else list(devices)
+    cg = cost_graph(graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches))
+    try:
+        plan = plan_for_assignment(
+            cg,
+            make_swarm(devs, links, None),
+            Workload(microbatches, graph.task, name),
+            {op.name: partition.assignment[op.name] for op in cg.ops},
+        )
+    except PlanError:
+        return None
+    return plan.predicted_step_seconds
+
+
+def choose_schedule(
+    wanted: str,
+    graph: IRGraph,
+    partition: Partition,
+    *,
+    microbatches: int,
+    devices: Sequence[DeviceSpec] | None = None,
+    batch_size: int | None = None,
+    optimizer: str | Mapping[str, str] | None = None,
+    links: Links = None,
+) -> ScheduleChoice:
+    """The schedule to run for the job's ``placement.schedule`` ``wanted`` on this cut; ``devices``
+    (one per sub-DAG, or one for all) let ``auto`` price the candidates."""
+    if wanted != AUTO:
+        check_schedule(wanted, partition, microbatches, graph.task)
+        return ScheduleChoice(wanted, "placement.schedule")
+    if graph.task == "infer":
+        return ScheduleChoice("gpipe", "auto: inference runs forwards only, every schedule is the same")
+    if not devices:
+        return ScheduleChoice("1f1b", "auto: no device to price on; 1f1b: GPipe's step, p/m of the memory")
+    args = (graph, partition, devices, microbatches, batch_size, optimizer, links)
+    predicted = {n: t for n in NAMES if (t := _predict(n, *args)) is not None}
+    if not predicted:
+        raise PlanError("placement.schedule auto: no schedule's memory fits on these devices")
+    best = min(predicted.values())
+    name = next(n for n in PREFERENCE if n in predicted and predicted[n] <= best * (1 + TIE))
+    return ScheduleChoice(name, "auto: fastest predicted step that fits in memory", predicted)
