@@ -16,9 +16,10 @@ from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.compnode.daemon import CompnodeConfig
 from fusionnet.compnode.tasks import SubtaskService
-from fusionnet.compnode.trust import TrustedBrokers, peer_ids_of_maddrs, stale_jobs
+from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
 from fusionnet.dag.codec import encode_ir
 from fusionnet.dag.partition import balanced_assignment, build_partition
+from fusionnet.dht.peerids import peer_ids_of_maddrs
 from fusionnet.errors import IRError, JobError, PartitionError, WireError
 from fusionnet.job.loader import load_job
 from fusionnet.messages.blobs import pack_tensors

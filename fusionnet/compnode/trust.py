@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from fusionnet.dht.peerids import peer_ids_of_maddrs
 from fusionnet.errors import JobError
 
 log = logging.getLogger("fusionnet.compnode.trust")
@@ -28,17 +29,6 @@ DEFAULT_ASSIGNMENT_TTL = 60.0  # s without a word from a job's broker before its
 _LOG_EVERY = 60.0  # s between two log lines about refusals of one peer
 
 BROKER_METHODS = frozenset({"assign", "step", "collect", "release", "probe_links"})
-
-
-def peer_ids_of_maddrs(maddrs: Iterable[str]) -> list[str]:
-    """The peer ids a list of multiaddrs names (``.../p2p/<id>`` or the older ``.../ipfs/<id>``)."""
-    ids = []
-    for maddr in maddrs:
-        parts = maddr.rstrip("/").split("/")
-        for i, part in enumerate(parts[:-1]):
-            if part in ("p2p", "ipfs") and parts[i + 1] and parts[i + 1] not in ids:
-                ids.append(parts[i + 1])
-    return ids
 
 
 @dataclass
