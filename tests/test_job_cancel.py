@@ -92,7 +92,8 @@ def submitters() -> Iterator[list[Submitter]]:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProcessSwarm, BlockingObserver]]:
-    with running_swarm(tmp_path_factory.mktemp("swarm"), [{}, {}]) as swarm:
+    long_jobs = {"extra": ["--max-steps", str(LONG)]}  # over the broker's default quota
+    with running_swarm(tmp_path_factory.mktemp("swarm"), [{}, {}], broker_kw=long_jobs) as swarm:
         observer = BlockingObserver(swarm.initial_peers)
         try:
             observer.wait_online(2, 60)

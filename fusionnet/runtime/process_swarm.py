@@ -198,6 +198,14 @@ class BlockingObserver:
     def broker_status(self) -> dict[str, Any]:
         return self.run(self._observer.broker_status())
 
+    def brokers(self) -> list[Any]:
+        """The broker records in the DHT (``Found[BrokerRecord]``), whoever announced them."""
+        return self.run(self._observer.brokers())
+
+    @property
+    def peer_id(self) -> str:
+        return self._observer.peer_id
+
     def call(self, peer_id: str, method: str, payload: dict | None = None, timeout: float = 10.0) -> dict:
         return self.run(self._observer.call(peer_id, method, payload, timeout=timeout), timeout + 5)
 
