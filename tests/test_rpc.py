@@ -234,7 +234,7 @@ def test_call_budget_counts_and_bytes_per_peer_and_in_total() -> None:
         budget.reserve("b", 60)
     budget.leave("a", 100)
     budget.reserve("b", 60)
-    assert budget.refused == 5 and dict(budget.held) == {"b": 60}
+    assert budget.refused == 4 and dict(budget.held) == {"b": 60}
     for peer, held in (("a", 0), ("b", 60)):
         budget.leave(peer, held)
     assert not budget.calls and not budget.held
