@@ -8,6 +8,9 @@ Tiers: ``pytest -m "not swarm"`` is the fast tier (no daemon processes, no real 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 
 from fusionnet.job.loader import load_job
@@ -15,6 +18,21 @@ from fusionnet.planning.optimizers import job_optimizers
 from fusionnet.planning.placement import JobShape
 from fusionnet.runtime.prepare import trace_job
 from tests.jobfiles import REPO
+
+
+@pytest.fixture(scope="session", autouse=True)
+def submitter_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every submit, cancel, results of the session (in process or in a child) signs with one key made
+    in a scratch ``FUSIONNET_HOME``, never in the user's own ``~/.fusionnet``."""
+    saved = {k: os.environ.get(k) for k in ("FUSIONNET_HOME", "FUSIONNET_KEY")}
+    os.environ["FUSIONNET_HOME"] = str(tmp_path_factory.mktemp("fusionnet-home"))
+    os.environ.pop("FUSIONNET_KEY", None)
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture(scope="session")

@@ -92,7 +92,8 @@ def submitters() -> Iterator[list[Submitter]]:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProcessSwarm, BlockingObserver]]:
-    with running_swarm(tmp_path_factory.mktemp("swarm"), [{}, {}]) as swarm:
+    long_jobs = {"extra": ["--max-steps", str(LONG)]}  # over the broker's default quota
+    with running_swarm(tmp_path_factory.mktemp("swarm"), [{}, {}], broker_kw=long_jobs) as swarm:
         observer = BlockingObserver(swarm.initial_peers)
         try:
             observer.wait_online(2, 60)
@@ -102,7 +103,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProcessSwa
 
 
 def _job(observer: BlockingObserver, swarm: ProcessSwarm, job_id: str) -> dict:
-    return observer.call(swarm.broker.peer_id, "job_status", {"job_id": job_id})
+    return observer.as_submitter("job_status", {"job_id": job_id})
 
 
 def _running(observer: BlockingObserver, swarm: ProcessSwarm, job_id: str, steps: int) -> None:
@@ -148,12 +149,12 @@ def test_cancel_stops_a_running_job_within_5_s_and_frees_its_compnodes(
     )
     assert _job(observer, sw, job_id)["job"]["step"] == steps
     # Cancelling again says so; an unknown job is named; a cancelled job has no results.
-    again = observer.call(sw.broker.peer_id, "cancel_job", {"job_id": job_id})
+    again = observer.as_submitter("cancel_job", {"job_id": job_id})
     assert again["state"] == "CANCELLED" and not again["cancelled"], again
     with pytest.raises(JobError, match="no job with id 'abc123'"):
-        observer.call(sw.broker.peer_id, "cancel_job", {"job_id": "abc123"})
+        observer.as_submitter("cancel_job", {"job_id": "abc123"})
     with pytest.raises(JobError, match="results exist only for SUCCEEDED jobs"):
-        observer.call(sw.broker.peer_id, "job_results", {"job_id": job_id})
+        observer.as_submitter("job_results", {"job_id": job_id})
 
 
 @pytest.mark.timeout(300)

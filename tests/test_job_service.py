@@ -10,16 +10,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fusionnet.broker.jobs import JobService
 from fusionnet.errors import JobError, WireError
 from fusionnet.job.loader import load_job
+from fusionnet.messages.broker_rpc import SubmitJobRequest
 from fusionnet.rpc.server import RPCContext
-from fusionnet.runtime.submit import submission_payload
+from fusionnet.runtime.submit import signed, submission_payload
+from fusionnet.runtime.submitter import Signer
 from tests.jobfiles import REPO
 from tests.test_jobrun_decisions import PEERS, FakeCompnodes, make_context
 
 SUBMITTER = f"12D3KooW{'S' * 44}"
+SIGNER = Signer(Ed25519PrivateKey.from_private_bytes(bytes(range(32))), broker="", caller=SUBMITTER)
+
+
+def job(job_id: str, method: str, signer: Signer = SIGNER, **more: Any) -> dict[str, Any]:
+    """A request about one job, signed by ``signer`` for ``method``."""
+    return {"job_id": job_id, "auth": signer.auth(method, job_id).model_dump(), **more}
 
 
 def ctx(method: str, sender: str = SUBMITTER) -> RPCContext:
@@ -30,7 +39,7 @@ def ctx(method: str, sender: str = SUBMITTER) -> RPCContext:
 def submission() -> dict[str, Any]:
     request = submission_payload(load_job(REPO / "examples" / "figure3" / "job.yaml"))
     spec = request.spec.model_copy(update={"steps": 2})
-    return request.model_copy(update={"spec": spec}).model_dump()
+    return signed(request.model_copy(update={"spec": spec}), SIGNER).model_dump()
 
 
 @pytest.mark.timeout(120)
@@ -45,24 +54,25 @@ def test_a_submission_runs_to_its_results_and_refusals_are_clear(
             bad = {**submission, "spec": {**submission["spec"], "task": "x"}}
             await service.rpc_submit_job(bad, ctx("submit_job"))
         with pytest.raises(JobError, match="the IR was traced for task 'train', the spec says 'grad'"):
-            grad = {**submission, "spec": {**submission["spec"], "task": "grad"}, "request_id": "r2"}
-            await service.rpc_submit_job(grad, ctx("submit_job"))
+            grad = signed(SubmitJobRequest.model_validate(submission), SIGNER)
+            grad.spec, grad.request_id = grad.spec.model_copy(update={"task": "grad"}), "r2"
+            await service.rpc_submit_job(signed(grad, SIGNER).model_dump(), ctx("submit_job"))
         reply = await service.rpc_submit_job(submission, ctx("submit_job"))
         job_id = reply["job_id"]
         again = await service.rpc_submit_job(submission, ctx("submit_job"))  # same request id: same job
         assert again == reply and len(service.runs) == 1
         with pytest.raises(JobError, match="results exist only for SUCCEEDED jobs"):
-            await service.rpc_job_results({"job_id": job_id}, ctx("job_results"))
+            await service.rpc_job_results(job(job_id, "job_results"), ctx("job_results"))
         with pytest.raises(JobError, match=f"{PEERS[4]} runs no sub-DAG of job {job_id}"):
             await service.rpc_leaving({"job_id": job_id}, ctx("leaving", PEERS[4]))
         await asyncio.gather(*service._tasks.values())
-        status = await service.rpc_job_status({"job_id": job_id, "since": 1}, ctx("job_status"))
+        status = await service.rpc_job_status(job(job_id, "job_status", since=1), ctx("job_status"))
         assert status["job"]["state"] == "SUCCEEDED", status["job"]["error"]
         assert [r["step"] for r in status["metrics"]] == [1]  # rows from ``since`` on
-        results = await service.rpc_job_results({"job_id": job_id}, ctx("job_results"))
+        results = await service.rpc_job_results(job(job_id, "job_results"), ctx("job_results"))
         assert {"weights.safetensors", "metrics.jsonl", "plan.json"} <= set(results["files"])
         with pytest.raises(JobError, match="no job with id 'nope'"):
-            await service.rpc_job_results({"job_id": "nope"}, ctx("job_results"))
+            await service.rpc_job_results(job("nope", "job_results"), ctx("job_results"))
         with pytest.raises(WireError, match=r"^rpc job_status: malformed message: job_id: "):
             await service.rpc_job_status({"job_id": "../x"}, ctx("job_status"))
         await service.stop()
@@ -96,12 +106,12 @@ def test_cancel_stops_a_step_in_flight_releases_the_compnodes_and_is_kept(
     async def scenario() -> None:
         await service.start()
         with pytest.raises(JobError, match="no job with id 'nope'"):
-            await service.rpc_cancel_job({"job_id": "nope"}, ctx("cancel_job"))
+            await service.rpc_cancel_job(job("nope", "cancel_job"), ctx("cancel_job"))
         job_id = (await service.rpc_submit_job(submission, ctx("submit_job")))["job_id"]
         await asyncio.wait_for(fake.in_flight.wait(), 60)
         peers = list(service.runs[job_id].peers)
         started = time.monotonic()
-        reply = await service.rpc_cancel_job({"job_id": job_id}, ctx("cancel_job"))
+        reply = await service.rpc_cancel_job(job(job_id, "cancel_job"), ctx("cancel_job"))
         assert time.monotonic() - started < 5.0
         assert reply["cancelled"] and reply["state"] == "CANCELLED", reply
         assert service._tasks.get(job_id) is None  # the run task is over, not orphaned
@@ -112,10 +122,10 @@ def test_cancel_stops_a_step_in_flight_releases_the_compnodes_and_is_kept(
         assert sum(1 for _, m in fake.calls if m == "step") == steps_before  # nothing drives it any more
         row = service.ctx.store.get_job(job_id)
         assert row["state"] == "CANCELLED" and "cancelled by the user" in row["error"]
-        again = await service.rpc_cancel_job({"job_id": job_id}, ctx("cancel_job"))
+        again = await service.rpc_cancel_job(job(job_id, "cancel_job"), ctx("cancel_job"))
         assert not again["cancelled"] and again["state"] == "CANCELLED"
         with pytest.raises(JobError, match="results exist only for SUCCEEDED jobs"):
-            await service.rpc_job_results({"job_id": job_id}, ctx("job_results"))
+            await service.rpc_job_results(job(job_id, "job_results"), ctx("job_results"))
         await service.stop()
         # A broker restart does not resume a cancelled job.
         restarted = JobService(service.ctx)

@@ -159,9 +159,9 @@ def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
             job_path = example_job("gpt", tmp_path, steps=30, optimizer=SGD, placement={"compnodes": 2})
             payload = submission_payload(load_job(job_path)).model_dump()
             broker_id = sw.broker.peer_id
-            job_id = observer.call(broker_id, "submit_job", payload, timeout=60)["job_id"]
+            job_id = observer.as_submitter("submit_job", payload, timeout=60)["job_id"]
             wait_until(
-                lambda: observer.call(broker_id, "job_status", {"job_id": job_id})["job"]["step"] >= 4,
+                lambda: observer.as_submitter("job_status", {"job_id": job_id})["job"]["step"] >= 4,
                 120,
                 "step 4",
             )
@@ -180,14 +180,14 @@ def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
 
             def finished() -> dict | None:
                 try:
-                    status = observer.call(broker_id, "job_status", {"job_id": job_id})
+                    status = observer.as_submitter("job_status", {"job_id": job_id})
                 except Exception:
                     return None
                 return status if status["job"]["state"] in ("SUCCEEDED", "FAILED") else None
 
             status = wait_until(finished, 180, "the resumed job to finish")
             assert status["job"]["state"] == "SUCCEEDED", status["job"]
-            files = observer.call(broker_id, "job_results", {"job_id": job_id}, timeout=60)["files"]
+            files = observer.as_submitter("job_results", {"job_id": job_id}, timeout=60)["files"]
             out = tmp_path / "out"
             out.mkdir()
             for name, blob in files.items():
@@ -204,7 +204,6 @@ def _run_with(
 ) -> dict[str, Any]:
     """Submits the job, waits until it has run a few steps, does ``act`` to one of its compnodes, and
     returns the broker's final job status once ``submit`` finished."""
-    broker_id = sw.broker.peer_id
 
     async def main() -> None:
         await submit_and_wait(job_path, sw.initial_peers, out, timeout=240, show_plan=False)
@@ -226,12 +225,12 @@ def _run_with(
             return jobs[0] if jobs else None
 
         job = wait_until(running, 120, "the job RUNNING past step 3")
-        status = observer.call(broker_id, "job_status", {"job_id": job["job_id"]})
+        status = observer.as_submitter("job_status", {"job_id": job["job_id"]})
         act(status["placement"])
     finally:
         thread.join(timeout=260)
     assert not errors, errors
-    return observer.call(broker_id, "job_status", {"job_id": job["job_id"]})
+    return observer.as_submitter("job_status", {"job_id": job["job_id"]})
 
 
 @pytest.mark.timeout(300)

@@ -18,6 +18,7 @@ from hivemind.p2p import P2P
 
 from fusionnet.errors import PlanError, WireError
 from fusionnet.rpc import RPCClient, RPCContext, RPCError, RPCServer
+from fusionnet.rpc.limits import CallBudget, CallLimits
 from fusionnet.rpc.protocol import (
     STREAM_PROTOCOL,
     UNARY_PROTOCOL,
@@ -213,5 +214,68 @@ def test_timeouts_and_stop_cancels_in_flight_calls() -> None:
             with pytest.raises(RPCError):
                 await pending
             service.release.set()
+
+    run(scenario())
+
+
+def test_call_budget_counts_and_bytes_per_peer_and_in_total() -> None:
+    budget = CallBudget(CallLimits(calls_per_peer=2, calls_total=3, bytes_total=150), max_message_bytes=100)
+    budget.enter("a")
+    budget.enter("a")
+    with pytest.raises(WireError, match="peer a already has 2 rpc calls in flight"):
+        budget.enter("a")
+    budget.enter("b")
+    with pytest.raises(WireError, match="serves 3 rpc calls already"):
+        budget.enter("c")
+    budget.reserve("a", 100)
+    with pytest.raises(WireError, match="peer a already has 100 bytes of requests in flight"):
+        budget.reserve("a", 1)
+    with pytest.raises(WireError, match="100 bytes of requests are in flight here"):
+        budget.reserve("b", 60)
+    budget.leave("a", 100)
+    budget.reserve("b", 60)
+    assert budget.refused == 4 and dict(budget.held) == {"b": 60}
+    for peer, held in (("a", 0), ("b", 60)):
+        budget.leave(peer, held)
+    assert not budget.calls and not budget.held
+    assert CallLimits(read_base=2, min_rate=10).read_deadline(100) == 12
+
+
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
+@pytest.mark.timeout(60)
+def test_a_flooding_peer_is_refused_over_its_limits_and_others_are_served() -> None:
+    """Calls over the per-peer count, bodies over the byte budget, uploads past their total deadline and
+    handlers past theirs are refused with WireErrors; the server then serves as before."""
+    limits = CallLimits(calls_per_peer=2, read_base=1.0, min_rate=1e6, handler_timeout=1.0)
+
+    async def scenario() -> None:
+        async with pair(max_message_bytes=1 << 20, idle_timeout=5.0, limits=limits) as (
+            server,
+            client,
+            svc,
+            b,
+        ):
+            peer = server.p2p.peer_id.to_base58()
+            waiting = [asyncio.create_task(client.call(peer, "wait", {}, timeout=10)) for _ in range(2)]
+            while server.budget.calls[b.peer_id.to_base58()] < 2:
+                await asyncio.sleep(0.01)
+            with pytest.raises(WireError, match="already has 2 rpc calls in flight"):
+                await client.call(peer, "echo", {})
+            with pytest.raises(WireError, match="no answer within the server's 1 s"):
+                await asyncio.gather(*waiting)
+            # an upload that trickles (a byte per 0.4 s: under the idle timeout) misses its total deadline
+            _, reader, writer = await b.call_binary_stream_handler(server.p2p.peer_id, STREAM_PROTOCOL)
+            writer.write(frame_header(100))
+            for _ in range(5):
+                writer.write(b"x")
+                await writer.drain()
+                await asyncio.sleep(0.4)
+            resp = decode_response(await read_frame(reader, 1 << 20, 10.0, "answer"))
+            writer.close()
+            assert "within the deadline of 1 s" in resp.error[1]
+            svc.release.set()
+            assert (await client.call(peer, "echo", {"ok": True}))["echo"] == {"ok": True}
+            assert not server.budget.calls or server.budget.calls == {b.peer_id.to_base58(): 0}
+            assert not server.budget.held
 
     run(scenario())

@@ -5,6 +5,7 @@ other than the broker that assigned the job. The service keeps nothing of a refu
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -15,8 +16,10 @@ from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.compnode.daemon import CompnodeConfig
 from fusionnet.compnode.tasks import SubtaskService
+from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
 from fusionnet.dag.codec import encode_ir
 from fusionnet.dag.partition import balanced_assignment, build_partition
+from fusionnet.dht.peerids import peer_ids_of_maddrs
 from fusionnet.errors import IRError, JobError, PartitionError, WireError
 from fusionnet.job.loader import load_job
 from fusionnet.messages.blobs import pack_tensors
@@ -51,7 +54,7 @@ class FakeNode:
 
     def __init__(self) -> None:
         self.peer_id = ME
-        self.settings = CompnodeConfig()
+        self.settings = CompnodeConfig(trusted_brokers=(BROKER,))
         self.metrics = CompnodeMetrics(process=False)
         self.load = (0.0, 0)
         self.compute = None  # executors compute inline here; packing uses the loop's default pool
@@ -101,7 +104,7 @@ def test_an_assignment_is_held_and_only_its_broker_may_drive_it(assign_docs: lis
     assert call(s, "assign", doc) == {"subdag": 1, "nodes": len(s.jobs["j1"].subdag.nodes)}
     assert s.server.jobs["j1"] == [PEERS[0], PEERS[2]]  # type: ignore[union-attr]  # only the job's peers
     assert call(s, "assign", doc)["subdag"] == 1  # a repeated request: same answer, same job
-    with pytest.raises(JobError, match=f"already assigned here by {BROKER}"):
+    with pytest.raises(JobError, match=f"peer {STRANGER} is not a broker this compnode trusts"):
         call(s, "assign", doc, sender=STRANGER)
     for method, payload in (
         ("step", {"job_id": "j1", "step": 0}),
@@ -161,3 +164,39 @@ def test_assignments_that_mean_nothing_are_refused_and_nothing_is_kept(assign_do
             call(s, "assign", payload)
         assert not s.jobs and not s.server.jobs  # type: ignore[union-attr]
     assert call(s, "assign", doc)["subdag"] == 1  # and a good one still goes through
+
+
+@pytest.mark.timeout(60)
+def test_only_trusted_brokers_assign_and_silent_brokers_lose_their_jobs(assign_docs: list[dict]) -> None:
+    """A stranger cannot take a slot (compute theft, slot exhaustion); an assignment whose broker goes
+    silent past the ttl is released, one with a step running is kept."""
+    s = service()
+    for i in range(3):
+        with pytest.raises(JobError, match="not a broker this compnode trusts"):
+            call(s, "assign", {**assign_docs[1], "job_id": f"x{i}"}, sender=STRANGER)
+    assert not s.jobs and s.trust.refused == 3
+    call(s, "assign", assign_docs[1])
+    now = time.monotonic()
+    ttl = s.node.settings.assignment_ttl
+    assert stale_jobs({"j1": BROKER}, s._heard, [], ttl, now=now + ttl / 2) == []
+    s._pinged(STRANGER)  # a stranger's ping keeps nothing alive
+    assert STRANGER not in s._heard
+    assert stale_jobs({"j1": BROKER}, s._heard, ["j1"], ttl, now=now + 2 * ttl) == []  # a step runs
+    assert stale_jobs({"j1": BROKER}, s._heard, [], ttl, now=now + 2 * ttl) == ["j1"]
+    s._heard["j1"] -= 2 * ttl
+    asyncio.run(s._expire())
+    assert not s.jobs and not s.server.jobs  # type: ignore[union-attr]
+
+
+def test_trusted_brokers_come_from_initial_peers_and_flags() -> None:
+    maddrs = [
+        "/ip4/10.0.0.1/tcp/31337/p2p/QmBroker",
+        "/ip4/10.0.0.2/tcp/1/ipfs/QmOther",
+        "/ip4/1.2.3.4/tcp/9",
+    ]
+
+    assert peer_ids_of_maddrs(maddrs) == ["QmBroker", "QmOther"]
+    trust = TrustedBrokers.from_settings(maddrs, ["QmExtra"])
+    assert trust.peers == {"QmBroker", "QmOther", "QmExtra"}
+    with pytest.raises(ValueError, match="--trusted-broker"):
+        CompnodeConfig(trusted_brokers=("not a peer/id",))

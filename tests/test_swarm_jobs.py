@@ -140,7 +140,6 @@ def test_foreign_and_malformed_frames_are_refused_while_the_job_completes(
         _submit_cmd(job_path, sw, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
     )
     try:
-        broker = sw.broker.peer_id
 
         def running_job() -> dict | None:
             jobs = [j for j in observer.broker_status()["jobs"] if j["state"] == "RUNNING"]
@@ -171,7 +170,7 @@ def test_foreign_and_malformed_frames_are_refused_while_the_job_completes(
                 host, port = address.rsplit(":", 1)
                 with socket.create_connection((host, int(port)), timeout=5) as s:
                     s.sendall(b"GARBAGE" * 100)
-            status = observer.call(broker, "job_status", {"job_id": job["job_id"]})
+            status = observer.as_submitter("job_status", {"job_id": job["job_id"]})
             refused = status["refused_frames"]
             if status["job"]["state"] != "RUNNING":
                 break

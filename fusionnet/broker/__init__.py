@@ -7,6 +7,8 @@ Map of the package:
 - ``daemon.py``       ``Broker``: DHT announcement, registry, heartbeats, the job service, shutdown.
 - ``registry.py``     the compnodes as the broker sees them: DHT records merged with heartbeats.
 - ``jobs.py``         job intake RPCs: ``submit_job``, ``job_status``, ``job_results``.
+- ``admission.py``    who may submit (``--submitters`` / ``--open-submissions``), per-submitter quotas,
+                     a job's details and results for its submitter only.
 - ``submission.py``   a job as received, and the checks a submission passes before it is accepted.
 - ``jobrun.py``       one job from plan to results: placement, steps, failover, hand-over, growth.
 - ``config.py``       ``BrokerConfig``: the broker's flags, validated.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fusionnet.broker.admission import AdmissionConfig
 from fusionnet.daemon.config import DaemonConfig
 from fusionnet.planning.placement import BALANCED, SCHEDULER
 
@@ -19,6 +20,7 @@ class BrokerConfig:
     replan_gain: float = 0.1  # a joining compnode triggers a re-plan when the step gets this much faster
     ping_timeout: float | None = None  # one ping's limit; default min(heartbeat period, timeout)
     sd_file: Path | None = None  # Prometheus file_sd target list of compnodes, rewritten at every refresh
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # who may submit, quotas
 
     def __post_init__(self) -> None:
         if not self.heartbeat_period > 0:

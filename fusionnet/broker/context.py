@@ -35,6 +35,7 @@ class JobContext:
     compnodes: CompnodeClient  # typed calls to compnodes
     refresh_job_metrics: Callable[[], None]  # recount the jobs-by-state gauge after a state change
     jobs_folder: Callable[[], Path]  # where each job keeps its submission, checkpoint and results
+    broker_id: Callable[[], str] = lambda: ""  # our peer id, once started (what submitters sign for)
 
     @property
     def store(self) -> BrokerStore:

@@ -23,6 +23,7 @@ every refresh, so compnodes that join later are scraped without touching Prometh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -34,7 +35,8 @@ from fusionnet.broker.registry import CompnodeEntry, CompnodeRegistry, RegistryE
 from fusionnet.broker.store import BrokerStore, CompnodeRow
 from fusionnet.daemon.base import Daemon
 from fusionnet.dht.records import BrokerRecord, CompnodeRecord, NodeState, is_bind_all, split_host_port
-from fusionnet.errors import FusionNetError
+from fusionnet.errors import FusionNetError, JobError
+from fusionnet.messages.auth import verify_auth
 from fusionnet.messages.base import handles
 from fusionnet.messages.broker_rpc import PingReply, PingRequest, StatusReply, StatusRequest
 from fusionnet.messages.compnode_rpc import CompnodeClient
@@ -48,6 +50,8 @@ from fusionnet.rpc.server import RPCContext
 log = logging.getLogger("fusionnet.broker")
 
 DB_FILE = "broker.sqlite3"
+JOB_COLUMNS = ("job_id", "name", "state", "step", "steps", "loss", "error", "updated_at")
+SHOWN_TO_ALL = ("job_id", "state", "step", "steps", "updated_at")  # the rest: to the job's submitter only
 
 
 class BrokerDaemon(Daemon):
@@ -82,6 +86,7 @@ class BrokerDaemon(Daemon):
             compnodes=self.compnodes,
             refresh_job_metrics=self.refresh_job_metrics,
             jobs_folder=lambda: self.state_dir.path / "jobs",
+            broker_id=lambda: self.peer_id,
         )
 
     def _store(self) -> BrokerStore:
@@ -240,10 +245,17 @@ class BrokerDaemon(Daemon):
 
     @handles(StatusRequest)
     async def rpc_status(self, request: StatusRequest, context: RPCContext) -> StatusReply:
-        """Compnodes (role, backup, state, hardware, load, last heartbeat) and jobs (id, name, state, step,
-        loss), for ``fusionnet status`` and dashboards."""
+        """Compnodes (role, backup, state, hardware, load, last heartbeat) and jobs (id, state, step; name,
+        loss and error only of the caller's own jobs, when it signed the request), for ``fusionnet
+        status`` and dashboards."""
         now = time.time()
         jobs = [] if self.store is None else self.store.list_jobs(request.job_limit)
+        me = None
+        if request.auth is not None:  # a bad signature is no error here: the caller just sees less
+            with contextlib.suppress(JobError):
+                me = verify_auth(
+                    request.auth, broker=self.peer_id, caller=context.remote_peer, scope="status"
+                )
         return StatusReply(
             broker={
                 "peer_id": self.peer_id,
@@ -254,10 +266,7 @@ class BrokerDaemon(Daemon):
             },
             compnodes=[e.to_status(now) for e in self.registry.entries()],
             jobs=[
-                {
-                    k: job[k]
-                    for k in ("job_id", "name", "state", "step", "steps", "loss", "error", "updated_at")
-                }
+                {k: job[k] if k in SHOWN_TO_ALL or job.get("submitter") == me else None for k in JOB_COLUMNS}
                 for job in jobs
             ],
         )

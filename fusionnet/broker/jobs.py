@@ -20,6 +20,7 @@ import logging
 import secrets
 from pathlib import Path
 
+from fusionnet.broker.admission import Admission, check_owner
 from fusionnet.broker.checkpoints import JobFiles
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.jobrun import JobRun, mark_cancelled
@@ -27,6 +28,7 @@ from fusionnet.broker.store import JobState
 from fusionnet.broker.submission import SubmittedJob, check_submission
 from fusionnet.dag.codec import decode_ir
 from fusionnet.errors import JobError
+from fusionnet.messages.auth import SubmitterAuth, submission_digest
 from fusionnet.messages.base import handles
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.messages.broker_rpc import (
@@ -63,7 +65,8 @@ class JobService:
         self.ctx = context
         self.runs: dict[str, JobRun] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._requests: dict[str, str] = {}  # submitter's request id -> job id (repeated submissions)
+        self._requests: dict[tuple[str, str], str] = {}  # (submitter, request id) -> job id (repeats)
+        self.admission = Admission.create(context.settings.admission, context.settings.common.dht.host_maddrs)
 
     @property
     def jobs_dir(self) -> Path:
@@ -113,20 +116,59 @@ class JobService:
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
-    def _running(self) -> int:
-        return sum(1 for t in self._tasks.values() if not t.done())
+    def _running(self, submitter: str | None = None) -> int:
+        return sum(
+            1
+            for job_id, t in self._tasks.items()
+            if not t.done() and (submitter is None or self.runs[job_id].job.submitter == submitter)
+        )
+
+    def _owner(self, job_id: str, auth: SubmitterAuth | None, context: RPCContext) -> dict:
+        """The job's row, when the caller signed as its submitter (``admission.check_owner``)."""
+        row = self.ctx.store.get_job(job_id)  # an unknown id: JobError naming it
+        check_owner(
+            row.get("submitter"),
+            auth,
+            broker=self.ctx.broker_id(),
+            caller=context.remote_peer,
+            scope=context.method,
+            job_id=job_id,
+        )
+        return row
+
+    async def _admit(self, request: SubmitJobRequest, context: RPCContext) -> str:
+        """The submitter of a signed submission this broker takes from it now, else ``JobError``."""
+        nbytes = len(request.ir) + len(request.state) + len(request.data)
+        limit = self.admission.config.max_submission_bytes
+        if nbytes > limit:  # before hashing gigabytes
+            raise JobError(
+                f"submission refused: {nbytes} submission bytes exceed this broker's limit of {limit}"
+            )
+        spec = request.spec.model_dump(mode="json")
+        digest = await asyncio.to_thread(
+            submission_digest, spec, request.ir, request.state, request.data, request.request_id or ""
+        )
+        submitter = self.admission.authorise_submit(
+            request.auth, broker=self.ctx.broker_id(), caller=context.remote_peer, digest=digest
+        )
+        self.admission.check_quota(
+            submitter, running=self._running(submitter), steps=request.spec.step_count, nodes=0, nbytes=nbytes
+        )
+        return submitter
 
     # ---- RPC -------------------------------------------------------------------------------------
     @handles(SubmitJobRequest)
     async def rpc_submit_job(self, request: SubmitJobRequest, context: RPCContext) -> SubmitJobReply:
+        submitter = await self._admit(request, context)
+        request_id = request.request_id
+        if request_id is not None and (submitter, request_id) in self._requests:
+            job_id = self._requests[(submitter, request_id)]  # a repeated submission whose answer was lost
+            return SubmitJobReply(job_id=job_id, steps=self.runs[job_id].job.spec.step_count)
         if self._running() >= MAX_RUNNING_JOBS:
             raise JobError(f"the broker already runs {MAX_RUNNING_JOBS} jobs; try again later")
-        request_id = request.request_id
-        if request_id is not None and request_id in self._requests:
-            job_id = self._requests[request_id]  # a repeated submission whose answer was lost
-            return SubmitJobReply(job_id=job_id, steps=self.runs[job_id].job.spec.step_count)
         spec = request.spec
         graph = await asyncio.to_thread(decode_ir, request.ir)
+        self.admission.check_quota(submitter, running=0, steps=0, nodes=len(graph.nodes), nbytes=0)
         if graph.task != spec.task:
             raise JobError(
                 f"submission: the IR was traced for task {graph.task!r}, the spec says {spec.task!r}"
@@ -142,7 +184,7 @@ class JobService:
         except BaseException:
             files.forget()
             raise
-        self.ctx.store.create_job(job_id, spec.name, steps=spec.step_count, submitter=context.remote_peer)
+        self.ctx.store.create_job(job_id, spec.name, steps=spec.step_count, submitter=submitter)
         job = SubmittedJob(
             job_id=job_id,
             spec=spec,
@@ -150,18 +192,19 @@ class JobService:
             graph=graph,
             state=state,
             data=data,
-            submitter=context.remote_peer,
+            submitter=submitter,
         )
         await asyncio.to_thread(files.save_submission, spec.model_dump(mode="json"), job.ir, None, data)
         self._launch(job)
         if request_id is not None:
-            self._requests[request_id] = job_id
+            self._requests[(submitter, request_id)] = job_id
         log.info(
-            "job %s (%s, %s, %d steps) accepted from %s",
+            "job %s (%s, %s, %d steps) accepted from submitter %s (peer %s)",
             job_id,
             spec.name,
             spec.task,
             spec.step_count,
+            submitter[:16],
             context.remote_peer,
         )
         return SubmitJobReply(job_id=job_id, steps=spec.step_count)
@@ -170,7 +213,7 @@ class JobService:
     async def rpc_job_status(self, request: JobStatusRequest, context: RPCContext) -> JobStatusReply:
         """The job's row, its per-step metrics from index ``since`` on, and where it runs."""
         job_id = request.job_id
-        row = self.ctx.store.get_job(job_id)
+        row = self._owner(job_id, request.auth, context)
         events = self.ctx.store.job_events(job_id)[-50:]
         run = self.runs.get(job_id)
         if run is None:
@@ -201,7 +244,7 @@ class JobService:
     async def rpc_job_results(self, request: JobRequest, context: RPCContext) -> JobResultsReply:
         """The result files of a finished job (interface.md), as bytes by file name."""
         job_id = request.job_id
-        row = self.ctx.store.get_job(job_id)
+        row = self._owner(job_id, request.auth, context)
         if row["state"] != "SUCCEEDED":
             raise JobError(f"job {job_id} is {row['state']}; results exist only for SUCCEEDED jobs")
         folder = self.jobs_dir / job_id
@@ -218,7 +261,7 @@ class JobService:
         Answers once the compnodes are released (or ``CANCEL_WAIT`` passed). A job that already ended
         keeps its state."""
         job_id = request.job_id
-        row = self.ctx.store.get_job(job_id)  # an unknown id: JobError naming it
+        row = self._owner(job_id, request.auth, context)
         if JobState(row["state"]).terminal:
             return CancelJobReply(
                 state=row["state"], cancelled=False, message=f"job {job_id} already {row['state']}"

@@ -66,10 +66,42 @@ def add_parser(subparsers: Any) -> None:
         help="rewrite this Prometheus file_sd JSON with the compnodes' metrics endpoints at every refresh "
         "(the same targets are always served as http_sd at /sd/compnodes on --metrics-port)",
     )
+    add_admission_flags(p)
     p.set_defaults(func=run)
 
 
+def add_admission_flags(p: Any) -> None:
+    """Who may submit, and per-submitter quotas (``fusionnet.broker.admission``)."""
+    who = p.add_mutually_exclusive_group()
+    who.add_argument(
+        "--submitters",
+        type=Path,
+        metavar="FILE",
+        help="only these submitters may submit: one submitter id (what `fusionnet key` prints) a line; "
+        "re-read when it changes. Default: open on a loopback-only broker, closed otherwise",
+    )
+    who.add_argument(
+        "--open-submissions",
+        action="store_true",
+        help="any submitter key may submit (logged as a warning; quotas still apply per key)",
+    )
+    for flag, default, what in (
+        ("--max-jobs-per-submitter", 4, "jobs one submitter may have queued or running at once"),
+        ("--max-steps", 100_000, "steps of one job"),
+        ("--max-graph-nodes", 20_000, "IR nodes of one job"),
+    ):
+        p.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} (default %(default)s)")
+    p.add_argument(
+        "--max-submission-mb",
+        type=float,
+        default=1024.0,
+        metavar="MB",
+        help="IR + weights + data of one submission, MiB (default %(default)g)",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
+    from fusionnet.broker.admission import AdmissionConfig
     from fusionnet.broker.config import BrokerConfig
     from fusionnet.broker.daemon import BrokerDaemon
     from fusionnet.broker.jobs import JobService
@@ -86,6 +118,14 @@ def run(args: argparse.Namespace) -> int:
             replan_gain=args.replan_gain,
             placement_policy=BALANCED if args.placement == "balanced" else SCHEDULER,
             sd_file=args.sd_file,
+            admission=AdmissionConfig(
+                submitters_file=args.submitters,
+                open_submissions=args.open_submissions,
+                max_jobs_per_submitter=args.max_jobs_per_submitter,
+                max_steps=args.max_steps,
+                max_graph_nodes=args.max_graph_nodes,
+                max_submission_bytes=int(args.max_submission_mb * 2**20),
+            ),
         )
         # One broker per process: its metrics are the process's set, so module-level users count too.
         broker = BrokerDaemon(config, BROKER_METRICS)

@@ -3,7 +3,8 @@
 The broker cancels the job's run at once (the step in flight is abandoned), releases its compnodes
 (they drop their sub-DAGs) and records the job CANCELLED; a cancelled job has no results. Exit 0 when
 the job is cancelled now or was already; 1 when it had already ended otherwise (SUCCEEDED, FAILED) or
-no broker answers; 2 for an unknown job id.
+no broker answers; 2 for an unknown job id, or a job submitted with another key (only its submitter
+may cancel it).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import argparse
 import asyncio
 from typing import Any
 
-from fusionnet.cli.jobflags import add_job_id_argument
+from fusionnet.cli.jobflags import add_job_id_argument, add_key_flag
 
 
 def add_parser(subparsers: Any) -> None:
@@ -26,6 +27,7 @@ def add_parser(subparsers: Any) -> None:
     )
     add_job_id_argument(p)
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    add_key_flag(p)
     p.set_defaults(func=run)
 
 
@@ -33,11 +35,16 @@ def run(args: argparse.Namespace) -> int:
     from fusionnet.daemon.observer import SwarmObserver
     from fusionnet.messages.broker_rpc import BrokerClient
     from fusionnet.runtime.jobcontrol import cancel_job
+    from fusionnet.runtime.submitter import Signer, load_or_create_key
+
+    key = load_or_create_key(args.key)
 
     async def cancel() -> Any:
         async with SwarmObserver(args.initial_peers) as observer:
             broker = await observer.find_broker()
-            return await cancel_job(BrokerClient(observer.call), broker, args.job_id, "fusionnet cancel")
+            signer = Signer(key, broker, observer.peer_id)
+            client = BrokerClient(observer.call)
+            return await cancel_job(client, broker, args.job_id, "fusionnet cancel", signer)
 
     reply = asyncio.run(cancel())
     print(reply.message)

@@ -48,6 +48,22 @@ def add_parser(subparsers: Any) -> None:
         help="host Prometheus reaches --metrics-port at, announced for service discovery (default: "
         "--metrics-host, or the host of the first announced multiaddr when that binds every interface)",
     )
+    p.add_argument(
+        "--trusted-broker",
+        action="append",
+        default=[],
+        metavar="PEER_ID",
+        help="also take assignments from this broker (repeatable; the peers named in --initial-peers "
+        "are trusted already, nobody else is)",
+    )
+    p.add_argument(
+        "--assignment-ttl",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="release an assignment whose broker sent no step, call or heartbeat for S seconds "
+        "(default %(default)g)",
+    )
     p.set_defaults(func=run)
 
 
@@ -69,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
             reprofile=args.reprofile,
             slowdown=args.slowdown,
             metrics_announce_host=args.metrics_announce_host,
+            trusted_brokers=tuple(args.trusted_broker),
+            assignment_ttl=args.assignment_ttl,
         )
         # One compnode per process: its metrics are the process's set, so module-level users count too.
         compnode = CompnodeDaemon(config, COMPNODE_METRICS)

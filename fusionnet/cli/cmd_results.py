@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from fusionnet.cli.jobflags import add_job_id_argument, check_output_dir
+from fusionnet.cli.jobflags import add_job_id_argument, add_key_flag, check_output_dir
 
 
 def add_parser(subparsers: Any) -> None:
@@ -26,6 +26,7 @@ def add_parser(subparsers: Any) -> None:
     add_job_id_argument(p)
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
     p.add_argument("--output", type=Path, required=True, metavar="DIR", help="directory for the result files")
+    add_key_flag(p)
     p.set_defaults(func=run)
 
 
@@ -34,14 +35,18 @@ def run(args: argparse.Namespace) -> int:
     from fusionnet.errors import ExecutionError
     from fusionnet.messages.broker_rpc import BrokerClient, JobStatusRequest
     from fusionnet.runtime.jobcontrol import download_results
+    from fusionnet.runtime.submitter import Signer, load_or_create_key
 
     check_output_dir(args.output)
+    key = load_or_create_key(args.key)
 
     async def fetch() -> list[str]:
         async with SwarmObserver(args.initial_peers) as observer:
             broker = await observer.find_broker()
             client = BrokerClient(observer.call)
-            status = await client.call_job_status(broker, JobStatusRequest(job_id=args.job_id), timeout=30.0)
+            signer = Signer(key, broker, observer.peer_id)
+            request = JobStatusRequest(job_id=args.job_id, auth=signer.auth("job_status", args.job_id))
+            status = await client.call_job_status(broker, request, timeout=30.0)
             state = status.job["state"]
             if state != "SUCCEEDED":  # not bad input: the job exists, it has no results (yet)
                 error = status.job.get("error")
@@ -49,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
                     f"job {args.job_id} is {state}" + (f" ({error})" if error else "")
                     + "; results exist only for SUCCEEDED jobs"
                 )  # fmt: skip
-            return await download_results(client, broker, args.job_id, args.output)
+            return await download_results(client, broker, args.job_id, args.output, signer)
 
     names = asyncio.run(fetch())
     print(f"job {args.job_id}: {', '.join(names)} written to {args.output}")

@@ -176,7 +176,7 @@ async def collect(observer: Any, timeout: float) -> dict[str, Any]:
     broker: dict[str, Any] | None = None
     error = None
     try:
-        broker = await observer.broker_status(timeout=timeout)
+        broker = await observer.broker_status(timeout=timeout, auth=_own_jobs_auth(observer))
     except FusionNetError as e:
         error = str(e)
     now = time.time()
@@ -191,6 +191,18 @@ async def collect(observer: Any, timeout: float) -> dict[str, Any]:
             if isinstance(f.record, CompnodeRecord)
         ],
     }
+
+
+def _own_jobs_auth(observer: Any) -> Any:
+    """Signs the status call with the submitter key when this user has one (then the broker shows
+    their own jobs in full; others' jobs show id, state and step only). Never makes a key."""
+    from fusionnet.runtime.submitter import Signer, default_key_path, load_or_create_key
+
+    path = default_key_path()
+    if not path.is_file():
+        return None
+    key = load_or_create_key(path)
+    return lambda broker: Signer(key, broker, observer.peer_id).auth("status")
 
 
 async def gather(initial_peers: list[str], timeout: float) -> dict[str, Any]:

@@ -7,7 +7,12 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from fusionnet.cli.jobflags import add_job_loading_flags, check_job_for_command, check_output_dir
+from fusionnet.cli.jobflags import (
+    add_job_loading_flags,
+    add_key_flag,
+    check_job_for_command,
+    check_output_dir,
+)
 
 DEFAULT_WAIT_COMPNODES = 60.0  # = runtime.jobcontrol's (not imported here: --help stays light)
 
@@ -47,6 +52,7 @@ def add_parser(subparsers: Any) -> None:
         "submitting (after that: submit to as many as it has, fail if none; default %(default)g)",
     )
     add_job_loading_flags(p)
+    add_key_flag(p)
     p.set_defaults(func=run)
 
 
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             allow_outside_paths=args.allow_outside_paths,
             wait_compnodes=args.wait_compnodes,
+            key_path=args.key,
         )
     )
     print(summary(outcome))

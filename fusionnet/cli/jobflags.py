@@ -102,3 +102,14 @@ def check_output_file(path: Path, flag: str) -> None:
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:100]
         raise JobError(f"{flag}: {shown}: cannot write the file ({reason})") from None
+
+
+def add_key_flag(p: Any) -> None:
+    """``--key FILE``: the submitter key (``runtime.submitter``) a broker knows this user by."""
+    p.add_argument(
+        "--key",
+        type=Path,
+        metavar="FILE",
+        help="submitter key: who you are to the broker (default $FUSIONNET_KEY, else "
+        "$FUSIONNET_HOME/submitter.key, else ~/.fusionnet/submitter.key; made on first use)",
+    )

@@ -8,6 +8,7 @@ Map of the package:
 - ``tasks.py``       the service behind the broker's ``assign``: sub-task execution, step RPCs.
 - ``assignment_intake.py``  one job's sub-DAG here, from a validated ``assign``: checked IR, rebuilt
                      executor, network channel, data.
+- ``trust.py``       which brokers a compnode obeys; assignments whose broker went silent expire.
 - ``compute.py``     the compute thread: FP/BP/Update (and state packing) off the event loop.
 - ``netchannel.py``  the executor's ``Channel`` over the network (authenticated tensor frames).
 - ``linkprobe.py``   timing the links to the job's other compnodes (alpha + beta * M).

@@ -29,11 +29,13 @@ import asyncio
 import ipaddress
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fusionnet import __version__
 from fusionnet.compnode.compute import compute_pool
 from fusionnet.compnode.throttle import check_slowdown, slowed_hardware
+from fusionnet.compnode.trust import DEFAULT_ASSIGNMENT_TTL
 from fusionnet.daemon.base import Daemon
 from fusionnet.daemon.config import DaemonConfig
 from fusionnet.dht.records import (
@@ -69,6 +71,8 @@ class CompnodeConfig:
     reprofile: bool = False  # ignore the cached hardware profile
     metrics_announce_host: str | None = None  # where Prometheus reaches our metrics port; default: derived
     slowdown: float = 1.0  # emulate a device this many times slower (``fusionnet.compnode.throttle``)
+    trusted_brokers: tuple[str, ...] = ()  # brokers obeyed besides those named in --initial-peers
+    assignment_ttl: float = DEFAULT_ASSIGNMENT_TTL  # s without a word from its broker voids an assignment
 
     def __post_init__(self) -> None:
         self.role = Role(self.role)
@@ -79,6 +83,12 @@ class CompnodeConfig:
         if not self.data_host:
             raise ValueError("--data-host must not be empty")
         self.slowdown = check_slowdown(self.slowdown)
+        self.trusted_brokers = tuple(self.trusted_brokers)
+        for peer in self.trusted_brokers:
+            if not peer or not peer.isalnum() or len(peer) > 128:
+                raise ValueError(f"--trusted-broker: {peer!r} is not a peer id")
+        if not self.assignment_ttl > 0:
+            raise ValueError(f"--assignment-ttl must be > 0 seconds, got {self.assignment_ttl}")
         host = self.metrics_announce_host
         if host is not None and (is_bind_all(host) or not is_host_port(join_host_port(host, 1))):
             raise ValueError(f"--metrics-announce-host: {host!r} is not a host name or IP address to reach")
@@ -99,6 +109,7 @@ class CompnodeDaemon(Daemon):
         self.metrics_address: str | None = None
         self._maddrs: list[str] = []
         self._announce_lock = asyncio.Lock()
+        self.ping_listeners: list[Callable[[str], None]] = []  # told the caller of every heartbeat
         self.compute = compute_pool(config.threads)  # FP/BP/Update and the calibration run there
 
     # ---- API for services ------------------------------------------------------------------------
@@ -227,6 +238,8 @@ class CompnodeDaemon(Daemon):
     @handles(PingRequest)
     async def rpc_ping(self, request: PingRequest, context: RPCContext) -> PingReply:
         """The broker's heartbeat (FusionAI 3.2): echoes the nonce, says how we are doing."""
+        for listener in self.ping_listeners:
+            listener(context.remote_peer)
         return PingReply(
             nonce=request.nonce,
             peer_id=self.peer_id,

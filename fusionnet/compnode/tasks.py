@@ -6,8 +6,10 @@ record, with hivemind P2P streams as the fallback when a peer's TCP address cann
 are authenticated with the per-job key the broker hands out in ``assign``, and only the job's other
 compnodes may send: anything else is refused and counted, and the job goes on.
 
-Only the peer that assigned a job may drive it (``step``), read it (``collect``) or end it
-(``release``); a call about a job from anyone else is refused with a ``JobError``.
+Only a broker this compnode trusts may assign a job (``trust.py``: the peers of ``--initial-peers`` and
+``--trusted-broker``), and only the peer that assigned a job may drive it (``step``), read it
+(``collect``) or end it (``release``); a call about a job from anyone else is refused with a
+``JobError``. An assignment its broker stops driving expires (``--assignment-ttl``), freeing its slot.
 
 Compute runs on the compnode's compute thread (``fusionnet.compnode.compute``), never on the event
 loop: while a sub-task computes for minutes the loop keeps answering pings and RPCs and moving data.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from fusionnet.compnode.assignment_intake import JobAssignment, build_assignment
@@ -24,6 +27,7 @@ from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, fault_hooks
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
 from fusionnet.compnode.throttle import throttle_hooks
+from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
 from fusionnet.errors import JobError
 from fusionnet.messages.base import handles
 from fusionnet.messages.blobs import pack_tensors
@@ -69,6 +73,9 @@ class SubtaskService:
         self._released: dict[str, asyncio.Event] = {}
         self._probers: dict[str, LinkProber] = {}
         self.fault = FaultPoint.from_env()
+        settings = compnode.settings
+        self.trust = TrustedBrokers.from_settings(settings.common.dht.initial_peers, settings.trusted_brokers)
+        self._heard: dict[str, float] = {}  # job id or trusted broker -> when it last drove us (monotonic)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -82,6 +89,22 @@ class SubtaskService:
         self.p2p = P2PDataPath(self.node.peer.p2p, self.node.peer_id)
         await self.p2p.start()
         self.node.set_data_path_address(f"{host}:{port}")
+        self.node.ping_listeners.append(self._pinged)
+        ttl = settings.assignment_ttl
+        self.node.every(min(ttl / 4, 5.0), self._expire, "assignment expiry")
+        log.info("taking assignments from: %s", ", ".join(sorted(self.trust.peers)) or "nobody")
+
+    def _pinged(self, peer: str) -> None:
+        if peer in self.trust.peers:  # only trusted brokers: a flood of strangers must not grow the map
+            self._heard[peer] = time.monotonic()
+
+    async def _expire(self) -> None:
+        """Releases assignments whose broker went silent (crashed, partitioned, lost the job)."""
+        brokers = {job_id: job.broker for job_id, job in self.jobs.items()}
+        busy = [job_id for job_id, lock in self._locks.items() if lock.locked()]
+        ttl = self.node.settings.assignment_ttl
+        for job_id in stale_jobs(brokers, self._heard, busy, ttl):
+            self._release(job_id, f"its broker sent nothing for {ttl:g} s (assignment expired)")
 
     async def stop(self) -> None:
         await self._hand_over()
@@ -141,12 +164,14 @@ class SubtaskService:
             raise JobError(
                 f"job {job_id} was assigned by {job.broker}; {context.remote_peer} may not drive it"
             )
+        self._heard[job_id] = time.monotonic()
         return job
 
     def _release(self, job_id: str, why: str) -> None:
         job = self.jobs.pop(job_id, None)
         self._locks.pop(job_id, None)
         self._probers.pop(job_id, None)
+        self._heard.pop(job_id, None)
         if job is None:
             return
         for path in (self.server, self.p2p):
@@ -173,6 +198,7 @@ class SubtaskService:
     # ---- RPC -------------------------------------------------------------------------------------
     @handles(AssignRequest)
     async def rpc_assign(self, request: AssignRequest, context: RPCContext) -> AssignReply:
+        self.trust.check(context.remote_peer, "assign")
         job_id = request.job_id
         if job_id in self.jobs:
             held = self.jobs[job_id]
@@ -208,6 +234,7 @@ class SubtaskService:
             path.register_job(job.job_id, job.key, allowed, route)
         self.jobs[job.job_id] = job
         self._locks[job.job_id] = asyncio.Lock()
+        self._heard[job.job_id] = time.monotonic()
         self._set_load()
         log.info(
             "job %s: sub-DAG %d assigned by %s (%d nodes, %d parameters)",

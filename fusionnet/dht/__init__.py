@@ -11,6 +11,7 @@ Map of the package:
 - ``announce.py``  ``Announcer``: signed, expiring announcements under ``fusionnet/v1/compnodes`` and
                    ``fusionnet/v1/brokers`` (subkey = peer id + owner key); lookups that skip bad records,
                    records not signed by their own peer, and take times from the DHT's expiration.
+- ``peerids.py``   the peer ids ``/p2p/<id>`` multiaddrs name (whom a compnode or a submitter pins).
 """
 
 from fusionnet.dht.announce import BROKERS_KEY, COMPNODES_KEY, Announcer, Found

@@ -12,6 +12,8 @@ Map of the package:
                        leaving) and ``BrokerClient``.
 - ``compnode_rpc.py``  a compnode's methods (ping, info, assign, step, collect, release, probe_links)
                        and ``CompnodeClient``.
+- ``auth.py``          ``SubmitterAuth``: a submitter's Ed25519 signature bound to broker, caller, method
+                      and subject; the submission digest.
 - ``jobwire.py``       ``RunSpec``: the job-file settings the execution plane needs, as sent.
 - ``blobs.py``         tensors <-> safetensors bytes, never pickle.
 """

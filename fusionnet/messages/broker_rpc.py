@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from fusionnet.messages.auth import SubmitterAuth
 from fusionnet.messages.base import Caller, JobId, Message, TypedCaller
 from fusionnet.messages.jobwire import RunSpec
 
@@ -41,6 +42,7 @@ class PingReply(Message):
 
 class StatusRequest(Message):
     job_limit: Annotated[int, Field(ge=0, le=MAX_JOB_LIMIT)] = 50
+    auth: SubmitterAuth | None = None  # scope "status": the caller's own jobs are shown in full
 
 
 class StatusReply(Message):
@@ -55,6 +57,7 @@ class SubmitJobRequest(Message):
     ir: bytes  # ``fusionnet.dag.codec`` bytes; decoded against the allowlist by the broker
     state: bytes  # safetensors (``blobs``)
     data: bytes  # safetensors (``blobs``)
+    auth: SubmitterAuth | None = None  # scope "submit_job", subject ``auth.submission_digest``
 
 
 class SubmitJobReply(Message):
@@ -66,6 +69,7 @@ class JobRequest(Message):
     """A request that names one job and nothing else (``job_results``, ``leaving``)."""
 
     job_id: JobId
+    auth: SubmitterAuth | None = None  # the job's submitter (scope: the method, subject: the job id)
 
 
 class JobStatusRequest(JobRequest):

@@ -7,6 +7,7 @@ Map of the package:
 - ``streams.py``   read/write one length-prefixed frame on an asyncio stream, with size and idle limits.
 - ``server.py``    ``RPCServer``: a table of ``rpc_<name>`` coroutines served over one unary and one
                    stream protocol; every bad request gets an error response, never a crash.
+- ``limits.py``     per-peer and total caps on calls and request bytes in flight, request deadlines.
 - ``client.py``    ``RPCClient.call(peer_id, "name", payload, timeout=)``.
 
 Handlers have the signature ``async def rpc_name(self, payload: dict, context: RPCContext) -> dict``;

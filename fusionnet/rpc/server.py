@@ -4,6 +4,9 @@ One unary protocol (small calls, multiplexed over p2pd's persistent connection) 
 (large calls, chunked frames) dispatch to the same handler table, so adding a method is adding a coroutine
 ``rpc_<name>(payload, context) -> dict``. Whatever a peer sends, the server answers with an error response
 and goes on: garbage, oversize, unknown methods and handler crashes never escape into the daemon.
+What one peer and all peers together may hold at once (calls, request bytes) and how long a request may
+take are bounded (``limits.py``): a call over a limit is refused with a ``WireError`` before its body is
+read, and everybody else is served as before.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PContext
 
 from fusionnet.errors import FusionNetError, WireError
+from fusionnet.rpc.limits import CallBudget, CallLimits
 from fusionnet.rpc.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_UNARY_LIMIT,
@@ -40,6 +44,7 @@ from fusionnet.rpc.streams import close_writer, discard_input, read_frame, write
 log = logging.getLogger("fusionnet.rpc.server")
 
 HANDLER_PREFIX = "rpc_"
+_REFUSAL_LOG_EVERY = 10.0  # s between two log lines about calls refused over a limit (a flood is one line)
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class RPCServer:
         unary_limit: int = DEFAULT_UNARY_LIMIT,
         idle_timeout: float = 30.0,
         stash_ttl: float = 60.0,
+        limits: CallLimits | None = None,
     ):
         if max_message_bytes < 1024:
             raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
@@ -93,6 +99,9 @@ class RPCServer:
         # token -> (peer allowed to fetch it, body, expiry): answers too big for a unary reply.
         self._stash: dict[bytes, tuple[str, bytes, float]] = {}
         self._started = False
+        self.limits = limits or CallLimits()
+        self.budget = CallBudget(self.limits, max_message_bytes)
+        self._last_refusal_log = -_REFUSAL_LOG_EVERY
 
     # ---- handler table ---------------------------------------------------------------------------
     def add_handler(self, name: str, handler: Handler) -> None:
@@ -175,23 +184,55 @@ class RPCServer:
     # ---- transports ------------------------------------------------------------------------------
     async def _on_unary(self, request: BytesValue, context: P2PContext) -> BytesValue:
         peer = context.remote_id.to_base58()
+        held = 0
         with self._track():
-            return BytesValue(value=await self._dispatch(request.value, peer, unary=True))
+            try:
+                self.budget.enter(peer)
+            except WireError as e:
+                return BytesValue(value=self._refused(e))
+            try:
+                self.budget.reserve(peer, len(request.value))  # in memory already: counts for the budget
+                held = len(request.value)
+                return BytesValue(value=await self._dispatch(request.value, peer, unary=True))
+            except WireError as e:
+                return BytesValue(value=self._refused(e))
+            finally:
+                self.budget.leave(peer, held)
+
+    def _refused(self, e: WireError) -> bytes:
+        now = time.monotonic()
+        if now - self._last_refusal_log >= _REFUSAL_LOG_EVERY:
+            self._last_refusal_log = now
+            log.warning("rpc call refused: %s (%d refused so far)", e, self.budget.refused)
+        return encode_error("WireError", str(e))
 
     async def _on_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = info.peer_id.to_base58()
         task = asyncio.current_task()
         assert task is not None
+        held = [0]  # request bytes reserved for this call
+
+        def reserve(nbytes: int) -> None:
+            self.budget.reserve(peer, nbytes)
+            held[0] = nbytes
+
         with self._track():
             self._streams[task] = writer
+            entered = False
             try:
                 try:
+                    self.budget.enter(peer)
+                    entered = True
                     body = await read_frame(
-                        reader, self.max_message_bytes, self.idle_timeout, f"rpc request from {peer}"
+                        reader,
+                        self.max_message_bytes,
+                        self.idle_timeout,
+                        f"rpc request from {peer}",
+                        reserve=reserve,
+                        deadline=self.limits.read_deadline,
                     )
                 except WireError as e:
-                    log.warning("refused an rpc stream: %s", e)
-                    await write_frame(writer, encode_error("WireError", str(e)))
+                    await write_frame(writer, self._refused(e))
                     await discard_input(reader, linger=min(self.idle_timeout, 2.0))
                     return
                 # The handler runs in a task of ours, so abort() can cancel it without cancelling this one.
@@ -208,6 +249,8 @@ class RPCServer:
             except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
                 log.info("rpc stream from %s closed early: %s", peer, type(e).__name__)
             finally:
+                if entered:
+                    self.budget.leave(peer, held[0])
                 self._streams.pop(task, None)
                 self._stream_work.pop(task, None)
                 await close_writer(writer)
@@ -228,8 +271,10 @@ class RPCServer:
                 f"unknown rpc method {request.method!r}; this peer serves: "
                 f"{', '.join(self.methods) or 'nothing'}",
             )
+        deadline = asyncio.timeout(self.limits.handler_timeout)
         try:
-            result = await handler(request.payload, RPCContext(remote_peer=peer, method=request.method))
+            async with deadline:
+                result = await handler(request.payload, RPCContext(remote_peer=peer, method=request.method))
             if result is None:
                 result = {}
             if not isinstance(result, dict):
@@ -240,6 +285,17 @@ class RPCServer:
             return encode_error(_error_kind(e), str(e))
         except asyncio.CancelledError:
             raise
+        except TimeoutError as e:
+            if not deadline.expired():
+                log.exception("rpc %s from %s crashed", request.method, peer)
+                return encode_error(type(e).__name__, str(e))
+            log.warning(
+                "rpc %s from %s: no answer within %.0f s", request.method, peer, self.limits.handler_timeout
+            )
+            return encode_error(
+                "WireError",
+                f"rpc {request.method}: no answer within the server's {self.limits.handler_timeout:.0f} s",
+            )
         except Exception as e:
             log.exception("rpc %s from %s crashed", request.method, peer)
             return encode_error(type(e).__name__, str(e))

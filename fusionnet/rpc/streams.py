@@ -1,33 +1,58 @@
 """Reading and writing one length-prefixed RPC frame on an asyncio stream (a libp2p stream from p2pd).
 
 Shared by the server and the client. The reader checks the header before touching the body, reads the
-body in 1 MiB chunks, and gives up when the peer sends nothing for ``idle_timeout`` seconds, so a peer
-can neither make us allocate more than the limit nor hold a handler forever with a stalled upload.
+body in 1 MiB chunks, and gives up when the peer sends nothing for ``idle_timeout`` seconds or the whole
+body is not in by a total deadline, so a peer can neither make us allocate more than the limit nor hold a
+handler forever with a stalled or trickling upload. A server passes ``reserve`` to hold the body's bytes
+against its budgets (``limits.CallBudget``) before reading any of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from fusionnet.errors import WireError
 from fusionnet.rpc.protocol import FRAME_HEADER_LEN, STREAM_CHUNK, frame_header, parse_frame_header
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int, idle_timeout: float, what: str) -> bytes:
-    """One frame's body. Raises ``WireError`` for garbage, oversize or a stall; ``IncompleteReadError``
-    when the peer closes the stream early (nothing to answer then)."""
+async def read_frame(
+    reader: asyncio.StreamReader,
+    max_bytes: int,
+    idle_timeout: float,
+    what: str,
+    *,
+    reserve: Callable[[int], None] | None = None,
+    deadline: Callable[[int], float] | None = None,
+) -> bytes:
+    """One frame's body. Raises ``WireError`` for garbage, oversize, a stall, a body not in within
+    ``deadline(length)`` seconds, or one ``reserve(length)`` refuses; ``IncompleteReadError`` when the
+    peer closes the stream early (nothing to answer then)."""
     try:
         header = await asyncio.wait_for(reader.readexactly(FRAME_HEADER_LEN), idle_timeout)
     except TimeoutError as e:
         raise WireError(f"{what}: no frame header within {idle_timeout:g} s") from e
     length = parse_frame_header(header, max_bytes, what)
+    if reserve is not None:
+        reserve(length)
+    loop = asyncio.get_running_loop()
+    total = None if deadline is None else deadline(length)
+    end = None if total is None else loop.time() + total
     chunks: list[bytes] = []
     remaining = length
     while remaining:
+        wait = idle_timeout if end is None else min(idle_timeout, end - loop.time())
         try:
-            chunk = await asyncio.wait_for(reader.read(min(STREAM_CHUNK, remaining)), idle_timeout)
+            if wait <= 0:
+                raise TimeoutError
+            chunk = await asyncio.wait_for(reader.read(min(STREAM_CHUNK, remaining)), wait)
         except TimeoutError as e:
+            if end is not None and loop.time() >= end:
+                raise WireError(
+                    f"{what}: only {length - remaining} of {length} bytes within the deadline "
+                    f"of {total:.0f} s"
+                ) from e
             raise WireError(
                 f"{what}: stalled after {length - remaining} of {length} bytes "
                 f"(nothing for {idle_timeout:g} s)"

@@ -12,6 +12,7 @@ Map of the package:
                      broker does).
 - ``submit.py``      ``fusionnet submit``: send the IR, state and data to a broker, follow, download;
                      cancel the job on Ctrl-C or --timeout.
+- ``submitter.py``   the submitter's key (made on first use, 0600) and ``Signer`` for its calls.
 - ``jobcontrol.py``  waiting for the compnodes a job needs, ``cancel_job``, downloading kept results
                      (``submit``, ``fusionnet cancel``, ``fusionnet results``).
 - ``process_swarm.py`` ``ProcessSwarm``: a broker and compnodes as real processes on loopback

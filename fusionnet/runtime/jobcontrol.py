@@ -23,6 +23,7 @@ from fusionnet.messages.broker_rpc import (
     JobRequest,
     StatusRequest,
 )
+from fusionnet.runtime.submitter import Signer
 
 DEFAULT_WAIT_COMPNODES = 60.0
 WAIT_POLL = 0.25
@@ -76,14 +77,22 @@ async def wait_for_compnodes(
     return usable
 
 
-async def cancel_job(client: BrokerClient, broker: str, job_id: str, reason: str) -> CancelJobReply:
-    request = CancelJobRequest(job_id=job_id, reason=reason[:200])
+async def cancel_job(
+    client: BrokerClient, broker: str, job_id: str, reason: str, signer: Signer
+) -> CancelJobReply:
+    """Only the job's submitter may cancel it: the request is signed with its key."""
+    auth = signer.auth("cancel_job", job_id)
+    request = CancelJobRequest(job_id=job_id, reason=reason[:200], auth=auth)
     return await client.call_cancel_job(broker, request, timeout=CANCEL_TIMEOUT)
 
 
-async def download_results(client: BrokerClient, broker: str, job_id: str, output: Path) -> list[str]:
-    """The result files of a SUCCEEDED job kept on the broker, written into ``output``; their names."""
-    results = await client.call_job_results(broker, JobRequest(job_id=job_id), timeout=RESULTS_TIMEOUT)
+async def download_results(
+    client: BrokerClient, broker: str, job_id: str, output: Path, signer: Signer
+) -> list[str]:
+    """The result files of a SUCCEEDED job kept on the broker, written into ``output``; their names.
+    Only the job's submitter may fetch them: the request is signed with its key."""
+    request = JobRequest(job_id=job_id, auth=signer.auth("job_results", job_id))
+    results = await client.call_job_results(broker, request, timeout=RESULTS_TIMEOUT)
     for name in results.files:
         if "/" in name or "\\" in name or name.startswith(".") or not name:
             raise JobError(f"broker sent a result file with a bad name {name[:80]!r}")

@@ -198,8 +198,33 @@ class BlockingObserver:
     def broker_status(self) -> dict[str, Any]:
         return self.run(self._observer.broker_status())
 
+    def brokers(self) -> list[Any]:
+        """The broker records in the DHT (``Found[BrokerRecord]``), whoever announced them."""
+        return self.run(self._observer.brokers())
+
+    @property
+    def peer_id(self) -> str:
+        return self._observer.peer_id
+
     def call(self, peer_id: str, method: str, payload: dict | None = None, timeout: float = 10.0) -> dict:
         return self.run(self._observer.call(peer_id, method, payload, timeout=timeout), timeout + 5)
+
+    def as_submitter(
+        self, method: str, payload: dict, timeout: float = 10.0, key: Path | None = None
+    ) -> dict:
+        """``call`` of a job method on the pinned broker, signed with the submitter key (default: this
+        user's, ``runtime.submitter``) as ``fusionnet submit``, ``cancel`` and ``results`` sign theirs."""
+        from fusionnet.messages.broker_rpc import SubmitJobRequest
+        from fusionnet.runtime.submit import signed
+        from fusionnet.runtime.submitter import Signer, load_or_create_key
+
+        broker = self.run(self._observer.find_broker())
+        signer = Signer(load_or_create_key(key), broker, self._observer.peer_id)
+        if method == "submit_job":
+            payload = signed(SubmitJobRequest.model_validate(payload), signer).model_dump()
+        else:
+            payload = {**payload, "auth": signer.auth(method, payload.get("job_id", "")).model_dump()}
+        return self.call(broker, method, payload, timeout)
 
     def wait_online(self, n: int, timeout: float = 90.0) -> None:
         """Until the broker lists ``n`` compnodes ONLINE with a data path."""

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from fusionnet.dag.codec import encode_ir
 from fusionnet.errors import ExecutionError, JobError
 from fusionnet.job.loader import LoadedJob, load_job
+from fusionnet.messages.auth import submission_digest
 from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.broker_rpc import (
     BrokerClient,
@@ -36,6 +37,7 @@ from fusionnet.runtime.jobcontrol import (
     wait_for_compnodes,
 )
 from fusionnet.runtime.prepare import loss_reduction_of, trace_job
+from fusionnet.runtime.submitter import Signer, load_or_create_key
 
 SUBMIT_TIMEOUT = 300.0
 POLL_INTERVAL = 0.2
@@ -54,7 +56,7 @@ class SubmitOutcome:
 
 
 def submission_payload(job: LoadedJob) -> SubmitJobRequest:
-    """Traces the job here and packs what the broker needs."""
+    """Traces the job here and packs what the broker needs (unsigned: ``signed`` adds the signature)."""
     traced = trace_job(job)
     loss_reduction = loss_reduction_of(job)
     data = {"inputs": job.inputs}
@@ -67,6 +69,14 @@ def submission_payload(job: LoadedJob) -> SubmitJobRequest:
         state=pack_tensors(traced.job_state(job.model.state_dict())),
         data=pack_tensors(data),
     )
+
+
+def signed(request: SubmitJobRequest, signer: Signer) -> SubmitJobRequest:
+    """The submission with the submitter's signature over its digest (``messages.auth``)."""
+    assert request.request_id is not None
+    spec = request.spec.model_dump(mode="json")
+    digest = submission_digest(spec, request.ir, request.state, request.data, request.request_id)
+    return request.model_copy(update={"auth": signer.auth("submit_job", digest)})
 
 
 class Progress:
@@ -107,6 +117,7 @@ async def submit_and_wait(
     show_plan: bool = True,
     allow_outside_paths: bool = False,
     wait_compnodes: float = DEFAULT_WAIT_COMPNODES,
+    key_path: Path | None = None,
 ) -> SubmitOutcome:
     """Submits the job once the broker has the compnodes it needs (bounded wait), follows it, downloads
     its results. Interrupted (Ctrl-C: this task cancelled) or past ``timeout``, it cancels the job on the
@@ -114,24 +125,29 @@ async def submit_and_wait(
     from fusionnet.daemon.observer import SwarmObserver
 
     job = load_job(job_path, allow_outside_paths=allow_outside_paths)
+    key = load_or_create_key(key_path)
     request = await asyncio.to_thread(submission_payload, job)
     async with SwarmObserver(initial_peers) as observer:
         client = BrokerClient(observer.call)
         broker = await observer.find_broker()
+        signer = Signer(key, broker, observer.peer_id)
         await wait_for_compnodes(client, broker, request.spec.compnodes, wait_compnodes, stream)
+        request = await asyncio.to_thread(signed, request, signer)
         reply = await client.call_submit_job(broker, request, timeout=SUBMIT_TIMEOUT)
         job_id = reply.job_id
-        print(f"job {job_id} submitted to broker {broker}", file=stream)
-        follow = _Follow(client, broker, job_id, Progress(reply.steps, stream), show_plan)
+        print(
+            f"job {job_id} submitted to broker {broker} as submitter {signer.submitter_id[:16]}", file=stream
+        )
+        follow = _Follow(client, broker, job_id, Progress(reply.steps, stream), show_plan, signer)
         try:
             status = await asyncio.wait_for(follow.until_done(), timeout)
         except asyncio.CancelledError:  # Ctrl-C (asyncio.run cancels us, then raises KeyboardInterrupt)
             follow.progress.close()
-            await _cancel_on_broker(client, broker, job_id, "the submitter was interrupted", stream)
+            await _cancel_on_broker(client, signer, job_id, "the submitter was interrupted", stream)
             raise
         except TimeoutError:
             follow.progress.close()
-            await _cancel_on_broker(client, broker, job_id, f"submit --timeout {timeout:g} s passed", stream)
+            await _cancel_on_broker(client, signer, job_id, f"submit --timeout {timeout:g} s passed", stream)
             raise ExecutionError(f"job {job_id} did not finish within {timeout:g} s; cancelled") from None
         follow.progress.close()
         state, why = status.job["state"], status.job.get("error") or "no reason given"
@@ -139,14 +155,16 @@ async def submit_and_wait(
             raise ExecutionError(f"job {job_id} was cancelled: {why}")
         if state != "SUCCEEDED":
             raise JobError(f"job {job_id} {state}: {why}")
-        await download_results(client, broker, job_id, output)
+        await download_results(client, broker, job_id, output, signer)
     return SubmitOutcome(job_id, state, output, follow.metrics, follow.placement)
 
 
-async def _cancel_on_broker(client: BrokerClient, broker: str, job_id: str, why: str, stream: TextIO) -> None:
+async def _cancel_on_broker(
+    client: BrokerClient, signer: Signer, job_id: str, why: str, stream: TextIO
+) -> None:
     """Cancels the job and prints what happened: the user must know whether it still runs."""
     try:
-        reply = await cancel_job(client, broker, job_id, why)
+        reply = await cancel_job(client, signer.broker, job_id, why, signer)
     except Exception as e:  # the broker is gone or does not answer: say so, the job may still run
         print(f"job {job_id} could NOT be cancelled on the broker ({e}); "
               f"try `fusionnet cancel {job_id}`", file=stream)  # fmt: skip
@@ -161,16 +179,23 @@ class _Follow:
     """Polls ``job_status`` until the job ends, showing the placement once and each step's row."""
 
     def __init__(
-        self, client: BrokerClient, broker: str, job_id: str, progress: Progress, show_plan: bool
+        self,
+        client: BrokerClient,
+        broker: str,
+        job_id: str,
+        progress: Progress,
+        show_plan: bool,
+        signer: Signer,
     ) -> None:
-        self.client, self.broker, self.job_id = client, broker, job_id
+        self.client, self.broker, self.job_id, self.signer = client, broker, job_id, signer
         self.progress, self.show_plan = progress, show_plan
         self.metrics: list[dict[str, Any]] = []
         self.placement: list[dict[str, Any]] = []
 
     async def until_done(self) -> JobStatusReply:
         while True:
-            request = JobStatusRequest(job_id=self.job_id, since=len(self.metrics))
+            auth = self.signer.auth("job_status", self.job_id)
+            request = JobStatusRequest(job_id=self.job_id, since=len(self.metrics), auth=auth)
             status = await _poll(self.client, self.broker, request)
             if status.placement and not self.placement:
                 self.placement = status.placement
