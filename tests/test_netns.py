@@ -7,11 +7,12 @@ the reason elsewhere. Every namespace, veth and bridge is removed afterwards, al
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from fusionnet.job.loader import load_job
 from fusionnet.reference import run_reference
 from fusionnet.runtime import netns
 from fusionnet.runtime.netns import NetLab, clean_leftovers, lab_resources
-from fusionnet.runtime.netns_swarm import NetnsSwarm, broker_argv, compnode_argv
+from fusionnet.runtime.netns_swarm import COMPNODE_METRICS_PORT, NetnsSwarm, broker_argv, compnode_argv
 from tests.jobfiles import REPO, example_job
 
 UNAVAILABLE = netns.unavailable()
@@ -117,19 +118,40 @@ def test_netns_swarm_runs_the_readme_commands() -> None:
 
 
 # ---- jobs across namespaces ------------------------------------------------------------------------------
-def _run_job(tmp_path: Path, rate: str, job: Path, compnodes: int = 2) -> tuple[Path, str]:
+def _run_job(tmp_path: Path, rate: str, job: Path, compnodes: int = 2, **kw: Any) -> tuple[Path, str]:
     with NetLab(compnodes + 1, rate) as lab:
-        swarm = NetnsSwarm(lab, tmp_path / "swarm")
+        swarm = NetnsSwarm(lab, tmp_path / "swarm", **kw)
         try:
             swarm.start()
             done = swarm.submit(job, tmp_path / "out", timeout=400)
             logs = swarm.dump_logs()
             assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{logs[-6000:]}"
+            _scrape_data_bytes(lab, swarm)
         finally:
             swarm.stop()
         logs = swarm.dump_logs()
     assert lab_resources(lab.token) == []
     return tmp_path / "out", logs
+
+
+SCRAPE = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
+
+
+def _scrape_data_bytes(lab: NetLab, swarm: NetnsSwarm) -> None:
+    """Every tensor byte one compnode sent over TCP, another counted as received (issue 16: the received
+    counter was never incremented)."""
+    sent = received = 0.0
+    for host in lab.hosts[1:]:
+        url = f"http://{host.ip}:{COMPNODE_METRICS_PORT}/metrics"
+        text = lab.run(0, [sys.executable, "-c", SCRAPE, url]).stdout
+        for line in text.splitlines():
+            if line.startswith("fusionnet_data_bytes_total{") and 'path="tcp"' in line:
+                value = float(line.rsplit(" ", 1)[1])
+                if 'direction="sent"' in line:
+                    sent += value
+                else:
+                    received += value
+    assert sent > 0 and received == sent, (sent, received)
 
 
 def _check_exact(job_path: Path, out: Path) -> None:
@@ -164,7 +186,8 @@ def test_two_compnodes_at_1gbit_are_exact(tmp_path: Path) -> None:
 @pytest.mark.timeout(600)
 def test_20mbit_keeps_live_compnodes(tmp_path: Path) -> None:
     """~8 MB of weights and checkpoints over 20 Mbit/s links (several seconds each way, longer than the
-    heartbeat timeout): no live compnode may be declared lost, and the result stays exact."""
+    heartbeat timeout): no live compnode may be declared lost, and the result stays exact. The compnodes
+    have no --data-host (the issue's case): they must announce their --announce-maddrs host."""
     job = example_job(
         "mlp",
         tmp_path,
@@ -172,11 +195,11 @@ def test_20mbit_keeps_live_compnodes(tmp_path: Path) -> None:
         model={"entrypoint": "model.py:build", "kwargs": {"features": 16, "hidden": 1400, "classes": 4}},
     )
     try:
-        out, logs = _run_job(tmp_path, "20mbit", job)
+        out, logs = _run_job(tmp_path, "20mbit", job, data_host=False)
         _check_exact(job, out)
     finally:
         job.unlink()
     broker_log = logs.split("===== broker =====")[1]
     job_part = broker_log.split("succeeded;")[0]  # after the job, stopping compnodes do go silent
     assert "unreachable" not in job_part and "lost" not in job_part, job_part[-4000:]
-    assert os.path.exists(out / "weights.safetensors")
+    assert "data path announced as 10." in logs and "data path announced as 127." not in logs

@@ -36,9 +36,12 @@ def broker_argv(ip: str) -> list[str]:
     ]  # fmt: skip
 
 
-def compnode_argv(broker: Sequence[str], ip: str, *, backup: bool = False) -> list[str]:
-    """The README's compnode command for a machine at ``ip``."""
-    return [
+def compnode_argv(
+    broker: Sequence[str], ip: str, *, backup: bool = False, data_host: bool = True
+) -> list[str]:
+    """The README's compnode command for a machine at ``ip`` (``data_host=False`` leaves ``--data-host``
+    out: the compnode must then find its address from ``--announce-maddrs``)."""
+    argv = [
         "--initial-peers", *broker,
         "--host-maddrs", f"/ip4/0.0.0.0/tcp/{COMPNODE_PORT}",
         "--announce-maddrs", f"/ip4/{ip}/tcp/{COMPNODE_PORT}",
@@ -47,6 +50,10 @@ def compnode_argv(broker: Sequence[str], ip: str, *, backup: bool = False) -> li
         "--metrics-announce-host", ip,
         "--role", "supernode", *(["--backup"] if backup else []),
     ]  # fmt: skip
+    if not data_host:
+        i = argv.index("--data-host")
+        del argv[i : i + 2]
+    return argv
 
 
 def fusionnet_cmd(*args: str) -> list[str]:
@@ -63,6 +70,7 @@ class NetnsSwarm:
     backups: int = 0
     compnode_extra: Sequence[str] = ("--threads", "1")
     broker_extra: Sequence[str] = ()
+    data_host: bool = True  # pass the README's --data-host (False: rely on the default)
     env: dict[str, str] = field(default_factory=dict)
     broker: DaemonProcess | None = None
     compnodes: list[DaemonProcess] = field(default_factory=list)
@@ -88,7 +96,8 @@ class NetnsSwarm:
             hosts = self.lab.hosts[1:]
             for i, host in enumerate(hosts):
                 backup = i >= len(hosts) - self.backups
-                argv = [*compnode_argv(self.initial_peers, host.ip, backup=backup), *self.compnode_extra]
+                argv = compnode_argv(self.initial_peers, host.ip, backup=backup, data_host=self.data_host)
+                argv += self.compnode_extra
                 self.compnodes.append(
                     start_daemon(
                         "compnode",
