@@ -207,11 +207,9 @@ class SubtaskService:
 
         def router(path_name: str) -> Any:
             def route(frame: TensorFrame) -> Any:  # link probes to the prober, values to the executor
-                if frame.kind == "ctrl":
-                    return prober.on_frame(frame)
                 nbytes = frame.tensor.numel() * frame.tensor.element_size()
-                self.node.metrics.count_data(path_name, "received", nbytes)
-                return job.channel.on_frame(frame)
+                self.node.metrics.count_data(path_name, "received", nbytes)  # as ``_send`` counts: probes too
+                return prober.on_frame(frame) if frame.kind == "ctrl" else job.channel.on_frame(frame)
 
             return route
 
