@@ -33,6 +33,7 @@ from fusionnet.broker.config import BrokerConfig
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.registry import CompnodeEntry, CompnodeRegistry, RegistryEvent
 from fusionnet.broker.store import BrokerStore, CompnodeRow
+from fusionnet.daemon.addresses import useful_maddrs
 from fusionnet.daemon.base import Daemon
 from fusionnet.dht.records import BrokerRecord, CompnodeRecord, NodeState, is_bind_all, split_host_port
 from fusionnet.errors import FusionNetError, JobError
@@ -100,6 +101,10 @@ class BrokerDaemon(Daemon):
     async def on_startup(self) -> None:
         self.store = BrokerStore(self.state_dir.file(DB_FILE))
         self.state = NodeState.ONLINE
+        assert self.peer is not None
+        # Bytes of weights/checkpoints still moving to or from a compnode count as signs of life: its
+        # pings may queue behind them on a slow link (``CompnodeRegistry.record_traffic``).
+        self.peer.client.on_progress = lambda peer_id: self.registry.record_traffic(peer_id, time.time())
         await self._refresh()  # announce + first registry fill before we call ourselves ready
         await self.start_services()
         self.every(self.config.refresh_period, self._refresh, "dht refresh")
@@ -121,7 +126,7 @@ class BrokerDaemon(Daemon):
 
     async def _announce(self) -> None:
         assert self.peer is not None
-        self._maddrs = await self.peer.visible_maddrs()
+        self._maddrs = useful_maddrs(await self.peer.visible_maddrs())
         assert self.config.record_ttl is not None
         if not await self.peer.announcer.announce(self.record(), ttl=self.config.record_ttl):
             log.warning("no DHT node accepted our broker record (will retry next refresh)")

@@ -29,6 +29,7 @@ from fusionnet.messages.broker_rpc import PingRequest
 log = logging.getLogger("fusionnet.broker.jobs")
 
 PROBE_TIMEOUT = 1.5
+TRAFFIC_RECHECK = 0.25  # seconds between pings to a compnode whose link is busy
 MAX_RECOVERIES = 50
 STEP_TIMEOUT_FLOOR = 600.0  # a step call is never cut shorter than this
 STEP_TIMEOUT_FACTOR = 20.0  # ... nor shorter than this many times the step's expected duration
@@ -123,19 +124,29 @@ class FailureWatch:
         peers = list(self._peers())
 
         async def alive(peer: str) -> bool:
-            entry = self.registry.get(peer)
-            if entry is None or entry.effective_state in ("OFFLINE", "UNREACHABLE"):
-                return False
-            try:
-                # One retry, for stream resets only (``RPCClient.call``): when a compnode is killed,
-                # p2pd now and then resets a stream to a live one too, which is no reason to drop it.
-                await self.compnodes.call_ping(
-                    peer, PingRequest(nonce="probe"), timeout=PROBE_TIMEOUT, retries=1
-                )
-                return True
-            except FusionNetError as e:
-                log.info("compnode %s counts as lost: %s", peer, e)
-                return False
+            while True:
+                entry = self.registry.get(peer)
+                if entry is None or entry.effective_state in ("OFFLINE", "UNREACHABLE"):
+                    return False
+                try:
+                    # One retry, for stream resets only (``RPCClient.call``): when a compnode is killed,
+                    # p2pd now and then resets a stream to a live one too, which is no reason to drop it.
+                    await self.compnodes.call_ping(
+                        peer, PingRequest(nonce="probe"), timeout=PROBE_TIMEOUT, retries=1
+                    )
+                    return True
+                except FusionNetError as e:
+                    # A saturated link: the ping queued behind bulk bytes that are still moving. Not
+                    # dead; ask again until the ping gets through or the bytes stop for a heartbeat
+                    # timeout (a dead peer moves none).
+                    if self.registry.heard_from(peer, time.time()):
+                        log.info(
+                            "compnode %s: ping failed (%s) but its traffic still moves; asking again", peer, e
+                        )
+                        await asyncio.sleep(TRAFFIC_RECHECK)
+                        continue
+                    log.info("compnode %s counts as lost: %s", peer, e)
+                    return False
 
         answers = await asyncio.gather(*(alive(p) for p in peers))
         return {p for p, ok in zip(peers, answers) if not ok}

@@ -99,6 +99,7 @@ class JobRun:
             schedule=job.spec.schedule,
         )
         self._planned_slowness: list[float] = []  # per sub-DAG: its compnode's slowness when planned
+        self._telling: set[asyncio.Task[None]] = set()  # releases sent to compnodes declared lost
         self.watch = FailureWatch(context, lambda: self.peers, self.leaving)
         self.recoveries = RecoveryLog(context, job.job_id, self.progress.recoveries)
         self.watch.attach()
@@ -130,6 +131,7 @@ class JobRun:
                     if recovering is not None:  # failed again before the replay was over
                         recovering["superseded"] = True
                     recovering = self._on_failure(failure, ckpt, step)
+                    self._tell_lost(failure.dead)
                     step = ckpt.step
             result = await self._collect_results(ckpt)
             await asyncio.to_thread(write_results, self.out_dir, result, job.spec.task)
@@ -152,6 +154,8 @@ class JobRun:
             self._fail(f"internal error: {type(e).__name__}: {e}")
         finally:
             self.watch.detach()
+            if self._telling:
+                await asyncio.gather(*self._telling, return_exceptions=True)
             await self._release_all(
                 "the job ended" if self.cancel_reason is None else "the job was cancelled"
             )
@@ -205,6 +209,14 @@ class JobRun:
         return info
 
     # ---- placement (policy: ``placement.py``; decisions: ``replanning.py``) -----------------------
+    def _tell_lost(self, dead: set[str]) -> None:
+        """A compnode declared lost may still be alive (a partition, a link that stalled): tell it, so it
+        drops its sub-DAG at once instead of holding it until it is shut down. In the background (a dead
+        one does not answer; the re-plan must not wait for it), owned and awaited when the job ends."""
+        task = asyncio.ensure_future(self.calls.release(sorted(dead), "declared lost by the broker"))
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+
     def _candidates(self) -> list[Candidate]:
         return replanning.candidates(self.ctx.registry, self.ctx.speeds, self.dead | self.leaving)
 

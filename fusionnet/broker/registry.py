@@ -44,6 +44,7 @@ class CompnodeEntry:
     last_seen: float  # last time a lookup returned a live record
     last_heartbeat: float | None = None  # last pong
     rtt: float | None = None  # smoothed round-trip time of pings, seconds
+    last_traffic: float | None = None  # last chunk of any call moved to or from it (``record_traffic``)
     failures: int = 0  # consecutive failed pings
     reachable: bool = True  # until a heartbeat timeout says otherwise
     gone: bool = False  # the record expired without an OFFLINE goodbye
@@ -215,6 +216,22 @@ class CompnodeRegistry:
             return self._emit([RegistryEvent(peer_id, "reachable", f"rtt {rtt * 1000:.1f} ms")])
         return []
 
+    def record_traffic(self, peer_id: str, now: float) -> None:
+        """Bytes of a call to or from ``peer_id`` moved just now. On a link saturated by bulk transfers
+        (weights, checkpoints) pings queue behind the bulk and time out, but the bulk still moves: the
+        peer is alive, so this counts as a heartbeat for the timeout (not for the RTT)."""
+        entry = self._entries.get(peer_id)
+        if entry is not None:
+            entry.last_traffic = now if entry.last_traffic is None else max(entry.last_traffic, now)
+
+    def heard_from(self, peer_id: str, now: float, within: float | None = None) -> bool:
+        """Whether a pong or call traffic came from ``peer_id`` in the last ``within`` seconds (default:
+        the heartbeat timeout)."""
+        entry = self._entries.get(peer_id)
+        last = None if entry is None else _last_sign_of_life(entry)
+        window = self.heartbeat_timeout if within is None else within
+        return last is not None and now - last <= window
+
     def record_failure(self, peer_id: str, now: float) -> list[RegistryEvent]:
         entry = self._entries.get(peer_id)
         if entry is not None:
@@ -227,14 +244,19 @@ class CompnodeRegistry:
         for entry in self.entries():
             if entry.gone or entry.record.state == NodeState.OFFLINE or not entry.reachable:
                 continue
-            last = entry.last_heartbeat if entry.last_heartbeat is not None else entry.first_seen
+            last = _last_sign_of_life(entry) or entry.first_seen
             if now - last > self.heartbeat_timeout:
                 entry.reachable = False
                 events.append(
                     RegistryEvent(
                         entry.peer_id,
                         "unreachable",
-                        f"no pong for {now - last:.1f} s ({entry.failures} failed pings)",
+                        f"no pong nor traffic for {now - last:.1f} s ({entry.failures} failed pings)",
                     )
                 )
         return self._emit(events)
+
+
+def _last_sign_of_life(entry: CompnodeEntry) -> float | None:
+    times = [t for t in (entry.last_heartbeat, entry.last_traffic) if t is not None]
+    return max(times) if times else None

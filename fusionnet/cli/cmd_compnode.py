@@ -29,7 +29,13 @@ def add_parser(subparsers: Any) -> None:
         default="cpu",
         help="torch device to profile and announce: cpu, cuda, cuda:1 ... (sub-DAGs still run on the CPU)",
     )
-    p.add_argument("--data-host", default="127.0.0.1", metavar="HOST", help="address of the direct data path")
+    p.add_argument(
+        "--data-host",
+        metavar="HOST",
+        help="address of the direct data path, announced to peers (default: the host of --announce-maddrs, "
+        "else of --host-maddrs, else this machine's first non-loopback address; 127.0.0.1 only when "
+        "libp2p listens on loopback); 0.0.0.0 listens everywhere and announces that default",
+    )
     p.add_argument(
         "--data-port", type=int, default=0, metavar="PORT", help="port of the data path (0 = free)"
     )

@@ -4,6 +4,10 @@ Two sources, merged: the broker's registry (heartbeats, jobs) over RPC, and the 
 DHT directly, so that a compnode the broker has not seen yet, or one that already said goodbye (OFFLINE),
 still shows. ``--json`` prints the merged document instead of tables.
 
+``--wait-compnodes N`` is the readiness check for scripts: it waits (up to ``--timeout`` seconds in all) until
+the broker itself lists at least N compnodes ONLINE with a data path, i.e. compnodes it can place work on,
+then prints the status and exits 0; exit 3 when the time runs out first.
+
 ``--watch`` keeps one swarm client open and redraws every ``--interval`` seconds until Ctrl-C (exit 0): on a
 terminal the screen is cleared and redrawn in place; into a pipe or file each refresh is appended as a
 block (with ``--json``: one JSON document per line). A failed refresh shows its error and the next one
@@ -36,6 +40,14 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument(
         "--timeout", type=float, default=15.0, metavar="S", help="limit for the broker call (default 15)"
+    )
+    p.add_argument(
+        "--wait-compnodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="wait until the broker can place work on N compnodes (ONLINE with a data path); --timeout "
+        "bounds the whole wait; exit 3 if it runs out",
     )
     p.add_argument(
         "--watch", action="store_true", help="keep refreshing (clear screen and redraw) until Ctrl-C"
@@ -212,6 +224,33 @@ async def gather(initial_peers: list[str], timeout: float) -> dict[str, Any]:
         return await collect(observer, timeout)
 
 
+def placeable(doc: dict[str, Any]) -> int:
+    """Compnodes the broker itself lists ONLINE with a data path: the ones it can place work on now (the
+    DHT, and a compnode's address file, can be ahead of the broker's registry)."""
+    return sum(
+        1
+        for c in doc["compnodes"]
+        if c.get("known_to_broker") and c["state"] == "ONLINE" and c.get("data_path_address")
+    )
+
+
+async def wait_compnodes(initial_peers: list[str], n: int, timeout: float) -> tuple[dict[str, Any], bool]:
+    """Polls the broker through one swarm client until ``n`` compnodes are placeable or ``timeout`` passes;
+    returns the last status document and whether ``n`` was reached."""
+    from fusionnet.daemon.observer import SwarmObserver
+
+    deadline = time.monotonic() + timeout
+    async with SwarmObserver(initial_peers) as observer:
+        while True:
+            left = deadline - time.monotonic()
+            doc = await asyncio.wait_for(collect(observer, max(1.0, min(15.0, left))), max(1.0, left) + 10)
+            if placeable(doc) >= n:
+                return doc, True
+            if time.monotonic() >= deadline:
+                return doc, False
+            await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
 async def watch(
     initial_peers: list[str], *, timeout: float, interval: float, as_json: bool, out: TextIO
 ) -> None:
@@ -260,6 +299,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"fusionnet status: error: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.wait_compnodes is not None:
+        return _run_wait(args)
     try:
         doc = asyncio.run(gather(args.initial_peers, args.timeout))
     except ValueError as e:  # bad multiaddrs, unreachable swarm (WireError): one line
@@ -270,3 +311,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_tables(doc))
     return 0 if doc["broker"] is not None else 1
+
+
+def _run_wait(args: argparse.Namespace) -> int:
+    n = args.wait_compnodes
+    if n < 1 or not args.timeout > 0:
+        print("fusionnet status: error: --wait-compnodes needs N >= 1 and --timeout > 0", file=sys.stderr)
+        return 2
+    try:
+        doc, reached = asyncio.run(wait_compnodes(args.initial_peers, n, args.timeout))
+    except (ValueError, TimeoutError) as e:
+        print(f"fusionnet status: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(doc, indent=1, sort_keys=True) if args.json else format_tables(doc))
+    if not reached:
+        print(
+            f"fusionnet status: only {placeable(doc)} of {n} compnodes ready at the broker after "
+            f"{args.timeout:g} s",
+            file=sys.stderr,
+        )
+        return 3
+    return 0

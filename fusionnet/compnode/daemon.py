@@ -9,7 +9,8 @@ Extension points for sub-task execution (a ``Service``, see ``fusionnet.daemon.b
 adds ``fusionnet.compnode.tasks.SubtaskService(compnode)``):
 - its ``rpc_<name>`` coroutines (assignments from the broker, handovers) are served with ``rpc_ping``;
 - its ``start()`` runs after profiling and before ONLINE: the place to start the data path server on
-  ``settings.data_host``/``settings.data_port`` and report it with ``set_data_path_address("host:port")``;
+  ``settings.data_address.listen``/``settings.data_port`` and report the address to announce
+  (``addresses.announced_host``) with ``set_data_path_address("host:port")``;
 - ``set_load(load=, running_tasks=)`` updates what the next announcement says (``announce_now()`` to
   publish at once); ``hardware`` holds the profile; ``stop()`` is the graceful hand-over;
 - ``metrics`` (a ``fusionnet.metrics.CompnodeMetrics``) takes what only the services see:
@@ -36,6 +37,7 @@ from fusionnet import __version__
 from fusionnet.compnode.compute import compute_pool
 from fusionnet.compnode.throttle import check_slowdown, slowed_hardware
 from fusionnet.compnode.trust import DEFAULT_ASSIGNMENT_TTL
+from fusionnet.daemon.addresses import data_address, useful_maddrs
 from fusionnet.daemon.base import Daemon
 from fusionnet.daemon.config import DaemonConfig
 from fusionnet.dht.records import (
@@ -66,7 +68,7 @@ class CompnodeConfig:
     backup: bool = False
     threads: int | None = None  # torch intra-op threads; None = torch's default
     device: str = "cpu"
-    data_host: str = "127.0.0.1"  # where the data path server listens (started by the execution service)
+    data_host: str | None = None  # --data-host; None: derived (``fusionnet.daemon.addresses``)
     data_port: int = 0  # 0 = any free port
     reprofile: bool = False  # ignore the cached hardware profile
     metrics_announce_host: str | None = None  # where Prometheus reaches our metrics port; default: derived
@@ -80,8 +82,10 @@ class CompnodeConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if not 0 <= self.data_port < 65536:
             raise ValueError(f"--data-port must be in 0..65535, got {self.data_port}")
-        if not self.data_host:
-            raise ValueError("--data-host must not be empty")
+        dht = self.common.dht
+        self.data_address = data_address(
+            self.data_host, dht.host_maddrs, dht.announce_maddrs, dht.initial_peers
+        )
         self.slowdown = check_slowdown(self.slowdown)
         self.trusted_brokers = tuple(self.trusted_brokers)
         for peer in self.trusted_brokers:
@@ -142,7 +146,7 @@ class CompnodeDaemon(Daemon):
         assert self.peer is not None and self.config.record_ttl is not None
         async with self._announce_lock:  # the refresh loop and a state change must not interleave
             if not self._maddrs:
-                self._maddrs = await self.peer.visible_maddrs()
+                self._maddrs = useful_maddrs(await self.peer.visible_maddrs())
             ok = await self.peer.announcer.announce(self.record(), ttl=self.config.record_ttl)
             if not ok:
                 log.warning("no DHT node accepted our %s record (will retry)", self.state.value)

@@ -28,6 +28,8 @@ from fusionnet.compnode.faults import FaultPoint, fault_hooks
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
 from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
+from fusionnet.daemon.addresses import announced_host
+from fusionnet.dht.records import join_host_port
 from fusionnet.errors import JobError
 from fusionnet.messages.base import handles
 from fusionnet.messages.blobs import pack_tensors
@@ -83,12 +85,15 @@ class SubtaskService:
 
         settings = self.node.settings
         self.server = DataPathServer(peer_id=self.node.peer_id)
-        host, port = await self.server.start(settings.data_host, settings.data_port)
+        _, port = await self.server.start(settings.data_address.listen, settings.data_port)
+        assert self.node.peer is not None
+        host = announced_host(settings.data_address, await self.node.peer.visible_maddrs())
         self.client = DataPathClient(peer_id=self.node.peer_id)
         assert self.node.peer is not None
         self.p2p = P2PDataPath(self.node.peer.p2p, self.node.peer_id)
         await self.p2p.start()
-        self.node.set_data_path_address(f"{host}:{port}")
+        self.node.set_data_path_address(join_host_port(host, port))
+        log.info("data path announced as %s", self.node.data_path_address)
         self.node.ping_listeners.append(self._pinged)
         ttl = settings.assignment_ttl
         self.node.every(min(ttl / 4, 5.0), self._expire, "assignment expiry")
@@ -226,12 +231,17 @@ class SubtaskService:
         prober = LinkProber(job.job_id, self.node.peer_id, job.channel.subdag_of_peer, send)
         self._probers[job.job_id] = prober
 
-        def route(frame: TensorFrame) -> Any:  # link probes to the prober, values to the executor
-            return prober.on_frame(frame) if frame.kind == "ctrl" else job.channel.on_frame(frame)
+        def router(path_name: str) -> Any:
+            def route(frame: TensorFrame) -> Any:  # link probes to the prober, values to the executor
+                nbytes = frame.tensor.numel() * frame.tensor.element_size()
+                self.node.metrics.count_data(path_name, "received", nbytes)  # as ``_send`` counts: probes too
+                return prober.on_frame(frame) if frame.kind == "ctrl" else job.channel.on_frame(frame)
 
-        for path in (self.server, self.p2p):
+            return route
+
+        for path_name, path in (("tcp", self.server), ("p2p", self.p2p)):
             assert path is not None
-            path.register_job(job.job_id, job.key, allowed, route)
+            path.register_job(job.job_id, job.key, allowed, router(path_name))
         self.jobs[job.job_id] = job
         self._locks[job.job_id] = asyncio.Lock()
         self._heard[job.job_id] = time.monotonic()

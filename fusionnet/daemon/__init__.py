@@ -11,4 +11,6 @@ Map of the package:
 - ``observer.py``  ``SwarmObserver``: a DHT client that reads records and asks the broker for its status.
 - ``files.py``     the locked state dir and the atomically written address file (the readiness signal).
 - ``logs.py``      ``[role peer_id]`` on every log line.
+- ``addresses.py`` which multiaddrs are worth publishing (no loopback into a swarm across machines) and
+                   where a compnode's data path listens and what it announces (``--data-host`` default).
 """

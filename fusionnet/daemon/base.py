@@ -31,6 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from fusionnet.daemon.addresses import useful_maddrs
 from fusionnet.daemon.config import DaemonConfig
 from fusionnet.daemon.files import StateDir, apply_private_umask, write_address_file
 from fusionnet.daemon.logs import install_peer_label
@@ -194,7 +195,7 @@ class Daemon:
             )
         await self.on_startup()
         self.metrics.up_since.set(time.time())
-        maddrs = await self.peer.visible_maddrs()
+        maddrs = useful_maddrs(await self.peer.visible_maddrs())
         if self.config.address_file is not None:
             write_address_file(self.config.address_file, maddrs)
         log.info("%s ready: peer id %s, listening on %s", self.role, self.peer_id, " ".join(maddrs))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf.wrappers_pb2 import BytesValue
@@ -61,6 +62,10 @@ class RPCClient:
         self.max_message_bytes = max_message_bytes
         self.unary_limit = unary_limit
         self.default_timeout = default_timeout
+        # Called with the peer id whenever a chunk of a streamed call moves either way, and when any
+        # answer arrives: the broker's failure detection tells a saturated link (bytes still moving,
+        # pings stuck behind them) from a dead peer with it.
+        self.on_progress: Callable[[str], None] | None = None
 
     async def call(
         self,
@@ -107,6 +112,7 @@ class RPCClient:
                     if len(body) <= self.unary_limit
                     else self._stream(peer_id, body, timeout)
                 )
+                self._progressed(label)
                 response = decode_response(raw)
                 if response.stashed is not None:
                     if response.size > self.max_message_bytes:
@@ -139,6 +145,13 @@ class RPCClient:
         assert response.result is not None
         return response.result
 
+    def _progressed(self, label: str) -> None:
+        if self.on_progress is not None:
+            try:
+                self.on_progress(label)
+            except Exception:  # an observer's bug must not fail the call
+                log.exception("rpc progress callback failed")
+
     async def _unary(self, peer_id: PeerID, body: bytes) -> bytes:
         reply = await self.p2p.call_protobuf_handler(
             peer_id, UNARY_PROTOCOL, BytesValue(value=body), BytesValue
@@ -149,10 +162,13 @@ class RPCClient:
         """``timeout`` also bounds the wait for the answer's first frame: a handler may work on a big
         request (a 100M-parameter submission) for longer than the default before it answers."""
         _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, STREAM_PROTOCOL)
+        label = peer_id.to_base58()
+        progress = None if self.on_progress is None else lambda: self._progressed(label)
         try:
             # The server may refuse (oversize) and close before reading everything: its answer says why.
             with contextlib.suppress(ConnectionError, OSError):
-                await write_frame(writer, body)
-            return await read_frame(reader, self.max_message_bytes, timeout, f"rpc answer from {peer_id}")
+                await write_frame(writer, body, progress)
+            what = f"rpc answer from {peer_id}"
+            return await read_frame(reader, self.max_message_bytes, timeout, what, progress)
         finally:
             await close_writer(writer)

@@ -16,19 +16,22 @@ from collections.abc import Callable
 from fusionnet.errors import WireError
 from fusionnet.rpc.protocol import FRAME_HEADER_LEN, STREAM_CHUNK, frame_header, parse_frame_header
 
+Progress = Callable[[], None]  # called per chunk moved: a saturated link still moves bytes, a dead one not
+
 
 async def read_frame(
     reader: asyncio.StreamReader,
     max_bytes: int,
     idle_timeout: float,
     what: str,
+    progress: Progress | None = None,
     *,
     reserve: Callable[[int], None] | None = None,
     deadline: Callable[[int], float] | None = None,
 ) -> bytes:
     """One frame's body. Raises ``WireError`` for garbage, oversize, a stall, a body not in within
     ``deadline(length)`` seconds, or one ``reserve(length)`` refuses; ``IncompleteReadError`` when the
-    peer closes the stream early (nothing to answer then)."""
+    peer closes the stream early (nothing to answer then). ``progress`` is called per chunk read."""
     try:
         header = await asyncio.wait_for(reader.readexactly(FRAME_HEADER_LEN), idle_timeout)
     except TimeoutError as e:
@@ -61,15 +64,19 @@ async def read_frame(
             raise asyncio.IncompleteReadError(b"".join(chunks), length)
         chunks.append(chunk)
         remaining -= len(chunk)
+        if progress is not None:
+            progress()
     return b"".join(chunks)
 
 
-async def write_frame(writer: asyncio.StreamWriter, body: bytes) -> None:
+async def write_frame(writer: asyncio.StreamWriter, body: bytes, progress: Progress | None = None) -> None:
     writer.write(frame_header(len(body)))
     view = memoryview(body)
     for offset in range(0, len(view), STREAM_CHUNK):
         writer.write(view[offset : offset + STREAM_CHUNK])
         await writer.drain()  # back-pressure per chunk: never queue the whole body in the transport
+        if progress is not None:
+            progress()
     await writer.drain()
 
 

@@ -17,6 +17,10 @@ Map of the package:
                      (``submit``, ``fusionnet cancel``, ``fusionnet results``).
 - ``process_swarm.py`` ``ProcessSwarm``: a broker and compnodes as real processes on loopback
                      (``fusionnet demo``, benchmarks, tests); ``BlockingObserver`` reads it from sync code.
+- ``netns.py``       ``NetLab``: hosts as network namespaces on a bridge, links shaped with tbf (the
+                     multi-host tests and ``benchmarks/links.py``; needs root).
+- ``netns_swarm.py`` ``NetnsSwarm``: a broker and compnodes in those namespaces, started with the README's
+                     flags.
 - ``processes.py``   one daemon as a child process (``DaemonProcess``, ``start_daemon``), process-tree
                      helpers.
 - ``blobs.py``       tensors <-> bytes for job messages (safetensors, never pickle).

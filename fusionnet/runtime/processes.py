@@ -210,9 +210,11 @@ def start_daemon(
     args: Sequence[str] = (),
     log_level: str | None = None,
     extra_env: dict[str, str] | None = None,
+    wrap: Sequence[str] = (),
 ) -> DaemonProcess:
     """Starts ``fusionnet <kind>`` (not waiting for readiness: start several, then ``wait_ready`` each).
-    State, address file and log go to ``workdir/<name>.{state,addr,log}``."""
+    State, address file and log go to ``workdir/<name>.{state,addr,log}``. ``wrap`` prefixes the command
+    with a launcher that execs it in place (``ip netns exec NS``: same pid, so stopping works unchanged)."""
     log_level = log_level or os.environ.get(LOG_LEVEL_ENV, "INFO")
     workdir.mkdir(parents=True, exist_ok=True)
     state_dir, address_file, log_path = (
@@ -222,7 +224,7 @@ def start_daemon(
     )
     address_file.unlink(missing_ok=True)  # a stale one would read as ready
     cmd = [
-        sys.executable, "-m", "fusionnet.cli.main", "--log-level", log_level, kind,
+        *wrap, sys.executable, "-m", "fusionnet.cli.main", "--log-level", log_level, kind,
         "--state-dir", str(state_dir), "--address-file", str(address_file), *args,
     ]  # fmt: skip
     env = dict(

@@ -1,0 +1,155 @@
+"""A swarm across "machines": the broker (and the submitter) in one network namespace, each compnode in
+its own, every link shaped (``netns.NetLab``), each daemon started with the flags of the README's "Running a
+real swarm" section (``tests/test_netns.py`` checks that the README says the same). Used by the multi-host
+test tier and ``benchmarks/links.py``.
+
+Readiness is what the README tells scripts to use: each daemon's address file, then
+``fusionnet status --wait-compnodes N`` run from the broker's host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fusionnet.errors import ExecutionError
+from fusionnet.runtime.netns import NetLab
+from fusionnet.runtime.processes import READY_TIMEOUT, DaemonProcess, start_daemon
+
+BROKER_PORT, COMPNODE_PORT, DATA_PORT = 31337, 31338, 31400
+BROKER_METRICS_PORT, COMPNODE_METRICS_PORT = 9700, 9701
+
+
+def broker_argv(ip: str) -> list[str]:
+    """The README's broker command for a machine at ``ip`` (--state-dir and --address-file added by
+    ``start_daemon``)."""
+    return [
+        "--host-maddrs", f"/ip4/0.0.0.0/tcp/{BROKER_PORT}",
+        "--announce-maddrs", f"/ip4/{ip}/tcp/{BROKER_PORT}",
+        "--metrics-host", "0.0.0.0", "--metrics-port", str(BROKER_METRICS_PORT),
+    ]  # fmt: skip
+
+
+def compnode_argv(
+    broker: Sequence[str], ip: str, *, backup: bool = False, data_host: bool = True
+) -> list[str]:
+    """The README's compnode command for a machine at ``ip`` (``data_host=False`` leaves ``--data-host``
+    out: the compnode must then find its address from ``--announce-maddrs``)."""
+    argv = [
+        "--initial-peers", *broker,
+        "--host-maddrs", f"/ip4/0.0.0.0/tcp/{COMPNODE_PORT}",
+        "--announce-maddrs", f"/ip4/{ip}/tcp/{COMPNODE_PORT}",
+        "--data-host", ip, "--data-port", str(DATA_PORT),
+        "--metrics-host", "0.0.0.0", "--metrics-port", str(COMPNODE_METRICS_PORT),
+        "--metrics-announce-host", ip,
+        "--role", "supernode", *(["--backup"] if backup else []),
+    ]  # fmt: skip
+    if not data_host:
+        i = argv.index("--data-host")
+        del argv[i : i + 2]
+    return argv
+
+
+def fusionnet_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fusionnet.cli.main", *args]
+
+
+@dataclass
+class NetnsSwarm:
+    """A broker on ``lab.hosts[0]`` and one compnode on each other host (``backups`` of them, the last ones,
+    with ``--backup``). ``compnode_extra`` is added to every compnode's flags (``--threads 1``)."""
+
+    lab: NetLab
+    workdir: Path
+    backups: int = 0
+    compnode_extra: Sequence[str] = ("--threads", "1")
+    broker_extra: Sequence[str] = ()
+    data_host: bool = True  # pass the README's --data-host (False: rely on the default)
+    env: dict[str, str] = field(default_factory=dict)
+    broker: DaemonProcess | None = None
+    compnodes: list[DaemonProcess] = field(default_factory=list)
+
+    @property
+    def initial_peers(self) -> list[str]:
+        if self.broker is None:
+            raise ExecutionError("the swarm is not started")
+        return self.broker.maddrs()
+
+    def _env(self) -> dict[str, str]:
+        return {"OMP_NUM_THREADS": "1", **self.env}
+
+    def start(self, timeout: float = READY_TIMEOUT) -> NetnsSwarm:
+        deadline = time.monotonic() + timeout
+        try:
+            head = self.lab.hosts[0]
+            self.broker = start_daemon(
+                "broker", self.workdir, "broker", [*broker_argv(head.ip), *self.broker_extra],
+                extra_env=self._env(), wrap=self.lab.wrap(head),
+            )  # fmt: skip
+            self.broker.wait_ready(timeout)
+            hosts = self.lab.hosts[1:]
+            for i, host in enumerate(hosts):
+                backup = i >= len(hosts) - self.backups
+                argv = compnode_argv(self.initial_peers, host.ip, backup=backup, data_host=self.data_host)
+                argv += self.compnode_extra
+                self.compnodes.append(
+                    start_daemon(
+                        "compnode",
+                        self.workdir,
+                        f"compnode{i}",
+                        argv,
+                        extra_env=self._env(),
+                        wrap=self.lab.wrap(host),
+                    )
+                )
+            for daemon in self.compnodes:
+                daemon.wait_ready(max(1.0, deadline - time.monotonic()))
+            self.wait_compnodes(len(self.compnodes), max(5.0, deadline - time.monotonic()))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def run_head(self, argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+        """Runs a ``fusionnet`` command on the broker's host (where the README's submitter sits)."""
+        env = {**os.environ, **self._env()}
+        cmd = [*self.lab.wrap(0), *fusionnet_cmd(*argv)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+    def wait_compnodes(self, n: int, timeout: float) -> None:
+        """``fusionnet status --wait-compnodes N --timeout S``: the README's readiness check."""
+        argv = ["status", "--initial-peers", *self.initial_peers, "--wait-compnodes", str(n)]
+        done = self.run_head([*argv, "--timeout", str(round(timeout, 1))], timeout + 60)
+        if done.returncode != 0:
+            raise ExecutionError(
+                f"{n} compnodes not ready at the broker:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+            )
+
+    def submit(self, job: Path, out: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        """The README's ``fusionnet submit JOB --initial-peers ... --output OUT`` from the broker's host."""
+        argv = ["submit", str(job), "--initial-peers", *self.initial_peers, "--output", str(out)]
+        return self.run_head([*argv, "--timeout", str(int(timeout))], timeout + 60)
+
+    def stop(self) -> dict[str, int]:
+        for daemon in self.compnodes:
+            daemon.send(signal.SIGTERM)
+        codes = {d.name: d.stop() for d in self.compnodes}
+        if self.broker is not None:
+            codes[self.broker.name] = self.broker.stop()
+        return codes
+
+    def dump_logs(self) -> str:
+        daemons = [*self.compnodes, *([self.broker] if self.broker else [])]
+        return "\n".join(f"===== {d.name} =====\n{d.log_text()}" for d in daemons)
+
+    def __enter__(self) -> NetnsSwarm:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,82 @@
+"""Failure detection over slow links (issue 16): a compnode whose pings queue behind bulk bytes that are
+still moving is alive; one that moves nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from fusionnet.broker.failures import FailureWatch
+from fusionnet.broker.registry import CompnodeRegistry
+from fusionnet.dht.announce import Found
+from fusionnet.dht.records import CompnodeRecord, NodeState
+from fusionnet.messages.compnode_rpc import CompnodeClient
+from fusionnet.rpc.protocol import RPCError
+
+BUSY, DEAD = "12D3KooW" + "B" * 44, "12D3KooW" + "D" * 44
+
+
+def registry(now: float) -> CompnodeRegistry:
+    reg = CompnodeRegistry(heartbeat_timeout=3.0)
+    records = [CompnodeRecord(peer_id=p, state=NodeState.ONLINE) for p in (BUSY, DEAD)]
+    reg.update_records([Found(r, now + 3600, b"") for r in records], now)
+    return reg
+
+
+def test_traffic_counts_as_a_sign_of_life_for_the_heartbeat_timeout() -> None:
+    reg = registry(100.0)
+    for t in (101.0, 102.0, 103.0, 104.0, 105.0):  # pings fail, bulk bytes keep moving
+        reg.record_failure(BUSY, t)
+        reg.record_traffic(BUSY, t)
+    assert reg.get(BUSY).reachable and reg.heard_from(BUSY, 105.5)
+    assert not reg.get(DEAD).reachable  # silent since 100
+    assert [e.peer_id for e in reg.check_timeouts(108.1)] == [BUSY]  # bytes stopped at 105: now lost
+
+
+class Calls:
+    """Pings to BUSY fail until ``answer_at``, while a bulk transfer keeps recording traffic; DEAD never
+    answers."""
+
+    def __init__(self, answer_at: float) -> None:
+        self.answer_at = answer_at
+        self.pings: dict[str, int] = {BUSY: 0, DEAD: 0}
+
+    async def call(self, peer: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
+        assert method == "ping"
+        self.pings[peer] += 1
+        if peer == BUSY and time.time() >= self.answer_at:
+            return {"nonce": "probe", "peer_id": peer, "state": "ONLINE"}
+        await asyncio.sleep(0.05)
+        raise RPCError(f"rpc ping on peer {peer}: no answer", peer=peer, method=method, kind="Timeout")
+
+
+class Context:
+    def __init__(self, reg: CompnodeRegistry, calls: Calls) -> None:
+        self.registry = reg
+        self.compnodes = CompnodeClient(calls.call)
+
+
+@pytest.mark.timeout(30)
+def test_probe_tells_a_saturated_link_from_a_dead_peer() -> None:
+    async def main() -> tuple[set[str], Calls]:
+        now = time.time()
+        reg = registry(now)
+        calls = Calls(answer_at=now + 1.0)
+        watch = FailureWatch(Context(reg, calls), lambda: [BUSY, DEAD], set())  # type: ignore[arg-type]
+
+        async def bulk() -> None:  # the weights still streaming to BUSY
+            while time.time() < now + 1.2:
+                reg.record_traffic(BUSY, time.time())
+                await asyncio.sleep(0.05)
+
+        mover = asyncio.ensure_future(bulk())
+        dead = await watch.probe()
+        await mover
+        return dead, calls
+
+    dead, calls = asyncio.run(main())
+    assert dead == {DEAD}
+    assert calls.pings[BUSY] > 1  # asked again while its bytes moved, until the ping got through
