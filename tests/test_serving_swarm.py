@@ -93,13 +93,7 @@ def test_deploy_infer_examples_equal_plain_pytorch(swarm: ProcessSwarm, tmp_path
         # several clients at once: their rows share batches, each gets its own rows back
         with torch.no_grad():
             singles = [job.model(job.inputs[i : i + 1]) for i in range(5)]
-
-        async def many() -> list[torch.Tensor]:
-            return await asyncio.gather(
-                *(asyncio.to_thread(client.infer, job.inputs[i : i + 1], example) for i in range(5))
-            )
-
-        for got_one, want_one in zip(asyncio.run(many()), singles):
+        for got_one, want_one in zip(asyncio.run(_infer_each(client, job.inputs[:5], example)), singles):
             assert (got_one - want_one).abs().max().item() <= TOL
     assert url is not None
     _check_errors(FusionNetClient(url))
@@ -110,6 +104,13 @@ def test_deploy_infer_examples_equal_plain_pytorch(swarm: ProcessSwarm, tmp_path
     for name in ("mlp", "figure3"):
         assert asyncio.run(undeploy(name, swarm.initial_peers)).undeployed
     assert FusionNetClient(url).models() == []
+
+
+async def _infer_each(client: FusionNetClient, rows: torch.Tensor, name: str) -> list[torch.Tensor]:
+    """One request per row, all at once (threads: the client is synchronous)."""
+    return await asyncio.gather(
+        *(asyncio.to_thread(client.infer, rows[i : i + 1], name) for i in range(len(rows)))
+    )
 
 
 def _check_errors(client: FusionNetClient) -> None:
