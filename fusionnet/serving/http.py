@@ -36,6 +36,7 @@ log = logging.getLogger("fusionnet.serving")
 
 MAX_BODY = 64 << 20  # bytes of one request body
 SAFETENSORS = "application/octet-stream"
+DEPLOYMENT = web.RequestKey("deployment", str)  # which deployment a request went to (for the metrics)
 
 
 def build_app(deployments: Deployments, observer: ServingObserver | None = None) -> web.Application:
@@ -74,7 +75,7 @@ class _Api:
             log.exception("%s %s failed", request.method, request.path)
             response = _error(500, f"internal error: {type(e).__name__}", "server_error")
         if self.observer is not None and request.path.startswith("/v1/"):
-            name = request.get("deployment")
+            name = request.get(DEPLOYMENT)
             if name is not None:
                 self.observer.observe_request(name, request.path, response.status)
         return response
@@ -90,7 +91,7 @@ class _Api:
             if found is None:
                 raise ApiError(404, f"no deployment named {name!r}", param="model", code="model_not_found")
             model = found
-        request["deployment"] = model.name
+        request[DEPLOYMENT] = model.name
         return model
 
     # ---- routes --------------------------------------------------------------------------------
