@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from fusionnet.job.loader import load_job
 from fusionnet.runtime.deploy import deploy, undeploy
-from fusionnet.runtime.process_swarm import BlockingObserver, ProcessSwarm, running_swarm
+from fusionnet.runtime.process_swarm import BlockingObserver, CompnodeSpec, ProcessSwarm, running_swarm
 from fusionnet.serving.client import FusionNetClient, ServingError
 from tests.dag_models import token_data
 from tests.jobfiles import REPO, example_job, write_job
@@ -209,3 +209,26 @@ def _check_openai(url: str, name: str, want: list[list[int]]) -> None:
     with urllib.request.urlopen(request, timeout=60) as response:
         doc = json.loads(response.read())
     assert doc["object"] == "text_completion" and doc["choices"][0]["token_ids"] == want[0][:2]
+
+
+@pytest.mark.timeout(900)
+def test_generation_survives_a_compnode_sigkill_with_the_same_tokens(tmp_path: Path) -> None:
+    """One compnode SIGKILLs itself in the FP of its 5th batch, mid-generation: the deployment is placed
+    again on the survivor and the backup, the batch runs again, and the tokens equal ``generate()``'s."""
+    specs = [CompnodeSpec(), CompnodeSpec(env={"FUSIONNET_FAULT": "fp:4"}), CompnodeSpec(backup=True)]
+    path = _generate_job(tmp_path / "job", "HFCausalLM", 24, positions=32)
+    want = _reference_tokens(path, PROMPTS, 10)
+    with running_swarm(tmp_path / "swarm", specs, broker_kw={"extra": ["--http-port", "0"]}) as sw:
+        observer = BlockingObserver(sw.initial_peers)
+        try:
+            observer.wait_online(3)
+        finally:
+            observer.close()
+        url = _deploy(sw, path, "gen")
+        reply = FusionNetClient(url).complete(PROMPTS, model="gen", max_tokens=10, temperature=0)
+        assert [c["token_ids"] for c in reply["choices"]] == want
+        logs = sw.dump_logs()
+        assert "fault injection: SIGKILL" in logs and "placing it again" in logs
+        deployment = _status(sw)["deployments"][0]
+        backup = sw.compnodes[2].peer_id
+        assert backup in deployment["peers"]
