@@ -67,6 +67,11 @@ class DeploymentRun(JobRun):
             raise ExecutionError("a deployed model must read exactly one input tensor 'inputs'")
         return names[0]
 
+    @property
+    def predicted_step(self) -> float | None:
+        """The performance model's seconds for one full batch (``batch_size`` rows) on this placement."""
+        return None if self._placement is None else self._placement.predicted_step
+
     # ---- lifetime --------------------------------------------------------------------------------
     async def run(self) -> None:
         job, store = self.job, self.ctx.store

@@ -82,7 +82,18 @@ class DeploymentService:
         out = []
         for name, model in self.served.items():
             run = self.runs[name]
-            out.append(model.describe() | {"peers": list(run.peers), "batches": run.batches})
+            placement = run.progress.placement  # per sub-DAG: peer, nodes, predicted seconds per step
+            out.append(
+                model.describe()
+                | {
+                    "peers": list(run.peers),
+                    "batches": run.batches,
+                    "attempt": run.attempt,
+                    "placement": placement,
+                    "predicted_step_seconds": run.predicted_step,
+                    "max_batch": model.batcher.max_batch,
+                }
+            )
         return out
 
     # ---- lifecycle -----------------------------------------------------------------------------
