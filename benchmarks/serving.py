@@ -225,7 +225,8 @@ def main() -> int:
     exact = all(r["outputs"] == plain["outputs"] for r in rows)
     killed_exact = killed["outputs"] == plain["outputs"]
     print(
-        f"GPT-2 {shape}: {args.requests} requests x {args.max_tokens} tokens, prompt {PROMPT}, max batch {args.batch}"
+        f"GPT-2 {shape}: {args.requests} requests x {args.max_tokens} tokens, prompt {PROMPT}, "
+        f"max batch {args.batch}"
     )
     print(f"{'clients':>8} {'tok/s':>8} {'req/s':>7} {'TTFT p50':>9} {'p90':>7} {'ITL p50':>8} {'p90':>7}")
     for r in [*rows, killed | {"clients": "4+kill"}]:

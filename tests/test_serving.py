@@ -22,6 +22,7 @@ from fusionnet.serving.generation import Window
 from fusionnet.serving.http import build_app
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
 from fusionnet.serving.served import ServedModel
+from fusionnet.serving.tokenizers import CharTokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -264,4 +265,32 @@ def test_greedy_completion_through_padding_equals_generate_and_streams() -> None
     local.add(
         "gpt", "generate", lambda rows: lm(rows).logits, (32,), torch.long, Window(context=32, vocab=40)
     )
+    _run(_with_app(local, body))
+
+
+def test_text_prompts_with_the_jobs_character_vocabulary() -> None:
+    lm = _gpt2()
+    vocab = [chr(ord("a") + i) for i in range(26)] + [str(d) for d in range(10)] + [" ", ".", ",", "!"]
+    tok = CharTokenizer(vocab)
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+
+    async def body(client: TestClient) -> None:
+        r = await client.post(
+            "/v1/completions", json={"prompt": ["abc", "hi."], "max_tokens": 4, "temperature": 0}
+        )
+        doc = await r.json()
+        assert r.status == 200, doc
+        for choice, text in zip(doc["choices"], ["abc", "hi."]):
+            ids = torch.tensor([tok.encode(text)])
+            want = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                               do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()  # fmt: skip
+            assert choice["token_ids"] == want and choice["text"] == tok.decode(want)
+        r = await client.post("/v1/completions", json={"prompt": "ABC", "max_tokens": 1})
+        assert r.status == 400 and "outside the vocabulary" in (await r.json())["error"]["message"]
+
+    local = _Local()
+    local.add(
+        "gpt", "generate", lambda rows: lm(rows).logits, (32,), torch.long, Window(context=32, vocab=40)
+    )
+    local.served["gpt"].tokenizer = tok
     _run(_with_app(local, body))

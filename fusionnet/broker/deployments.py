@@ -40,7 +40,7 @@ from fusionnet.serving.batching import BatchStats, DynamicBatcher
 from fusionnet.serving.generation import Window
 from fusionnet.serving.http import build_app
 from fusionnet.serving.served import ServedModel, ServingObserver
-from fusionnet.serving.tokenizers import load_tokenizer
+from fusionnet.serving.tokenizers import CharTokenizer, load_tokenizer
 
 log = logging.getLogger("fusionnet.broker.deployments")
 
@@ -145,6 +145,8 @@ class DeploymentService:
                 tokenizer = await asyncio.to_thread(
                     load_tokenizer, request.tokenizer, self.folder / job.job_id
                 )
+            elif request.vocab:
+                tokenizer = CharTokenizer(request.vocab)
         except Exception as e:
             self.ctx.store.update_job(job.job_id, state="FAILED", error=str(e)[:500])
             raise

@@ -35,6 +35,8 @@ class DeployRequest(Message):
     submission: SubmitJobRequest  # its spec's task is infer: compnodes run the forward pass only
     settings: ServingSettings = ServingSettings()
     tokenizer: dict[str, bytes] | None = None  # files of the model folder's tokenizer (generate)
+    # text data (``data.path: *.txt``): token id -> character, the job's own tokenizer (generate)
+    vocab: Annotated[list[Annotated[str, Field(max_length=16)]], Field(max_length=1 << 20)] | None = None
 
 
 class DeployReply(Message):

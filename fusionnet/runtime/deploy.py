@@ -62,6 +62,7 @@ async def deploy(
         submission=submission,
         settings=settings or ServingSettings(),
         tokenizer=tokenizer,
+        vocab=job.vocab if kind == "generate" and tokenizer is None else None,
     )
     async with SwarmObserver(initial_peers) as observer:
         broker = await observer.find_broker()

@@ -1,7 +1,8 @@
 """Dynamic batching with a bounded wait, a bounded queue and several batches in flight.
 
 Requests bring rows (samples); the batcher packs the rows of whatever requests are waiting into a batch
-of at most ``max_batch`` rows, waiting at most ``max_wait`` seconds after the first row for more, and
+of at most ``max_batch`` rows, waiting at most ``max_wait`` seconds after the first row for more (only
+while another batch is in the pipeline: an idle one takes what is there at once), and
 keeps up to ``in_flight`` batches in the pipeline at once: while batch ``k`` is in the last sub-DAG,
 batch ``k + 1`` already runs in the first one, so throughput approaches the bottleneck stage (FusionAI
 eq. (4)) rather than the whole pipeline's latency (eq. (3)).
@@ -126,7 +127,9 @@ class DynamicBatcher:
                 self._arrived.clear()
                 await self._arrived.wait()
             await self._slots.acquire()  # a free pipeline slot first: rows keep gathering meanwhile
-            deadline = self._queue[0].queued_at + self.max_wait
+            # An idle pipeline takes what waits now (a lone client pays no wait per token); a busy one
+            # waits up to ``max_wait`` after the oldest row for the batch to fill.
+            deadline = self._queue[0].queued_at + (self.max_wait if self._tasks else 0.0)
             while self._rows_waiting() < self.max_batch and time.monotonic() < deadline:
                 self._arrived.clear()
                 try:

@@ -62,7 +62,10 @@ def encode_prompts(req: CompletionRequest, model: ServedModel) -> list[list[int]
             raise ApiError(
                 400, "this deployment has no tokenizer: send the prompt as token ids", param="prompt"
             )
-        ids = [list(model.tokenizer.encode(t)) for t in texts]  # type: ignore[arg-type]
+        try:
+            ids = [list(model.tokenizer.encode(t)) for t in texts]  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ApiError(400, f"prompt: {e}"[:300], param="prompt") from None
     elif prompt and isinstance(prompt[0], list):
         ids = [list(p) for p in prompt]  # type: ignore[union-attr]
     else:

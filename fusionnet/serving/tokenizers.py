@@ -1,6 +1,7 @@
 """A deployment's tokenizer: the tokenizer files of the model folder, as the deploy command sent them,
 written to the deployment's folder and loaded with ``transformers`` (no remote code, no pickle: only the
-JSON/text files ``PreTrainedTokenizerFast`` reads are accepted)."""
+JSON/text files ``PreTrainedTokenizerFast`` reads are accepted); or, for a job on text data
+(``data.path: *.txt``), its own character vocabulary (``CharTokenizer``)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,20 @@ def load_tokenizer(files: dict[str, bytes], folder: Path) -> Any:
         return AutoTokenizer.from_pretrained(str(target), trust_remote_code=False, local_files_only=True)
     except Exception as e:
         raise JobError(f"deploy: the tokenizer does not load: {type(e).__name__}: {e}"[:300]) from None
+
+
+class CharTokenizer:
+    """The character-level vocabulary of a text-data job: token id ``i`` is ``vocab[i]``."""
+
+    def __init__(self, vocab: list[str]) -> None:
+        self.vocab = list(vocab)
+        self.ids = {ch: i for i, ch in enumerate(self.vocab)}
+
+    def encode(self, text: str) -> list[int]:
+        unknown = sorted({ch for ch in text if ch not in self.ids})
+        if unknown:
+            raise ValueError(f"characters outside the vocabulary: {''.join(unknown)[:40]!r}")
+        return [self.ids[ch] for ch in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.vocab[i] for i in ids if 0 <= i < len(self.vocab))
