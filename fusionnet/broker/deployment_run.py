@@ -53,6 +53,8 @@ class DeploymentRun(JobRun):
         self.stopping = asyncio.Event()
         self.failed: str | None = None
         self.batches = 0
+        self.batch_seconds = 0.0  # wall time of the batches served, summed
+        self.stage_seconds: list[float] = []  # per sub-DAG: FP seconds of the batches served, summed
         self._next_step = 0  # per placement: compnodes run batches in this order
         self._replacing = asyncio.Lock()
         meta = job.graph.node(self._input_placeholder()).meta
@@ -141,6 +143,7 @@ class DeploymentRun(JobRun):
         for _ in range(BATCH_ATTEMPTS):
             await asyncio.wait_for(self.placed.wait(), BATCH_TIMEOUT)
             attempt, step = self.attempt, self._next_step
+            started = time.perf_counter()
             self._next_step += 1
             try:
                 replies = await self.watch.guarded(self._serve(step, sizes, blob, picks))
@@ -148,7 +151,7 @@ class DeploymentRun(JobRun):
                 error = e
                 await self._replace(attempt, e)
                 continue
-            self.batches += 1
+            self._count(replies, time.perf_counter() - started)
             return self._outputs_of(replies)[:n]
         raise ExecutionError(f"deployment {self.job.spec.name}: batch failed {BATCH_ATTEMPTS} times: {error}")
 
@@ -165,12 +168,23 @@ class DeploymentRun(JobRun):
                 pick=picks,
             )
             calls.append(self.serving.call_serve_step(peer, request, timeout=BATCH_TIMEOUT))
-        started = time.perf_counter()
-        replies = await asyncio.wait_for(gather(calls), BATCH_TIMEOUT)
-        log.debug(
-            "deployment %s: batch %d in %.3f s", self.job.spec.name, step, time.perf_counter() - started
-        )
-        return replies
+        return await asyncio.wait_for(gather(calls), BATCH_TIMEOUT)
+
+    def _count(self, replies: list[ServeStepReply], seconds: float) -> None:
+        if len(self.stage_seconds) != len(replies):
+            self.stage_seconds = [0.0] * len(replies)
+        self.batches += 1
+        self.batch_seconds += seconds
+        for i, r in enumerate(replies):
+            self.stage_seconds[i] += r.fp_seconds
+
+    def timing(self) -> dict[str, object]:
+        """Mean wall seconds per batch, and per sub-DAG the mean FP seconds (for ``status``)."""
+        n = max(self.batches, 1)
+        return {
+            "batch_seconds_mean": self.batch_seconds / n,
+            "stage_fp_seconds_mean": [s / n for s in self.stage_seconds],
+        }
 
     def _outputs_of(self, replies: list[ServeStepReply]) -> torch.Tensor:
         blobs = [unpack_tensors(r.outputs, "batch outputs") for r in replies if r.outputs is not None]

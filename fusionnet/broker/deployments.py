@@ -92,6 +92,7 @@ class DeploymentService:
                     "placement": placement,
                     "predicted_step_seconds": run.predicted_step,
                     "max_batch": model.batcher.max_batch,
+                    **run.timing(),
                 }
             )
         return out
