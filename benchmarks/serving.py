@@ -258,7 +258,8 @@ def main() -> int:
               f"eq. (4) {predicted['eq4_tokens_per_s']:.1f} tok/s")  # fmt: skip
     stages = ", ".join(f"{s * 1e3:.1f}" for s in predicted["stage_fp_seconds_mean"] or [])
     print(
-        f"per batch: {predicted['batch_seconds_mean'] * 1e3:.1f} ms wall at the broker; FP per sub-DAG {stages} ms"
+        f"per batch: {predicted['batch_seconds_mean'] * 1e3:.1f} ms wall at the broker; "
+        f"FP per sub-DAG {stages} ms"
     )
     print(f"greedy outputs equal generate(): {exact}; after the SIGKILL: {killed_exact}")
     summary = {
