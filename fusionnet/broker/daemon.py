@@ -27,6 +27,8 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
+from typing import Any
 
 from fusionnet import __version__
 from fusionnet.broker.config import BrokerConfig
@@ -74,6 +76,8 @@ class BrokerDaemon(Daemon):
         self._bad_metrics_addresses: set[tuple[str, str]] = set()
         self.registry.add_listener(self._persist_event)
         self.compnodes = CompnodeClient(self.call)
+        # ``status`` lists what this returns (the deployment service sets it: issue 14)
+        self.describe_deployments: Callable[[], list[dict[str, Any]]] = list
 
     def job_context(self) -> JobContext:
         """What the job service and its runs may use of this broker (``broker.context``)."""
@@ -274,4 +278,5 @@ class BrokerDaemon(Daemon):
                 {k: job[k] if k in SHOWN_TO_ALL or job.get("submitter") == me else None for k in JOB_COLUMNS}
                 for job in jobs
             ],
+            deployments=self.describe_deployments(),
         )

@@ -67,6 +67,19 @@ def add_parser(subparsers: Any) -> None:
         "(the same targets are always served as http_sd at /sd/compnodes on --metrics-port)",
     )
     add_admission_flags(p)
+    p.add_argument(
+        "--http-port",
+        type=int,
+        metavar="PORT",
+        help="serve the HTTP API of this broker's deployments (OpenAI-compatible /v1/completions, "
+        "/v1/models, /v1/infer) on this port (0: any free port; default: no HTTP API)",
+    )
+    p.add_argument(
+        "--http-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="where --http-port listens (default 127.0.0.1)",
+    )
     p.set_defaults(func=run)
 
 
@@ -109,6 +122,11 @@ def run(args: argparse.Namespace) -> int:
     from fusionnet.metrics import BROKER_METRICS
     from fusionnet.planning.placement import BALANCED, SCHEDULER
 
+    if args.http_port is not None and not 0 <= args.http_port < 65536:
+        print(
+            f"fusionnet broker: error: --http-port must be in 0..65535, got {args.http_port}", file=sys.stderr
+        )
+        return 2
     try:
         config = BrokerConfig(
             common=common_config(args, "broker"),
@@ -130,7 +148,24 @@ def run(args: argparse.Namespace) -> int:
         # One broker per process: its metrics are the process's set, so module-level users count too.
         broker = BrokerDaemon(config, BROKER_METRICS)
         broker.add_service(JobService(broker.job_context()))
+        broker.add_service(deployment_service(broker, args.http_host, args.http_port))
         return broker.serve()
     except ValueError as e:  # configuration and start-up problems (FusionNetErrors included): one line
         print(f"fusionnet broker: error: {e}", file=sys.stderr)
         return 2
+
+
+def deployment_service(broker: Any, host: str, port: int | None) -> Any:
+    """The deployments and their HTTP API (issue 14), reporting to the broker's metrics and status."""
+    from fusionnet.broker.deployments import DeploymentService
+    from fusionnet.messages.serving_rpc import ServingClient
+
+    service = DeploymentService(
+        broker.job_context(),
+        ServingClient(broker.call),
+        http_host=host,
+        http_port=port,
+        observer=broker.metrics.serving,
+    )
+    broker.describe_deployments = service.describe
+    return service

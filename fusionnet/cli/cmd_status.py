@@ -150,6 +150,16 @@ def format_tables(doc: dict[str, Any]) -> str:
             )
             table.append((j["job_id"], j["name"], j["state"], step, _num(j.get("loss"), ".6f"), updated))
         lines.extend(_render(table))
+    deployments = doc.get("deployments") or []
+    if deployments:
+        lines.append(f"\ndeployments ({len(deployments)})")
+        table = [("NAME", "KIND", "JOB", "COMPNODES", "BATCHES", "QUEUED")]
+        for d in deployments:
+            table.append((
+                str(d.get("id")), str(d.get("kind")), str(d.get("job_id")), str(d.get("compnodes")),
+                str(d.get("batches", "-")), str(d.get("queued_rows", "-")),
+            ))  # fmt: skip
+        lines.extend(_render(table))
     return "\n".join(lines)
 
 
@@ -197,6 +207,7 @@ async def collect(observer: Any, timeout: float) -> dict[str, Any]:
         "broker_error": error,
         "compnodes": merge_status(broker, records, now),
         "jobs": [] if broker is None else broker["jobs"],
+        "deployments": [] if broker is None else broker.get("deployments", []),
         "dht_compnodes": [
             f.record.model_dump(mode="json") | {"expires_in": f.expires_at - now}
             for f in records

@@ -23,7 +23,8 @@ BAD_INPUT = (JobError, TraceError)
 
 # Order is the order shown by --help.
 COMMANDS: tuple[str, ...] = (
-    "demo", "broker", "compnode", "submit", "cancel", "results", "run", "plan", "status", "section4", "key",
+    "demo", "broker", "compnode", "submit", "cancel", "results", "deploy", "run", "plan", "status",
+    "section4", "key",
 )  # fmt: skip
 
 

@@ -26,6 +26,7 @@ from fusionnet.compnode.assignment_intake import JobAssignment, build_assignment
 from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, fault_hooks
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
+from fusionnet.compnode.serve_steps import StepOrder, serve_step
 from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
 from fusionnet.daemon.addresses import announced_host
@@ -48,6 +49,7 @@ from fusionnet.messages.compnode_rpc import (
     StepReply,
     StepRequest,
 )
+from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
 from fusionnet.results.assemble import output_tensors
 from fusionnet.rpc.server import RPCContext
 from fusionnet.wire.datapath import DataPathClient, DataPathServer
@@ -74,6 +76,7 @@ class SubtaskService:
         self._tcp_down: set[str] = set()  # peers whose TCP address failed: use P2P for them
         self._released: dict[str, asyncio.Event] = {}
         self._probers: dict[str, LinkProber] = {}
+        self._orders: dict[str, StepOrder] = {}  # deployments: request batches run in step order
         self.fault = FaultPoint.from_env()
         settings = compnode.settings
         self.trust = TrustedBrokers.from_settings(settings.common.dht.initial_peers, settings.trusted_brokers)
@@ -177,6 +180,7 @@ class SubtaskService:
         self._locks.pop(job_id, None)
         self._probers.pop(job_id, None)
         self._heard.pop(job_id, None)
+        self._orders.pop(job_id, None)
         if job is None:
             return
         for path in (self.server, self.p2p):
@@ -295,6 +299,22 @@ class SubtaskService:
             outputs=outputs,
         )
         job.last_reply = reply
+        return reply
+
+    @handles(ServeStepRequest)
+    async def rpc_serve_step(self, request: ServeStepRequest, context: RPCContext) -> ServeStepReply:
+        """One request batch of a deployment (``serve_steps``): FP only, data from the call."""
+        job = self._job(request, context)  # type: ignore[arg-type]  # it names a job like a JobRequest
+        if job.spec.task != "infer":
+            raise JobError(f"job {job.job_id} is a {job.spec.task} job, not a deployment")
+        order = self._orders.setdefault(job.job_id, StepOrder())
+        try:
+            reply = await serve_step(job, order, request, self.node.compute)
+        except Exception:
+            self.node.metrics.count_subtask("failed")
+            raise
+        self.node.metrics.observe_compute("fp", reply.fp_seconds)
+        self.node.metrics.count_subtask("succeeded")
         return reply
 
     @handles(ProbeLinksRequest)

@@ -52,8 +52,15 @@ class LoadedJob:
         return int(self.inputs.shape[0])
 
 
-def _check_without_model(path: str | Path, allow_outside_paths: bool) -> tuple[JobSpec, Dataset]:
+def _check_without_model(
+    path: str | Path, allow_outside_paths: bool, deployment: bool = False
+) -> tuple[JobSpec, Dataset]:
     spec = load_job_spec(path)
+    if spec.task == "generate":
+        if not deployment:
+            raise JobError("task: generate is for deployments only (`fusionnet deploy`)")
+        # A generating deployment runs its model's forward pass, exactly as infer does.
+        spec = spec.model_copy(update={"task": "infer"})
     base_dir = Path(path).resolve().parent
     outside = allow_outside_paths
     check_entrypoint_file(spec.model.entrypoint, base_dir, allow_outside=outside)
@@ -70,13 +77,14 @@ def check_job_without_model(path: str | Path, *, allow_outside_paths: bool = Fal
     return _check_without_model(path, allow_outside_paths)[0]
 
 
-def load_job(path: str | Path, *, allow_outside_paths: bool = False) -> LoadedJob:
+def load_job(path: str | Path, *, allow_outside_paths: bool = False, deployment: bool = False) -> LoadedJob:
     """Validates the job file and builds what it describes; one ``JobError`` naming the key otherwise.
 
     Every file the job names must lie in the job file's folder (after symlinks) unless
-    ``allow_outside_paths`` (the commands' ``--allow-outside-paths``) says otherwise.
+    ``allow_outside_paths`` (the commands' ``--allow-outside-paths``) says otherwise. ``deployment``
+    (``fusionnet deploy``) admits task ``generate``, loaded as ``infer``.
     """
-    spec, dataset = _check_without_model(path, allow_outside_paths)
+    spec, dataset = _check_without_model(path, allow_outside_paths, deployment)
     path = Path(path).resolve()
     base_dir = path.parent
     outside = allow_outside_paths

@@ -182,7 +182,7 @@ class PlacementSpec(_Strict):
 
 class JobSpec(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
-    task: Literal["train", "grad", "infer"]
+    task: Literal["train", "grad", "infer", "generate"]  # generate: deployments only (runs as infer)
     model: ModelSpec
     loss: LossSpec | None = None  # None: the model's forward(inputs, labels) returns the loss
     data: DataSpec

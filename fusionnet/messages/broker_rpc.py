@@ -49,6 +49,7 @@ class StatusReply(Message):
     broker: dict[str, Any]
     compnodes: list[dict[str, Any]]
     jobs: list[dict[str, Any]]
+    deployments: list[dict[str, Any]] = []  # resident models (issue 14); older brokers omit it
 
 
 class SubmitJobRequest(Message):

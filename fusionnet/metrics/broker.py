@@ -30,6 +30,7 @@ from fusionnet.metrics.common import (
     label_value,
     set_counts,
 )
+from fusionnet.metrics.serving import ServingMetrics
 
 _MAX_JOB_ID = 128  # job ids are label values; refuse anything that is obviously not one
 
@@ -43,6 +44,7 @@ class BrokerMetrics(BaseMetrics):
         self._define_swarm_and_steps(r)
         self._define_per_job(r)
         self._define_health(r)
+        self.serving = ServingMetrics(r)  # deployments and their HTTP API (issue 14)
         for state in JOB_STATES:
             self.jobs.labels(state=state)
         for role in ROLES:

@@ -1,0 +1,280 @@
+"""Serving a causal LM from a swarm: a ``transformers`` GPT-2 (random init, nothing downloaded) deployed on a
+broker and 3 compnodes (one thread each), driven over the HTTP API by 1, 4 and 16 concurrent clients.
+
+Per client count: tokens/s and requests/s, time to first token (TTFT) and inter-token latency (ITL)
+percentiles, beside
+- plain ``generate()``   the same model and requests in this process, one request at a time (KV cache);
+- plain recompute        the same, recomputing the whole window per token as the deployment does (no KV
+                         cache yet): the same work without the pipeline;
+- eq. (3) / eq. (4)      the performance model's prediction for this placement: one batch of ``max_batch``
+                         rows at a time through every sub-DAG (eq. (3): ``rows / sum_p C_p``) and batches
+                         pipelined (eq. (4): ``rows / max_p C_p``, the bottleneck stage), from the broker's
+                         predicted seconds per sub-DAG.
+Then a compnode of the deployment is SIGKILLed while 4 clients stream; the backup takes its sub-DAG and
+every request must finish with the tokens of the fault-free run.
+
+Prints a table, then one JSON line.
+
+    python benchmarks/serving.py [--quick] [--requests 4] [--max-tokens 16] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from swarm_jobs import run_main  # noqa: E402
+
+from fusionnet.job.loader import load_job  # noqa: E402
+from fusionnet.runtime.deploy import deploy  # noqa: E402
+from fusionnet.runtime.process_swarm import BlockingObserver, CompnodeSpec, ProcessSwarm, broker_args  # noqa: E402
+from fusionnet.serving.client import FusionNetClient  # noqa: E402
+
+# (vocab, width, layers, heads, window)
+FULL = (4000, 256, 6, 4, 64)
+QUICK = (1000, 128, 3, 4, 48)
+PROMPT = 8
+MODEL_PY = """import transformers
+from torch import nn
+
+
+class LM(nn.Module):
+    def __init__(self, vocab, width, layers, heads, window):
+        super().__init__()
+        cfg = transformers.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers, n_head=heads,
+                                      n_positions=window, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      bos_token_id=0, eos_token_id=0)
+        self.lm = transformers.GPT2LMHeadModel(cfg)
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids).logits
+
+
+def build(**kw):
+    return LM(**kw)
+"""
+
+
+def write_job(folder: Path, shape: tuple[int, ...], batch: int) -> Path:
+    vocab, width, layers, heads, window = shape
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.py").write_text(MODEL_PY)
+    save_file({"inputs": torch.randint(1, vocab, (batch, window))}, str(folder / "data.safetensors"))
+    kwargs = {"vocab": vocab, "width": width, "layers": layers, "heads": heads, "window": window}
+    (folder / "job.yaml").write_text(
+        "name: bench-gpt\ntask: generate\n"
+        f"model: {{entrypoint: model.py:build, kwargs: {json.dumps(kwargs)}}}\n"
+        f"data: {{path: data.safetensors, batch_size: {batch}, microbatches: 2}}\n"
+        "seed: 0\nplacement: {compnodes: 3}\n"
+    )
+    return folder / "job.yaml"
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (PROMPT,), generator=g).tolist() for _ in range(n)]
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run_clients(url: str, clients: int, requests: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Each client streams its share of ``requests`` one after another; all clients at once."""
+    client = FusionNetClient(url, timeout=600)
+    ttft: list[float] = []
+    itl: list[float] = []
+    tokens: dict[int, list[int]] = {}
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        started = last = time.perf_counter()
+        got: list[int] = []
+        for chunk in client.stream(requests[i], model="gpt", max_tokens=max_tokens, temperature=0):
+            ids = chunk["choices"][0]["token_ids"]
+            if not ids:
+                continue
+            now = time.perf_counter()
+            with lock:
+                (itl if got else ttft).append(now - (last if got else started))
+            last = now
+            got.extend(ids)
+        tokens[i] = got
+
+    def worker(c: int) -> None:
+        for i in range(c, len(requests), clients):
+            one(i)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(worker, range(clients)))
+    wall = time.perf_counter() - started
+    total = sum(map(len, tokens.values()))
+    return {
+        "clients": clients,
+        "requests": len(requests),
+        "tokens": total,
+        "seconds": wall,
+        "tokens_per_s": total / wall,
+        "requests_per_s": len(requests) / wall,
+        "ttft_p50": pct(ttft, 0.5),
+        "ttft_p90": pct(ttft, 0.9),
+        "itl_p50": pct(itl, 0.5),
+        "itl_p90": pct(itl, 0.9),
+        "outputs": [tokens[i] for i in range(len(requests))],
+    }
+
+
+def plain_baselines(
+    job_path: Path, requests: list[list[int]], max_tokens: int, window: int
+) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = load_job(job_path, deployment=True).model.eval()
+    started = time.perf_counter()
+    outs = []
+    with torch.no_grad():
+        for p in requests:
+            ids = torch.tensor([p])
+            gen = model.lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                    min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+            outs.append(gen[0, len(p) :].tolist())
+    kv = time.perf_counter() - started
+    started = time.perf_counter()
+    with torch.no_grad():
+        for p in requests:  # what the deployment computes: the whole padded window per token
+            row = torch.zeros(1, window, dtype=torch.long)
+            row[0, : len(p)] = torch.tensor(p)
+            for t in range(max_tokens):
+                logits = model(row)[0, len(p) + t - 1]
+                row[0, len(p) + t] = int(torch.argmax(logits))
+    recompute = time.perf_counter() - started
+    total = len(requests) * max_tokens
+    return {"generate_tokens_per_s": total / kv, "recompute_tokens_per_s": total / recompute, "outputs": outs}
+
+
+def predictions(status: dict[str, Any]) -> dict[str, Any]:
+    """eq. (3)/(4) from the broker's predicted seconds per sub-DAG, beside what the batches took: the
+    broker's mean wall time per batch and each sub-DAG's mean FP time, and the heartbeat round trips."""
+    d = status["deployments"][0]
+    per = [p.get("predicted_seconds") for p in d.get("placement") or []]
+    measured = {
+        "batch_seconds_mean": d.get("batch_seconds_mean"),
+        "stage_fp_seconds_mean": d.get("stage_fp_seconds_mean"),
+        "heartbeat_rtt_ms": [c.get("rtt_ms") for c in status["compnodes"]],
+    }
+    if not per or any(x is None for x in per):
+        return {"eq3_tokens_per_s": None, "eq4_tokens_per_s": None, **measured}
+    rows = d["max_batch"]
+    return {
+        "eq3_tokens_per_s": rows / sum(per),
+        "eq4_tokens_per_s": rows / max(per),
+        "stage_seconds_predicted": per,
+        **measured,
+    }
+
+
+def kill_mid_stream(sw: ProcessSwarm, url: str, requests: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    observer = BlockingObserver(sw.initial_peers)
+    try:
+        peers = observer.broker_status()["deployments"][0]["peers"]
+    finally:
+        observer.close()
+    victim = next(c for c in sw.compnodes if c.peer_id in peers)
+    timer = threading.Timer(3.0, lambda: victim.send(signal.SIGKILL))
+    timer.start()
+    try:
+        result = run_clients(url, 4, requests, max_tokens)
+    finally:
+        timer.cancel()
+    observer = BlockingObserver(sw.initial_peers)
+    try:
+        result["attempt"] = observer.broker_status()["deployments"][0]["attempt"]  # 2: placed again once
+    finally:
+        observer.close()
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--requests", type=int, default=16, help="requests per client count (default 16)")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8, help="rows per batch (max_batch; default 8)")
+    ap.add_argument("--workdir", type=Path)
+    args = ap.parse_args()
+    shape = QUICK if args.quick else FULL
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="fusionnet-serving-"))
+    job = write_job(work / "job", shape, args.batch)
+    reqs = prompts(args.requests, shape[0])
+    plain = plain_baselines(job, reqs, args.max_tokens, shape[4])
+    specs = [CompnodeSpec(), CompnodeSpec(), CompnodeSpec(), CompnodeSpec(backup=True)]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rows = []
+    with ProcessSwarm(work / "swarm", specs, broker_args(extra=["--http-port", "0"])) as sw:
+        reply = asyncio.run(deploy(job, sw.initial_peers, name="gpt", wait_compnodes=120))
+        assert reply.url is not None
+        for clients in (1, 4, 16):
+            rows.append(run_clients(reply.url, clients, reqs, args.max_tokens))
+        observer = BlockingObserver(sw.initial_peers)
+        try:
+            predicted = predictions(observer.broker_status())
+        finally:
+            observer.close()
+        killed = kill_mid_stream(sw, reply.url, reqs, args.max_tokens)
+    exact = all(r["outputs"] == plain["outputs"] for r in rows)
+    killed_exact = killed["outputs"] == plain["outputs"]
+    print(
+        f"GPT-2 {shape}: {args.requests} requests x {args.max_tokens} tokens, prompt {PROMPT}, "
+        f"max batch {args.batch}"
+    )
+    print(f"{'clients':>8} {'tok/s':>8} {'req/s':>7} {'TTFT p50':>9} {'p90':>7} {'ITL p50':>8} {'p90':>7}")
+    for r in [*rows, killed | {"clients": "4+kill"}]:
+        print(f"{r['clients']!s:>8} {r['tokens_per_s']:8.1f} {r['requests_per_s']:7.2f} {r['ttft_p50']:9.3f} "
+              f"{r['ttft_p90']:7.3f} {r['itl_p50']:8.3f} {r['itl_p90']:7.3f}")  # fmt: skip
+    print(f"plain generate() (KV cache), one request at a time: {plain['generate_tokens_per_s']:.1f} tok/s")
+    print(
+        f"plain recompute (the deployment's work, one process): {plain['recompute_tokens_per_s']:.1f} tok/s"
+    )
+    if predicted["eq4_tokens_per_s"] is not None:
+        print(f"performance model: eq. (3) {predicted['eq3_tokens_per_s']:.1f} tok/s, "
+              f"eq. (4) {predicted['eq4_tokens_per_s']:.1f} tok/s")  # fmt: skip
+    stages = ", ".join(f"{s * 1e3:.1f}" for s in predicted["stage_fp_seconds_mean"] or [])
+    print(
+        f"per batch: {predicted['batch_seconds_mean'] * 1e3:.1f} ms wall at the broker; "
+        f"FP per sub-DAG {stages} ms"
+    )
+    print(f"greedy outputs equal generate(): {exact}; after the SIGKILL: {killed_exact}")
+    summary = {
+        "benchmark": "serving",
+        "model": dict(zip(("vocab", "width", "layers", "heads", "window"), shape)),
+        "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in rows],
+        "kill": {k: v for k, v in killed.items() if k != "outputs"} | {"exact": killed_exact},
+        "plain_generate_tokens_per_s": plain["generate_tokens_per_s"],
+        "plain_recompute_tokens_per_s": plain["recompute_tokens_per_s"],
+        **{k: v for k, v in predicted.items()},
+        "exact": exact,
+    }
+    print(json.dumps(summary))
+    return 0 if exact and killed_exact else 1
+
+
+if __name__ == "__main__":
+    run_main(main)

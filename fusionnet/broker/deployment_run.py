@@ -1,0 +1,199 @@
+"""One deployment on the broker (issue 14): a long-lived ``infer`` placement whose steps are request batches.
+
+It is a ``JobRun`` with another main loop: place and assign the sub-DAGs exactly as for a job (the
+scheduler, ``assign``, link probes), then, instead of stepping through a dataset, stay resident and run
+whatever batches the HTTP API's batcher hands over (``run_batch``), each a ``serve_step`` on every
+compnode of the placement, with up to ``in_flight`` batches in the pipeline. ``undeploy`` (or the broker
+stopping) ends it and releases the compnodes.
+
+Rows of a batch are cut into micro-batches of the traced example's size (the IR's placeholder shape: a
+``torch.export`` graph knows no other), the last one padded with copies of its last row; padded rows'
+outputs are dropped.
+
+Failover: a batch that fails because a compnode died (``PeerFailure`` from the ``FailureWatch``), or for
+any other reason, makes the deployment re-place itself (replacement from the backup pool and the other
+free compnodes, every sub-DAG assigned again) and runs the batch again. Batches are stateless (full
+forward passes), so the retried batch gives the same outputs; a generation session continues with the
+same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from fusionnet.broker import replanning
+from fusionnet.broker.checkpoints import Checkpoint
+from fusionnet.broker.context import JobContext
+from fusionnet.broker.failures import PeerFailure
+from fusionnet.broker.job_calls import gather
+from fusionnet.broker.jobrun import JobRun
+from fusionnet.broker.store import JobState
+from fusionnet.broker.submission import SubmittedJob
+from fusionnet.errors import ExecutionError, FusionNetError
+from fusionnet.messages.blobs import pack_tensors, unpack_tensors
+from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest, ServingClient
+from fusionnet.results.assemble import join_outputs
+
+log = logging.getLogger("fusionnet.broker.deployments")
+
+BATCH_TIMEOUT = 120.0  # one batch's calls; a hung pipeline ends in a failover, never a hung request
+BATCH_ATTEMPTS = 3  # placements a batch is tried on before its requests get an error
+
+
+class DeploymentRun(JobRun):
+    def __init__(self, context: JobContext, job: SubmittedJob, folder: Path, serving: ServingClient) -> None:
+        super().__init__(context, job, folder)
+        self.serving = serving
+        self.placed = asyncio.Event()  # set while a placement is assigned and takes batches
+        self.stopping = asyncio.Event()
+        self.failed: str | None = None
+        self.batches = 0
+        self.batch_seconds = 0.0  # wall time of the batches served, summed
+        self.stage_seconds: list[float] = []  # per sub-DAG: FP seconds of the batches served, summed
+        self._next_step = 0  # per placement: compnodes run batches in this order
+        self._replacing = asyncio.Lock()
+        meta = job.graph.node(self._input_placeholder()).meta
+        self.mb_rows = int(meta["shape"][0])  # the traced example micro-batch
+        self.row_shape = tuple(int(d) for d in meta["shape"][1:])
+        self.row_dtype = getattr(torch, meta["dtype"])
+        self._readers: set[int] = set()  # sub-DAG indices whose placeholders read the inputs
+
+    def _input_placeholder(self) -> str:
+        names = [n.name for n in self.job.graph.nodes if n.kind == "placeholder" and n.target == "inputs"]
+        if len(names) != 1:
+            raise ExecutionError("a deployed model must read exactly one input tensor 'inputs'")
+        return names[0]
+
+    @property
+    def predicted_step(self) -> float | None:
+        """The performance model's seconds for one full batch (``batch_size`` rows) on this placement."""
+        return None if self._placement is None else self._placement.predicted_step
+
+    # ---- lifetime --------------------------------------------------------------------------------
+    async def run(self) -> None:
+        job, store = self.job, self.ctx.store
+        try:
+            store.update_job(job.job_id, state=JobState.PLANNING)
+            await self._place(replanning.FIRST)
+            store.update_job(job.job_id, state=JobState.RUNNING)
+            await self.stopping.wait()
+            store.update_job(job.job_id, state=JobState.SUCCEEDED, step=self.batches)
+        except asyncio.CancelledError:
+            self.ctx.store.update_job(job.job_id, state=JobState.CANCELLED, error="the broker stopped")
+            raise
+        except FusionNetError as e:
+            self.failed = str(e)
+            self._fail(str(e))
+        except Exception as e:
+            log.exception("deployment %s: internal error", job.spec.name)
+            self.failed = f"internal error: {type(e).__name__}: {e}"
+            self._fail(self.failed)
+        finally:
+            self.placed.clear()
+            self.watch.detach()
+            await self._release_all("undeployed")
+            self._update_job_gauges()
+
+    def _checkpoint(self) -> Checkpoint:
+        return Checkpoint(0, self.job.state, {}, [])
+
+    async def _place(self, replan: replanning.Replan) -> None:
+        self.placed.clear()
+        await self._place_and_assign(self._checkpoint(), None, replan)
+        assert self.partition is not None
+        names = {n.name for n in self.job.graph.nodes if n.kind == "placeholder"}
+        self._readers = {s.index for s in self.partition.subdags if names & set(s.placeholders)}
+        self._next_step = 0
+        self.placed.set()
+
+    async def _replace(self, attempt: int, error: Exception) -> None:
+        """A batch on placement ``attempt`` failed: place again (once per failed placement)."""
+        async with self._replacing:
+            if self.attempt != attempt or self.stopping.is_set():
+                return  # another batch re-placed it already
+            dead = error.dead if isinstance(error, PeerFailure) else set()
+            self.dead |= dead
+            log.warning("deployment %s: batch failed (%s); placing it again", self.job.spec.name, error)
+            self.ctx.metrics.failovers.inc(len(dead))
+            self.ctx.store.add_job_event(
+                self.job.job_id, "failover", {"dead": sorted(dead), "why": str(error)[:300]}
+            )
+            await self._place(replanning.failure(dead))  # no one dead: the same compnodes, assigned afresh
+
+    # ---- batches ---------------------------------------------------------------------------------
+    async def run_batch(self, rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+        """Outputs for ``rows`` (one per row), on the current placement; re-placed and retried on failure."""
+        n = int(rows.shape[0])
+        count = -(-n // self.mb_rows)
+        padded = torch.cat([rows, rows[-1:].expand(count * self.mb_rows - n, *rows.shape[1:])])
+        sizes = [self.mb_rows] * count
+        blob = pack_tensors(
+            {
+                f"{i}/inputs": padded[i * self.mb_rows : (i + 1) * self.mb_rows].contiguous()
+                for i in range(count)
+            }
+        )
+        picks = None if pick is None else [*pick, *[pick[-1]] * (count * self.mb_rows - n)]
+        error: Exception | None = None
+        for _ in range(BATCH_ATTEMPTS):
+            await asyncio.wait_for(self.placed.wait(), BATCH_TIMEOUT)
+            attempt, step = self.attempt, self._next_step
+            started = time.perf_counter()
+            self._next_step += 1
+            try:
+                replies = await self.watch.guarded(self._serve(step, sizes, blob, picks))
+            except (PeerFailure, FusionNetError, TimeoutError) as e:
+                error = e
+                await self._replace(attempt, e)
+                continue
+            self._count(replies, time.perf_counter() - started)
+            return self._outputs_of(replies)[:n]
+        raise ExecutionError(f"deployment {self.job.spec.name}: batch failed {BATCH_ATTEMPTS} times: {error}")
+
+    async def _serve(
+        self, step: int, sizes: list[int], blob: bytes, picks: list[int] | None
+    ) -> list[ServeStepReply]:
+        calls = []
+        for i, peer in enumerate(self.peers):
+            request = ServeStepRequest(
+                job_id=self.job.job_id,
+                step=step,
+                sizes=sizes,
+                data=blob if i in self._readers else b"",
+                pick=picks,
+            )
+            calls.append(self.serving.call_serve_step(peer, request, timeout=BATCH_TIMEOUT))
+        return await asyncio.wait_for(gather(calls), BATCH_TIMEOUT)
+
+    def _count(self, replies: list[ServeStepReply], seconds: float) -> None:
+        if len(self.stage_seconds) != len(replies):
+            self.stage_seconds = [0.0] * len(replies)
+        self.batches += 1
+        self.batch_seconds += seconds
+        for i, r in enumerate(replies):
+            self.stage_seconds[i] += r.fp_seconds
+
+    def timing(self) -> dict[str, object]:
+        """Mean wall seconds per batch, and per sub-DAG the mean FP seconds (for ``status``)."""
+        n = max(self.batches, 1)
+        return {
+            "batch_seconds_mean": self.batch_seconds / n,
+            "stage_fp_seconds_mean": [s / n for s in self.stage_seconds],
+        }
+
+    def _outputs_of(self, replies: list[ServeStepReply]) -> torch.Tensor:
+        blobs = [unpack_tensors(r.outputs, "batch outputs") for r in replies if r.outputs is not None]
+        if not blobs:
+            raise ExecutionError("no compnode answered with the model's outputs")
+        joined = join_outputs(blobs[:1])
+        if "outputs" not in joined:
+            raise ExecutionError("the model's output holds no tensor")
+        return joined["outputs"]
+
+    async def stop(self) -> None:
+        self.stopping.set()

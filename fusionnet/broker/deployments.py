@@ -1,0 +1,247 @@
+"""Deployments on the broker (issue 14): the ``deploy``/``undeploy``/``deployments`` RPCs and the HTTP API.
+
+``deploy`` checks the submission as ``submit_job`` does (IR through the allowlist, state against the IR,
+example data against the spec), creates a job row (so the deployment shows in ``fusionnet status`` and
+its placement events are recorded like a job's), starts a ``DeploymentRun`` and answers once the
+sub-DAGs are assigned, with the endpoint URL. Each deployment gets a ``DynamicBatcher`` feeding its
+run, which the HTTP API (``fusionnet.serving.http``, on ``--http-port``) looks up by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from fusionnet.broker.checkpoints import JobFiles
+from fusionnet.broker.context import JobContext
+from fusionnet.broker.deployment_run import DeploymentRun
+from fusionnet.broker.submission import SubmittedJob, check_submission
+from fusionnet.dag.codec import decode_ir
+from fusionnet.errors import ExecutionError, JobError
+from fusionnet.messages.base import handles
+from fusionnet.messages.blobs import unpack_tensors
+from fusionnet.messages.serving_rpc import (
+    DeploymentsReply,
+    DeploymentsRequest,
+    DeployReply,
+    DeployRequest,
+    ServingClient,
+    UndeployReply,
+    UndeployRequest,
+)
+from fusionnet.rpc.server import RPCContext
+from fusionnet.serving.batching import BatchStats, DynamicBatcher
+from fusionnet.serving.generation import Window
+from fusionnet.serving.http import build_app
+from fusionnet.serving.served import ServedModel, ServingObserver
+from fusionnet.serving.tokenizers import CharTokenizer, load_tokenizer
+
+log = logging.getLogger("fusionnet.broker.deployments")
+
+MAX_DEPLOYMENTS = 8
+PLACE_TIMEOUT = 180.0  # ``deploy`` answers once placed, or fails after this long
+
+
+class DeploymentService:
+    name = "deployments"
+
+    def __init__(
+        self,
+        context: JobContext,
+        serving: ServingClient,
+        *,
+        http_host: str = "127.0.0.1",
+        http_port: int | None = None,
+        observer: ServingObserver | None = None,
+    ) -> None:
+        self.ctx = context
+        self.serving = serving
+        self.http_host, self.http_port = http_host, http_port
+        self.observer = observer
+        self.served: dict[str, ServedModel] = {}
+        self.runs: dict[str, DeploymentRun] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._runner: web.AppRunner | None = None
+        self.url: str | None = None
+
+    # ---- ``Deployments`` for the HTTP API ------------------------------------------------------
+    def get(self, name: str) -> ServedModel | None:
+        return self.served.get(name)
+
+    def all(self) -> list[ServedModel]:
+        return list(self.served.values())
+
+    def describe(self) -> list[dict[str, object]]:
+        """For ``status``: name, kind, job id, compnodes, batches served, queued rows."""
+        out = []
+        for name, model in self.served.items():
+            run = self.runs[name]
+            placement = run.progress.placement  # per sub-DAG: peer, nodes, predicted seconds per step
+            out.append(
+                model.describe()
+                | {
+                    "peers": list(run.peers),
+                    "batches": run.batches,
+                    "attempt": run.attempt,
+                    "placement": placement,
+                    "predicted_step_seconds": run.predicted_step,
+                    "max_batch": model.batcher.max_batch,
+                    **run.timing(),
+                }
+            )
+        return out
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.http_port is None:
+            return
+        self._runner = web.AppRunner(build_app(self, self.observer), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.http_host, self.http_port)
+        await site.start()
+        sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+        port = sockets[0].getsockname()[1] if sockets else self.http_port
+        host = self.http_host if ":" not in self.http_host else f"[{self.http_host}]"
+        self.url = f"http://{host}:{port}"
+        log.info("HTTP API on %s", self.url)
+
+    async def stop(self) -> None:
+        for name in list(self.served):
+            await self._undeploy(name, "the broker stops")
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _on_batch(self, name: str) -> Callable[[BatchStats], None]:
+        def observe(stats: BatchStats) -> None:
+            model = self.served.get(name)
+            if self.observer is not None and model is not None:
+                self.observer.observe_batch(name, stats.rows, stats.seconds, model.batcher.queued_rows)
+
+        return observe
+
+    @property
+    def folder(self) -> Path:
+        return self.ctx.jobs_dir.parent / "deployments"
+
+    # ---- RPC -----------------------------------------------------------------------------------
+    @handles(DeployRequest)
+    async def rpc_deploy(self, request: DeployRequest, context: RPCContext) -> DeployReply:
+        name = request.name
+        if name in self.served:
+            raise JobError(f"a deployment named {name!r} exists already; undeploy it first or pick --name")
+        if len(self.served) >= MAX_DEPLOYMENTS:
+            raise JobError(f"the broker already serves {MAX_DEPLOYMENTS} deployments")
+        job = await self._accept(request, context.remote_peer)
+        try:
+            run = DeploymentRun(self.ctx, job, self.folder / job.job_id, self.serving)
+            window = _window(run) if request.kind == "generate" else None
+            tokenizer = None
+            if request.tokenizer:
+                tokenizer = await asyncio.to_thread(
+                    load_tokenizer, request.tokenizer, self.folder / job.job_id
+                )
+            elif request.vocab:
+                tokenizer = CharTokenizer(request.vocab)
+        except Exception as e:
+            self.ctx.store.update_job(job.job_id, state="FAILED", error=str(e)[:500])
+            raise
+        batcher = DynamicBatcher(
+            run.run_batch,
+            max_batch=job.spec.batch_size,
+            max_wait=request.settings.max_wait_ms / 1000.0,
+            queue_limit=request.settings.queue_limit,
+            in_flight=request.settings.in_flight,
+            on_batch=self._on_batch(name),
+        )
+        model = ServedModel(
+            name=name,
+            kind=request.kind,
+            job_id=job.job_id,
+            row_shape=run.row_shape,
+            row_dtype=run.row_dtype,
+            batcher=batcher,
+            window=window,
+            tokenizer=tokenizer,
+        )
+        task = asyncio.get_running_loop().create_task(run.run(), name=f"deployment-{name}")
+        self.runs[name], self._tasks[name], self.served[name] = run, task, model
+        placed = asyncio.ensure_future(run.placed.wait())
+        await asyncio.wait({placed, task}, timeout=PLACE_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+        placed.cancel()
+        if not run.placed.is_set():
+            why = run.failed or f"not placed within {PLACE_TIMEOUT:g} s"
+            await self._undeploy(name, why)
+            raise ExecutionError(f"deployment {name}: {why}")
+        model.compnodes = len(run.peers)
+        batcher.start()
+        log.info("deployment %s (%s) on %d compnodes", name, request.kind, len(run.peers))
+        return DeployReply(name=name, job_id=job.job_id, compnodes=len(run.peers), url=self.url)
+
+    async def _accept(self, request: DeployRequest, submitter: str) -> SubmittedJob:
+        sub = request.submission
+        spec = sub.spec
+        if spec.task != "infer":
+            raise JobError(f"deploy: the submission's task must be infer, got {spec.task!r}")
+        graph = await asyncio.to_thread(decode_ir, sub.ir)
+        if graph.task != "infer":
+            raise JobError(f"deploy: the IR was traced for task {graph.task!r}, not infer")
+        job_id = secrets.token_hex(6)
+        files = JobFiles(self.folder / job_id)
+        data = unpack_tensors(sub.data, "deploy: data")
+        try:
+            state = await asyncio.to_thread(files.write_submitted_state, sub.state)
+            await asyncio.to_thread(check_submission, graph, state, data, spec)
+        except BaseException:
+            files.forget()
+            raise
+        self.ctx.store.create_job(job_id, f"deploy:{request.name}", steps=0, submitter=submitter)
+        return SubmittedJob(job_id, spec, sub.ir, graph, state, data, submitter)
+
+    @handles(UndeployRequest)
+    async def rpc_undeploy(self, request: UndeployRequest, context: RPCContext) -> UndeployReply:
+        if request.name not in self.served:
+            raise JobError(f"no deployment named {request.name!r}")
+        await self._undeploy(request.name, f"undeployed by {context.remote_peer}")
+        return UndeployReply(name=request.name, undeployed=True, message=f"{request.name} undeployed")
+
+    @handles(DeploymentsRequest)
+    async def rpc_deployments(self, request: DeploymentsRequest, context: RPCContext) -> DeploymentsReply:
+        return DeploymentsReply(deployments=self.describe(), url=self.url)
+
+    async def _undeploy(self, name: str, why: str) -> None:
+        model = self.served.pop(name, None)
+        run, task = self.runs.pop(name, None), self._tasks.pop(name, None)
+        log.info("deployment %s: %s", name, why)
+        if model is not None:
+            await model.batcher.close()
+            if self.observer is not None:
+                self.observer.forget_deployment(name)
+        if run is not None:
+            await run.stop()
+        if task is not None:
+            try:
+                await asyncio.wait_for(task, 30.0)
+            except (TimeoutError, asyncio.CancelledError):
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self.ctx.refresh_job_metrics()
+
+
+def _window(run: DeploymentRun) -> Window:
+    """A causal LM's context window (the traced sequence length) and vocabulary (its logits' last dim)."""
+    if len(run.row_shape) != 1 or run.row_dtype not in (torch.long, torch.int32):
+        raise JobError(
+            f"generate: the model must read token ids [batch, sequence] as integers, its 'inputs' is "
+            f"{list(run.row_shape)} {run.row_dtype}"
+        )
+    graph = run.job.graph
+    meta = graph.node(graph.output.input_names()[0]).meta
+    if not (isinstance(meta, dict) and "shape" in meta and len(meta["shape"]) == 3):
+        raise JobError("generate: the model's first output must be logits [batch, sequence, vocabulary]")
+    return Window(context=run.row_shape[0], vocab=int(meta["shape"][2]), dtype=run.row_dtype)

@@ -1,0 +1,97 @@
+"""``fusionnet deploy JOB.yaml --initial-peers ... [--name NAME]`` and ``fusionnet undeploy NAME``.
+
+``deploy`` traces the job's model here, places it on the swarm's compnodes as a resident deployment
+(task ``infer``: any model; ``generate``: a causal LM whose forward returns logits), prints its name and
+the broker's HTTP endpoint, and exits; the deployment lives on the swarm until ``undeploy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+from pathlib import Path
+from typing import Any
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def _name(text: str) -> str:
+    if not NAME.match(text):
+        raise argparse.ArgumentTypeError(
+            f"{text[:80]!r}: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return text
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "deploy",
+        help="place a model on the swarm and keep it resident (HTTP API on the broker)",
+        description="Traces the job's model here and deploys it: the broker places its sub-DAGs on compnodes "
+        "and keeps them resident, serving POST /v1/infer (task infer) or the OpenAI-compatible "
+        "POST /v1/completions (task generate) on its --http-port. Prints the deployment name and the "
+        "endpoint URL, then exits.",
+    )
+    p.add_argument("job", type=Path, help="job definition file (YAML), task infer or generate")
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    p.add_argument("--name", type=_name, help="deployment name (default: the job's name)")
+    p.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=5.0,
+        metavar="MS",
+        help="a batch waits this long to fill (default 5)",
+    )
+    p.add_argument(
+        "--queue-limit",
+        type=int,
+        default=1024,
+        metavar="ROWS",
+        help="rows waiting at most; beyond, requests get 503 (default 1024)",
+    )
+    p.add_argument(
+        "--wait-compnodes",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="wait this long for compnodes (default 60)",
+    )
+    p.add_argument(
+        "--allow-outside-paths", action="store_true", help="allow job paths outside the job file's folder"
+    )
+    p.set_defaults(func=run)
+    u = subparsers.add_parser(
+        "undeploy", help="release a deployment's compnodes", description="Ends deployment NAME."
+    )
+    u.add_argument("name", type=_name, help="deployment name")
+    u.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    u.set_defaults(func=run_undeploy)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fusionnet.messages.serving_rpc import ServingSettings
+    from fusionnet.runtime.deploy import deploy
+
+    settings = ServingSettings(max_wait_ms=args.max_wait_ms, queue_limit=args.queue_limit)
+    reply = asyncio.run(
+        deploy(
+            args.job,
+            args.initial_peers,
+            name=args.name,
+            settings=settings,
+            allow_outside_paths=args.allow_outside_paths,
+            wait_compnodes=args.wait_compnodes,
+        )
+    )
+    print(f"deployed {reply.name} (job {reply.job_id}) on {reply.compnodes} compnodes")
+    print(reply.url if reply.url else "the broker serves no HTTP API (start it with --http-port)")
+    return 0
+
+
+def run_undeploy(args: argparse.Namespace) -> int:
+    from fusionnet.runtime.deploy import undeploy
+
+    reply = asyncio.run(undeploy(args.name, args.initial_peers))
+    print(reply.message or f"{reply.name} undeployed")
+    return 0 if reply.undeployed else 1

@@ -1,0 +1,103 @@
+"""Deployments on the wire: the broker's ``deploy``/``undeploy``/``deployments`` methods and the
+compnode's ``serve_step`` (one request batch through a resident sub-DAG), with ``ServingClient``.
+
+A deployment is a long-lived ``infer`` placement: ``deploy`` carries a submission (IR, state, example
+data, run spec) like ``submit_job``, plus the deployment's name, kind (``infer`` or ``generate``) and its
+batching settings. The broker assigns the sub-DAGs with the ordinary ``assign`` and then drives
+``serve_step`` calls whose data comes with the call instead of from the assigned dataset.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from fusionnet.messages.base import Caller, JobId, Message, TypedCaller
+from fusionnet.messages.broker_rpc import SubmitJobRequest
+
+# Deployment names go into URLs and the OpenAI ``model`` field: a conservative alphabet.
+DeploymentName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+MAX_PICKS = 1 << 16
+
+
+class ServingSettings(Message):
+    """How a deployment batches requests (``fusionnet.serving.batching``)."""
+
+    max_wait_ms: Annotated[float, Field(ge=0.0, le=10_000.0)] = 5.0  # a batch waits this long to fill
+    queue_limit: Annotated[int, Field(ge=1, le=1 << 20)] = 1024  # rows waiting; beyond: 503
+    in_flight: Annotated[int, Field(ge=1, le=2)] = 2  # batches in the pipeline at once
+
+
+class DeployRequest(Message):
+    name: DeploymentName
+    kind: Literal["infer", "generate"]
+    submission: SubmitJobRequest  # its spec's task is infer: compnodes run the forward pass only
+    settings: ServingSettings = ServingSettings()
+    tokenizer: dict[str, bytes] | None = None  # files of the model folder's tokenizer (generate)
+    # text data (``data.path: *.txt``): token id -> character, the job's own tokenizer (generate)
+    vocab: Annotated[list[Annotated[str, Field(max_length=16)]], Field(max_length=1 << 20)] | None = None
+
+
+class DeployReply(Message):
+    name: str
+    job_id: JobId
+    compnodes: int
+    url: str | None = None  # the broker's HTTP endpoint, when it serves one
+
+
+class UndeployRequest(Message):
+    name: DeploymentName
+
+
+class UndeployReply(Message):
+    name: str
+    undeployed: bool
+    message: str = ""
+
+
+class DeploymentsRequest(Message):
+    pass
+
+
+class DeploymentsReply(Message):
+    deployments: list[dict[str, Any]]
+    url: str | None = None
+
+
+class ServeStepRequest(Message):
+    """One batch of ``sizes`` rows per micro-batch: ``data`` holds ``"<micro-batch>/<field>"`` tensors
+    for the sub-DAGs that read placeholders (empty for the others); ``pick`` (optional, per row of the
+    batch) keeps only that position of dimension 1 of every output (a causal LM's logits at each
+    row's last token)."""
+
+    job_id: JobId
+    step: Annotated[int, Field(ge=0)]
+    sizes: Annotated[list[Annotated[int, Field(ge=1, le=1 << 20)]], Field(min_length=1, max_length=4096)]
+    data: bytes = b""
+    pick: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PICKS)] | None = None
+
+
+class ServeStepReply(Message):
+    step: Annotated[int, Field(ge=0)]
+    fp_seconds: Annotated[float, Field(ge=0.0)] = 0.0
+    outputs: bytes | None = None  # the sub-DAG that holds the model's output: "<micro-batch>/<leaf>"
+
+
+class ServingClient(TypedCaller):
+    """Typed calls of deployments: to the broker (deploy, undeploy, deployments) and to compnodes."""
+
+    def __init__(self, call: Caller) -> None:
+        super().__init__(call)
+
+    async def call_deploy(self, peer: str, request: DeployRequest, **kw: Any) -> DeployReply:
+        return await self.call_typed(peer, "deploy", request, DeployReply, **kw)
+
+    async def call_undeploy(self, peer: str, request: UndeployRequest, **kw: Any) -> UndeployReply:
+        return await self.call_typed(peer, "undeploy", request, UndeployReply, **kw)
+
+    async def call_deployments(self, peer: str, request: DeploymentsRequest, **kw: Any) -> DeploymentsReply:
+        return await self.call_typed(peer, "deployments", request, DeploymentsReply, **kw)
+
+    async def call_serve_step(self, peer: str, request: ServeStepRequest, **kw: Any) -> ServeStepReply:
+        return await self.call_typed(peer, "serve_step", request, ServeStepReply, **kw)

@@ -1,0 +1,101 @@
+"""The broker's serving metrics (issue 14): requests and tokens by deployment, time to first token and
+inter-token latency, batch sizes and times, queue depth. ``BrokerMetrics.serving`` is one of these, and it
+is the ``ServingObserver`` the HTTP API and the batchers report to.
+
+Series per deployment are removed by ``forget_deployment`` when it is undeployed (a broker serves at most
+a handful at once, so the ``deployment`` label stays bounded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+ENDPOINTS = ("/v1/completions", "/v1/infer", "/v1/models")
+
+
+class ServingMetrics:
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "fusionnet_serving_requests_total",
+            "HTTP API requests by deployment, endpoint and status code",
+            ["deployment", "endpoint", "code"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "fusionnet_serving_tokens_total",
+            "Tokens by deployment; kind: prompt|completion",
+            ["deployment", "kind"],
+            registry=r,
+        )
+        self.first_token = Histogram(
+            "fusionnet_serving_time_to_first_token_seconds",
+            "Time from a completion's start to its first generated token",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "fusionnet_serving_inter_token_seconds",
+            "Time between two generated tokens of one choice",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_rows = Histogram(
+            "fusionnet_serving_batch_rows",
+            "Rows (samples, or sessions' tokens) per batch sent through the pipeline",
+            ["deployment"],
+            buckets=BATCH_ROW_BUCKETS,
+            registry=r,
+        )
+        self.batch_duration = Histogram(
+            "fusionnet_serving_batch_duration_seconds",
+            "Wall time of one batch through every sub-DAG of the deployment",
+            ["deployment"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_rows = Gauge(
+            "fusionnet_serving_queue_rows",
+            "Rows waiting for a batch, by deployment",
+            ["deployment"],
+            registry=r,
+        )
+        self.deployments = Gauge(
+            "fusionnet_serving_deployments", "Deployments this broker serves", registry=r
+        )
+
+    # ---- ``ServingObserver`` ---------------------------------------------------------------------
+    def observe_request(self, deployment: str, endpoint: str, status: int) -> None:
+        endpoint = endpoint if endpoint in ENDPOINTS else "other"
+        self.requests.labels(deployment=deployment, endpoint=endpoint, code=str(status)).inc()
+
+    def observe_tokens(self, deployment: str, prompt: int, completion: int) -> None:
+        self.tokens.labels(deployment=deployment, kind="prompt").inc(prompt)
+        self.tokens.labels(deployment=deployment, kind="completion").inc(completion)
+
+    def observe_first_token(self, deployment: str, seconds: float) -> None:
+        self.first_token.labels(deployment=deployment).observe(max(0.0, seconds))
+
+    def observe_inter_token(self, deployment: str, seconds: float) -> None:
+        self.inter_token.labels(deployment=deployment).observe(max(0.0, seconds))
+
+    def observe_batch(self, deployment: str, rows: int, seconds: float, queued_rows: int) -> None:
+        self.batch_rows.labels(deployment=deployment).observe(rows)
+        self.batch_duration.labels(deployment=deployment).observe(max(0.0, seconds))
+        self.queue_rows.labels(deployment=deployment).set(queued_rows)
+
+    def forget_deployment(self, deployment: str) -> None:
+        for metric in (
+            self.first_token,
+            self.inter_token,
+            self.batch_rows,
+            self.batch_duration,
+            self.queue_rows,
+        ):
+            with contextlib.suppress(KeyError):
+                metric.remove(deployment)

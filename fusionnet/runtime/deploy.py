@@ -1,0 +1,81 @@
+"""``fusionnet deploy`` / ``undeploy`` from the user's machine: trace the model here (user code runs only
+on the deployer's machine, as for ``submit``), send the submission as a deployment, wait until the broker
+has placed it; or ask the broker to release one.
+
+The tokenizer of a ``generate`` deployment is the model folder's (the weights folder when
+``model.weights`` is one, else the job file's folder): its JSON/text files travel with the deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from fusionnet.job.loader import LoadedJob, load_job
+from fusionnet.job.parse import load_job_spec
+from fusionnet.messages.broker_rpc import BrokerClient
+from fusionnet.messages.serving_rpc import (
+    DeployReply,
+    DeployRequest,
+    ServingClient,
+    ServingSettings,
+    UndeployReply,
+    UndeployRequest,
+)
+from fusionnet.runtime.jobcontrol import DEFAULT_WAIT_COMPNODES, wait_for_compnodes
+from fusionnet.runtime.submit import submission_payload
+from fusionnet.serving.tokenizers import tokenizer_files
+
+DEPLOY_TIMEOUT = 300.0  # the broker answers once the sub-DAGs are assigned
+UNDEPLOY_TIMEOUT = 60.0
+
+
+def model_folder(job: LoadedJob) -> Path:
+    weights = job.spec.model.weights
+    if weights is not None and (job.base_dir / weights).is_dir():
+        return (job.base_dir / weights).resolve()
+    return job.base_dir
+
+
+async def deploy(
+    job_path: Path,
+    initial_peers: Sequence[str],
+    *,
+    name: str | None = None,
+    settings: ServingSettings | None = None,
+    allow_outside_paths: bool = False,
+    wait_compnodes: float = DEFAULT_WAIT_COMPNODES,
+    stream: TextIO = sys.stderr,
+) -> DeployReply:
+    from fusionnet.daemon.observer import SwarmObserver
+
+    kind = "generate" if load_job_spec(job_path).task == "generate" else "infer"
+    job = load_job(job_path, allow_outside_paths=allow_outside_paths, deployment=True)
+    submission = await asyncio.to_thread(submission_payload, job)
+    tokenizer = await asyncio.to_thread(tokenizer_files, model_folder(job)) if kind == "generate" else None
+    request = DeployRequest(
+        name=name or job.spec.name,
+        kind=kind,
+        submission=submission,
+        settings=settings or ServingSettings(),
+        tokenizer=tokenizer,
+        vocab=job.vocab if kind == "generate" and tokenizer is None else None,
+    )
+    async with SwarmObserver(initial_peers) as observer:
+        broker = await observer.find_broker()
+        await wait_for_compnodes(
+            BrokerClient(observer.call), broker, submission.spec.compnodes, wait_compnodes, stream
+        )
+        return await ServingClient(observer.call).call_deploy(broker, request, timeout=DEPLOY_TIMEOUT)
+
+
+async def undeploy(name: str, initial_peers: Sequence[str]) -> UndeployReply:
+    from fusionnet.daemon.observer import SwarmObserver
+
+    async with SwarmObserver(initial_peers) as observer:
+        broker = await observer.find_broker()
+        request = UndeployRequest(name=name)
+        return await ServingClient(observer.call).call_undeploy(broker, request, timeout=UNDEPLOY_TIMEOUT)

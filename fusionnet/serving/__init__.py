@@ -1,0 +1,17 @@
+"""Serving deployed models (issue 14): dynamic batching, sampling, generation sessions, the HTTP API
+(OpenAI-compatible ``/v1/completions`` and ``/v1/models``, plus ``/v1/infer``) and a small client.
+
+The broker hosts it (``broker.deployments``); nothing here knows about compnodes: a deployment is a
+``ServedModel`` whose batcher runs batches through a callable the broker supplies.
+
+Map of the package:
+
+- ``served.py``       ``ServedModel``, the ``Deployments`` lookup, ``ApiError``, ``ServingObserver``.
+- ``batching.py``     ``DynamicBatcher``: bounded wait, max batch, bounded queue, batches in flight.
+- ``sampling.py``     greedy, temperature, top-p, seeded generators.
+- ``generation.py``   one session per choice: a token at a time through the batcher (``Window``).
+- ``completions.py``  ``POST /v1/completions``: request model, prompts, choices, server-sent events.
+- ``http.py``         the aiohttp application and its error middleware.
+- ``tokenizers.py``   the model folder's tokenizer files, sent by ``deploy`` and loaded on the broker.
+- ``client.py``       ``ServingClient``-free HTTP client for users and tests (``FusionNetClient``).
+"""

@@ -1,0 +1,196 @@
+"""Dynamic batching with a bounded wait, a bounded queue and several batches in flight.
+
+Requests bring rows (samples); the batcher packs the rows of whatever requests are waiting into a batch
+of at most ``max_batch`` rows, waiting at most ``max_wait`` seconds after the first row for more (only
+while another batch is in the pipeline: an idle one takes what is there at once), and
+keeps up to ``in_flight`` batches in the pipeline at once: while batch ``k`` is in the last sub-DAG,
+batch ``k + 1`` already runs in the first one, so throughput approaches the bottleneck stage (FusionAI
+eq. (4)) rather than the whole pipeline's latency (eq. (3)).
+
+Overload is answered, never queued without bound: when more than ``queue_limit`` rows wait,
+``submit`` raises ``Overloaded`` at once (the HTTP layer answers 503). A request larger than
+``max_batch`` rows is cut into several batches and joined again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("fusionnet.serving")
+
+# rows (n, ...) and, per row, the position of dim 1 to keep (or None) -> outputs, one row per input row
+RunBatch = Callable[[torch.Tensor, list[int] | None], Awaitable[torch.Tensor]]
+
+
+class Overloaded(Exception):
+    """The deployment's queue is full: try again later (HTTP 503)."""
+
+
+class Closed(Exception):
+    """The deployment is going away: no more requests."""
+
+
+@dataclass
+class _Item:
+    rows: torch.Tensor
+    pick: list[int] | None
+    future: asyncio.Future[torch.Tensor]
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class BatchStats:
+    """What the metrics read after each batch (``on_batch``): rows, seconds queued, seconds run."""
+
+    rows: int
+    waited: float
+    seconds: float
+
+
+class DynamicBatcher:
+    def __init__(
+        self,
+        run_batch: RunBatch,
+        *,
+        max_batch: int,
+        max_wait: float,
+        queue_limit: int,
+        in_flight: int = 2,
+        on_batch: Callable[[BatchStats], None] | None = None,
+    ) -> None:
+        if max_batch < 1 or queue_limit < 1 or in_flight < 1 or max_wait < 0:
+            raise ValueError("max_batch, queue_limit and in_flight must be >= 1 and max_wait >= 0")
+        self.run_batch = run_batch
+        self.max_batch, self.max_wait, self.queue_limit = max_batch, max_wait, queue_limit
+        self.on_batch = on_batch
+        self._queue: list[_Item] = []
+        self._queued_rows = 0
+        self._arrived = asyncio.Event()
+        self._slots = asyncio.Semaphore(in_flight)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def queued_rows(self) -> int:
+        return self._queued_rows
+
+    @property
+    def running(self) -> int:
+        return len(self._tasks)
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._collect(), name="batcher")
+
+    async def close(self) -> None:
+        """Fails whatever waits with ``Closed`` and stops the batches in flight."""
+        self._closed = True
+        for item in self._queue:
+            if not item.future.done():
+                item.future.set_exception(Closed("the deployment was undeployed"))
+        self._queue.clear()
+        self._queued_rows = 0
+        tasks = [t for t in (self._loop_task, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def submit(self, rows: torch.Tensor, pick: list[int] | None = None) -> torch.Tensor:
+        """The outputs for ``rows`` (one per row, in order); ``Overloaded`` when the queue is full."""
+        if self._closed:
+            raise Closed("the deployment was undeployed")
+        n = int(rows.shape[0])
+        if self._queued_rows + n > self.queue_limit:
+            raise Overloaded(f"{self._queued_rows} rows already wait (limit {self.queue_limit})")
+        loop = asyncio.get_running_loop()
+        futures = []
+        for start in range(0, n, self.max_batch):  # a big request: several batches, joined again
+            stop = min(n, start + self.max_batch)
+            item = _Item(rows[start:stop], None if pick is None else pick[start:stop], loop.create_future())
+            self._queue.append(item)
+            self._queued_rows += stop - start
+            futures.append(item.future)
+        self._arrived.set()
+        parts = await asyncio.gather(*futures)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    # ---- the collector -------------------------------------------------------------------------
+    async def _collect(self) -> None:
+        while True:
+            while not self._queue:
+                self._arrived.clear()
+                await self._arrived.wait()
+            await self._slots.acquire()  # a free pipeline slot first: rows keep gathering meanwhile
+            # An idle pipeline takes what waits now (a lone client pays no wait per token); a busy one
+            # waits up to ``max_wait`` after the oldest row for the batch to fill.
+            deadline = self._queue[0].queued_at + (self.max_wait if self._tasks else 0.0)
+            while self._rows_waiting() < self.max_batch and time.monotonic() < deadline:
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    break
+            batch = self._take()
+            if not batch:
+                self._slots.release()
+                continue
+            task = asyncio.get_running_loop().create_task(self._run(batch), name="batch")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _rows_waiting(self) -> int:
+        return sum(int(i.rows.shape[0]) for i in self._queue if not i.future.done())
+
+    def _take(self) -> list[_Item]:
+        """Whole requests (never split here) up to ``max_batch`` rows, oldest first."""
+        batch: list[_Item] = []
+        rows = 0
+        while self._queue:
+            item = self._queue[0]
+            n = int(item.rows.shape[0])
+            if batch and rows + n > self.max_batch:
+                break
+            self._queue.pop(0)
+            self._queued_rows -= n
+            if item.future.done():  # its client went away
+                continue
+            batch.append(item)
+            rows += n
+        return batch
+
+    async def _run(self, batch: list[_Item]) -> None:
+        started = time.monotonic()
+        n_rows = sum(int(i.rows.shape[0]) for i in batch)
+        try:
+            rows = torch.cat([i.rows for i in batch])
+            picks = None
+            if any(i.pick is not None for i in batch):
+                picks = [p for i in batch for p in (i.pick or [0] * int(i.rows.shape[0]))]
+            out = await self.run_batch(rows, picks)
+            offset = 0
+            for item in batch:
+                n = int(item.rows.shape[0])
+                if not item.future.done():
+                    item.future.set_result(out[offset : offset + n])
+                offset += n
+        except asyncio.CancelledError:
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(Closed("the deployment was undeployed"))
+            raise
+        except Exception as e:
+            log.warning("batch of %d requests failed: %s", len(batch), e)
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(e)
+        finally:
+            self._slots.release()
+        if self.on_batch is not None:
+            waited = started - min(i.queued_at for i in batch)
+            self.on_batch(BatchStats(n_rows, waited, time.monotonic() - started))

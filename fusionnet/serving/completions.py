@@ -1,0 +1,186 @@
+"""``POST /v1/completions``, OpenAI's subset: the request model, prompts to token ids, one ``ChoiceRun`` per
+prompt (timed for the metrics), the JSON reply's parts and server-sent events for ``stream``.
+
+Each ``choices[i]`` carries ``token_ids`` (always: the generated ids) and ``text`` (decoded by the model
+folder's tokenizer when the deployment has one, else ""). Generation runs for ``max_tokens`` tokens
+(``finish_reason`` "length"): stop sequences and end-of-text are not looked at yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from fusionnet.serving.generation import check_prompt, generate
+from fusionnet.serving.sampling import SamplingParams
+from fusionnet.serving.served import ApiError, ServedModel, ServingObserver
+
+MAX_PROMPTS = 64
+MAX_NEW_TOKENS = 4096
+
+TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+
+
+class CompletionRequest(BaseModel):
+    # Unknown OpenAI fields (user, echo, logprobs, ...) are ignored rather than refused.
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_NEW_TOKENS)] = 16
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    n: Annotated[StrictInt, Field(ge=1, le=8)] = 1
+
+
+def parse_completion(doc: Any) -> CompletionRequest:
+    if not isinstance(doc, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:
+        return CompletionRequest.model_validate(doc)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ())[:1]) or "(body)"
+        raise ApiError(400, f"{where}: {err.get('msg', 'invalid')}"[:300], param=where) from None
+
+
+def encode_prompts(req: CompletionRequest, model: ServedModel) -> list[list[int]]:
+    """The prompts as token-id lists (each repeated ``n`` times), every one checked for the window."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if model.tokenizer is None:
+            raise ApiError(
+                400, "this deployment has no tokenizer: send the prompt as token ids", param="prompt"
+            )
+        try:
+            ids = [list(model.tokenizer.encode(t)) for t in texts]  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ApiError(400, f"prompt: {e}"[:300], param="prompt") from None
+    elif prompt and isinstance(prompt[0], list):
+        ids = [list(p) for p in prompt]  # type: ignore[union-attr]
+    else:
+        ids = [list(prompt)]  # type: ignore[arg-type]
+    if not ids or len(ids) * req.n > MAX_PROMPTS:
+        raise ApiError(400, f"1..{MAX_PROMPTS} prompts (times n) per request", param="prompt")
+    assert model.window is not None
+    for i, p in enumerate(ids):
+        problem = check_prompt(p, req.max_tokens, model.window)
+        if problem is not None:
+            raise ApiError(400, f"prompt {i}: {problem}", param="prompt")
+    return [p for p in ids for _ in range(req.n)]
+
+
+class ChoiceRun:
+    """One choice's generation, timed: time to first token and between tokens go to the observer."""
+
+    def __init__(
+        self,
+        model: ServedModel,
+        prompt: list[int],
+        req: CompletionRequest,
+        params: SamplingParams,
+        index: int,
+        observer: ServingObserver | None,
+    ) -> None:
+        self.model, self.prompt, self.req, self.params = model, prompt, req, params
+        self.index, self.observer = index, observer
+
+    async def events(self) -> AsyncIterator[int]:
+        model, observer = self.model, self.observer
+        assert model.window is not None
+        started = last = time.monotonic()
+        count = 0
+        async for token in generate(
+            model.batcher.submit,
+            model.window,
+            self.prompt,
+            self.req.max_tokens,
+            self.params,
+            self.req.seed,
+            self.index,
+        ):
+            now = time.monotonic()
+            if observer is not None:
+                if count == 0:
+                    observer.observe_first_token(model.name, now - started)
+                else:
+                    observer.observe_inter_token(model.name, now - last)
+            last, count = now, count + 1
+            yield token
+        if observer is not None:
+            observer.observe_tokens(model.name, len(self.prompt), count)
+
+    async def tokens(self) -> list[int]:
+        return [t async for t in self.events()]
+
+
+def completion_id() -> str:
+    return f"cmpl-{secrets.token_hex(12)}"
+
+
+def choice_doc(model: ServedModel, index: int, tokens: list[int], finish: str | None) -> dict[str, Any]:
+    text = model.tokenizer.decode(tokens) if model.tokenizer is not None else ""
+    return {"index": index, "text": text, "token_ids": tokens, "logprobs": None, "finish_reason": finish}
+
+
+def usage(prompts: list[list[int]], choices: list[list[int]]) -> dict[str, int]:
+    p, c = sum(map(len, prompts)), sum(map(len, choices))
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+async def stream_choices(
+    request: web.Request, model: ServedModel, runs: list[ChoiceRun]
+) -> web.StreamResponse:
+    """Server-sent events: one ``data:`` chunk per token (any choice, as they come), a last chunk per
+    choice with its ``finish_reason``, then ``data: [DONE]``. A failure mid-stream is sent as an
+    ``error`` chunk (the status line has gone out already)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    queue: asyncio.Queue[tuple[int, int | BaseException | None]] = asyncio.Queue()
+
+    async def pump(run: ChoiceRun) -> None:
+        try:
+            async for token in run.events():
+                await queue.put((run.index, token))
+            await queue.put((run.index, None))
+        except Exception as e:
+            await queue.put((run.index, e))
+
+    tasks = [asyncio.ensure_future(pump(run)) for run in runs]
+    cid, created = completion_id(), int(time.time())
+
+    async def send(choice: dict[str, Any]) -> None:
+        chunk = {"id": cid, "object": "text_completion", "created": created, "model": model.name}
+        await response.write(f"data: {json.dumps(chunk | {'choices': [choice]})}\n\n".encode())
+
+    try:
+        live = len(runs)
+        while live:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                error = ApiError(503, f"generation failed: {item}"[:300], "server_error").body()
+                await response.write(f"data: {json.dumps(error)}\n\n".encode())
+                break
+            if item is None:
+                live -= 1
+                await send(choice_doc(model, index, [], "length") | {"text": ""})
+            else:
+                await send(choice_doc(model, index, [item], None))
+        else:
+            await response.write(b"data: [DONE]\n\n")
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    await response.write_eof()
+    return response

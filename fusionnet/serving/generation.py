@@ -1,0 +1,74 @@
+"""Text generation over a deployed causal LM: one session per choice, batched per token.
+
+Each session loops: its tokens so far, right-padded to the deployment's context window, go to the
+deployment's batcher as one row with the position of its last token (``pick``), and the row's logits
+there come back; the next token is sampled (``sampling``) and appended. Sessions of every request share
+the batcher, so at each decode iteration the rows of all live sessions travel together (continuous
+batching at iteration level: a new session joins the next batch, a finished one leaves), and several
+batches are in the pipeline at once.
+
+Why padding is exact: the model is causal, so the logits at position ``t`` depend on tokens ``0..t``
+only; what follows the last real token (padding) changes nothing before it.
+
+What this version does not do: keep KV caches on the compnodes. Every token recomputes the whole
+window (prefill cost per token); a session is therefore stateless on the swarm, and a batch that
+fails on a lost compnode is simply run again on the replacement with the same output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
+
+SubmitRows = Callable[[torch.Tensor, list[int] | None], Awaitable[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Window:
+    """What a deployed causal LM takes: ``context`` token positions of ``dtype``, ids below ``vocab``."""
+
+    context: int
+    vocab: int
+    dtype: torch.dtype = torch.long
+    pad_id: int = 0
+
+
+def check_prompt(prompt: list[int], max_tokens: int, window: Window) -> str | None:
+    """What is wrong with a prompt for this window (None: nothing)."""
+    if not prompt:
+        return "prompt must hold at least one token"
+    bad = next((t for t in prompt if not 0 <= t < window.vocab), None)
+    if bad is not None:
+        return f"token id {bad} is outside the vocabulary (0..{window.vocab - 1})"
+    if len(prompt) + max_tokens > window.context:
+        return (
+            f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the deployment's context "
+            f"window of {window.context} tokens"
+        )
+    return None
+
+
+async def generate(
+    submit: SubmitRows,
+    window: Window,
+    prompt: list[int],
+    max_tokens: int,
+    params: SamplingParams,
+    seed: int | None,
+    choice: int,
+) -> AsyncIterator[int]:
+    """The generated token ids, one at a time (``check_prompt`` must have passed)."""
+    generator = generator_for(seed, choice)
+    tokens = list(prompt)
+    row = torch.full((1, window.context), window.pad_id, dtype=window.dtype)
+    row[0, : len(tokens)] = torch.tensor(tokens, dtype=window.dtype)
+    for _ in range(max_tokens):
+        logits = await submit(row.clone(), [len(tokens) - 1])
+        token = next_token(logits[0], params, generator)
+        row[0, len(tokens)] = token
+        tokens.append(token)
+        yield token

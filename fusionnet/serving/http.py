@@ -1,0 +1,157 @@
+"""The broker's HTTP API (aiohttp): ``GET /v1/models``, ``POST /v1/infer``, ``POST /v1/completions``.
+
+Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request that is
+wrong (naming the field), 404 for an unknown deployment or route, 405 for a wrong method, 413 for a body
+over the limit, 503 when the deployment's queue is full (``Overloaded``) or it is going away, 500 for a
+failure of ours. Nothing a client sends can make a handler wait without bound: the batcher's queue is
+bounded and every batch call to the swarm has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from fusionnet.errors import FusionNetError
+from fusionnet.messages.blobs import pack_tensors, unpack_tensors
+from fusionnet.serving.batching import Closed, Overloaded
+from fusionnet.serving.completions import (
+    ChoiceRun,
+    choice_doc,
+    completion_id,
+    encode_prompts,
+    parse_completion,
+    stream_choices,
+    usage,
+)
+from fusionnet.serving.sampling import SamplingParams
+from fusionnet.serving.served import ApiError, Deployments, ServedModel, ServingObserver
+
+log = logging.getLogger("fusionnet.serving")
+
+MAX_BODY = 64 << 20  # bytes of one request body
+SAFETENSORS = "application/octet-stream"
+DEPLOYMENT = web.RequestKey("deployment", str)  # which deployment a request went to (for the metrics)
+
+
+def build_app(deployments: Deployments, observer: ServingObserver | None = None) -> web.Application:
+    api = _Api(deployments, observer)
+    app = web.Application(client_max_size=MAX_BODY, middlewares=[api.errors])
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/v1/models/{name}", api.model)
+    app.router.add_post("/v1/infer", api.infer)
+    app.router.add_post("/v1/completions", api.completions)
+    return app
+
+
+class _Api:
+    def __init__(self, deployments: Deployments, observer: ServingObserver | None) -> None:
+        self.deployments = deployments
+        self.observer = observer
+
+    # ---- errors --------------------------------------------------------------------------------
+    @web.middleware
+    async def errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            response = await handler(request)
+        except ApiError as e:
+            response = web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
+            kind = "invalid_request_error" if e.status < 500 else "server_error"
+            response = web.json_response(ApiError(e.status, e.reason, kind).body(), status=e.status)
+        except Overloaded as e:
+            response = _error(503, f"the deployment is overloaded: {e}; retry later", "server_overloaded")
+        except Closed as e:
+            response = _error(503, str(e), "server_error")
+        except FusionNetError as e:  # the swarm failed the batch (after the failover's retries)
+            log.warning("%s %s: %s", request.method, request.path, e)
+            response = _error(503, f"the swarm could not run the request: {e}"[:500], "server_error")
+        except Exception as e:
+            log.exception("%s %s failed", request.method, request.path)
+            response = _error(500, f"internal error: {type(e).__name__}", "server_error")
+        if self.observer is not None and request.path.startswith("/v1/"):
+            name = request.get(DEPLOYMENT)
+            if name is not None:
+                self.observer.observe_request(name, request.path, response.status)
+        return response
+
+    def _lookup(self, request: web.Request, name: str | None) -> ServedModel:
+        if name is None:
+            served = self.deployments.all()
+            if len(served) != 1:
+                raise ApiError(400, "say which deployment: 'model' (or ?model=NAME)", param="model")
+            model = served[0]
+        else:
+            found = self.deployments.get(name)
+            if found is None:
+                raise ApiError(404, f"no deployment named {name!r}", param="model", code="model_not_found")
+            model = found
+        request[DEPLOYMENT] = model.name
+        return model
+
+    # ---- routes --------------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [m.describe() for m in self.deployments.all()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        return web.json_response(self._lookup(request, request.match_info["name"]).describe())
+
+    async def infer(self, request: web.Request) -> web.Response:
+        """Body: safetensors with ``inputs`` (first dim = sample); reply: safetensors with ``outputs``."""
+        model = self._lookup(request, request.query.get("model"))
+        body = await request.read()
+        try:
+            tensors = unpack_tensors(body, "request body")
+        except FusionNetError as e:
+            raise ApiError(400, f"the body must be safetensors bytes: {e}"[:300]) from None
+        inputs = tensors.get("inputs")
+        if inputs is None:
+            raise ApiError(400, "the body lacks the tensor 'inputs'", param="inputs")
+        if inputs.dim() == 0 or tuple(inputs.shape[1:]) != model.row_shape or inputs.shape[0] == 0:
+            raise ApiError(
+                400,
+                f"'inputs' is {list(inputs.shape)}; this deployment takes [N, "
+                f"{', '.join(map(str, model.row_shape))}] (N >= 1 samples)",
+                param="inputs",
+            )
+        if inputs.dtype != model.row_dtype:
+            raise ApiError(
+                400, f"'inputs' is {inputs.dtype}, this deployment takes {model.row_dtype}", param="inputs"
+            )
+        outputs = await model.batcher.submit(inputs.contiguous())
+        return web.Response(body=pack_tensors({"outputs": outputs.contiguous()}), content_type=SAFETENSORS)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            doc = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the body must be a JSON object") from None
+        req = parse_completion(doc)
+        model = self._lookup(request, req.model)
+        if model.kind != "generate" or model.window is None:
+            raise ApiError(400, f"deployment {model.name!r} is not a text generation model", param="model")
+        prompts = encode_prompts(req, model)
+        params = SamplingParams(temperature=req.temperature, top_p=req.top_p)
+        runs = [ChoiceRun(model, prompt, req, params, i, self.observer) for i, prompt in enumerate(prompts)]
+        if req.stream:
+            return await stream_choices(request, model, runs)
+        choices = await asyncio.gather(*(run.tokens() for run in runs))
+        return web.json_response(
+            {
+                "id": completion_id(),
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model.name,
+                "choices": [choice_doc(model, i, tokens, "length") for i, tokens in enumerate(choices)],
+                "usage": usage(prompts, choices),
+            }
+        )
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response(ApiError(status, message, kind).body(), status=status)

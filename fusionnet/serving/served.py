@@ -1,0 +1,84 @@
+"""A deployment as the HTTP API sees it: ``ServedModel`` (name, kind, input row, batcher, tokenizer), the
+``Deployments`` it looks them up in, and ``ApiError`` (an OpenAI-style error with its HTTP status)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from fusionnet.serving.batching import DynamicBatcher
+from fusionnet.serving.generation import Window
+
+
+class ApiError(Exception):
+    """Answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        *,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ServedModel:
+    name: str
+    kind: str  # "infer" | "generate"
+    job_id: str
+    row_shape: tuple[int, ...]  # one sample's input shape (the IR's, without the batch dimension)
+    row_dtype: torch.dtype
+    batcher: DynamicBatcher
+    window: Window | None = None  # generate: the context window and vocabulary
+    tokenizer: Any = None  # generate: a transformers tokenizer from the model folder, if it had one
+    compnodes: int = 0
+    created: float = field(default_factory=time.time)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": int(self.created),
+            "owned_by": "fusionnet",
+            "kind": self.kind,
+            "job_id": self.job_id,
+            "compnodes": self.compnodes,
+            "input_shape": list(self.row_shape),
+            "input_dtype": str(self.row_dtype).removeprefix("torch."),
+            "context": None if self.window is None else self.window.context,
+            "tokenizer": self.tokenizer is not None,
+            "queued_rows": self.batcher.queued_rows,
+        }
+
+
+class Deployments(Protocol):
+    def get(self, name: str) -> ServedModel | None: ...
+
+    def all(self) -> list[ServedModel]: ...
+
+
+class ServingObserver(Protocol):
+    """What the HTTP layer reports (``fusionnet.metrics.ServingMetrics`` implements it)."""
+
+    def observe_request(self, deployment: str, endpoint: str, status: int) -> None: ...
+
+    def observe_tokens(self, deployment: str, prompt: int, completion: int) -> None: ...
+
+    def observe_first_token(self, deployment: str, seconds: float) -> None: ...
+
+    def observe_inter_token(self, deployment: str, seconds: float) -> None: ...
+
+    def observe_batch(self, deployment: str, rows: int, seconds: float, queued_rows: int) -> None: ...
+
+    def forget_deployment(self, deployment: str) -> None: ...

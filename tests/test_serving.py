@@ -1,0 +1,296 @@
+"""The serving layer in one process (no swarm): dynamic batching (max batch, bounded queue, batches in
+flight), sampling, the HTTP API's answers and errors over a deployment whose batches run a local model,
+greedy generation through padding equal to ``transformers``' ``generate()``, server-sent events, and the
+compnode's ``pick`` of each row's last position."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+from safetensors.torch import load as load_st
+from safetensors.torch import save as save_st
+
+from fusionnet.compnode.serve_steps import picked
+from fusionnet.serving.batching import DynamicBatcher, Overloaded
+from fusionnet.serving.generation import Window
+from fusionnet.serving.http import build_app
+from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
+from fusionnet.serving.served import ServedModel
+from fusionnet.serving.tokenizers import CharTokenizer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+# ---- batching ----------------------------------------------------------------------------------------
+def test_batcher_packs_rows_up_to_max_batch_and_answers_each_request_its_rows() -> None:
+    seen: list[int] = []
+
+    async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+        seen.append(int(rows.shape[0]))
+        await asyncio.sleep(0)
+        return rows * 10
+
+    async def main() -> list[torch.Tensor]:
+        b = DynamicBatcher(run_batch, max_batch=4, max_wait=0.05, queue_limit=100)
+        b.start()
+        try:
+            return await asyncio.gather(*(b.submit(torch.full((1, 2), float(i))) for i in range(10)))
+        finally:
+            await b.close()
+
+    outs = _run(main())
+    assert [o[0, 0].item() for o in outs] == [10.0 * i for i in range(10)]
+    assert max(seen) <= 4 and sum(seen) == 10 and len(seen) < 10  # rows shared batches
+
+
+def test_batcher_refuses_beyond_its_queue_and_keeps_at_most_in_flight_batches() -> None:
+    gate = asyncio.Event()
+    running = [0, 0]  # now, most
+
+    async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+        running[0] += 1
+        running[1] = max(running[1], running[0])
+        await gate.wait()
+        running[0] -= 1
+        return rows
+
+    async def main() -> None:
+        b = DynamicBatcher(run_batch, max_batch=1, max_wait=0.0, queue_limit=4, in_flight=2)
+        b.start()
+        try:
+            tasks = [asyncio.ensure_future(b.submit(torch.zeros(1, 1))) for _ in range(4)]
+            for _ in range(50):
+                await asyncio.sleep(0.01)
+                if running[0] == 2:
+                    break
+            assert running[0] == 2  # two batches in flight, two requests queued
+            with pytest.raises(Overloaded):
+                await b.submit(torch.zeros(3, 1))  # 2 queued + 3 > 4
+            gate.set()
+            await asyncio.gather(*tasks)
+        finally:
+            await b.close()
+        assert running[1] == 2
+
+    _run(main())
+
+
+def test_batcher_splits_a_request_larger_than_a_batch() -> None:
+    async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+        assert rows.shape[0] <= 3
+        return rows + 1
+
+    async def main() -> torch.Tensor:
+        b = DynamicBatcher(run_batch, max_batch=3, max_wait=0.0, queue_limit=100)
+        b.start()
+        try:
+            return await b.submit(torch.arange(8.0).view(8, 1))
+        finally:
+            await b.close()
+
+    assert _run(main()).view(-1).tolist() == [float(i + 1) for i in range(8)]
+
+
+# ---- sampling ----------------------------------------------------------------------------------------
+def test_sampling_greedy_seeded_and_top_p() -> None:
+    logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
+    assert next_token(logits, SamplingParams(temperature=0.0), generator_for(None, 0)) == 1
+    params = SamplingParams(temperature=1.5)
+    draws = [next_token(logits, params, generator_for(7, 0)) for _ in range(3)]
+    assert len(set(draws)) == 1  # same seed, same choice -> same token
+    many = {next_token(logits, params, g) for g in [generator_for(None, 0)] for _ in range(200)}
+    assert len(many) > 1  # really sampling
+    nucleus = SamplingParams(temperature=1.0, top_p=0.3)  # only the most likely token is left
+    g = generator_for(1, 0)
+    assert {next_token(logits, nucleus, g) for _ in range(50)} == {1}
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1.0)
+
+
+def test_pick_keeps_each_rows_position_over_the_micro_batches() -> None:
+    outs = {"0/0": torch.arange(2 * 3 * 2).view(2, 3, 2), "1/0": torch.arange(100, 112).view(2, 3, 2)}
+    got = picked(outs, [0, 2, 1, 1])
+    assert got["0/0"].tolist() == [[0, 1], [10, 11]]
+    assert got["1/0"].tolist() == [[102, 103], [108, 109]]
+
+
+# ---- the HTTP API over local models --------------------------------------------------------------------
+class _Local:
+    """``Deployments`` whose batches run a local model (as the swarm would, rows padded to the window)."""
+
+    def __init__(self) -> None:
+        self.served: dict[str, ServedModel] = {}
+
+    def get(self, name: str) -> ServedModel | None:
+        return self.served.get(name)
+
+    def all(self) -> list[ServedModel]:
+        return list(self.served.values())
+
+    def add(self, name: str, kind: str, forward: Callable[[torch.Tensor], torch.Tensor], row: tuple,
+            dtype: Any, window: Window | None = None, queue_limit: int = 64) -> None:  # fmt: skip
+        async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+            with torch.no_grad():
+                out = forward(rows)
+            return out if pick is None else out[torch.arange(len(pick)), torch.tensor(pick)]
+
+        batcher = DynamicBatcher(run_batch, max_batch=4, max_wait=0.005, queue_limit=queue_limit)
+        self.served[name] = ServedModel(name, kind, "job0", row, dtype, batcher, window)
+
+
+def _gpt2() -> Any:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+async def _with_app(deployments: _Local, body: Callable[[TestClient], Awaitable[None]]) -> None:
+    for m in deployments.all():
+        m.batcher.start()
+    client = TestClient(TestServer(build_app(deployments)))
+    await client.start_server()
+    try:
+        await body(client)
+    finally:
+        await client.close()
+        for m in deployments.all():
+            await m.batcher.close()
+
+
+def test_infer_models_and_errors_over_http() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(3, 2)
+
+    async def body(client: TestClient) -> None:
+        r = await client.get("/v1/models")
+        assert [m["id"] for m in (await r.json())["data"]] == ["lin"]
+        x = torch.randn(5, 3)
+        r = await client.post("/v1/infer", data=save_st({"inputs": x}))
+        assert r.status == 200
+        with torch.no_grad():
+            assert torch.allclose(load_st(await r.read())["outputs"], linear(x))
+        bad = [
+            (client.post("/v1/infer", data=save_st({"inputs": torch.randn(2, 4)})), 400, "inputs"),
+            (client.post("/v1/infer", data=save_st({"x": torch.randn(2, 3)})), 400, "inputs"),
+            (client.post("/v1/infer", data=b"junk"), 400, "safetensors"),
+            (client.post("/v1/infer?model=zzz", data=save_st({"inputs": x})), 404, "zzz"),
+            (client.post("/v1/completions", json={"model": "lin", "prompt": [1]}), 400, "not a text"),
+            (client.post("/v1/completions", json={"prompt": [1], "max_tokens": 0}), 400, "max_tokens"),
+            (client.post("/v1/completions", data=b"{"), 400, "JSON"),
+            (client.get("/v1/infer"), 405, ""),
+            (client.get("/nothing"), 404, ""),
+        ]
+        for request, status, says in bad:
+            r = await request
+            doc = await r.json()
+            assert r.status == status and says in doc["error"]["message"], (status, doc)
+            assert set(doc["error"]) >= {"message", "type"}
+
+    local = _Local()
+    local.add("lin", "infer", linear, (3,), torch.float32)
+    _run(_with_app(local, body))
+
+
+def test_overload_is_answered_503_never_queued_without_bound() -> None:
+    gate = asyncio.Event()
+
+    async def body(client: TestClient) -> None:
+        x = save_st({"inputs": torch.zeros(2, 1)})
+        first = asyncio.ensure_future(client.post("/v1/infer", data=x))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(client.post("/v1/infer", data=x))
+        await asyncio.sleep(0.05)
+        r = await client.post("/v1/infer", data=x)  # 2 in flight + 2 queued: full
+        assert r.status == 503 and "overloaded" in (await r.json())["error"]["message"]
+        gate.set()
+        assert (await first).status == 200 and (await second).status == 200
+
+    local = _Local()
+    local.add("slow", "infer", lambda r: r, (1,), torch.float32, queue_limit=2)
+    model = local.served["slow"]
+    original = model.batcher.run_batch
+
+    async def gated(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+        await gate.wait()
+        return await original(rows, pick)
+
+    model.batcher.run_batch = gated
+    model.batcher._slots = asyncio.Semaphore(1)  # type: ignore[attr-defined]
+    _run(_with_app(local, body))
+
+
+def test_greedy_completion_through_padding_equals_generate_and_streams() -> None:
+    lm = _gpt2()
+    prompts = [[5, 9, 3], [7, 1, 2, 8, 4], [11, 12, 13, 14, 15, 16, 17, 18]]
+    want = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5,
+                          do_sample=False, pad_token_id=0)  # fmt: skip
+        want.append(out[0, len(p) :].tolist())
+
+    async def body(client: TestClient) -> None:
+        r = await client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 5, "temperature": 0})
+        doc = await r.json()
+        assert r.status == 200, doc
+        assert [c["token_ids"] for c in doc["choices"]] == want
+        r = await client.post(
+            "/v1/completions", json={"prompt": prompts[1], "max_tokens": 5, "temperature": 0, "stream": True}
+        )
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        tokens = [t for e in events[:-1] for t in json.loads(e)["choices"][0]["token_ids"]]
+        assert tokens == want[1]
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        r = await client.post("/v1/completions", json={"prompt": [1] * 30, "max_tokens": 5})
+        assert r.status == 400 and "context window" in (await r.json())["error"]["message"]
+        r = await client.post("/v1/completions", json={"prompt": [99], "max_tokens": 1})
+        assert r.status == 400 and "vocabulary" in (await r.json())["error"]["message"]
+        r = await client.post("/v1/completions", json={"prompt": "text", "max_tokens": 1})
+        assert r.status == 400 and "tokenizer" in (await r.json())["error"]["message"]
+
+    local = _Local()
+    local.add(
+        "gpt", "generate", lambda rows: lm(rows).logits, (32,), torch.long, Window(context=32, vocab=40)
+    )
+    _run(_with_app(local, body))
+
+
+def test_text_prompts_with_the_jobs_character_vocabulary() -> None:
+    lm = _gpt2()
+    vocab = [chr(ord("a") + i) for i in range(26)] + [str(d) for d in range(10)] + [" ", ".", ",", "!"]
+    tok = CharTokenizer(vocab)
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+
+    async def body(client: TestClient) -> None:
+        r = await client.post(
+            "/v1/completions", json={"prompt": ["abc", "hi."], "max_tokens": 4, "temperature": 0}
+        )
+        doc = await r.json()
+        assert r.status == 200, doc
+        for choice, text in zip(doc["choices"], ["abc", "hi."]):
+            ids = torch.tensor([tok.encode(text)])
+            want = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                               do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()  # fmt: skip
+            assert choice["token_ids"] == want and choice["text"] == tok.decode(want)
+        r = await client.post("/v1/completions", json={"prompt": "ABC", "max_tokens": 1})
+        assert r.status == 400 and "outside the vocabulary" in (await r.json())["error"]["message"]
+
+    local = _Local()
+    local.add(
+        "gpt", "generate", lambda rows: lm(rows).logits, (32,), torch.long, Window(context=32, vocab=40)
+    )
+    local.served["gpt"].tokenizer = tok
+    _run(_with_app(local, body))

@@ -1,0 +1,234 @@
+"""Deployments on a real swarm (a broker with ``--http-port`` and 2 compnodes as processes): ``fusionnet
+deploy``, ``/v1/infer`` equal to plain PyTorch on the bundled examples, greedy ``/v1/completions`` equal to
+``transformers``' ``generate()`` token for token (GPT-2 and Llama, prompts of different lengths in one
+request), the real ``openai`` client (plain and streaming), 4xx errors, ``status`` and ``undeploy``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from fusionnet.job.loader import load_job
+from fusionnet.runtime.deploy import deploy, undeploy
+from fusionnet.runtime.process_swarm import BlockingObserver, CompnodeSpec, ProcessSwarm, running_swarm
+from fusionnet.serving.client import FusionNetClient, ServingError
+from tests.dag_models import token_data
+from tests.jobfiles import REPO, example_job, write_job
+
+pytestmark = pytest.mark.swarm
+TOL = 1e-5
+PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4], [11, 12, 13, 14, 15, 16, 17, 18]]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessSwarm]:
+    workdir = tmp_path_factory.mktemp("serving")
+    with running_swarm(workdir, [{}, {}], broker_kw={"extra": ["--http-port", "0"]}) as sw:
+        observer = BlockingObserver(sw.initial_peers)
+        try:
+            observer.wait_online(2)
+        finally:
+            observer.close()
+        yield sw
+
+
+def _deploy(sw: ProcessSwarm, job: Path, name: str) -> str:
+    reply = asyncio.run(deploy(job, sw.initial_peers, name=name, wait_compnodes=60))
+    assert reply.url is not None and reply.compnodes == 2
+    return reply.url
+
+
+def _generate_job(folder: Path, model_class: str, seq: int, **kwargs: object) -> Path:
+    ids, _ = token_data(4, seq=seq)
+    return write_job(
+        folder,
+        model_class=model_class,
+        model_kwargs=dict(kwargs),
+        inputs=ids,
+        labels=None,
+        task="generate",
+        loss=False,  # type: ignore[arg-type]
+        batch_size=4,
+        microbatches=2,
+        compnodes=2,
+    )
+
+
+@pytest.mark.timeout(600)
+def test_deploy_infer_examples_equal_plain_pytorch(swarm: ProcessSwarm, tmp_path: Path) -> None:
+    url = None
+    for example in ("mlp", "figure3"):
+        path = example_job(example, tmp_path, task="infer", compnodes=2)
+        try:
+            if example == "mlp":  # the command itself once: prints the name and the endpoint URL
+                cmd = [sys.executable, "-m", "fusionnet.cli.main", "deploy", str(path), "--name", example,
+                       "--initial-peers", *swarm.initial_peers]  # fmt: skip
+                env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300, env=env)
+                assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{swarm.dump_logs()[-4000:]}"
+                url = done.stdout.strip().splitlines()[-1]
+                assert url.startswith("http://"), done.stdout
+            else:
+                url = _deploy(swarm, path, example)
+            job = load_job(path)
+        finally:
+            path.unlink()
+        client = FusionNetClient(url)
+        inputs = job.inputs[:7]  # not a multiple of the micro-batch: the last one is padded
+        with torch.no_grad():
+            want = job.model.eval()(inputs)
+        got = client.infer(inputs, model=example)
+        assert got.shape == want.shape and (got - want).abs().max().item() <= TOL
+        # several clients at once: their rows share batches, each gets its own rows back
+        with torch.no_grad():
+            singles = [job.model(job.inputs[i : i + 1]) for i in range(5)]
+        for got_one, want_one in zip(asyncio.run(_infer_each(client, job.inputs[:5], example)), singles):
+            assert (got_one - want_one).abs().max().item() <= TOL
+    assert url is not None
+    _check_errors(FusionNetClient(url))
+    names = {m["id"] for m in FusionNetClient(url).models()}
+    assert names == {"mlp", "figure3"}
+    status = _status(swarm)
+    assert {d["id"] for d in status["deployments"]} == {"mlp", "figure3"}
+    for name in ("mlp", "figure3"):
+        assert asyncio.run(undeploy(name, swarm.initial_peers)).undeployed
+    assert FusionNetClient(url).models() == []
+
+
+async def _infer_each(client: FusionNetClient, rows: torch.Tensor, name: str) -> list[torch.Tensor]:
+    """One request per row, all at once (threads: the client is synchronous)."""
+    return await asyncio.gather(
+        *(asyncio.to_thread(client.infer, rows[i : i + 1], name) for i in range(len(rows)))
+    )
+
+
+def _check_errors(client: FusionNetClient) -> None:
+    cases = [
+        (lambda: client.infer(torch.zeros(2, 3), model="mlp"), 400, "inputs"),
+        (lambda: client.infer(torch.zeros(2, 16, dtype=torch.float64), model="mlp"), 400, "float64"),
+        (lambda: client.infer(torch.zeros(2, 16), model="nope"), 404, "nope"),
+        (lambda: client.infer(torch.zeros(2, 16)), 400, "model"),
+        (lambda: client.complete([1, 2], model="mlp", max_tokens=2), 400, "not a text generation"),
+        (
+            lambda: client._open("/v1/infer?model=mlp", b"not safetensors", "application/octet-stream"),
+            400,
+            "safe",
+        ),
+        (lambda: client._open("/v1/completions", b"{not json"), 400, "JSON"),
+        (lambda: client._open("/v1/nothing"), 404, ""),
+    ]
+    for call, status, says in cases:
+        with pytest.raises(ServingError) as err:
+            call()
+        assert err.value.status == status and says in err.value.message, err.value
+
+
+def _status(sw: ProcessSwarm) -> dict:
+    observer = BlockingObserver(sw.initial_peers)
+    try:
+        return observer.broker_status()
+    finally:
+        observer.close()
+
+
+def _reference_tokens(job_path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    model = load_job(job_path, deployment=True).model.eval()
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = model.lm.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
+        out.append(gen[0, len(prompt) :].tolist())
+    return out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "model_class,kwargs,seq",
+    [("HFCausalLM", {"positions": 32}, 24), ("HFDecoder", {"family": "llama"}, 24)],
+    ids=["gpt2", "llama"],
+)
+def test_greedy_completions_equal_transformers_generate(
+    swarm: ProcessSwarm, tmp_path: Path, model_class: str, kwargs: dict, seq: int
+) -> None:
+    path = _generate_job(tmp_path / "job", model_class, seq, **kwargs)
+    name = f"gen-{model_class.lower()}"
+    url = _deploy(swarm, path, name)
+    try:
+        want = _reference_tokens(path, PROMPTS, 6)
+        client = FusionNetClient(url)
+        reply = client.complete(PROMPTS, model=name, max_tokens=6, temperature=0)
+        got = [c["token_ids"] for c in sorted(reply["choices"], key=lambda c: c["index"])]
+        assert got == want
+        assert reply["usage"]["completion_tokens"] == 18
+        # seeded sampling: the same seed gives the same tokens
+        a = client.complete(PROMPTS[0], model=name, max_tokens=5, temperature=0.8, top_p=0.9, seed=3)
+        b = client.complete(PROMPTS[0], model=name, max_tokens=5, temperature=0.8, top_p=0.9, seed=3)
+        assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
+        with pytest.raises(ServingError) as err:
+            client.complete([1] * (seq - 2), model=name, max_tokens=5)
+        assert err.value.status == 400 and "context window" in err.value.message
+        if model_class == "HFCausalLM":
+            _check_openai(url, name, want)
+    finally:
+        asyncio.run(undeploy(name, swarm.initial_peers))
+
+
+def _check_openai(url: str, name: str, want: list[list[int]]) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert name in [m.id for m in client.models.list().data]
+    completion = client.completions.create(model=name, prompt=PROMPTS[1], max_tokens=6, temperature=0)
+    assert completion.choices[0].model_extra["token_ids"] == want[1]
+    streamed: list[int] = []
+    for chunk in client.completions.create(
+        model=name, prompt=PROMPTS[2], max_tokens=6, temperature=0, stream=True
+    ):
+        streamed.extend(chunk.choices[0].model_extra["token_ids"])
+    assert streamed == want[2]
+    # curl-like: the raw HTTP answer is JSON with the OpenAI shape
+    request = urllib.request.Request(
+        f"{url}/v1/completions",
+        data=json.dumps({"model": name, "prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        doc = json.loads(response.read())
+    assert doc["object"] == "text_completion" and doc["choices"][0]["token_ids"] == want[0][:2]
+
+
+@pytest.mark.timeout(900)
+def test_generation_survives_a_compnode_sigkill_with_the_same_tokens(tmp_path: Path) -> None:
+    """One compnode SIGKILLs itself in the FP of its 5th batch, mid-generation: the deployment is placed
+    again on the survivor and the backup, the batch runs again, and the tokens equal ``generate()``'s."""
+    specs = [CompnodeSpec(), CompnodeSpec(env={"FUSIONNET_FAULT": "fp:4"}), CompnodeSpec(backup=True)]
+    path = _generate_job(tmp_path / "job", "HFCausalLM", 24, positions=32)
+    want = _reference_tokens(path, PROMPTS, 10)
+    with running_swarm(tmp_path / "swarm", specs, broker_kw={"extra": ["--http-port", "0"]}) as sw:
+        observer = BlockingObserver(sw.initial_peers)
+        try:
+            observer.wait_online(3)
+        finally:
+            observer.close()
+        url = _deploy(sw, path, "gen")
+        reply = FusionNetClient(url).complete(PROMPTS, model="gen", max_tokens=10, temperature=0)
+        assert [c["token_ids"] for c in reply["choices"]] == want
+        logs = sw.dump_logs()
+        assert "fault injection: SIGKILL" in logs and "placing it again" in logs
+        deployment = _status(sw)["deployments"][0]
+        backup = sw.compnodes[2].peer_id
+        assert backup in deployment["peers"]
