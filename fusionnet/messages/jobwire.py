@@ -40,6 +40,9 @@ class RunSpec(BaseModel):
     optimizer: dict[str, Any] | None = None  # an OptimizerSpec document, re-validated by ``optimizer_spec``
     # Autocast dtype of the forward pass (``fusionnet.dag.precision``); older peers omit it: fp32.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # ``placement.wire_compression`` / ``placement.wire_encryption``; older peers omit them: the defaults.
+    wire_compression: Literal["none", "bf16", "fp16", "int8-ef"] = "none"
+    wire_encryption: Literal["auto", "on", "off"] = "auto"
 
     @model_validator(mode="after")
     def _optimizer_fits_task(self) -> RunSpec:
@@ -105,6 +108,8 @@ def run_spec_of(job: LoadedJob, loss_reduction: str) -> RunSpec:
         compnodes=spec.placement.compnodes,
         optimizer=None if spec.optimizer is None else spec.optimizer.model_dump(mode="json"),
         precision=spec.precision,
+        wire_compression=spec.placement.wire_compression,
+        wire_encryption=spec.placement.wire_encryption,
     )
 
 

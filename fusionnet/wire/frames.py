@@ -18,7 +18,6 @@ fresh (``replay.py``), then the whole-frame tag once the bytes are in.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,7 +42,7 @@ from fusionnet.wire.header import (
 )
 from fusionnet.wire.mac import MAC_CHUNK, NONCE_SIZE, TAG_SIZE, FrameMac, check_key, chunk_spans
 from fusionnet.wire.refusal import FrameRefused, StreamEnded
-from fusionnet.wire.replay import next_seq
+from fusionnet.wire.replay import next_nonce, next_seq
 from fusionnet.wire.sources import ByteSource, as_source
 
 __all__ = ["ALLOWED_DTYPES", "TensorFrame", "encode_frame", "read_frame", "write_frame"]
@@ -116,7 +115,7 @@ def _head_of(
     check_text(receiver, "receiver", MAX_ID_LEN)
     seq = next_seq() if seq is None else check_count(seq, "seq")
     t, payload = payload_view(frame.tensor)
-    nonce = os.urandom(NONCE_SIZE) if nonce is None else nonce
+    nonce = next_nonce() if nonce is None else nonce
     if len(nonce) != NONCE_SIZE:
         raise WireError(f"nonce must be {NONCE_SIZE} bytes")
     header = FrameHeader(
