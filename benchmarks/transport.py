@@ -1,6 +1,6 @@
 """Throughput of the ways a tensor can travel between two compnodes, side by side in one run.
 
-Rows (all over loopback; each moves tensors of 1, 16 and 64 MiB):
+Rows (all over loopback; each moves tensors of 64 KiB, 1, 16 and 64 MiB):
 
 - ``raw socket``   plain blocking TCP sockets, ``sendall`` / ``recv_into`` a fresh buffer per message:
                    the ceiling for bytes over loopback here.
@@ -16,6 +16,10 @@ measures Python scheduling rather than the transport. All senders run in this pr
 sends ``max(1, 64 MiB / size)`` messages back to back and ends when the receiver reports the last
 one delivered; throughput is bytes / round time, median over ``--rounds`` rounds after a warm-up
 round. Rows take turns round by round, so a machine shared with other work slows them alike.
+A second table divides the same bytes by the CPU seconds of the busier side (sender or receiver
+process, user + system, all threads): on a machine shared with other work, wall time measures the
+neighbours as much as the transport, while CPU time per byte is what the transport costs; with a
+core per side that is the throughput it would reach.
 
 The MAC rows time the authenticators alone on one core: HMAC-SHA256 (what the frames would use
 naively) and the chunked AES-GMAC frame MAC they use (``fusionnet/wire/mac.py``).
@@ -48,7 +52,17 @@ from fusionnet.wire import DataPathClient, DataPathServer, TensorFrame
 from fusionnet.wire.frames import WRITE_CHUNK
 from fusionnet.wire.mac import FrameMac
 
-SIZES_MIB = (1, 16, 64)
+SIZES = (64 << 10, 1 << 20, 16 << 20, 64 << 20)
+
+
+def size_label(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def size_key(n: int) -> str:
+    return f"{n >> 20}mb" if n >= 1 << 20 else f"{n >> 10}kb"
+
+
 ROUND_BYTES = 64 << 20
 KINDS = ("raw socket", "raw asyncio", "datapath", "p2p")
 LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
@@ -65,14 +79,15 @@ class _Counter:
         self.conn = conn
         self.expected = 0
         self.seen = 0
+        self.cpu = 0.0
 
     def expect(self, count: int) -> None:
-        self.expected, self.seen = count, 0
+        self.expected, self.seen, self.cpu = count, 0, time.process_time()
 
     def delivered(self) -> None:
         self.seen += 1
         if self.seen == self.expected:
-            self.conn.send("done")
+            self.conn.send(("done", time.process_time() - self.cpu))
 
 
 def _raw_socket_receiver(conn: Connection) -> None:
@@ -83,12 +98,13 @@ def _raw_socket_receiver(conn: Connection) -> None:
             while (cmd := conn.recv()) != "stop":
                 size, count = cmd
                 conn.send("ready")
+                cpu = time.process_time()
                 for _ in range(count):
                     buf = memoryview(bytearray(size))
                     got = 0
                     while got < size:
                         got += peer.recv_into(buf[got:], size - got)
-                conn.send("done")
+                conn.send(("done", time.process_time() - cpu))
 
 
 class _RawProtocol(asyncio.BufferedProtocol):
@@ -220,16 +236,19 @@ class Sender:
             else:
                 await self.path.send(self.peer_id, _frame(self.path.peer_id, i, tensor), KEY)
 
-    async def round(self, size: int) -> float:
-        """Seconds for ``ROUND_BYTES`` of messages until the receiver reports them all delivered."""
+    async def round(self, size: int) -> tuple[float, float]:
+        """Wall seconds for ``ROUND_BYTES`` of messages until the receiver reports them all delivered,
+        and the CPU seconds of the busier side (sender or receiver process, all threads)."""
         loop = asyncio.get_running_loop()
         count = max(1, ROUND_BYTES // size)
         self.conn.send((size, count))
         assert await loop.run_in_executor(None, self.conn.recv) == "ready"
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         await self.send_all(size, count)
-        assert await loop.run_in_executor(None, self.conn.recv) == "done"
-        return time.perf_counter() - start
+        sent_cpu = time.process_time() - cpu
+        done, receiver_cpu = await loop.run_in_executor(None, self.conn.recv)
+        assert done == "done"
+        return time.perf_counter() - start, max(sent_cpu, receiver_cpu)
 
     async def close(self) -> None:
         if hasattr(self, "sock"):
@@ -245,8 +264,9 @@ class Sender:
 
 async def run_rows(
     kinds: list[str], loop_name: str, sizes: list[int], rounds: int
-) -> dict[str, dict[int, float]]:
-    """MB/s per row and size. Rows take turns round by round, so load changes hit them alike."""
+) -> tuple[dict[str, dict[int, float]], dict[str, dict[int, float]]]:
+    """MB/s per row and size, by wall time and by the busier side's CPU time. Rows take turns round
+    by round, so load changes hit them alike."""
     ctx = mp.get_context("spawn")  # never fork a process that has started torch's threads
     procs, senders = [], []
     try:
@@ -258,17 +278,25 @@ async def run_rows(
             senders.append(Sender(kind, parent))
             await senders[-1].open()
         times: dict[str, dict[int, list[float]]] = {kind: {n: [] for n in sizes} for kind in kinds}
+        cpus: dict[str, dict[int, list[float]]] = {kind: {n: [] for n in sizes} for kind in kinds}
         for size in sizes:
             for r in range(rounds + 1):  # round 0 warms up connections and allocators
                 order = senders[r % len(senders) :] + senders[: r % len(senders)]
                 for sender in order:
-                    seconds = await sender.round(size)
+                    seconds, cpu = await sender.round(size)
                     if r:
                         times[sender.kind][size].append(seconds)
-        return {
-            kind: {n: n * max(1, ROUND_BYTES // n) / statistics.median(t) / 1e6 for n, t in by_size.items()}
-            for kind, by_size in times.items()
-        }
+                        cpus[sender.kind][size].append(cpu)
+
+        def rate(samples: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, float]]:
+            return {
+                kind: {
+                    n: n * max(1, ROUND_BYTES // n) / statistics.median(t) / 1e6 for n, t in by_size.items()
+                }
+                for kind, by_size in samples.items()
+            }
+
+        return rate(times), rate(cpus)
     finally:
         for sender in senders:
             with contextlib.suppress(Exception):
@@ -311,31 +339,37 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    sizes = [s << 20 for s in SIZES_MIB]
+    sizes = list(SIZES)
     kinds = [k for k in KINDS if not (args.no_p2p and k == "p2p")]
     with asyncio.Runner(loop_factory=LOOPS[args.loop]) as runner:
-        mbps = runner.run(asyncio.wait_for(run_rows(kinds, args.loop, sizes, args.rounds), 1200))
+        mbps, cpu_mbps = runner.run(asyncio.wait_for(run_rows(kinds, args.loop, sizes, args.rounds), 1200))
     macs = bench_macs(sizes[-1], args.rounds)
 
-    base = mbps["raw socket"]
-    print(f"MB/s (1e6 B/s), median of {args.rounds} rounds; loop={args.loop}; {os.cpu_count()} CPUs")
-    print(f"{'path':<14}" + "".join(f"{f'{s} MiB':>12}{'vs raw':>8}" for s in SIZES_MIB))
-    for name, row in mbps.items():
-        print(f"{name:<14}" + "".join(f"{row[n]:>12.0f}{row[n] / base[n]:>8.2f}" for n in sizes))
+    for title, table in (("wall time", mbps), ("CPU time of the busier side", cpu_mbps)):
+        base = table["raw socket"]
+        where = f"median of {args.rounds} rounds; loop={args.loop}; {os.cpu_count()} CPUs"
+        print(f"MB/s (1e6 B/s) by {title}, {where}")
+        print(f"{'path':<14}" + "".join(f"{size_label(n):>12}{'vs raw':>8}" for n in sizes))
+        for name, row in table.items():
+            print(f"{name:<14}" + "".join(f"{row[n]:>12.0f}{row[n] / base[n]:>8.2f}" for n in sizes))
     print(
-        f"MAC alone, one core, {SIZES_MIB[-1]} MiB: "
+        f"MAC alone, one core, {size_label(sizes[-1])}: "
         + ", ".join(f"{k} {v:.0f} MB/s" for k, v in macs.items())
     )
 
     result: dict[str, object] = {"loop": args.loop, "rounds": args.rounds, "cpus": os.cpu_count()}
     keys = {"raw socket": "raw", "raw asyncio": "raw_asyncio", "datapath": "datapath", "p2p": "p2p"}
+    base, cpu_base = mbps["raw socket"], cpu_mbps["raw socket"]
     for name, row in mbps.items():
-        for n, s in zip(sizes, SIZES_MIB):
-            result[f"{keys[name]}_mbps_{s}mb"] = round(row[n], 1)
+        for n in sizes:
+            result[f"{keys[name]}_mbps_{size_key(n)}"] = round(row[n], 1)
             if name != "raw socket":
-                result[f"{keys[name]}_vs_raw_{s}mb"] = round(row[n] / base[n], 3)
-    for s, n in zip(SIZES_MIB, sizes):
-        result[f"datapath_vs_raw_asyncio_{s}mb"] = round(mbps["datapath"][n] / mbps["raw asyncio"][n], 3)
+                result[f"{keys[name]}_vs_raw_{size_key(n)}"] = round(row[n] / base[n], 3)
+                result[f"{keys[name]}_cpu_vs_raw_{size_key(n)}"] = round(cpu_mbps[name][n] / cpu_base[n], 3)
+    for n in sizes:
+        result[f"datapath_vs_raw_asyncio_{size_key(n)}"] = round(
+            mbps["datapath"][n] / mbps["raw asyncio"][n], 3
+        )
     result.update({f"{k}_mbps": round(v, 1) for k, v in macs.items()})
     print(json.dumps(result))
     sys.stdout.flush()

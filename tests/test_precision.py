@@ -344,7 +344,8 @@ def test_a_bf16_activation_arrives_as_bf16_frames_and_passes_validation(tmp_path
 
     received, on_wire = asyncio.run(run())
     assert received.dtype == torch.bfloat16 and meta["dtype"] == "float32"
-    assert on_wire[0] == torch.bfloat16  # the tensor frame; the last one is the structure (uint8)
+    # a small value travels as one packed frame (uint8 bytes, ``valuepack``) holding the bf16 tensor
+    assert on_wire == [torch.uint8]
 
 
 def test_autocast_is_off_for_fp32() -> None:

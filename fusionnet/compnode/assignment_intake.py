@@ -204,6 +204,7 @@ def build_assignment(
         subdag_of_peer={p.peer_id: i for i, p in enumerate(parts.peers) if i != index},
         send_frame=send,
         validate=lambda src, k, v: holder["a"].validate(src, k, v),
+        compression=request.spec.wire_compression,
     )
     job = JobAssignment(
         job_id=request.job_id,

@@ -1,9 +1,15 @@
 """The executor's ``Channel`` over the network: values travel as authenticated tensor frames.
 
 A value (a tensor, or a tuple/list of tensors and small constants, e.g. the parts of a ``split``)
-is sent as one frame per tensor (name ``node/i``) followed by one structure frame (name ``node``)
-whose payload is a msgpack description with the tensors replaced by their index. Frames from one
-sender travel in order over one connection, so when the structure arrives its tensors are there.
+whose tensors total at most ``valuepack.PACK_MAX`` bytes travels as one frame (name ``node``)
+holding the tensors and their structure (``valuepack.py``). A larger one is sent as one frame per
+tensor (name ``node/i``, no copy) followed by one structure frame (name ``node``) whose payload is
+a msgpack description with the tensors replaced by their index. Frames from one sender travel in
+order over one connection, so when the structure arrives its tensors are there.
+
+With ``placement.wire_compression`` (``fusionnet.wire.compression``), floating-point tensors of
+activations and gradients are compressed before they are sent and restored to their dtype on
+arrival; the codec of each tensor travels in the structure.
 
 Every received value is checked against the IR's description of that node (dtype, rank, and every
 dimension except the micro-batch one; the IR is traced in float32, so under mixed precision a float32
@@ -24,14 +30,17 @@ from typing import Any
 import msgpack
 import torch
 
+from fusionnet.compnode.valuepack import PACK_MAX, is_packed, pack_value, unpack_value
 from fusionnet.dag.channel import Channel, Mailbox, MessageKey
 from fusionnet.dag.ir import dtype_name
 from fusionnet.errors import WireError
+from fusionnet.wire.compression import Compressor, decompress
 from fusionnet.wire.frames import TensorFrame
 
 log = logging.getLogger("fusionnet.compnode.netchannel")
 MAX_STRUCTURE_BYTES = 1 << 20
 DEFAULT_MAX_PENDING_BYTES = 4 << 30  # tensors of unfinished values, all sources and steps together
+_Slot = tuple[int, str, int, int, str]  # (source sub-DAG, kind, step, micro-batch, node)
 
 
 def encode_structure(value: Any, tensors: list[torch.Tensor]) -> Any:
@@ -104,6 +113,7 @@ class NetChannel(Channel):
         send_frame: Callable[[int, TensorFrame], Awaitable[None]],
         validate: Callable[[int, MessageKey, Any], None] | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+        compression: str = "none",
     ) -> None:
         self.job_id = job_id
         self.peer_id = peer_id
@@ -111,44 +121,43 @@ class NetChannel(Channel):
         self.send_frame = send_frame
         self.validate = validate
         self.mailbox = Mailbox()
-        self._pending: dict[tuple[int, str, int, int, str], dict[int, torch.Tensor]] = {}
+        self._pending: dict[_Slot, dict[int, torch.Tensor]] = {}
         self._pending_bytes = 0
         self._pending_floor: int | None = None
         self.max_pending_bytes = max_pending_bytes
         self.refused = 0
+        self.compressor = Compressor(compression)
+        self.bytes_sent = 0  # tensor bytes handed to the transport (after compression)
+
+    def _frame(self, key: MessageKey, name: str, tensor: torch.Tensor) -> TensorFrame:
+        kind, step, mb, _ = key
+        self.bytes_sent += _nbytes(tensor)
+        return TensorFrame(
+            job_id=self.job_id,
+            sender=self.peer_id,
+            kind=kind,
+            step=step,
+            microbatch=mb,
+            name=name,
+            tensor=tensor,
+        )
 
     async def send(self, dst: int, key: MessageKey, value: Any) -> None:
-        kind, step, mb, node = key
+        kind, _, mb, node = key
         tensors: list[torch.Tensor] = []
         doc = encode_structure(value, tensors)
+        codecs: list[dict[str, Any] | None] = []
+        for i, t in enumerate(tensors):  # the edge of error feedback: receiver, value, tensor, micro-batch
+            tensors[i], info = self.compressor.compress((dst, kind, node, i, mb), t)
+            codecs.append(info)
+        if sum(_nbytes(t) for t in tensors) <= PACK_MAX:
+            await self.send_frame(dst, self._frame(key, node, pack_value(doc, tensors, codecs)))
+            return
         for i, t in enumerate(tensors):
-            await self.send_frame(
-                dst,
-                TensorFrame(
-                    job_id=self.job_id,
-                    sender=self.peer_id,
-                    kind=kind,
-                    step=step,
-                    microbatch=mb,
-                    name=f"{node}/{i}",
-                    tensor=t,
-                ),
-            )
-        payload = torch.frombuffer(
-            bytearray(msgpack.packb({"tree": doc, "count": len(tensors)})), dtype=torch.uint8
-        )
-        await self.send_frame(
-            dst,
-            TensorFrame(
-                job_id=self.job_id,
-                sender=self.peer_id,
-                kind=kind,
-                step=step,
-                microbatch=mb,
-                name=node,
-                tensor=payload,
-            ),
-        )
+            await self.send_frame(dst, self._frame(key, f"{node}/{i}", t))
+        structure = {"tree": doc, "count": len(tensors), "codecs": codecs}
+        payload = torch.frombuffer(bytearray(msgpack.packb(structure)), dtype=torch.uint8)
+        await self.send_frame(dst, self._frame(key, node, payload))
 
     async def recv(self, src: int, key: MessageKey) -> Any:
         return await self.mailbox.take(src, key)
@@ -184,26 +193,46 @@ class NetChannel(Channel):
                 raise WireError(f"bad tensor index in frame name {frame.name!r}")
             self._park(slot, int(index), frame.tensor)
             return
-        if frame.tensor.dtype != torch.uint8 or frame.tensor.numel() > MAX_STRUCTURE_BYTES:
-            raise WireError("structure frame must be uint8 bytes under 1 MiB")
-        tensors = self._pending.pop(slot, {})
-        self._pending_bytes -= sum(_nbytes(t) for t in tensors.values())
-        try:
-            doc = msgpack.unpackb(frame.tensor.numpy().tobytes(), raw=False, strict_map_key=True)
-        except Exception as e:
-            raise WireError(f"structure frame is not msgpack: {type(e).__name__}") from None
-        if not isinstance(doc, dict) or set(doc) != {"tree", "count"} or doc["count"] != len(tensors):
-            raise WireError(
-                f"structure frame announces {doc.get('count') if isinstance(doc, dict) else '?'} "
-                f"tensors, {len(tensors)} arrived"
-            )
-        value = decode_structure(doc["tree"], tensors)
+        if is_packed(frame.tensor):
+            if frame.tensor.numel() > PACK_MAX + 2 * MAX_STRUCTURE_BYTES:
+                raise WireError(f"packed value of {frame.tensor.numel()} bytes")
+            tree, tensors, codecs = unpack_value(frame.tensor)
+        else:
+            tree, tensors, codecs = self._unpacked(slot, frame.tensor)
+        tensors = {i: decompress(t, codecs[i]) for i, t in tensors.items()}
+        value = decode_structure(tree, tensors)
         key: MessageKey = (frame.kind, frame.step, frame.microbatch, node)
         if self.validate is not None:
             self.validate(src, key, value)
         self.mailbox.deliver(src, key, value)
 
-    def _park(self, slot: tuple[int, str, int, int, str], index: int, tensor: torch.Tensor) -> None:
+    def _unpacked(self, slot: _Slot, payload: torch.Tensor) -> tuple[Any, dict[int, torch.Tensor], list[Any]]:
+        """The structure of a value whose tensors came in frames of their own (parked by ``_park``)."""
+        if payload.dtype != torch.uint8 or payload.numel() > MAX_STRUCTURE_BYTES:
+            raise WireError("structure frame must be uint8 bytes under 1 MiB")
+        tensors = self._pending.pop(slot, {})
+        self._pending_bytes -= sum(_nbytes(t) for t in tensors.values())
+        try:
+            doc = msgpack.unpackb(payload.numpy().tobytes(), raw=False, strict_map_key=True)
+        except Exception as e:
+            raise WireError(f"structure frame is not msgpack: {type(e).__name__}") from None
+        if (
+            not isinstance(doc, dict)
+            or set(doc) != {"tree", "count", "codecs"}
+            or doc["count"] != len(tensors)
+        ):
+            raise WireError(
+                f"structure frame announces {doc.get('count') if isinstance(doc, dict) else '?'} "
+                f"tensors, {len(tensors)} arrived"
+            )
+        codecs = doc["codecs"]
+        if set(tensors) != set(range(len(tensors))):
+            raise WireError(f"tensor frames {sorted(tensors)[:8]} are not numbered 0..{len(tensors) - 1}")
+        if not isinstance(codecs, list) or len(codecs) != len(tensors):
+            raise WireError("structure frame codecs must list one entry per tensor")
+        return doc["tree"], tensors, codecs
+
+    def _park(self, slot: _Slot, index: int, tensor: torch.Tensor) -> None:
         parts = self._pending.setdefault(slot, {})
         size = _nbytes(tensor) - (_nbytes(parts[index]) if index in parts else 0)
         if self._pending_bytes + size > self.max_pending_bytes:

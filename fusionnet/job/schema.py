@@ -167,6 +167,10 @@ Schedule = Literal["gpipe", "1f1b", "zero-bubble", "interleaved-1f1b", "auto"]
 
 class PlacementSpec(_Strict):
     compnodes: _bounded(MAX_COMPNODES) = 1  # number of sub-DAGs / compnodes
+    # Activations/gradients on the wire: anything but none is inexact (``fusionnet.wire.compression``).
+    wire_compression: Literal["none", "bf16", "fp16", "int8-ef"] = "none"
+    # AES-GCM of frames on the direct path; auto: on unless both ends are loopback (``wire/crypt.py``).
+    wire_encryption: Literal["auto", "on", "off"] = "auto"
     schedule: Schedule = "gpipe"  # the order of each sub-DAG's forwards and backwards in a step
 
     @field_validator("schedule")

@@ -43,6 +43,9 @@ class RunSpec(BaseModel):
     # Pipeline schedule (``fusionnet.schedules``); older peers omit it: gpipe. The broker turns ``auto``
     # into a name before a compnode sees it.
     schedule: Literal["gpipe", "1f1b", "zero-bubble", "auto"] = "gpipe"
+    # ``placement.wire_compression`` / ``placement.wire_encryption``; older peers omit them: the defaults.
+    wire_compression: Literal["none", "bf16", "fp16", "int8-ef"] = "none"
+    wire_encryption: Literal["auto", "on", "off"] = "auto"
 
     @model_validator(mode="after")
     def _optimizer_fits_task(self) -> RunSpec:
@@ -109,6 +112,8 @@ def run_spec_of(job: LoadedJob, loss_reduction: str) -> RunSpec:
         optimizer=None if spec.optimizer is None else spec.optimizer.model_dump(mode="json"),
         precision=spec.precision,
         schedule=spec.placement.schedule,
+        wire_compression=spec.placement.wire_compression,
+        wire_encryption=spec.placement.wire_encryption,
     )
 
 

@@ -18,7 +18,6 @@ fresh (``replay.py``), then the whole-frame tag once the bytes are in.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,7 +42,7 @@ from fusionnet.wire.header import (
 )
 from fusionnet.wire.mac import MAC_CHUNK, NONCE_SIZE, TAG_SIZE, FrameMac, check_key, chunk_spans
 from fusionnet.wire.refusal import FrameRefused, StreamEnded
-from fusionnet.wire.replay import next_seq
+from fusionnet.wire.replay import next_nonce, next_seq
 from fusionnet.wire.sources import ByteSource, as_source
 
 __all__ = ["ALLOWED_DTYPES", "TensorFrame", "encode_frame", "read_frame", "write_frame"]
@@ -56,6 +55,8 @@ WRITE_CHUNK = 1 << 20
 THREAD_MIN = 8 * MAC_CHUNK
 # A receiver hands chunks to threads in windows of this many: one hop per window, not per chunk.
 THREAD_WINDOW = 4
+# Up to this payload size a frame goes out in one write with its MAC computed first.
+SMALL_FRAME = 256 * 1024
 _SKIP_CHUNK = 1 << 20
 
 Keyring = Callable[[str], bytes | None]
@@ -114,7 +115,7 @@ def _head_of(
     check_text(receiver, "receiver", MAX_ID_LEN)
     seq = next_seq() if seq is None else check_count(seq, "seq")
     t, payload = payload_view(frame.tensor)
-    nonce = os.urandom(NONCE_SIZE) if nonce is None else nonce
+    nonce = next_nonce() if nonce is None else nonce
     if len(nonce) != NONCE_SIZE:
         raise WireError(f"nonce must be {NONCE_SIZE} bytes")
     header = FrameHeader(
@@ -184,13 +185,20 @@ async def write_prepared(
 
     On any exception the stream holds a partial frame and must be closed by the caller.
     """
+    head = p.head + p.mac.head_tag(p.head)
+    if len(p.payload) <= SMALL_FRAME:
+        # Small: the whole frame in one write (one syscall), tags first; GMAC of a small payload
+        # costs less than the syscall and wake-up a separate tag write would.
+        writer.writelines((head, p.payload, p.mac.finish(p.head, p.mac.chunk_tags(p.payload))))
+        await writer.drain()
+        return
     tags_future: asyncio.Future[list[bytes]] | None = None
     if threaded_mac and len(p.payload) >= THREAD_MIN:
         tags_future = asyncio.get_running_loop().run_in_executor(None, p.mac.chunk_tags, p.payload)
     try:
-        writer.write(p.head + p.mac.head_tag(p.head))
         for start in range(0, len(p.payload), WRITE_CHUNK):
-            writer.write(p.payload[start : start + WRITE_CHUNK])
+            chunk = p.payload[start : start + WRITE_CHUNK]
+            writer.writelines((head, chunk) if start == 0 else (chunk,))  # head rides with chunk 0
             await writer.drain()
         # Inline, the tags are computed only now: the receiver is still reading the payload's tail.
         tags = await tags_future if tags_future is not None else p.mac.chunk_tags(p.payload)
@@ -377,12 +385,20 @@ async def read_frame(
         twin.in_sync = True  # the whole frame was read
         raise twin
     check_values(h, tensor)
-    return TensorFrame(
-        job_id=h.job_id,
-        sender=h.sender,
-        kind=h.kind,
-        step=h.step,
-        microbatch=h.microbatch,
-        name=h.name,
-        tensor=tensor,
-    )
+    return _checked_frame(h, tensor)
+
+
+def _checked_frame(h: FrameHeader, tensor: torch.Tensor) -> TensorFrame:
+    """A ``TensorFrame`` from fields ``parse_header`` already checked, without checking them again."""
+    frame = object.__new__(TensorFrame)
+    for name, value in (
+        ("job_id", h.job_id),
+        ("sender", h.sender),
+        ("kind", h.kind),
+        ("step", h.step),
+        ("microbatch", h.microbatch),
+        ("name", h.name),
+        ("tensor", tensor),
+    ):
+        object.__setattr__(frame, name, value)
+    return frame

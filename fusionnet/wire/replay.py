@@ -20,6 +20,8 @@ window can only become stricter, never forget a number it would still accept.
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
 
@@ -35,6 +37,24 @@ def next_seq() -> int:
     with _lock:
         _last[0] = max(_last[0] + 1, time.time_ns())
         return _last[0]
+
+
+# Frame nonces (``mac.py``): 8 random bytes drawn once per process, then a counter. Unique per
+# frame, which is all the MAC needs of them, without a getrandom syscall per frame.
+_nonce = [os.urandom(8), itertools.count()]
+
+
+def _reseed_nonces() -> None:  # a forked child must not repeat its parent's nonces
+    _nonce[:] = [os.urandom(8), itertools.count()]
+
+
+os.register_at_fork(after_in_child=_reseed_nonces)
+
+
+def next_nonce() -> bytes:
+    """A 16-byte frame nonce never returned before by this process (``next`` on a count is atomic)."""
+    prefix, counter = _nonce
+    return prefix + next(counter).to_bytes(8, "big")
 
 
 class ReplayWindow:
@@ -80,4 +100,4 @@ def min_below(seen: set[int], limit: int) -> bool:
     return len(seen) % 1024 == 0 and min(seen) <= limit
 
 
-__all__ = ["DEFAULT_MAX_SEEN", "DEFAULT_SPAN_NS", "ReplayWindow", "next_seq"]
+__all__ = ["DEFAULT_MAX_SEEN", "DEFAULT_SPAN_NS", "ReplayWindow", "next_nonce", "next_seq"]

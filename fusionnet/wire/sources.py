@@ -74,6 +74,9 @@ class BufferedSource(asyncio.BufferedProtocol):
         self._waiter: asyncio.Future[None] | None = None
         self._eof = False
         self._paused = False
+        # Loop time by which the current read must complete (``PhasedSource``); a timer is armed only
+        # while a read actually waits, so reads served from buffered bytes cost no timer at all.
+        self.deadline: float | None = None
         self.transport: asyncio.Transport | None = None
         self.peername = "?"
 
@@ -121,11 +124,17 @@ class BufferedSource(asyncio.BufferedProtocol):
 
     async def _wait(self) -> None:
         assert self._waiter is None, "BufferedSource supports one reader at a time"
-        self._waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = None
+        if self.deadline is not None:
+            timer = loop.call_at(self.deadline, _expire, waiter)
         try:
-            await self._waiter
+            await waiter
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     def _consumed(self) -> None:
         if self._paused and len(self._pending) <= self.PAUSE_ABOVE // 2 and self.transport is not None:
@@ -143,7 +152,8 @@ class BufferedSource(asyncio.BufferedProtocol):
                 assert self.transport is not None
                 self.transport.resume_reading()
             await self._wait()
-        data = bytes(self._pending[:n])
+        with memoryview(self._pending) as pending:  # one copy, released before the resize
+            data = bytes(pending[:n])
         del self._pending[:n]
         self._consumed()
         return data
@@ -175,6 +185,11 @@ class BufferedSource(asyncio.BufferedProtocol):
             self.transport.close()
 
 
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
 class PhasedSource:
     """A ``ByteSource`` whose reads must each complete in time, or raise ``TimeoutError``.
 
@@ -183,6 +198,10 @@ class PhasedSource:
     frame (at most a few MiB each) gets ``progress`` seconds. A peer that opens a connection and
     sends nothing, or stops in the middle of a frame, is cut off instead of holding a buffer and a
     descriptor for ever.
+
+    Over a ``BufferedSource`` the limit is its ``deadline`` (a timer only while a read waits: most
+    reads of small frames are served from bytes already received); over other sources, an
+    ``asyncio.timeout`` per read.
     """
 
     def __init__(self, inner: ByteSource, progress: float) -> None:
@@ -190,6 +209,7 @@ class PhasedSource:
         self.progress = progress
         self._next = progress
         self.between_frames = True  # whether the last read to start was a frame's first
+        self._buffered = inner if isinstance(inner, BufferedSource) else None
 
     def next_frame(self, wait: float) -> None:
         self._next, self.between_frames = wait, True
@@ -199,12 +219,20 @@ class PhasedSource:
         return timeout
 
     async def readexactly(self, n: int) -> bytes:
-        async with asyncio.timeout(self._timeout()):
-            data = await self.inner.readexactly(n)
+        if self._buffered is not None:
+            self._buffered.deadline = asyncio.get_running_loop().time() + self._timeout()
+            data = await self._buffered.readexactly(n)
+        else:
+            async with asyncio.timeout(self._timeout()):
+                data = await self.inner.readexactly(n)
         self.between_frames = False
         return data
 
     async def readinto(self, view: memoryview) -> None:
-        async with asyncio.timeout(self._timeout()):
-            await self.inner.readinto(view)
+        if self._buffered is not None:
+            self._buffered.deadline = asyncio.get_running_loop().time() + self._timeout()
+            await self._buffered.readinto(view)
+        else:
+            async with asyncio.timeout(self._timeout()):
+                await self.inner.readinto(view)
         self.between_frames = False
