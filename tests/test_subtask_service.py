@@ -5,6 +5,9 @@ other than the broker that assigned the job. The service keeps nothing of a refu
 from __future__ import annotations
 
 import asyncio
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -55,6 +58,8 @@ class FakeNode:
         self.metrics = CompnodeMetrics(process=False)
         self.load = (0.0, 0)
         self.compute = None  # executors compute inline here; packing uses the loop's default pool
+        self.device = torch.device("cpu")
+        self.state_dir = SimpleNamespace(path=Path(tempfile.mkdtemp(prefix="fusionnet-replicas-")))
 
     def set_load(self, *, load: float, running_tasks: int) -> None:
         self.load = (load, running_tasks)

@@ -22,9 +22,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fusionnet.compnode.netchannel import NetChannel, check_against_meta
+from fusionnet.compnode.replicas import Replicator
 from fusionnet.dag.channel import MessageKey
 from fusionnet.dag.checkpoint import load_optimizer_tensors, optimizer_tensors
 from fusionnet.dag.codec import decode_ir
+from fusionnet.dag.devices import HOST, host_copy
 from fusionnet.dag.executor import StepReport, SubDagExecutor
 from fusionnet.dag.ir import IRGraph, dtype_name
 from fusionnet.dag.partition import SubDag, build_partition
@@ -55,6 +57,8 @@ class JobAssignment:
     executor: SubDagExecutor
     channel: NetChannel
     example_batch: int
+    replica_holders: list[int] | None = None  # per sub-DAG: who keeps its snapshots (None: nobody)
+    replicator: Replicator | None = None  # our snapshots leaving (``compnode.replicas``)
     steps_done: set[int] = field(default_factory=set)
     last_report: StepReport | None = None
     last_reply: StepReply | None = None  # answer to the last step, for a repeated request
@@ -112,7 +116,7 @@ class JobAssignment:
         return pack_tensors(self.executor.gradients())
 
     def optim_blob(self) -> bytes:
-        tensors = optimizer_tensors(self.executor.optimizers, self.executor.named_params)
+        tensors = host_copy(optimizer_tensors(self.executor.optimizers, self.executor.named_params))
         if self.executor.scaler is not None:
             tensors |= self.executor.scaler.state()
         return pack_tensors(tensors)
@@ -155,7 +159,9 @@ def _decode(request: AssignRequest, own_peer_id: str) -> _Decoded:
     return _Decoded(graph, subdag, list(request.peers), state, fields)
 
 
-def _executor(request: AssignRequest, parts: _Decoded, channel: NetChannel) -> SubDagExecutor:
+def _executor(
+    request: AssignRequest, parts: _Decoded, channel: NetChannel, device: torch.device
+) -> SubDagExecutor:
     spec = request.spec
     executor = SubDagExecutor(
         parts.graph,
@@ -167,6 +173,7 @@ def _executor(request: AssignRequest, parts: _Decoded, channel: NetChannel) -> S
         loss_reduction=spec.loss_reduction,
         precision=spec.precision,
         subdags=len(parts.peers),
+        device=device,
     )
     if request.optim is not None:
         optim = unpack_tensors(request.optim, f"assign {request.job_id}: optimizer state")
@@ -185,10 +192,11 @@ def build_assignment(
     own_peer_id: str,
     broker: str,
     send: Callable[[int, TensorFrame], Awaitable[None]],
+    device: torch.device = HOST,
 ) -> JobAssignment:
-    """Checks a validated ``assign`` request for what it means and builds the executor. Raises
-    ``JobError``/``IRError``/``WireError``/``PartitionError`` naming the bad part; nothing is kept on
-    failure."""
+    """Checks a validated ``assign`` request for what it means and builds the executor on ``device``.
+    Raises ``JobError``/``IRError``/``WireError``/``PartitionError`` naming the bad part
+    (``DeviceMemoryError`` when its state does not fit the device); nothing is kept on failure."""
     parts = _decode(request, own_peer_id)
     index = request.subdag
     holder: dict[str, JobAssignment] = {}
@@ -209,9 +217,10 @@ def build_assignment(
         peers=parts.peers,
         key=request.key,
         fields=parts.fields,
-        executor=_executor(request, parts, channel),
+        executor=_executor(request, parts, channel, device),
         channel=channel,
         example_batch=request.spec.microbatch_sizes(0)[0],
+        replica_holders=request.replica_holders,
     )
     holder["a"] = job
     return job

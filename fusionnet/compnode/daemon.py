@@ -30,6 +30,7 @@ import ipaddress
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fusionnet import __version__
 from fusionnet.compnode.compute import compute_pool
@@ -51,6 +52,9 @@ from fusionnet.messages.compnode_rpc import InfoRequest
 from fusionnet.metrics import CompnodeMetrics
 from fusionnet.profiling.node import profile_hardware, profile_software_overheads
 from fusionnet.rpc.server import RPCContext
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("fusionnet.compnode")
 
@@ -79,6 +83,9 @@ class CompnodeConfig:
         if not self.data_host:
             raise ValueError("--data-host must not be empty")
         self.slowdown = check_slowdown(self.slowdown)
+        from fusionnet.dag.devices import resolve_device  # torch: only when a compnode is configured
+
+        self.device = str(resolve_device(self.device))  # a clear start-up error without CUDA / MPS
         host = self.metrics_announce_host
         if host is not None and (is_bind_all(host) or not is_host_port(join_host_port(host, 1))):
             raise ValueError(f"--metrics-announce-host: {host!r} is not a host name or IP address to reach")
@@ -100,6 +107,13 @@ class CompnodeDaemon(Daemon):
         self._maddrs: list[str] = []
         self._announce_lock = asyncio.Lock()
         self.compute = compute_pool(config.threads)  # FP/BP/Update and the calibration run there
+
+    @property
+    def device(self) -> torch.device:
+        """Where sub-DAGs run (``--device``): their parameters, gradients and optimizer state live there."""
+        import torch
+
+        return torch.device(self.settings.device)
 
     # ---- API for services ------------------------------------------------------------------------
     def set_load(self, *, load: float, running_tasks: int) -> None:
