@@ -166,3 +166,38 @@ def test_assignments_that_mean_nothing_are_refused_and_nothing_is_kept(assign_do
             call(s, "assign", payload)
         assert not s.jobs and not s.server.jobs  # type: ignore[union-attr]
     assert call(s, "assign", doc)["subdag"] == 1  # and a good one still goes through
+
+
+@pytest.mark.timeout(60)
+def test_replicas_are_kept_only_from_the_sub_dag_this_node_holds_and_read_only_by_the_broker(
+    assign_docs: list[dict],
+) -> None:
+    """Ring holders [1, 2, 0]: we (sub-DAG 1) keep sub-DAG 0's snapshots, from its compnode only."""
+    s = service()
+    doc = dict(assign_docs[1], replica_holders=[1, 2, 0])
+    call(s, "assign", doc)
+    blob = pack_tensors({"w": torch.ones(2)})
+    snap = {"job_id": "j1", "attempt": 1, "subdag": 0, "step": 3, "blob": blob}
+    refusals = [
+        (dict(snap, subdag=2), PEERS[2], "keeps no replica of sub-DAG 2"),
+        (snap, PEERS[2], "only the compnode of sub-DAG 0 may replicate it"),
+        (dict(snap, attempt=0), PEERS[0], "snapshot of attempt 0, this is 1"),
+        (dict(snap, part="all"), PEERS[0], "part must be 'state' or 'optim'"),
+    ]
+    for payload, sender, why in refusals:
+        with pytest.raises(JobError, match=why):
+            call(s, "replicate", payload, sender=sender)
+    assert call(s, "replicate", dict(snap, part="state"), sender=PEERS[0]) == {"complete": False}
+    assert call(s, "replicas", {"job_id": "j1"}) == {"held": {}}  # half a snapshot is none
+    assert call(s, "replicate", dict(snap, part="optim"), sender=PEERS[0]) == {"complete": True}
+    assert call(s, "replicas", {"job_id": "j1"}) == {"held": {"0": [3]}}
+    got = call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 3, "part": "state"})
+    assert got["state"] == blob
+    with pytest.raises(JobError, match=f"{STRANGER} may not drive it"):
+        call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 3, "part": "state"}, sender=STRANGER)
+    with pytest.raises(JobError, match="no snapshot of sub-DAG 0 at step 2"):
+        call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 2, "part": "state"})
+    folder = s.replicas.folder / "j1"
+    assert folder.is_dir()
+    call(s, "release", {"job_id": "j1", "reason": "done"})
+    assert not folder.exists()  # released: its snapshots go too

@@ -26,7 +26,7 @@ from fusionnet.compnode.replicas import Replicator
 from fusionnet.dag.channel import MessageKey
 from fusionnet.dag.checkpoint import load_optimizer_tensors, optimizer_tensors
 from fusionnet.dag.codec import decode_ir
-from fusionnet.dag.devices import HOST, host_copy
+from fusionnet.dag.devices import HOST
 from fusionnet.dag.executor import StepReport, SubDagExecutor
 from fusionnet.dag.ir import IRGraph, dtype_name
 from fusionnet.dag.partition import SubDag, build_partition
@@ -110,13 +110,15 @@ class JobAssignment:
                 check_against_meta(g, m, self.example_batch, f"{where}[{i}]", compute)
 
     def state_blob(self) -> bytes:
-        return pack_tensors(self.executor.state())
+        """On the compute thread (no Update meanwhile): packing is the only copy."""
+        return pack_tensors(self.executor.state(copy=False))
 
     def grads_blob(self) -> bytes:
         return pack_tensors(self.executor.gradients())
 
     def optim_blob(self) -> bytes:
-        tensors = host_copy(optimizer_tensors(self.executor.optimizers, self.executor.named_params))
+        tensors = optimizer_tensors(self.executor.optimizers, self.executor.named_params)  # copies
+        tensors = {k: v.to(HOST) for k, v in tensors.items()}
         if self.executor.scaler is not None:
             tensors |= self.executor.scaler.state()
         return pack_tensors(tensors)

@@ -444,12 +444,14 @@ class SubDagExecutor:
         # A "mean" loss over the whole batch is the size-weighted sum of micro-batch means.
         return size / batch if self.loss_reduction == "mean" else 1.0
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """Current parameters and buffers of this sub-DAG by state key, as CPU copies."""
+    def state(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """Current parameters and buffers of this sub-DAG by state key, as CPU copies (``copy=False``:
+        on the CPU the live tensors, detached, for a caller that copies them before the next Update,
+        as packing them on the compute thread does)."""
         out = {k: self.root.param(k) for k in self.subdag.params}
         for k in self.subdag.buffers:
             out[k] = getattr(self.root, self.root.attr_of[k])
-        return host_copy(out)
+        return host_copy(out) if copy else {k: v.detach().to(HOST) for k, v in out.items()}
 
 
 def _rebuild_output(graph: IRGraph, values: Mapping[str, Any]) -> Any:
