@@ -24,6 +24,7 @@ from fusionnet.dht.announce import Found
 from fusionnet.dht.records import CompnodeRecord, NodeState
 from fusionnet.errors import DeviceMemoryError, JobError
 from fusionnet.job.loader import load_job
+from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.compnode_rpc import AssignRequest, CompnodeClient
 from fusionnet.messages.jobwire import run_spec_of
 from fusionnet.metrics import BrokerMetrics
@@ -85,10 +86,12 @@ class FakeCompnodes:
             return {"step": payload["step"], "loss": loss, "replicated": self.confirmed.get(peer)}
         if method == "replicas":
             return {"held": self.snapshots.get(peer, {})}
-        if method == "fetch_replica":
+        if method == "fetch_replica":  # two chunks: the state, then the optimizer state
             assert payload["step"] in self.snapshots[peer][str(payload["subdag"])]
             source = next(h for h in self.held.values() if h.subdag == payload["subdag"])
-            return {"state": source.state} if payload["part"] == "state" else {"state": b"", "optim": None}
+            if payload.get("chunk", 0) == 0:
+                return {"part": "state", "chunks": 2, "blob": source.state}
+            return {"part": "optim", "chunks": 2, "blob": source.optim or pack_tensors({})}
         if method == "collect":
             return {"state": held.state, "optim": held.optim}
         if method == "release":

@@ -8,9 +8,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
+import torch
 
 from fusionnet.broker.replicas import ROUND_RETRY, ReplicaBook, ReplicaPointer, best_step, ring_holders
-from fusionnet.compnode.replicas import ReplicaStore, Replicator
+from fusionnet.compnode.replicas import ReplicaStore, Replicator, pack_chunks
+from fusionnet.errors import JobError
+from fusionnet.messages.blobs import unpack_tensors
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,44 +62,55 @@ def test_the_pointer_survives_a_restart_and_a_torn_file_reads_as_none(tmp_path: 
 
 def test_snapshot_files_complete_listed_pruned_and_dropped(tmp_path: Path) -> None:
     store = ReplicaStore(tmp_path)
-    assert not store.put("j", 1, 0, 4, "state", b"s4")
+    assert not store.put("j", 1, 0, 4, (0, 2, "state"), b"s4")
     assert store.held("j", 1) == {}  # half a snapshot is none
-    assert store.put("j", 1, 0, 4, "optim", b"o4")
-    store.put("j", 1, 0, 6, "state", b"s6")
-    store.put("j", 1, 0, 6, "optim", b"o6")
-    store.put("j", 1, 2, 6, "state", b"x")
-    store.put("j", 1, 2, 6, "optim", b"y")
-    store.put("j", 0, 1, 9, "state", b"old attempt")
-    store.put("j", 0, 1, 9, "optim", b"old attempt")
+    assert store.put("j", 1, 0, 4, (1, 2, "optim"), b"o4")
+    for subdag, step in ((0, 6), (2, 6)):
+        store.put("j", 1, subdag, step, (0, 1, "state"), b"s6")
+    store.put("j", 0, 1, 9, (0, 1, "state"), b"old attempt")
     assert store.held("j", 1) == {0: [4, 6], 2: [6]} and store.held("j", 0) == {1: [9]}
-    assert store.read("j", 1, 0, 6, "state") == b"s6"
+    assert store.read("j", 1, 0, 4, 1) == ("optim", 2, b"o4")
+    with pytest.raises(JobError, match="chunk 3 of 2"):
+        store.put("j", 1, 0, 4, (3, 2, "state"), b"")
+    with pytest.raises(JobError, match="no snapshot of sub-DAG 0 at step 5"):
+        store.read("j", 1, 0, 5, 0)
     store.prune("j", 6)
     assert store.held("j", 1) == {0: [6], 2: [6]}
     store.drop("j")
     assert store.held("j", 1) == {} and not (tmp_path / "j").exists()
 
 
-def test_an_owner_sends_its_snapshots_in_step_order_and_counts_the_confirmed(tmp_path: Path) -> None:
-    sent: list[tuple[int, str]] = []
+def test_a_snapshot_is_cut_into_chunks_that_load_back_to_it() -> None:
+    tensors = {f"w{i}": torch.full((1000,), float(i)) for i in range(10)}  # 4000 bytes each
+    chunks = pack_chunks("state", tensors, limit=9000)
+    assert [part for part, _ in chunks] == ["state"] * 5  # two tensors per chunk
+    back = {k: v for _, blob in chunks for k, v in unpack_tensors(blob, "chunk").items()}
+    assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    assert len(pack_chunks("state", tensors, limit=1)) == 10  # a bigger tensor goes alone
+    assert pack_chunks("optim", {}) == [] and len(pack_chunks("state", {})) == 1  # never an empty snapshot
 
-    async def send(step: int, part: str, blob: bytes) -> bool:
+
+def test_an_owner_sends_its_snapshots_in_step_order_and_counts_the_confirmed(tmp_path: Path) -> None:
+    sent: list[tuple[int, int, int, str]] = []
+
+    async def send(step: int, index: int, count: int, chunk: tuple[str, bytes]) -> bool:
         if step == 2:
             await asyncio.sleep(0.05)  # the first snapshot travels slowly: the second waits for it
-        sent.append((step, part))
-        return part == "optim"
+        sent.append((step, index, count, chunk[0]))
+        return index == count - 1
 
     async def run() -> Replicator:
         loop = asyncio.get_running_loop()
         r = Replicator(ReplicaStore(tmp_path), "j", 1, 0, send, lambda: None)
         for step in (2, 3):
             pack = loop.create_future()
-            pack.set_result((b"state", b"optim", 0.25))
+            pack.set_result(([("state", b"s"), ("optim", b"o")], 0.25))
             r.start(step, pack)
         assert r._task is not None
         await r._task
         return r
 
     r = asyncio.run(run())
-    assert sent == [(2, "state"), (2, "optim"), (3, "state"), (3, "optim")]
+    assert sent == [(2, 0, 2, "state"), (2, 1, 2, "optim"), (3, 0, 2, "state"), (3, 1, 2, "optim")]
     assert r.confirmed == 3 and r.take_seconds() == 0.25 and r.take_seconds() == 0.0
     assert ReplicaStore(tmp_path).held("j", 1) == {0: [2, 3]}  # the owner keeps its own copies

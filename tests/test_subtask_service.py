@@ -187,16 +187,18 @@ def test_replicas_are_kept_only_from_the_sub_dag_this_node_holds_and_read_only_b
     for payload, sender, why in refusals:
         with pytest.raises(JobError, match=why):
             call(s, "replicate", payload, sender=sender)
-    assert call(s, "replicate", dict(snap, part="state"), sender=PEERS[0]) == {"complete": False}
+    first = dict(snap, part="state", chunk=0, chunks=2)
+    assert call(s, "replicate", first, sender=PEERS[0]) == {"complete": False}
     assert call(s, "replicas", {"job_id": "j1"}) == {"held": {}}  # half a snapshot is none
-    assert call(s, "replicate", dict(snap, part="optim"), sender=PEERS[0]) == {"complete": True}
+    second = dict(snap, part="optim", chunk=1, chunks=2)
+    assert call(s, "replicate", second, sender=PEERS[0]) == {"complete": True}
     assert call(s, "replicas", {"job_id": "j1"}) == {"held": {"0": [3]}}
-    got = call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 3, "part": "state"})
-    assert got["state"] == blob
+    got = call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 3, "chunk": 0})
+    assert got == {"part": "state", "chunks": 2, "blob": blob}
     with pytest.raises(JobError, match=f"{STRANGER} may not drive it"):
-        call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 3, "part": "state"}, sender=STRANGER)
+        call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 3}, sender=STRANGER)
     with pytest.raises(JobError, match="no snapshot of sub-DAG 0 at step 2"):
-        call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 2, "part": "state"})
+        call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 2})
     folder = s.replicas.folder / "j1"
     assert folder.is_dir()
     call(s, "release", {"job_id": "j1", "reason": "done"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 from fusionnet.errors import DeviceMemoryError, FusionNetError
@@ -20,6 +20,7 @@ from fusionnet.messages.compnode_rpc import (
     JobRequest,
     ProbeLinksRequest,
     ReleaseRequest,
+    ReplicaChunk,
     ReplicaRequest,
     ReplicasReply,
     StepReply,
@@ -83,10 +84,16 @@ class JobCalls:
             peer, "replicas", self.client.call_replicas(peer, request, timeout=PROBE_TIMEOUT)
         )
 
-    async def fetch_replica(self, peer: str, subdag: int, step: int, part: str) -> CollectReply:
-        request = ReplicaRequest(job_id=self.job_id, subdag=subdag, step=step, part=part)
+    async def fetch_replica(self, peer: str, subdag: int, step: int, chunk: int) -> ReplicaChunk:
+        request = ReplicaRequest(job_id=self.job_id, subdag=subdag, step=step, chunk=chunk)
         call = self.client.call_fetch_replica(peer, request, timeout=ASSIGN_TIMEOUT)
         return await self._named(peer, "fetch_replica", call)
+
+    async def collect_parts(self, subdag: int, peer: str) -> AsyncIterator[tuple[str, bytes | None]]:
+        """A sub-DAG's state, then its optimizer state: two answers, each under the message bound."""
+        for part in ("state", "optim"):
+            (r,) = await self.collect([peer], part)
+            yield part, r.state if part == "state" else r.optim
 
     async def release(self, peers: Sequence[str], why: str) -> None:
         """Best effort: a compnode that does not answer has forgotten the job or is gone."""

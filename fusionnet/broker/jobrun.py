@@ -428,19 +428,11 @@ class JobRun:
         )
 
     async def _sync(self, step: int, last: Checkpoint) -> Checkpoint:
-        """Parameters and optimizer state of every sub-DAG after ``step - 1``: the new checkpoint, on disk.
-        Tensors no sub-DAG holds keep their value from the ``last`` checkpoint.
-
-        One compnode at a time, its blobs written to disk as they came: the broker holds one sub-DAG's
-        state at a time, never the model (issue 11)."""
+        """Parameters and optimizer state of every sub-DAG after ``step - 1``, collected by the broker:
+        the new checkpoint, on disk (``replicas.assemble_checkpoint``: never the model in memory)."""
         started = time.perf_counter()
-
-        async def fetch(i: int, peer: str, part: str) -> bytes | None:
-            # State and optimizer state in two answers: each stays under the message bound.
-            (r,) = await self.calls.collect([peer], part)
-            return r.state if part == "state" else r.optim
-
-        got = await assemble_checkpoint(self.files, step, last, self.peers, fetch, f"a{self.attempt}")
+        parts = self.calls.collect_parts
+        got = await assemble_checkpoint(self.files, step, last, self.peers, parts, f"a{self.attempt}")
         if self.progress.metrics:  # what the collection cost (metrics.jsonl, benchmarks/scale.py)
             self.progress.metrics[-1]["sync_seconds"] = time.perf_counter() - started
         ckpt = replace(got, metrics=list(self.progress.metrics))

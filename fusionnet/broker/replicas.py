@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -138,29 +138,31 @@ class ReplicaPointer:
             return None
 
 
-Fetch = Callable[[int, str, str], Awaitable[bytes | None]]  # (sub-DAG, peer, part) -> blob
+Parts = Callable[[int, str], AsyncIterator[tuple[str, bytes | None]]]  # (sub-DAG, peer) -> (part, blob)
 
 
 async def assemble_checkpoint(
-    files: JobFiles, step: int, last: Checkpoint, sources: Sequence[str], fetch: Fetch, prefix: str
+    files: JobFiles, step: int, last: Checkpoint, sources: Sequence[str], parts: Parts, prefix: str
 ) -> Checkpoint:
     """The checkpoint before ``step`` from each sub-DAG's blobs (sub-DAG ``i`` from ``sources[i]``),
-    written to disk as they come, one part at a time: the broker holds one sub-DAG's state at a time,
-    never the model. Tensors no sub-DAG holds keep their value from ``last``. Metrics: the caller's."""
+    written to disk as they come, one blob at a time: the broker holds one blob (at most a sub-DAG's
+    state) at a time, never the model. Tensors no sub-DAG holds keep their value from ``last``.
+    Metrics: the caller's."""
     state = last.state if isinstance(last.state, TensorFiles) else None
     if state is None:  # an in-memory state (tests): on disk first, like the submission
         blob = await asyncio.to_thread(pack_tensors, last.state)
         state = await asyncio.to_thread(files.write_part, step, "base-state", blob, "state")
     optim = TensorFiles()
     for i, peer in enumerate(sources):
-        name = f"{prefix}-s{i:03d}"
-        for part in ("state", "optim"):
-            blob = await fetch(i, peer, part)
+        k = 0
+        async for part, blob in parts(i, peer):
             if blob is None:
                 continue
             what = f"{'state' if part == 'state' else 'optimizer state'} of sub-DAG {i} from {peer}"
-            written = await asyncio.to_thread(files.write_part, step, f"{name}-{part}", blob, what)
+            name = f"{prefix}-s{i:03d}-{part}-{k:05d}"
+            written = await asyncio.to_thread(files.write_part, step, name, blob, what)
             del blob
+            k += 1
             if part == "state":
                 state = state.merged(written)
             else:
@@ -172,8 +174,8 @@ async def checkpoint_from_replicas(
     calls: JobCalls, files: JobFiles, live: Sequence[str], n: int, last: Checkpoint, attempt: int
 ) -> Checkpoint | None:
     """After a failure (or a broker restart): the newest checkpoint after ``last`` that the snapshots on
-    the ``live`` compnodes make up for all ``n`` sub-DAGs, fetched to the broker's disk; None when they
-    hold none (the caller goes on from ``last``). Metrics: the caller's."""
+    the ``live`` compnodes make up for all ``n`` sub-DAGs, fetched to the broker's disk chunk by chunk;
+    None when they hold none (the caller goes on from ``last``). Metrics: the caller's."""
     held: dict[str, dict[int, list[int]]] = {}
     for peer in live:
         try:
@@ -187,11 +189,15 @@ async def checkpoint_from_replicas(
         return None
     step, sources = found
 
-    async def fetch(i: int, peer: str, part: str) -> bytes | None:
-        reply = await calls.fetch_replica(peer, i, step, part)
-        return reply.state if part == "state" else reply.optim
+    async def parts(i: int, peer: str) -> AsyncIterator[tuple[str, bytes | None]]:
+        chunk, count = 0, 1
+        while chunk < count:
+            reply = await calls.fetch_replica(peer, i, step, chunk)
+            count = reply.chunks
+            yield reply.part, reply.blob
+            chunk += 1
 
-    return await assemble_checkpoint(files, step, last, sources, fetch, f"r{attempt}")
+    return await assemble_checkpoint(files, step, last, sources, parts, f"r{attempt}")
 
 
 async def recovered_checkpoint(

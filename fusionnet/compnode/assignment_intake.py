@@ -116,12 +116,16 @@ class JobAssignment:
     def grads_blob(self) -> bytes:
         return pack_tensors(self.executor.gradients())
 
-    def optim_blob(self) -> bytes:
+    def optim_tensors(self) -> dict[str, torch.Tensor]:
+        """Optimizer state (and fp16's loss scale) as CPU tensors."""
         tensors = optimizer_tensors(self.executor.optimizers, self.executor.named_params)  # copies
         tensors = {k: v.to(HOST) for k, v in tensors.items()}
         if self.executor.scaler is not None:
             tensors |= self.executor.scaler.state()
-        return pack_tensors(tensors)
+        return tensors
+
+    def optim_blob(self) -> bytes:
+        return pack_tensors(self.optim_tensors())
 
 
 def _flatten_meta(meta: Any) -> list[Any]:

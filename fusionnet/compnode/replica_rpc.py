@@ -14,13 +14,13 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from fusionnet.compnode.replicas import ReplicaStore, Replicator
+from fusionnet.compnode.replicas import Chunk, ReplicaStore, Replicator, pack_chunks
 from fusionnet.errors import JobError
 from fusionnet.messages.base import handles
 from fusionnet.messages.compnode_rpc import (
-    CollectReply,
     CompnodeClient,
     JobRequest,
+    ReplicaChunk,
     ReplicaRequest,
     ReplicasReply,
     ReplicateReply,
@@ -52,9 +52,16 @@ class ReplicaRPC:
             holder = job.peers[holders[job.index]].peer_id
             client = CompnodeClient(self.node.call)
 
-            async def send(step: int, part: str, blob: bytes) -> bool:
+            async def send(step: int, index: int, count: int, chunk: Chunk) -> bool:
                 request = ReplicateRequest(
-                    job_id=job.job_id, attempt=job.attempt, subdag=job.index, step=step, part=part, blob=blob
+                    job_id=job.job_id,
+                    attempt=job.attempt,
+                    subdag=job.index,
+                    step=step,
+                    chunk=index,
+                    chunks=count,
+                    part=chunk[0],
+                    blob=chunk[1],
                 )
                 reply = await client.call_replicate(holder, request, timeout=REPLICATE_TIMEOUT)
                 return reply.complete
@@ -98,7 +105,8 @@ class ReplicaRPC:
             raise JobError(f"job {job.job_id}: only the compnode of sub-DAG {i} may replicate it")
         if request.part not in ("state", "optim"):
             raise JobError(f"replicate: part must be 'state' or 'optim', got {request.part!r}")
-        put = partial(self.replicas.put, job.job_id, job.attempt, i, request.step, request.part, request.blob)
+        chunk = (request.chunk, request.chunks, request.part)
+        put = partial(self.replicas.put, job.job_id, job.attempt, i, request.step, chunk, request.blob)
         return ReplicateReply(complete=await asyncio.to_thread(put))
 
     @handles(JobRequest)
@@ -108,19 +116,16 @@ class ReplicaRPC:
         return ReplicasReply(held={str(k): v for k, v in held.items()})
 
     @handles(ReplicaRequest)
-    async def rpc_fetch_replica(self, request: ReplicaRequest, context: RPCContext) -> CollectReply:
+    async def rpc_fetch_replica(self, request: ReplicaRequest, context: RPCContext) -> ReplicaChunk:
         job = self._job(request, context)
-        if request.part not in ("state", "optim"):
-            raise JobError(f"fetch_replica: part must be 'state' or 'optim', got {request.part!r}")
-        read = partial(
-            self.replicas.read, job.job_id, job.attempt, request.subdag, request.step, request.part
-        )
-        blob = await asyncio.to_thread(read)
-        return CollectReply(state=blob) if request.part == "state" else CollectReply(state=b"", optim=blob)
+        where = (job.job_id, job.attempt, request.subdag, request.step, request.chunk)
+        part, chunks, blob = await asyncio.to_thread(self.replicas.read, *where)
+        return ReplicaChunk(part=part, chunks=chunks, blob=blob)
 
 
-def _pack(job: JobAssignment) -> tuple[bytes, bytes, float]:
-    """The sub-DAG's state and optimizer state as blobs (CPU copies), on the compute thread."""
+def _pack(job: JobAssignment) -> tuple[list[Chunk], float]:
+    """The sub-DAG's state and optimizer state in chunks (the packing is the copy), on the compute
+    thread: no Update runs meanwhile."""
     started = time.perf_counter()
-    state, optim = job.state_blob(), job.optim_blob()
-    return state, optim, time.perf_counter() - started
+    state = pack_chunks("state", job.executor.state(copy=False))
+    return state + pack_chunks("optim", job.optim_tensors()), time.perf_counter() - started

@@ -15,8 +15,9 @@ After a SIGKILL the broker asks the survivors which snapshots they keep (``repli
 sub-DAG at a time, the newest step every sub-DAG has somewhere (``fetch_replica``): the lost sub-DAG's
 from its holder, the others' from their own disks.
 
-Files: ``<state dir>/replicas/<job id>/a<attempt>-s<sub-DAG>-<step>.<state|optim>.safetensors``, each
-written to a temporary name and renamed; a snapshot is complete when both parts are there.
+Files: ``<state dir>/replicas/<job id>/a<attempt>-s<sub-DAG>-<step>.<i>of<n>.<state|optim>.safetensors``,
+a snapshot in chunks of at most ``CHUNK_BYTES`` of tensors (so no message, on either side, holds a
+whole sub-DAG), each written to a temporary name and renamed; complete when all ``n`` are there.
 """
 
 from __future__ import annotations
@@ -27,19 +28,38 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
+import torch
+
 from fusionnet.errors import JobError
+from fusionnet.messages.blobs import pack_tensors
 
 log = logging.getLogger("fusionnet.compnode.replicas")
 
 PARTS = ("state", "optim")
-_NAME = re.compile(r"^a(\d+)-s(\d+)-(\d+)\.(state|optim)\.safetensors$")
+CHUNK_BYTES = 64 << 20  # tensors per ``replicate`` message (one bigger tensor goes alone)
+Chunk = tuple[str, bytes]  # (part, safetensors blob)
+_NAME = re.compile(r"^a(\d+)-s(\d+)-(\d+)\.(\d+)of(\d+)\.(state|optim)\.safetensors$")
+
+
+def pack_chunks(part: str, tensors: Mapping[str, torch.Tensor], limit: int = CHUNK_BYTES) -> list[Chunk]:
+    """``tensors`` as safetensors blobs of at most ``limit`` bytes of tensors each (in key order)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for k in sorted(tensors):
+        n = tensors[k].numel() * tensors[k].element_size()
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += n
+    return [(part, pack_tensors({k: tensors[k] for k in g})) for g in groups if g or part == "state"]
 
 
 class ReplicaStore:
-    """Snapshots on this compnode's disk, by job, attempt, sub-DAG and step."""
+    """Snapshots on this compnode's disk, by job, attempt, sub-DAG, step and chunk."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -47,59 +67,80 @@ class ReplicaStore:
     def _job(self, job_id: str) -> Path:
         return self.folder / job_id
 
-    def _path(self, job_id: str, attempt: int, subdag: int, step: int, part: str) -> Path:
-        if part not in PARTS:
-            raise JobError(f"replica part must be one of {PARTS}, got {part!r}")
-        return self._job(job_id) / f"a{attempt}-s{subdag}-{step}.{part}.safetensors"
+    def _chunks(self, job_id: str) -> list[tuple[Path, re.Match[str]]]:
+        folder = self._job(job_id)
+        out = []
+        for path in folder.iterdir() if folder.is_dir() else ():
+            m = _NAME.match(path.name)
+            if m:
+                out.append((path, m))
+        return out
 
-    def put(self, job_id: str, attempt: int, subdag: int, step: int, part: str, blob: bytes) -> bool:
-        """Writes one part (atomically); True when the snapshot is complete."""
-        path = self._path(job_id, attempt, subdag, step, part)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    def put(
+        self, job_id: str, attempt: int, subdag: int, step: int, chunk: tuple[int, int, str], blob: bytes
+    ) -> bool:
+        """Writes chunk ``(index, count, part)`` (atomically); True when the snapshot is complete."""
+        index, count, part = chunk
+        if part not in PARTS or not 0 <= index < count:
+            raise JobError(f"replica chunk {index} of {count} ({part!r}) is not one")
+        folder = self._job(job_id)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = folder / f"a{attempt}-s{subdag}-{step}.{index:05d}of{count:05d}.{part}.safetensors"
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as f:
             f.write(blob)
         os.replace(tmp, path)
-        return all(self._path(job_id, attempt, subdag, step, p).is_file() for p in PARTS)
+        return step in self.held(job_id, attempt).get(subdag, [])
 
-    def read(self, job_id: str, attempt: int, subdag: int, step: int, part: str) -> bytes:
-        path = self._path(job_id, attempt, subdag, step, part)
-        if not path.is_file():
-            raise JobError(f"job {job_id}: no snapshot of sub-DAG {subdag} at step {step} here")
-        return path.read_bytes()
+    def _snapshot(
+        self, job_id: str, attempt: int, subdag: int, step: int
+    ) -> dict[int, tuple[Path, str, int]]:
+        """Chunk index -> (file, part, count) of one snapshot."""
+        return {
+            int(m[4]): (path, m[6], int(m[5]))
+            for path, m in self._chunks(job_id)
+            if (int(m[1]), int(m[2]), int(m[3])) == (attempt, subdag, step)
+        }
+
+    def read(self, job_id: str, attempt: int, subdag: int, step: int, chunk: int) -> tuple[str, int, bytes]:
+        """(part, chunk count, blob) of one chunk."""
+        found = self._snapshot(job_id, attempt, subdag, step).get(chunk)
+        if found is None:
+            raise JobError(
+                f"job {job_id}: no snapshot of sub-DAG {subdag} at step {step} (chunk {chunk}) here"
+            )
+        path, part, count = found
+        return part, count, path.read_bytes()
 
     def held(self, job_id: str, attempt: int) -> dict[int, list[int]]:
         """Complete snapshots of ``attempt``: sub-DAG -> steps (ascending)."""
-        parts: dict[tuple[int, int], set[str]] = {}
-        folder = self._job(job_id)
-        for path in folder.iterdir() if folder.is_dir() else ():
-            m = _NAME.match(path.name)
-            if m and int(m[1]) == attempt:
-                parts.setdefault((int(m[2]), int(m[3])), set()).add(m[4])
+        seen: dict[tuple[int, int], tuple[set[int], int]] = {}
+        for _path, m in self._chunks(job_id):
+            if int(m[1]) == attempt:
+                chunks, _ = seen.setdefault((int(m[2]), int(m[3])), (set(), int(m[5])))
+                chunks.add(int(m[4]))
         out: dict[int, list[int]] = {}
-        for (subdag, step), have in sorted(parts.items()):
-            if have == set(PARTS):
+        for (subdag, step), (chunks, count) in sorted(seen.items()):
+            if len(chunks) == count:
                 out.setdefault(subdag, []).append(step)
         return out
 
     def prune(self, job_id: str, keep_from: int) -> None:
         """Drops every snapshot of a step before ``keep_from`` (the broker no longer needs them)."""
-        folder = self._job(job_id)
-        for path in folder.iterdir() if folder.is_dir() else ():
-            m = _NAME.match(path.name)
-            if m and int(m[3]) < keep_from:
+        for path, m in self._chunks(job_id):
+            if int(m[3]) < keep_from:
                 path.unlink(missing_ok=True)
 
     def drop(self, job_id: str) -> None:
         shutil.rmtree(self._job(job_id), ignore_errors=True)
 
 
-Pack = Awaitable[tuple[bytes, bytes, float]]  # -> state blob, optim blob, compute-thread seconds
-Send = Callable[[int, str, bytes], Awaitable[bool]]  # step, part, blob -> complete at the holder
+Pack = Awaitable[tuple[list[Chunk], float]]  # -> chunks, compute-thread seconds
+Send = Callable[[int, int, int, Chunk], Awaitable[bool]]  # step, index, count, chunk -> complete there
 
 
 class Replicator:
-    """One job's snapshots leaving this compnode: at most one in flight, in step order."""
+    """One job's snapshots leaving this compnode: in step order, one chunk at a time."""
 
     def __init__(
         self,
@@ -124,20 +165,21 @@ class Replicator:
 
     async def _replicate(self, step: int, pack: Pack, previous: asyncio.Task[None] | None) -> None:
         try:
-            state, optim, seconds = await pack
-            self.seconds = seconds
+            chunks, self.seconds = await pack
             if previous is not None:  # in step order: the holder's newest is the owner's newest
                 await asyncio.gather(previous, return_exceptions=True)
             self._fault()
             started = time.perf_counter()
-            for part, blob in (("state", state), ("optim", optim)):
+            n = len(chunks)
+            for i, chunk in enumerate(chunks):
                 await asyncio.to_thread(
-                    self.store.put, self.job_id, self.attempt, self.subdag, step, part, blob
+                    self.store.put, self.job_id, self.attempt, self.subdag, step, (i, n, chunk[0]), chunk[1]
                 )
             complete = False
-            for part, blob in (("state", state), ("optim", optim)):
-                complete = await self._send(step, part, blob)
-            del state, optim
+            while chunks:
+                chunk = chunks.pop(0)  # each chunk's memory goes once it has left
+                complete = await self._send(step, n - len(chunks) - 1, n, chunk)
+                del chunk
             if complete:
                 self.confirmed = step if self.confirmed is None else max(self.confirmed, step)
                 log.debug(

@@ -12,7 +12,7 @@ may drive, read or release it):
 - ``probe_links``  time the links to the sub-DAGs ``to`` over the data path
 - ``replicate``    (from the job's compnode of that sub-DAG) keep a snapshot of its state after a step
 - ``replicas``     which snapshots (sub-DAG, step) this compnode keeps for the job
-- ``fetch_replica`` one of them, state or optimizer state (the broker, to recover a lost sub-DAG)
+- ``fetch_replica`` one chunk of one of them (the broker, to recover a lost sub-DAG)
 
 The size and range limits here are what a compnode accepts from a broker; what the IR and the
 tensors mean is checked after decoding (``compnode.assignment_intake``).
@@ -162,13 +162,22 @@ class InfoRequest(Message):
 
 
 class ReplicateRequest(JobRequest):
-    """One part of the snapshot of sub-DAG ``subdag`` taken before step ``step`` (its state after
-    ``step - 1``), from the compnode that runs it to the one that keeps its replica."""
+    """Chunk ``chunk`` of ``chunks`` of the snapshot of sub-DAG ``subdag`` taken before step ``step``
+    (its state after ``step - 1``), from the compnode that runs it to the one that keeps its replica.
+    Chunks keep every message (and the memory it takes on both sides) to a few tens of MB."""
 
     attempt: NonNegative
     subdag: NonNegative
     step: NonNegative
+    chunk: NonNegative = 0
+    chunks: Annotated[int, Field(ge=1, le=1 << 16)] = 1
     blob: bytes  # safetensors; ``part`` says which ("state" or "optim")
+
+    @model_validator(mode="after")
+    def _chunk_in_range(self) -> ReplicateRequest:
+        if self.chunk >= self.chunks:
+            raise ValueError(f"chunk {self.chunk} of {self.chunks}")
+        return self
 
 
 class ReplicateReply(Message):
@@ -180,10 +189,17 @@ class ReplicasReply(Message):
 
 
 class ReplicaRequest(JobRequest):
-    """``fetch_replica``: one part (``part`` "state" or "optim") of a kept snapshot."""
+    """``fetch_replica``: one chunk of a kept snapshot."""
 
     subdag: NonNegative
     step: NonNegative
+    chunk: NonNegative = 0
+
+
+class ReplicaChunk(Message):
+    part: Literal["state", "optim"]
+    chunks: Annotated[int, Field(ge=1)]  # of the whole snapshot
+    blob: bytes
 
 
 class CompnodeClient(TypedCaller):
@@ -219,5 +235,5 @@ class CompnodeClient(TypedCaller):
     async def call_replicas(self, peer: str, request: JobRequest, **kw: Any) -> ReplicasReply:
         return await self.call_typed(peer, "replicas", request, ReplicasReply, **kw)
 
-    async def call_fetch_replica(self, peer: str, request: ReplicaRequest, **kw: Any) -> CollectReply:
-        return await self.call_typed(peer, "fetch_replica", request, CollectReply, **kw)
+    async def call_fetch_replica(self, peer: str, request: ReplicaRequest, **kw: Any) -> ReplicaChunk:
+        return await self.call_typed(peer, "fetch_replica", request, ReplicaChunk, **kw)
