@@ -5,15 +5,17 @@ One run, one swarm of processes on loopback (a broker, 3 working compnodes with 
 downloaded; RMSNorm, rotary embeddings, grouped-query attention, untied embeddings):
 
 - plain PyTorch   ``fusionnet.reference`` on one thread in this process: ms/step and the final weights;
-- swarm           the job through ``submit``: ms/step (the step itself, then the broker's checkpoint of
-                  parameters and optimizer state, from ``metrics.jsonl``), submission time (trace, pack,
-                  send, until the broker accepted the job), exactness against plain PyTorch;
+- swarm           the job through ``submit``: ms/step (``metrics.jsonl``; it includes the compute-thread
+                  time of the state snapshots replicated between compnodes, given apart per step), the
+                  broker's one collection of the final state for the results, submission time (trace,
+                  pack, send, until the broker accepted the job), exactness against plain PyTorch;
 - memory          peak RSS (``VmHWM``) of every daemon against the state it holds: parameters + gradients
                   + optimizer state of its sub-DAG (``plan.json``'s parameters per sub-DAG), with the
                   bound of issue 11 (compnode <= 1.5 GB + 2x its state; broker <= 1 GB);
 - recovery        the same job again; once it is past step 1 the compnode of the largest sub-DAG is
                   SIGKILLed (its whole process group, as a machine that dies); the backup takes its
-                  sub-DAG from the last checkpoint and the final weights must equal plain PyTorch's.
+                  sub-DAG from the newest replicated step and the final weights must equal plain
+                  PyTorch's.
 
 Exactness: SGD with momentum (default) must be within 1e-5; with ``--optimizer adamw`` Adam turns rounding
 noise into lr-sized steps (design.md), so the bound is ``lr``. Prints a table, then one JSON line.
@@ -239,11 +241,17 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def step_ms(run: SwarmRun) -> tuple[float, float]:
-    """(median step ms, mean checkpoint ms per step), the first step (warm-up) left out when possible."""
+def step_ms(run: SwarmRun) -> tuple[float, float, float]:
+    """(median step ms, mean snapshot ms per step, ms of the broker's collections), the first step
+    (warm-up) left out of the first two when possible."""
     rows = run.steps[1:] if len(run.steps) > 2 else run.steps
     ckpt = [r.get("checkpoint_seconds", 0.0) for r in rows]
-    return median([r["seconds"] for r in rows]) * 1e3, (sum(ckpt) / len(ckpt) * 1e3 if ckpt else float("nan"))
+    mean = sum(ckpt) / len(ckpt) * 1e3 if ckpt else float("nan")
+    return (
+        median([r["seconds"] for r in rows]) * 1e3,
+        mean,
+        sum(r.get("sync_seconds", 0.0) for r in run.steps) * 1e3,
+    )
 
 
 def print_table(rows: list[tuple[str, str, str]]) -> None:
@@ -323,11 +331,12 @@ def report(
     tol: float,
     wall: float,
 ) -> int:
-    swarm_ms, ckpt_ms = step_ms(run)
+    swarm_ms, ckpt_ms, sync_ms = step_ms(run)
     rows = [
         ("what", "plain PyTorch (1 thread)", "FusionNet: broker + 3 compnodes (1 thread each)"),
         ("model", f"Llama {n_params / 1e6:.1f}M params", f"{len(run.placement)} sub-DAGs"),
-        ("ms/step", f"{torch_ms:.0f}", f"{swarm_ms:.0f} + checkpoint {ckpt_ms:.0f}"),
+        ("ms/step", f"{torch_ms:.0f}", f"{swarm_ms:.0f} (of which state snapshots {ckpt_ms:.0f})"),
+        ("results collection", "-", f"{sync_ms:.0f} ms once (final state to the broker)"),
         ("exact", "-", f"max diff {run.max_diff:.1e} (bound {tol:g})"),
         ("submission", "-", f"{run.submit_s:.1f} s (trace, pack, send, accepted)"),
     ]
@@ -362,6 +371,7 @@ def report(
         "torch_ms_per_step": round(torch_ms, 1),
         "swarm_ms_per_step": round(swarm_ms, 1),
         "checkpoint_ms_per_step": round(ckpt_ms, 1),
+        "results_collection_ms": round(sync_ms, 1),
         "submission_s": round(run.submit_s, 2),
         "max_diff": run.max_diff,
         "memory": memory,

@@ -38,3 +38,12 @@ class WireError(FusionNetError, ValueError):
 
 class ExecutionError(FusionNetError, RuntimeError):
     """A sub-task failed while running (wrong tensor shape from a peer, op failure, ...)."""
+
+
+class DeviceMemoryError(ExecutionError):
+    """A sub-task ran out of its device's memory. The compnode survives; the broker places the job again
+    without that compnode (``peer`` names it once the broker's call adds it)."""
+
+    def __init__(self, message: str, *, peer: str = "") -> None:
+        super().__init__(message)
+        self.peer = peer

@@ -22,8 +22,9 @@ from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.codec import encode_ir
 from fusionnet.dht.announce import Found
 from fusionnet.dht.records import CompnodeRecord, NodeState
-from fusionnet.errors import JobError
+from fusionnet.errors import DeviceMemoryError, JobError
 from fusionnet.job.loader import load_job
+from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.compnode_rpc import AssignRequest, CompnodeClient
 from fusionnet.messages.jobwire import run_spec_of
 from fusionnet.metrics import BrokerMetrics
@@ -40,14 +41,25 @@ STEPS = 4
 
 
 class FakeCompnodes:
-    """Answers like compnodes would: keeps each assignment, hands its state back on ``collect``; a
-    peer in ``dead`` answers nothing (not even pings); ``on_step`` may change the world mid-step."""
+    """Answers like compnodes would: keeps each assignment, hands its state back on ``collect``, keeps
+    the snapshots a step asks for with itself and with the sub-DAG's replica holder; a peer in ``dead``
+    answers nothing (not even pings); ``on_step`` may change the world mid-step."""
 
     def __init__(self) -> None:
         self.held: dict[str, AssignRequest] = {}
         self.dead: set[str] = set()
         self.calls: list[tuple[str, str]] = []
         self.on_step: Callable[[str, int], None] = lambda peer, step: None
+        self.snapshots: dict[str, dict[str, list[int]]] = {}  # peer -> sub-DAG -> steps
+        self.confirmed: dict[str, int] = {}
+
+    def _snapshot(self, peer: str, held: AssignRequest, step: int) -> None:
+        assert held.replica_holders is not None
+        holder = held.peers[held.replica_holders[held.subdag]].peer_id
+        for keeper in (peer, holder):
+            if keeper not in self.dead:
+                self.snapshots.setdefault(keeper, {}).setdefault(str(held.subdag), []).append(step)
+        self.confirmed[peer] = step
 
     async def call(self, peer: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
         payload = payload or {}
@@ -62,11 +74,24 @@ class FakeCompnodes:
         if method == "assign":
             request = AssignRequest.model_validate(payload)
             self.held[peer] = request
+            self.snapshots.pop(peer, None)  # a new attempt: the old one's snapshots are gone
+            self.confirmed.pop(peer, None)
             return {"subdag": request.subdag, "nodes": 1}
         held = self.held[peer]
         if method == "step":
+            if payload.get("snapshot"):
+                self._snapshot(peer, held, payload["step"] + 1)
             last = held.subdag == len(held.peers) - 1  # the loss lives on the last sub-DAG
-            return {"step": payload["step"], "loss": 1.0 / (1 + payload["step"]) if last else None}
+            loss = 1.0 / (1 + payload["step"]) if last else None
+            return {"step": payload["step"], "loss": loss, "replicated": self.confirmed.get(peer)}
+        if method == "replicas":
+            return {"held": self.snapshots.get(peer, {})}
+        if method == "fetch_replica":  # two chunks: the state, then the optimizer state
+            assert payload["step"] in self.snapshots[peer][str(payload["subdag"])]
+            source = next(h for h in self.held.values() if h.subdag == payload["subdag"])
+            if payload.get("chunk", 0) == 0:
+                return {"part": "state", "chunks": 2, "blob": source.state}
+            return {"part": "optim", "chunks": 2, "blob": source.optim or pack_tensors({})}
         if method == "collect":
             return {"state": held.state, "optim": held.optim}
         if method == "release":
@@ -160,6 +185,11 @@ def test_a_dead_compnode_is_replaced_by_a_backup_and_the_steps_replayed(
     assert fake.calls.count((victim, "release")) == 1
     assert [m for p, m in fake.calls if p == victim].count("step") == 3  # steps 0, 1 and the failed 2
     assert (run.out_dir / "weights.safetensors").is_file()
+    # The broker took no state per step: the checkpoint came from the replicas (the victim's from its
+    # holder), and the state was collected once, for the results (state + optimizer state per peer).
+    fetched = [p for p, m in fake.calls if m == "fetch_replica"]
+    assert len(fetched) == 2 * 3 and victim not in fetched
+    assert [m for _, m in fake.calls].count("collect") == 2 * 3
 
 
 @pytest.mark.timeout(120)
@@ -206,6 +236,29 @@ def test_an_error_from_a_compnode_that_still_answers_fails_the_job_without_failo
     assert {p for p, m in fake.calls if m == "release"} == set(run.peers)  # all released at the end
 
 
+@pytest.mark.timeout(120)
+def test_a_device_oom_places_the_job_again_without_that_compnode(
+    tmp_path: Path, submitted: SubmittedJob
+) -> None:
+    fake = FakeCompnodes()
+    real = fake.call
+    small = PEERS[1]
+
+    async def call(peer: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
+        if method == "step" and peer == small:
+            raise DeviceMemoryError("sub-DAG 1: FP of step 1 micro-batch 0 ran out of memory on cuda:0")
+        return await real(peer, method, payload, **kw)
+
+    fake.call = call  # type: ignore[method-assign]
+    run, context = make_run(tmp_path, submitted, fake)
+    asyncio.run(run.run())
+    assert context.store.get_job("j1")["state"] == "SUCCEEDED", context.store.get_job("j1")["error"]
+    assert small not in run.peers and run.unfit == {small} and not run.dead and run.attempt == 2
+    assert (small, "release") in fake.calls  # alive: released, unlike a dead compnode
+    (recovery,) = run.progress.recoveries
+    assert recovery["lost"] == [small] and "out of memory" in recovery["why"]
+
+
 def _candidates() -> list[Candidate]:
     return [Candidate(p, p in BACKUPS, None) for p in PEERS]
 
@@ -233,6 +286,7 @@ def test_replan_values_say_why() -> None:
         replanning.Replan("first", frozenset({"x"}))
     assert replanning.sync_due(4, 10, 2, leaving=False) and not replanning.sync_due(3, 10, 2, leaving=False)
     assert replanning.sync_due(3, 10, 2, leaving=True) and replanning.sync_due(10, 10, 4, leaving=False)
+    assert not replanning.sync_due(4, 10, 0, leaving=False) and replanning.sync_due(10, 10, 0, leaving=False)
 
 
 def test_no_growth_replan_under_the_balanced_policy(submitted: SubmittedJob) -> None:

@@ -5,7 +5,10 @@ other than the broker that assigned the job. The service keeps nothing of a refu
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -58,6 +61,8 @@ class FakeNode:
         self.metrics = CompnodeMetrics(process=False)
         self.load = (0.0, 0)
         self.compute = None  # executors compute inline here; packing uses the loop's default pool
+        self.device = torch.device("cpu")
+        self.state_dir = SimpleNamespace(path=Path(tempfile.mkdtemp(prefix="fusionnet-replicas-")))
 
     def set_load(self, *, load: float, running_tasks: int) -> None:
         self.load = (load, running_tasks)
@@ -200,3 +205,39 @@ def test_trusted_brokers_come_from_initial_peers_and_flags() -> None:
     assert trust.peers == {"QmBroker", "QmOther", "QmExtra"}
     with pytest.raises(ValueError, match="--trusted-broker"):
         CompnodeConfig(trusted_brokers=("not a peer/id",))
+
+
+def test_replicas_are_kept_only_from_the_sub_dag_this_node_holds_and_read_only_by_the_broker(
+    assign_docs: list[dict],
+) -> None:
+    """Ring holders [1, 2, 0]: we (sub-DAG 1) keep sub-DAG 0's snapshots, from its compnode only."""
+    s = service()
+    doc = dict(assign_docs[1], replica_holders=[1, 2, 0])
+    call(s, "assign", doc)
+    blob = pack_tensors({"w": torch.ones(2)})
+    snap = {"job_id": "j1", "attempt": 1, "subdag": 0, "step": 3, "blob": blob}
+    refusals = [
+        (dict(snap, subdag=2), PEERS[2], "keeps no replica of sub-DAG 2"),
+        (snap, PEERS[2], "only the compnode of sub-DAG 0 may replicate it"),
+        (dict(snap, attempt=0), PEERS[0], "snapshot of attempt 0, this is 1"),
+        (dict(snap, part="all"), PEERS[0], "part must be 'state' or 'optim'"),
+    ]
+    for payload, sender, why in refusals:
+        with pytest.raises(JobError, match=why):
+            call(s, "replicate", payload, sender=sender)
+    first = dict(snap, part="state", chunk=0, chunks=2)
+    assert call(s, "replicate", first, sender=PEERS[0]) == {"complete": False}
+    assert call(s, "replicas", {"job_id": "j1"}) == {"held": {}}  # half a snapshot is none
+    second = dict(snap, part="optim", chunk=1, chunks=2)
+    assert call(s, "replicate", second, sender=PEERS[0]) == {"complete": True}
+    assert call(s, "replicas", {"job_id": "j1"}) == {"held": {"0": [3]}}
+    got = call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 3, "chunk": 0})
+    assert got == {"part": "state", "chunks": 2, "blob": blob}
+    with pytest.raises(JobError, match=f"{STRANGER} may not drive it"):
+        call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 3}, sender=STRANGER)
+    with pytest.raises(JobError, match="no snapshot of sub-DAG 0 at step 2"):
+        call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 2})
+    folder = s.replicas.folder / "j1"
+    assert folder.is_dir()
+    call(s, "release", {"job_id": "j1", "reason": "done"})
+    assert not folder.exists()  # released: its snapshots go too

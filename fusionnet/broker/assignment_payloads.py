@@ -32,9 +32,14 @@ def assignment_payloads(
     ckpt: Checkpoint,
     *,
     key: bytes | None = None,
+    replica_holders: list[int] | None = None,
 ) -> list[AssignRequest]:
     """The ``assign`` request of every sub-DAG, in sub-DAG order (sub-DAG ``i`` runs on ``peers[i]``)."""
-    return list(iter_assignment_payloads(job, partition, peers, data_addresses, attempt, ckpt, key=key))
+    return list(
+        iter_assignment_payloads(
+            job, partition, peers, data_addresses, attempt, ckpt, key=key, replica_holders=replica_holders
+        )
+    )
 
 
 def iter_assignment_payloads(
@@ -47,6 +52,7 @@ def iter_assignment_payloads(
     *,
     key: bytes | None = None,
     schedule: str | None = None,
+    replica_holders: list[int] | None = None,
 ) -> Iterator[AssignRequest]:
     """``assignment_payloads`` one at a time: the broker sends each before it reads the next slice of
     the checkpoint, so it never holds more than one sub-DAG's state (issue 11). ``schedule``: the
@@ -70,5 +76,6 @@ def iter_assignment_payloads(
             state=pack_tensors(state),
             optim=pack_tensors(optim) if optim else None,
             data=pack_tensors({k: v for k, v in job.data.items() if k in wanted}),
+            replica_holders=replica_holders,
         )
         del state, optim

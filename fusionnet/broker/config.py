@@ -15,7 +15,10 @@ class BrokerConfig:
     common: DaemonConfig = field(default_factory=DaemonConfig)
     heartbeat_period: float = 1.0  # seconds between ping rounds
     heartbeat_timeout: float = 3.0  # a compnode silent this long is unreachable
-    sync_every: int = 1  # train jobs: checkpoint parameters and optimizer state every this many steps
+    # Train jobs: collect parameters and optimizer state on the broker every this many steps (0: never;
+    # failover checkpoints are replicated between the job's compnodes, ``broker.replicas``; a job on a
+    # single compnode has no peer to replicate to and is collected every step).
+    sync_every: int = 0
     placement_policy: str = SCHEDULER  # or BALANCED (the plain equal split), for comparison
     replan_gain: float = 0.1  # a joining compnode triggers a re-plan when the step gets this much faster
     ping_timeout: float | None = None  # one ping's limit; default min(heartbeat period, timeout)
@@ -30,8 +33,8 @@ class BrokerConfig:
                 f"--heartbeat-timeout ({self.heartbeat_timeout} s) must exceed --heartbeat-period "
                 f"({self.heartbeat_period} s), or every compnode looks unreachable between pings"
             )
-        if self.sync_every < 1:
-            raise ValueError(f"--sync-every must be >= 1 step, got {self.sync_every}")
+        if self.sync_every < 0:
+            raise ValueError(f"--sync-every must be >= 0 steps, got {self.sync_every}")
         if not 0.0 <= self.replan_gain < 1.0:
             raise ValueError(f"--replan-gain must be in [0, 1), got {self.replan_gain}")
         if self.placement_policy not in (SCHEDULER, BALANCED):

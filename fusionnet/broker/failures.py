@@ -23,7 +23,7 @@ from typing import Any
 
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.registry import RegistryEvent
-from fusionnet.errors import ExecutionError, FusionNetError
+from fusionnet.errors import DeviceMemoryError, ExecutionError, FusionNetError
 from fusionnet.messages.broker_rpc import PingRequest
 
 log = logging.getLogger("fusionnet.broker.jobs")
@@ -46,11 +46,13 @@ def step_timeout(predicted: float | None, measured: float | None) -> float:
 
 
 class PeerFailure(Exception):
-    """Compnodes of a job are gone: ``dead`` names them, ``started`` is when the failed call began."""
+    """Compnodes of a job are gone: ``dead`` names them, ``started`` is when the failed call began.
+    ``unfit``: they are alive but ran out of device memory; the job goes on without them (and releases
+    them, unlike dead ones)."""
 
-    def __init__(self, dead: set[str], why: str, started: float) -> None:
+    def __init__(self, dead: set[str], why: str, started: float, *, unfit: bool = False) -> None:
         super().__init__(why)
-        self.dead, self.why, self.started = dead, why, started
+        self.dead, self.why, self.started, self.unfit = dead, why, started, unfit
 
 
 class FailureWatch:
@@ -107,6 +109,8 @@ class FailureWatch:
                 error = work.exception()
                 if error is None:
                     return work.result()
+                if isinstance(error, DeviceMemoryError) and error.peer in self._peers():
+                    raise PeerFailure({error.peer}, str(error), started, unfit=True)
                 dead = await self.probe()
                 if not dead:
                     raise error  # a real error, not a lost compnode

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
-from fusionnet.errors import FusionNetError
+from fusionnet.errors import DeviceMemoryError, FusionNetError
 from fusionnet.messages.compnode_rpc import (
     AssignRequest,
     CollectReply,
@@ -20,6 +20,9 @@ from fusionnet.messages.compnode_rpc import (
     JobRequest,
     ProbeLinksRequest,
     ReleaseRequest,
+    ReplicaChunk,
+    ReplicaRequest,
+    ReplicasReply,
     StepReply,
     StepRequest,
 )
@@ -29,6 +32,7 @@ log = logging.getLogger("fusionnet.broker.jobs")
 ASSIGN_TIMEOUT = 120.0
 STEP_TIMEOUT = 600.0
 RELEASE_TIMEOUT = 5.0
+PROBE_TIMEOUT = 10.0  # ``replicas``: a listing of a few files
 
 T = TypeVar("T")
 
@@ -47,10 +51,18 @@ class JobCalls:
             ]
         )
 
-    async def step(self, peers: Sequence[str], step: int, *, timeout: float) -> list[StepReply]:
+    async def step(
+        self,
+        peers: Sequence[str],
+        step: int,
+        *,
+        timeout: float,
+        snapshot: bool = False,
+        keep_from: int | None = None,
+    ) -> list[StepReply]:
         """One step on every peer; ``timeout`` scales with the step's expected length (a busy compnode
-        is not a dead one: ``failures.step_timeout``)."""
-        request = StepRequest(job_id=self.job_id, step=step)
+        is not a dead one: ``failures.step_timeout``). ``snapshot``/``keep_from``: ``broker.replicas``."""
+        request = StepRequest(job_id=self.job_id, step=step, snapshot=snapshot, keep_from=keep_from)
         return await gather(
             [self._named(p, "step", self.client.call_step(p, request, timeout=timeout)) for p in peers]
         )
@@ -64,6 +76,24 @@ class JobCalls:
                 for p in peers
             ]
         )
+
+    async def replicas(self, peer: str) -> ReplicasReply:
+        """Which snapshots of the job ``peer`` keeps (``broker.replicas``)."""
+        request = JobRequest(job_id=self.job_id)
+        return await self._named(
+            peer, "replicas", self.client.call_replicas(peer, request, timeout=PROBE_TIMEOUT)
+        )
+
+    async def fetch_replica(self, peer: str, subdag: int, step: int, chunk: int) -> ReplicaChunk:
+        request = ReplicaRequest(job_id=self.job_id, subdag=subdag, step=step, chunk=chunk)
+        call = self.client.call_fetch_replica(peer, request, timeout=ASSIGN_TIMEOUT)
+        return await self._named(peer, "fetch_replica", call)
+
+    async def collect_parts(self, subdag: int, peer: str) -> AsyncIterator[tuple[str, bytes | None]]:
+        """A sub-DAG's state, then its optimizer state: two answers, each under the message bound."""
+        for part in ("state", "optim"):
+            (r,) = await self.collect([peer], part)
+            yield part, r.state if part == "state" else r.optim
 
     async def release(self, peers: Sequence[str], why: str) -> None:
         """Best effort: a compnode that does not answer has forgotten the job or is gone."""
@@ -87,6 +117,8 @@ class JobCalls:
     async def _named(peer: str, method: str, call: Awaitable[T]) -> T:
         try:
             return await call
+        except DeviceMemoryError as e:  # named by peer: the broker places the job again without it
+            raise DeviceMemoryError(f"compnode {peer} ({method}): {e}", peer=peer) from e
         except FusionNetError as e:
             raise type(e)(f"compnode {peer} ({method}): {e}") from e
 

@@ -3,15 +3,18 @@
 PLANNING: the performance model places the job (``placement.py``); each compnode gets its sub-DAG (IR,
 assignment, peers, a fresh per-job data-path key, its slice of the checkpoint, the dataset fields its
 placeholders read). RUNNING: drive steps; every compnode runs the step's GPipe schedule and exchanges
-activations and gradients with its peers directly. Every ``sync_every`` steps (train) the broker
-collects parameters and optimizer state into a checkpoint on disk (``checkpoints.py``).
+activations and gradients with its peers directly. Failover checkpoints (train) are replicated between
+the compnodes in the background (``replicas.py``): the broker only asks for snapshots and keeps the
+books, and collects parameters and optimizer state itself (``checkpoints.py``) only for the results,
+a hand-over, a re-plan or every ``--sync-every`` steps.
 
 Failure handling (Confidant's passive recovery, made exact; detection and phase records in
 ``failures.py``):
 - detection: a step or sync call fails, or the registry reports an assigned compnode unreachable or
   gone (heartbeats); the broker then pings every assigned compnode to learn which are dead;
-- redistribution: survivors are released and the job re-planned over them and the free backups; every
-  sub-DAG is assigned again (a new ``attempt``) from the last checkpoint;
+- redistribution: the newest step every sub-DAG has a replica of on a survivor is fetched into a
+  checkpoint on disk; survivors are released and the job re-planned over them and the free backups;
+  every sub-DAG is assigned again (a new ``attempt``) from that checkpoint;
 - replay: the steps after the checkpoint run again. Steps are deterministic and micro-batch messages
   idempotent, so the result equals a fault-free run.
 Proactive leave: a compnode on SIGTERM calls ``leaving``; at the next step boundary the broker syncs
@@ -42,12 +45,18 @@ from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure,
 from fusionnet.broker.job_calls import JobCalls
 from fusionnet.broker.links import probe_placement
 from fusionnet.broker.replanning import Replan
+from fusionnet.broker.replicas import (
+    ReplicaBook,
+    assemble_checkpoint,
+    recovered_checkpoint,
+    resumed_from_replicas,
+)
 from fusionnet.broker.store import BrokerStore, JobState
 from fusionnet.broker.submission import SubmittedJob
-from fusionnet.broker.tensorfiles import TensorFiles, select
+from fusionnet.broker.tensorfiles import select
 from fusionnet.dag.partition import Partition, build_partition
 from fusionnet.errors import ExecutionError, FusionNetError
-from fusionnet.messages.blobs import pack_tensors, unpack_tensors
+from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.planning.optimizers import optimizer_profiles
 from fusionnet.planning.placement import Candidate, JobShape, Placement, predicted_step
 from fusionnet.results.assemble import RunResult, assemble_result
@@ -82,7 +91,9 @@ class JobRun:
         self.cancel_reason: str | None = None  # set by ``JobService`` just before it cancels the run
         self.leaving: set[str] = set()
         self.dead: set[str] = set()
+        self.unfit: set[str] = set()  # alive, but the job's sub-DAG did not fit their device memory
         self.calls = JobCalls(context.compnodes, job.job_id)
+        self.replicas = ReplicaBook()
         self._outputs: dict[int, dict[str, torch.Tensor]] = {}
         self._busy: dict[int, float] = {}  # sub-DAG -> FP+BP+Update seconds over the steps below
         self._busy_steps = 0
@@ -108,7 +119,7 @@ class JobRun:
     async def run(self) -> None:
         job, store = self.job, self.ctx.store
         try:
-            ckpt = self._initial_checkpoint()
+            ckpt = await self._initial_checkpoint()
             store.update_job(job.job_id, state=JobState.PLANNING)
             step = ckpt.step
             recovering: dict[str, Any] | None = None
@@ -125,11 +136,14 @@ class JobRun:
                         recovering = None
                     if self._leavers():
                         self._hand_over(ckpt)
-                    elif ckpt.step == step and step < job.spec.step_count:
+                    elif step < job.spec.step_count:
                         self.pending = await self._grow()
+                        if self.pending is not None and ckpt.step != step:  # the re-plan starts here
+                            ckpt = await self.watch.guarded(self._sync(step, ckpt))
                 except PeerFailure as failure:
                     if recovering is not None:  # failed again before the replay was over
                         recovering["superseded"] = True
+                    ckpt = await self._replicated_checkpoint(failure, ckpt)
                     recovering = self._on_failure(failure, ckpt, step)
                     self._tell_lost(failure.dead)
                     step = ckpt.step
@@ -167,22 +181,35 @@ class JobRun:
         job = self.job
         if job.spec.task != "train":
             return Checkpoint(step, ckpt.state, ckpt.optim, list(self.progress.metrics))
-        if replanning.sync_due(
-            step, job.spec.step_count, self.ctx.settings.sync_every, bool(self._leavers())
-        ):
+        every = self.ctx.settings.sync_every or (0 if self.replicas.enabled else 1)  # one compnode: no peer
+        if replanning.sync_due(step, job.spec.step_count, every, bool(self._leavers())):
             return await self.watch.guarded(self._sync(step, ckpt))
         return ckpt
 
-    def _initial_checkpoint(self) -> Checkpoint:
-        if self.resume:
-            loaded = self.files.load_checkpoint()
-            if loaded is not None:
-                ckpt, self.attempt = loaded
-                self.progress.metrics = list(ckpt.metrics)
-                log.info("job %s: resuming from the checkpoint before step %d", self.job.job_id, ckpt.step)
-                self.ctx.store.add_job_event(self.job.job_id, "resumed", {"step": ckpt.step})
-                return ckpt
-        return Checkpoint(0, self.job.state, {}, [])
+    async def _initial_checkpoint(self) -> Checkpoint:
+        base = Checkpoint(0, self.job.state, {}, [])
+        if not self.resume:
+            return base
+        loaded = self.files.load_checkpoint()
+        ckpt, self.attempt = loaded if loaded is not None else (base, 0)
+        ckpt, self.attempt, pointed = await resumed_from_replicas(self.calls, self.files, ckpt, self.attempt)
+        if loaded is None and not pointed:
+            return base
+        self.progress.metrics = list(ckpt.metrics)
+        log.info("job %s: resuming from the checkpoint before step %d", self.job.job_id, ckpt.step)
+        self.ctx.store.add_job_event(self.job.job_id, "resumed", {"step": ckpt.step})
+        return ckpt
+
+    async def _replicated_checkpoint(self, failure: PeerFailure, last: Checkpoint) -> Checkpoint:
+        """After a failure: the newest step the survivors' replicas make up, on disk (else ``last``)."""
+        if not self.replicas.enabled:
+            return last
+        live = [p for p in self.peers if p not in failure.dead or failure.unfit]
+        rows = self.progress.metrics
+        got = await recovered_checkpoint(
+            self.calls, self.files, live, len(self.peers), last, self.attempt, rows
+        )
+        return last if got is None else got
 
     def cancel(self, task: asyncio.Task[None], reason: str) -> None:
         """Stops the run (``task``) at once: whatever it awaits is cancelled, the job ends CANCELLED and
@@ -201,7 +228,7 @@ class JobRun:
     # ---- failures (detection and the phase record: ``failures.py``) ------------------------------
     def _on_failure(self, failure: PeerFailure, ckpt: Checkpoint, failed_step: int) -> dict[str, Any]:
         info = self.recoveries.failed(failure, ckpt.step, failed_step)
-        self.dead |= failure.dead
+        self._exclude(failure)
         # The steps after the checkpoint run again: their rows and outputs are recorded again.
         self.progress.metrics = [r for r in self.progress.metrics if r["step"] < ckpt.step]
         self._outputs = {s: o for s, o in self._outputs.items() if s < ckpt.step}
@@ -218,7 +245,14 @@ class JobRun:
         task.add_done_callback(self._telling.discard)
 
     def _candidates(self) -> list[Candidate]:
-        return replanning.candidates(self.ctx.registry, self.ctx.speeds, self.dead | self.leaving)
+        return replanning.candidates(
+            self.ctx.registry, self.ctx.speeds, self.dead | self.leaving | self.unfit
+        )
+
+    def _exclude(self, failure: PeerFailure) -> None:
+        """The failed compnodes take no further part in this job: dead ones, or (a device OOM) ones too
+        small for it, which are released like survivors."""
+        (self.unfit if failure.unfit else self.dead).update(failure.dead)
 
     def _leavers(self) -> set[str]:
         return self.leaving & set(self.peers)
@@ -282,7 +316,7 @@ class JobRun:
                 await self.watch.guarded(self._assign_all(ckpt))
                 break
             except PeerFailure as failure:  # a chosen compnode died before it got its sub-DAG
-                self.dead |= failure.dead
+                self._exclude(failure)
                 replan = replanning.failure(failure.dead)
                 lost |= failure.dead
         else:
@@ -316,6 +350,7 @@ class JobRun:
         self._busy, self._busy_steps = {}, 0  # measured times are per sub-DAG of this placement
         self.partition = build_partition(self.job.graph, placement.assignment)
         self.peers = list(placement.peers)
+        self.replicas.reset(len(self.peers), enabled=self.job.spec.task == "train")
         self._planned_slowness = [self.ctx.speeds.slowness(p) for p in self.peers]
         self.attempt += 1
         self.progress.placement = [
@@ -355,6 +390,7 @@ class JobRun:
             self.attempt,
             ckpt,
             schedule=None if chosen is None else chosen.name,
+            replica_holders=self.replicas.holders(),
         )
         # One compnode at a time, each slice read from disk and packed just before it is sent: the
         # broker never holds the whole model (issue 11).
@@ -369,7 +405,10 @@ class JobRun:
         started = time.perf_counter()
         last = self.progress.metrics[-1]["seconds"] if self.progress.metrics else None
         predicted = None if self._placement is None else self._placement.predicted_step
-        replies = await self.calls.step(self.peers, step, timeout=step_timeout(predicted, last))
+        snapshot, keep_from = self.replicas.request(step)
+        replies = await self.calls.step(
+            self.peers, step, timeout=step_timeout(predicted, last), snapshot=snapshot, keep_from=keep_from
+        )
         seconds = time.perf_counter() - started
         self._busy_steps += 1
         samples = sum(job.spec.microbatch_sizes(step))
@@ -387,6 +426,10 @@ class JobRun:
         self.progress.refused_frames = sum(r.refused for r in replies)
         if loss is not None:
             row["loss"] = loss
+        if any(r.snapshot_seconds for r in replies):  # compute time of the last snapshot (runs in parallel)
+            row["checkpoint_seconds"] = max(r.snapshot_seconds for r in replies)
+        if self.replicas.observe([r.replicated for r in replies]):  # for a restarted broker
+            self.replicas.pointer(self.attempt, self.peers, self.progress.metrics).save(self.files.folder)
         self.progress.metrics.append(row)
         self.ctx.store.update_job(job.job_id, step=step + 1, loss=loss)
         self.ctx.metrics.observe_step(
@@ -400,36 +443,14 @@ class JobRun:
         )
 
     async def _sync(self, step: int, last: Checkpoint) -> Checkpoint:
-        """Parameters and optimizer state of every sub-DAG after ``step - 1``: the new checkpoint, on disk.
-        Tensors no sub-DAG holds keep their value from the ``last`` checkpoint.
-
-        One compnode at a time, its blobs written to disk as they came: the broker holds one sub-DAG's
-        state at a time, never the model (issue 11)."""
+        """Parameters and optimizer state of every sub-DAG after ``step - 1``, collected by the broker:
+        the new checkpoint, on disk (``replicas.assemble_checkpoint``: never the model in memory)."""
         started = time.perf_counter()
-        files = self.files
-        state = last.state if isinstance(last.state, TensorFiles) else None
-        if state is None:  # an in-memory state (tests): on disk first, like the submission
-            blob = await asyncio.to_thread(pack_tensors, last.state)
-            state = await asyncio.to_thread(files.write_part, step, "base-state", blob, "state")
-        optim = TensorFiles()
-        for i, peer in enumerate(self.peers):
-            # State and optimizer state in two answers: each stays under the message bound.
-            name = f"a{self.attempt}-s{i:03d}"
-            (r,) = await self.calls.collect([peer], "state")
-            part = await asyncio.to_thread(
-                files.write_part, step, f"{name}-state", r.state, f"state from {peer}"
-            )
-            state = state.merged(part)
-            (r,) = await self.calls.collect([peer], "optim")
-            if r.optim is not None:
-                what = f"optimizer state from {peer}"
-                optim = optim.merged(
-                    await asyncio.to_thread(files.write_part, step, f"{name}-optim", r.optim, what)
-                )
-            del r
-        if self.progress.metrics:  # what the checkpoint cost this step (metrics.jsonl, benchmarks/scale.py)
-            self.progress.metrics[-1]["checkpoint_seconds"] = time.perf_counter() - started
-        ckpt = Checkpoint(step, state, optim, list(self.progress.metrics))
+        parts = self.calls.collect_parts
+        got = await assemble_checkpoint(self.files, step, last, self.peers, parts, f"a{self.attempt}")
+        if self.progress.metrics:  # what the collection cost (metrics.jsonl, benchmarks/scale.py)
+            self.progress.metrics[-1]["sync_seconds"] = time.perf_counter() - started
+        ckpt = replace(got, metrics=list(self.progress.metrics))
         await asyncio.to_thread(self.files.save_checkpoint, ckpt, self.attempt)
         return ckpt
 

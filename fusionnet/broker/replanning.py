@@ -124,6 +124,7 @@ def growth_replan(
 
 
 def sync_due(step: int, steps: int, sync_every: int, leaving: bool) -> bool:
-    """A train job checkpoints after ``step`` (the count of steps done) every ``sync_every`` steps, at
-    the end, and before a hand-over (the leaver's state must be in the checkpoint)."""
-    return step % sync_every == 0 or step == steps or leaving
+    """A train job collects a checkpoint on the broker after ``step`` (the count of steps done) every
+    ``sync_every`` steps (0: never; failover then relies on ``broker.replicas``), at the end (the
+    results) and before a hand-over (the leaver's state must be in the checkpoint)."""
+    return (sync_every > 0 and step % sync_every == 0) or step == steps or leaving

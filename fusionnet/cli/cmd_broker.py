@@ -38,10 +38,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--sync-every",
         type=int,
-        default=1,
+        default=0,
         metavar="K",
-        help="train jobs: checkpoint parameters and optimizer state on the broker every K steps; after a "
-        "failure the steps since the last checkpoint are replayed (default 1: no step is ever lost)",
+        help="train jobs: also collect parameters and optimizer state on the broker every K steps "
+        "(default 0: never; each sub-DAG's state is replicated in the background to another compnode of "
+        "the job, and after a failure the job goes on from the newest replicated step)",
     )
     p.add_argument(
         "--placement",

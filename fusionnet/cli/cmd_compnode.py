@@ -27,7 +27,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--device",
         default="cpu",
-        help="torch device to profile and announce: cpu, cuda, cuda:1 ... (sub-DAGs still run on the CPU)",
+        help="torch device that runs the sub-DAGs (parameters, gradients and optimizer state live there) "
+        "and that is profiled and announced (D_gpu): cpu (default), cuda, cuda:N or mps",
     )
     p.add_argument(
         "--data-host",

@@ -22,9 +22,11 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fusionnet.compnode.netchannel import NetChannel, check_against_meta
+from fusionnet.compnode.replicas import Replicator
 from fusionnet.dag.channel import MessageKey
 from fusionnet.dag.checkpoint import load_optimizer_tensors, optimizer_tensors
 from fusionnet.dag.codec import decode_ir
+from fusionnet.dag.devices import HOST
 from fusionnet.dag.executor import StepReport, SubDagExecutor
 from fusionnet.dag.ir import IRGraph, dtype_name
 from fusionnet.dag.partition import SubDag, build_partition
@@ -56,6 +58,8 @@ class JobAssignment:
     executor: SubDagExecutor
     channel: NetChannel
     example_batch: int
+    replica_holders: list[int] | None = None  # per sub-DAG: who keeps its snapshots (None: nobody)
+    replicator: Replicator | None = None  # our snapshots leaving (``compnode.replicas``)
     steps_done: set[int] = field(default_factory=set)
     last_report: StepReport | None = None
     last_reply: StepReply | None = None  # answer to the last step, for a repeated request
@@ -107,16 +111,22 @@ class JobAssignment:
                 check_against_meta(g, m, self.example_batch, f"{where}[{i}]", compute)
 
     def state_blob(self) -> bytes:
-        return pack_tensors(self.executor.state())
+        """On the compute thread (no Update meanwhile): packing is the only copy."""
+        return pack_tensors(self.executor.state(copy=False))
 
     def grads_blob(self) -> bytes:
         return pack_tensors(self.executor.gradients())
 
-    def optim_blob(self) -> bytes:
-        tensors = optimizer_tensors(self.executor.optimizers, self.executor.named_params)
+    def optim_tensors(self) -> dict[str, torch.Tensor]:
+        """Optimizer state (and fp16's loss scale) as CPU tensors."""
+        tensors = optimizer_tensors(self.executor.optimizers, self.executor.named_params)  # copies
+        tensors = {k: v.to(HOST) for k, v in tensors.items()}
         if self.executor.scaler is not None:
             tensors |= self.executor.scaler.state()
-        return pack_tensors(tensors)
+        return tensors
+
+    def optim_blob(self) -> bytes:
+        return pack_tensors(self.optim_tensors())
 
 
 def _flatten_meta(meta: Any) -> list[Any]:
@@ -160,7 +170,9 @@ def _decode(request: AssignRequest, own_peer_id: str) -> _Decoded:
     return _Decoded(graph, subdag, list(request.peers), state, fields)
 
 
-def _executor(request: AssignRequest, parts: _Decoded, channel: NetChannel) -> SubDagExecutor:
+def _executor(
+    request: AssignRequest, parts: _Decoded, channel: NetChannel, device: torch.device
+) -> SubDagExecutor:
     spec = request.spec
     executor = SubDagExecutor(
         parts.graph,
@@ -173,6 +185,7 @@ def _executor(request: AssignRequest, parts: _Decoded, channel: NetChannel) -> S
         precision=spec.precision,
         subdags=len(parts.peers),
         schedule=spec.schedule,
+        device=device,
     )
     if request.optim is not None:
         optim = unpack_tensors(request.optim, f"assign {request.job_id}: optimizer state")
@@ -191,10 +204,11 @@ def build_assignment(
     own_peer_id: str,
     broker: str,
     send: Callable[[int, TensorFrame], Awaitable[None]],
+    device: torch.device = HOST,
 ) -> JobAssignment:
-    """Checks a validated ``assign`` request for what it means and builds the executor. Raises
-    ``JobError``/``IRError``/``WireError``/``PartitionError`` naming the bad part; nothing is kept on
-    failure."""
+    """Checks a validated ``assign`` request for what it means and builds the executor on ``device``.
+    Raises ``JobError``/``IRError``/``WireError``/``PartitionError`` naming the bad part
+    (``DeviceMemoryError`` when its state does not fit the device); nothing is kept on failure."""
     parts = _decode(request, own_peer_id)
     index = request.subdag
     holder: dict[str, JobAssignment] = {}
@@ -216,9 +230,10 @@ def build_assignment(
         peers=parts.peers,
         key=request.key,
         fields=parts.fields,
-        executor=_executor(request, parts, channel),
+        executor=_executor(request, parts, channel, device),
         channel=channel,
         example_batch=request.spec.microbatch_sizes(0)[0],
+        replica_holders=request.replica_holders,
     )
     holder["a"] = job
     return job

@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fusionnet import __version__
 from fusionnet.compnode.compute import compute_pool
@@ -55,6 +56,9 @@ from fusionnet.messages.compnode_rpc import InfoRequest
 from fusionnet.metrics import CompnodeMetrics
 from fusionnet.profiling.node import profile_hardware, profile_software_overheads
 from fusionnet.rpc.server import RPCContext
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("fusionnet.compnode")
 
@@ -93,6 +97,9 @@ class CompnodeConfig:
                 raise ValueError(f"--trusted-broker: {peer!r} is not a peer id")
         if not self.assignment_ttl > 0:
             raise ValueError(f"--assignment-ttl must be > 0 seconds, got {self.assignment_ttl}")
+        from fusionnet.dag.devices import resolve_device  # torch: only when a compnode is configured
+
+        self.device = str(resolve_device(self.device))  # a clear start-up error without CUDA / MPS
         host = self.metrics_announce_host
         if host is not None and (is_bind_all(host) or not is_host_port(join_host_port(host, 1))):
             raise ValueError(f"--metrics-announce-host: {host!r} is not a host name or IP address to reach")
@@ -115,6 +122,13 @@ class CompnodeDaemon(Daemon):
         self._announce_lock = asyncio.Lock()
         self.ping_listeners: list[Callable[[str], None]] = []  # told the caller of every heartbeat
         self.compute = compute_pool(config.threads)  # FP/BP/Update and the calibration run there
+
+    @property
+    def device(self) -> torch.device:
+        """Where sub-DAGs run (``--device``): their parameters, gradients and optimizer state live there."""
+        import torch
+
+        return torch.device(self.settings.device)
 
     # ---- API for services ------------------------------------------------------------------------
     def set_load(self, *, load: float, running_tasks: int) -> None:

@@ -20,18 +20,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from fusionnet.compnode.assignment_intake import JobAssignment, build_assignment
 from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, fault_hooks
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
+from fusionnet.compnode.replica_rpc import ReplicaRPC
+from fusionnet.compnode.replicas import ReplicaStore
 from fusionnet.compnode.serve_steps import StepOrder, serve_step
 from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
 from fusionnet.daemon.addresses import announced_host
 from fusionnet.dht.records import join_host_port
-from fusionnet.errors import JobError
+from fusionnet.errors import DeviceMemoryError, JobError
 from fusionnet.messages.base import handles
 from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.broker_rpc import BrokerClient
@@ -62,7 +65,7 @@ MAX_JOBS = 16  # assignments held at once; a broker gone wild cannot exhaust our
 HANDOVER_TIMEOUT = 45.0  # a graceful leave waits this long for the broker to move our sub-DAGs
 
 
-class SubtaskService:
+class SubtaskService(ReplicaRPC):
     name = "subtasks"
 
     def __init__(self, compnode: CompnodeDaemon) -> None:
@@ -81,6 +84,7 @@ class SubtaskService:
         settings = compnode.settings
         self.trust = TrustedBrokers.from_settings(settings.common.dht.initial_peers, settings.trusted_brokers)
         self._heard: dict[str, float] = {}  # job id or trusted broker -> when it last drove us (monotonic)
+        self.replicas = ReplicaStore(compnode.state_dir.path / "replicas")
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -187,6 +191,7 @@ class SubtaskService:
             if path is not None:
                 path.unregister_job(job_id)
         job.channel.mailbox.fail_all(JobError(f"job {job_id} was released: {why}"))
+        self.forget_replicas(job)
         if job_id in self._released:
             self._released.pop(job_id).set()
         self._set_load()
@@ -224,9 +229,16 @@ class SubtaskService:
         async def send(dst: int, frame: TensorFrame) -> None:
             await self._send(holder["job"], dst, frame)
 
-        job = await asyncio.to_thread(
-            build_assignment, request, own_peer_id=self.node.peer_id, broker=context.remote_peer, send=send
+        # Built on the compute thread: placing the state on the device is compute-stream work.
+        build = partial(
+            build_assignment,
+            request,
+            own_peer_id=self.node.peer_id,
+            broker=context.remote_peer,
+            send=send,
+            device=self.node.device,
         )
+        job = await asyncio.get_running_loop().run_in_executor(self.node.compute, build)
         holder["job"] = job
         job.executor.compute = self.node.compute
         for hook in (*fault_hooks(self.fault), *throttle_hooks(self.node.settings.slowdown)):
@@ -272,9 +284,15 @@ class SubtaskService:
                 raise JobError(f"job {job.job_id}: step {step} already ran on sub-DAG {job.index}")
             try:
                 report = await job.run_step(step)
-            except Exception:
+            except Exception as e:
                 self.node.metrics.count_subtask("failed")
+                if isinstance(e, DeviceMemoryError):  # the daemon lives on; the broker places again
+                    log.warning("job %s: %s", job.job_id, e)
+                    await asyncio.get_running_loop().run_in_executor(
+                        self.node.compute, job.executor.drop_inflight
+                    )
                 raise
+            self.after_step(job, request)
         for phase, seconds in (
             ("fp", report.fp_seconds),
             ("bp", report.bp_seconds),
@@ -297,6 +315,8 @@ class SubtaskService:
             update_seconds=report.update_seconds,
             refused=self._refused(job.job_id),
             outputs=outputs,
+            replicated=None if job.replicator is None else job.replicator.confirmed,
+            snapshot_seconds=0.0 if job.replicator is None else job.replicator.take_seconds(),
         )
         job.last_reply = reply
         return reply

@@ -41,6 +41,15 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fusionnet.dag.channel import Channel
+from fusionnet.dag.devices import (
+    HOST,
+    host_copy,
+    host_ready,
+    is_out_of_memory,
+    release_cached_memory,
+    to_device,
+    to_host,
+)
 from fusionnet.dag.hooks import ExecutorHook, HookChain, Phase, StepReport
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.outbox import Outbox
@@ -48,7 +57,7 @@ from fusionnet.dag.partition import SubDag
 from fusionnet.dag.precision import FOUND_INF_NODE, autocast, make_scaler
 from fusionnet.dag.rebuild import build_subdag_module
 from fusionnet.dag.split_backward import WeightWork, input_gradients, weight_gradients
-from fusionnet.errors import ExecutionError
+from fusionnet.errors import DeviceMemoryError, ExecutionError
 from fusionnet.schedules import Action, Schedule, ScheduleError, make_schedule
 
 T = TypeVar("T")
@@ -65,7 +74,9 @@ def _detach(value: Any) -> Any:
 class SubDagExecutor:
     """Runs one sub-DAG. ``optimizers`` is a factory ``named_params -> list[Optimizer]`` (train only);
     ``compute`` the pool FP/BP/Update run on (None: inline); ``hooks`` run around each of them;
-    ``precision`` the job's autocast (``subdags``, the job's sub-DAG count, is who shares fp16's flag)."""
+    ``precision`` the job's autocast (``subdags``, the job's sub-DAG count, is who shares fp16's flag);
+    ``device`` where parameters, buffers, gradients and optimizer state live and FP/BP/Update run
+    (``fusionnet.dag.devices``: values come in and go out as CPU tensors)."""
 
     def __init__(
         self,
@@ -82,6 +93,7 @@ class SubDagExecutor:
         precision: str = "fp32",
         subdags: int = 1,
         schedule: str | Schedule = "gpipe",
+        device: torch.device = HOST,
     ) -> None:
         self.graph = graph
         self.subdag = subdag
@@ -93,6 +105,7 @@ class SubDagExecutor:
         self.precision = precision
         self.subdags = subdags
         self.schedule = schedule
+        self.device = torch.device(device)
         self.scaler = make_scaler(precision) if task != "infer" else None
         self._found_inf = False  # this sub-DAG's gradients of the current step held an inf/nan
         self.loss_name = graph.loss_node().name if graph.loss_node() else None
@@ -114,6 +127,11 @@ class SubDagExecutor:
             {k: state[k] for k in subdag.buffers},
         )
         self.module.train(task != "infer")
+        try:  # built on the CPU (cloned from the state), then moved: the device holds one copy
+            self.module.to(self.device)
+            self.root.to(self.device)
+        except Exception as e:
+            raise self._device_error("placing its state", e) from e
         self.named_params = {k: self.root.param(k) for k in subdag.params}
         self.optimizers = make_optimizers(self.named_params) if (task == "train" and make_optimizers) else []
         self._stash: dict[int, tuple[list[Any], tuple[Any, ...]]] = {}
@@ -130,13 +148,41 @@ class SubDagExecutor:
 
     def _device_type(self) -> str:
         """Where this sub-DAG computes (its parameters' device), for autocast."""
-        return next((p.device.type for p in self.named_params.values()), "cpu")
+        return next((p.device.type for p in self.named_params.values()), self.device.type)
+
+    def _device_error(self, what: str, e: Exception) -> ExecutionError:
+        """A device OOM as ``DeviceMemoryError`` (the broker places the job again without this
+        compnode), its cached blocks given back; anything else as it is."""
+        if not is_out_of_memory(e):
+            raise e
+        release_cached_memory(self.device)
+        return DeviceMemoryError(
+            f"sub-DAG {self.subdag.index}: {what} ran out of memory on {self.device}: {str(e)[:300]}"
+        )
 
     def _failed(self, what: str, step: int, mb: int, e: Exception) -> ExecutionError:
+        if is_out_of_memory(e):
+            return self._device_error(f"{what} of step {step} micro-batch {mb}", e)
         return ExecutionError(
             f"sub-DAG {self.subdag.index}: {what} of step {step} micro-batch {mb} "
             f"failed: {type(e).__name__}: {e}"
         )
+
+    def drop_inflight(self) -> None:
+        """Forgets a failed step's stashed activations and gradients (after a device OOM, the memory
+        they hold is what the next attempt needs)."""
+        self._stash.clear()
+        self.zero_grad()
+        release_cached_memory(self.device)
+
+    def _send_out(self, dst: int, key: Any, value: Any, ready: Any) -> None:
+        """Starts a send of ``to_host``'s copy, once its device-to-host copy is done."""
+
+        async def send() -> None:
+            await host_ready(ready)
+            await self.channel.send(dst, key, value)
+
+        self.outbox.start(send() if ready is not None else self.channel.send(dst, key, value))
 
     # -- FP ------------------------------------------------------------------------------------
     async def forward(self, step: int, mb: int, data: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -150,26 +196,40 @@ class SubDagExecutor:
             value = await self.outbox.guard(
                 self.channel.recv(self.subdag.sources[name], ("act", step, mb, name))
             )
-            if self.task != "infer":
-                # Received float tensors become leaves so their gradients can be returned in BP.
-                value = tree_map(lambda v: v.detach().requires_grad_(True) if _is_float(v) else v, value)
             inputs.append(value)
+        received = [n not in self._placeholder_target for n in self.subdag.outer_required]
 
-        def work() -> tuple[Any, ...]:
-            # Grad mode is per thread: set it on the thread that computes.
-            with torch.set_grad_enabled(self.task != "infer"), autocast(self.precision, self._device_type()):
-                try:
-                    return self.module(*inputs)
-                except Exception as e:
-                    raise self._failed("FP", step, mb, e) from e
+        def work() -> tuple[tuple[Any, ...], list[Any], Any]:
+            try:
+                placed = [self._place_input(v, leaf) for v, leaf in zip(inputs, received)]
+                # Grad mode is per thread: set it on the thread that computes.
+                with (
+                    torch.set_grad_enabled(self.task != "infer"),
+                    autocast(self.precision, self._device_type()),
+                ):
+                    outs = self.module(*placed)
+            except Exception as e:
+                raise self._failed("FP", step, mb, e) from e
+            inputs[:] = placed  # the leaves BP reads the gradients of
+            sent = {n: v for n, v in zip(self.output_names, outs) if self.subdag.consumers.get(n)}
+            host, ready = to_host(sent, self.device)
+            return outs, host, ready
 
-        outs = await self._run("fp", step, mb, work)
-        for name, value in zip(self.output_names, outs):
+        outs, host, ready = await self._run("fp", step, mb, work)
+        for name, value in host.items():
             for dst in self.subdag.consumers.get(name, ()):
-                self.outbox.start(self.channel.send(dst, ("act", step, mb, name), _detach(value)))
+                self._send_out(dst, ("act", step, mb, name), value, ready)
         if self.task != "infer":
             self._stash[mb] = (inputs, outs)
         return outs
+
+    def _place_input(self, value: Any, received: bool) -> Any:
+        """An FP input on this sub-DAG's device; received float tensors become leaves so their
+        gradients can be returned in BP."""
+        value = to_device(value, self.device)
+        if received and self.task != "infer":
+            value = tree_map(lambda v: v.detach().requires_grad_(True) if _is_float(v) else v, value)
+        return value
 
     # -- BP ------------------------------------------------------------------------------------
     async def backward(self, step: int, mb: int, loss_weight: float, *, last: bool | None = None) -> None:
@@ -178,35 +238,41 @@ class SubDagExecutor:
         inputs, outs = self._stash.pop(mb)
         received = await self._receive_grads(step, mb, outs)
 
-        def work() -> None:
-            roots, seeds = self._seeds(received, loss_weight)
-            if roots:
-                try:
+        def work() -> tuple[dict[str, list[Any]], Any]:
+            try:
+                roots, seeds = self._seeds(self._placed(received), loss_weight)
+                if roots:
                     torch.autograd.backward(roots, seeds)
-                except Exception as e:
-                    raise self._failed("BP", step, mb, e) from e
+            except ExecutionError:
+                raise
+            except Exception as e:
+                raise self._failed("BP", step, mb, e) from e
             if last if last is not None else mb == 0:
                 self._unscale()
+            return self._input_grads_to_host(inputs)
 
-        await self._run("bp", step, mb, work)
-        self._send_input_grads(step, mb, inputs)
+        back, ready = await self._run("bp", step, mb, work)
+        self._send_input_grads(step, mb, back, ready)
 
     async def backward_input(self, step: int, mb: int, loss_weight: float) -> None:
         """I of a split BP: the received inputs' gradients, sent at once (``split_backward``)."""
         inputs, outs = self._stash.pop(mb)
         received = await self._receive_grads(step, mb, outs)
 
-        def work() -> None:
-            roots, seeds = self._seeds(received, loss_weight)
+        def work() -> tuple[dict[str, list[Any]], Any]:
             leaves = [v for v in self._grad_leaves(inputs) if v.requires_grad]
             params = [p for p in self.named_params.values() if p.requires_grad]
             try:
+                roots, seeds = self._seeds(self._placed(received), loss_weight)
                 self._weight_work[mb] = input_gradients(roots, seeds, leaves, params)
+            except ExecutionError:
+                raise
             except Exception as e:
                 raise self._failed("BP (input gradients)", step, mb, e) from e
+            return self._input_grads_to_host(inputs)
 
-        await self._run("bp", step, mb, work)
-        self._send_input_grads(step, mb, inputs)
+        back, ready = await self._run("bp", step, mb, work)
+        self._send_input_grads(step, mb, back, ready)
 
     async def backward_weight(self, step: int, mb: int, *, last: bool) -> None:
         """W of a split BP: the parameters' gradients, accumulated as a plain backward would."""
@@ -251,15 +317,27 @@ class SubDagExecutor:
                 leaves.extend(v for v in tree_flatten(value)[0] if _is_float(v))
         return leaves
 
-    def _send_input_grads(self, step: int, mb: int, inputs: list[Any]) -> None:
+    def _input_grads_to_host(self, inputs: list[Any]) -> tuple[dict[str, list[Any]], Any]:
+        """On the compute thread: the received inputs' gradients as host copies (``to_host``) and the
+        event that marks them done, per input the producer expects a gradient for."""
+        back = {}
         for name, value in zip(self.subdag.outer_required, inputs):
             if name in self.subdag.placeholders:
                 continue  # placeholders need no gradient (section 3.6)
-            leaves, _spec = tree_flatten(value)
             if not self.expects_grad(value):
                 continue  # nothing differentiable was received, so the producer expects nothing
-            grads = [v.grad if _is_float(v) else None for v in leaves]
-            self.outbox.start(self.channel.send(self.subdag.sources[name], ("grad", step, mb, name), grads))
+            back[name] = [v.grad if _is_float(v) else None for v in tree_flatten(value)[0]]
+        return to_host(back, self.device)
+
+    def _send_input_grads(self, step: int, mb: int, back: dict[str, list[Any]], ready: Any) -> None:
+        for name, grads in back.items():
+            self._send_out(self.subdag.sources[name], ("grad", step, mb, name), grads, ready)
+
+    def _placed(
+        self, received: list[tuple[str, Any, list[tuple[int, Any]]]]
+    ) -> list[tuple[str, Any, list[tuple[int, Any]]]]:
+        """Received gradients moved to this sub-DAG's device (on the compute thread)."""
+        return [(n, v, to_device(g, self.device)) for n, v, g in received]
 
     def _seeds(
         self, received: list[tuple[str, Any, list[tuple[int, Any]]]], loss_weight: float
@@ -327,7 +405,8 @@ class SubDagExecutor:
             p.grad = None
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        return {k: p.grad.detach().clone() for k, p in self.named_params.items() if p.grad is not None}
+        """The last step's gradients, as CPU copies."""
+        return host_copy({k: p.grad for k, p in self.named_params.items() if p.grad is not None})
 
     def zero_grad(self) -> None:
         for p in self.named_params.values():
@@ -409,15 +488,18 @@ class SubDagExecutor:
         # A "mean" loss over the whole batch is the size-weighted sum of micro-batch means.
         return size / batch if self.loss_reduction == "mean" else 1.0
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """Current parameters and buffers of this sub-DAG by state key."""
-        out = {k: self.root.param(k).detach().clone() for k in self.subdag.params}
+    def state(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """Current parameters and buffers of this sub-DAG by state key, as CPU copies (``copy=False``:
+        on the CPU the live tensors, detached, for a caller that copies them before the next Update,
+        as packing them on the compute thread does)."""
+        out = {k: self.root.param(k) for k in self.subdag.params}
         for k in self.subdag.buffers:
-            out[k] = getattr(self.root, self.root.attr_of[k]).detach().clone()
-        return out
+            out[k] = getattr(self.root, self.root.attr_of[k])
+        return host_copy(out) if copy else {k: v.detach().to(HOST) for k, v in out.items()}
 
 
 def _rebuild_output(graph: IRGraph, values: Mapping[str, Any]) -> Any:
+    """The job's output from a micro-batch's values, on the CPU (results travel and are kept there)."""
     from fusionnet.dag.rebuild import output_value
 
-    return output_value(graph, values)
+    return tree_map(lambda v: v.to(HOST) if isinstance(v, torch.Tensor) else v, output_value(graph, values))

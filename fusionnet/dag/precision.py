@@ -76,12 +76,14 @@ class LossScaler:
 
     def unscale_(self, grads: Iterable[torch.Tensor | None]) -> bool:
         """Divides ``grads`` by the scale in place (GradScaler.unscale_); True when one is inf/nan."""
-        inv_scale = self.scale.double().reciprocal().float()
-        found = torch.zeros(1, dtype=torch.float32)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             if g is not None:
                 by_dtype.setdefault(g.dtype, []).append(g)
+        # The kernel wants its flag and scale where the gradients are (the executor's device).
+        device = next((group[0].device for group in by_dtype.values()), self.scale.device)
+        inv_scale = self.scale.double().reciprocal().float().to(device)
+        found = torch.zeros(1, dtype=torch.float32, device=device)
         for group in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale.reshape(1))
         return bool(found.item())

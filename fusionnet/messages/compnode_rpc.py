@@ -10,6 +10,9 @@ may drive, read or release it):
 - ``collect``      the sub-DAG's parameters, optimizer state and (task grad) gradients
 - ``release``      forget the job (end, failover, re-plan)
 - ``probe_links``  time the links to the sub-DAGs ``to`` over the data path
+- ``replicate``    (from the job's compnode of that sub-DAG) keep a snapshot of its state after a step
+- ``replicas``     which snapshots (sub-DAG, step) this compnode keeps for the job
+- ``fetch_replica`` one chunk of one of them (the broker, to recover a lost sub-DAG)
 
 The size and range limits here are what a compnode accepts from a broker; what the IR and the
 tensors mean is checked after decoding (``compnode.assignment_intake``).
@@ -61,11 +64,20 @@ class AssignRequest(Message):
     state: bytes  # safetensors: this sub-DAG's parameters and buffers
     optim: bytes | None = None  # safetensors: its optimizer state (opt::<key>::<slot>)
     data: bytes  # safetensors: the dataset fields its placeholders read
+    # Per sub-DAG: the sub-DAG whose compnode keeps the replica of its state (None: no replication,
+    # the broker collects checkpoints itself).
+    replica_holders: Annotated[list[NonNegative], Field(max_length=MAX_PEERS)] | None = None
 
     @model_validator(mode="after")
     def _subdag_has_a_peer(self) -> AssignRequest:
         if self.subdag >= len(self.peers):
             raise ValueError(f"subdag {self.subdag} but only {len(self.peers)} peers")
+        holders = self.replica_holders
+        if holders is not None and (
+            len(holders) != len(self.peers)
+            or any(h >= len(self.peers) or h == i for i, h in enumerate(holders))
+        ):
+            raise ValueError("replica_holders: one other sub-DAG per sub-DAG")
         return self
 
 
@@ -76,6 +88,8 @@ class AssignReply(Message):
 
 class StepRequest(JobRequest):
     step: NonNegative
+    snapshot: bool = False  # replicate the state after this step to its holder (in the background)
+    keep_from: NonNegative | None = None  # snapshots of earlier steps are no longer needed
 
 
 class StepReply(Message):
@@ -86,6 +100,8 @@ class StepReply(Message):
     update_seconds: Seconds = 0.0
     refused: NonNegative = 0  # frames refused so far for this job (bad key, wrong sender, ...)
     outputs: bytes | None = None  # infer: safetensors of "<micro-batch>/<leaf>" outputs
+    replicated: NonNegative | None = None  # the latest snapshot step its holder has confirmed
+    snapshot_seconds: Seconds = 0.0  # compute-thread time the last snapshot took (checkpoint overhead)
 
     @property
     def busy_seconds(self) -> float:
@@ -145,6 +161,47 @@ class InfoRequest(Message):
     pass
 
 
+class ReplicateRequest(JobRequest):
+    """Chunk ``chunk`` of ``chunks`` of the snapshot of sub-DAG ``subdag`` taken before step ``step``
+    (its state after ``step - 1``), from the compnode that runs it to the one that keeps its replica.
+    Chunks keep every message (and the memory it takes on both sides) to a few tens of MB."""
+
+    attempt: NonNegative
+    subdag: NonNegative
+    step: NonNegative
+    chunk: NonNegative = 0
+    chunks: Annotated[int, Field(ge=1, le=1 << 16)] = 1
+    blob: bytes  # safetensors; ``part`` says which ("state" or "optim")
+
+    @model_validator(mode="after")
+    def _chunk_in_range(self) -> ReplicateRequest:
+        if self.chunk >= self.chunks:
+            raise ValueError(f"chunk {self.chunk} of {self.chunks}")
+        return self
+
+
+class ReplicateReply(Message):
+    complete: bool  # both parts of that snapshot are kept now
+
+
+class ReplicasReply(Message):
+    held: dict[str, list[NonNegative]]  # sub-DAG index -> steps of complete snapshots kept here
+
+
+class ReplicaRequest(JobRequest):
+    """``fetch_replica``: one chunk of a kept snapshot."""
+
+    subdag: NonNegative
+    step: NonNegative
+    chunk: NonNegative = 0
+
+
+class ReplicaChunk(Message):
+    part: Literal["state", "optim"]
+    chunks: Annotated[int, Field(ge=1)]  # of the whole snapshot
+    blob: bytes
+
+
 class CompnodeClient(TypedCaller):
     """Typed calls to a compnode: ``await CompnodeClient(broker.call).call_step(peer, request)``."""
 
@@ -171,3 +228,12 @@ class CompnodeClient(TypedCaller):
 
     async def call_probe_links(self, peer: str, request: ProbeLinksRequest, **kw: Any) -> ProbeLinksReply:
         return await self.call_typed(peer, "probe_links", request, ProbeLinksReply, **kw)
+
+    async def call_replicate(self, peer: str, request: ReplicateRequest, **kw: Any) -> ReplicateReply:
+        return await self.call_typed(peer, "replicate", request, ReplicateReply, **kw)
+
+    async def call_replicas(self, peer: str, request: JobRequest, **kw: Any) -> ReplicasReply:
+        return await self.call_typed(peer, "replicas", request, ReplicasReply, **kw)
+
+    async def call_fetch_replica(self, peer: str, request: ReplicaRequest, **kw: Any) -> ReplicaChunk:
+        return await self.call_typed(peer, "fetch_replica", request, ReplicaChunk, **kw)

@@ -115,10 +115,11 @@ def measure(device: str, threads: int | None, disk_path: Path) -> HardwareInfo:
         # a 2-core machine) while its sub-DAGs run on one, and announced a speed that was off by the
         # core count, or by 10x when the cores were contended (the threads then wait for each other).
         torch.set_num_threads(threads)
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine")
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    from fusionnet.dag.devices import device_memory_bytes, resolve_device
+
+    dev = resolve_device(device)
+    syncs = {"cuda": lambda: torch.cuda.synchronize(dev), "mps": torch.mps.synchronize}
+    sync = syncs.get(dev.type, lambda: None)
     n = _MATMUL_N if dev.type == "cpu" else 4096
     a = torch.randn(n, n, device=dev, generator=None)
     b = torch.randn(n, n, device=dev)
@@ -130,9 +131,9 @@ def measure(device: str, threads: int | None, disk_path: Path) -> HardwareInfo:
     iters, seconds = _timed(lambda: dst.copy_(src), sync, _MIN_SECONDS / 2)
     mem_bandwidth = 2.0 * src.numel() * src.element_size() * iters / seconds  # read + write
     n_threads = threads or torch.get_num_threads()
-    if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        name, d_gpu = props.name, int(props.total_memory)
+    if dev.type != "cpu":
+        name = torch.cuda.get_device_properties(dev).name if dev.type == "cuda" else "Apple MPS"
+        d_gpu = device_memory_bytes(dev)
         # No portable peak figure from torch: take the measurement as nominal (λ = 1), and say so.
         peak = measured_flops
         log.info("no nominal peak known for %s: using the measured %.3g FLOPS as S*(p)", name, peak)

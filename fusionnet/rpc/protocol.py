@@ -22,6 +22,7 @@ from typing import Any
 import msgpack
 
 from fusionnet.errors import (
+    DeviceMemoryError,
     ExecutionError,
     FusionNetError,
     IRError,
@@ -53,7 +54,16 @@ _METHOD_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 # ``except PlanError`` around a remote call. Looked up by name in this table only: nothing is evaluated.
 REMOTE_ERROR_CLASSES: dict[str, type[FusionNetError]] = {
     cls.__name__: cls
-    for cls in (JobError, TraceError, IRError, PartitionError, PlanError, WireError, ExecutionError)
+    for cls in (
+        JobError,
+        TraceError,
+        IRError,
+        PartitionError,
+        PlanError,
+        WireError,
+        ExecutionError,
+        DeviceMemoryError,
+    )
 }
 
 

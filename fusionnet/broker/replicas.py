@@ -1,0 +1,238 @@
+"""Failover checkpoints that never pass through the broker: each sub-DAG's state is replicated to
+another compnode of the job (``compnode.replicas``), and the broker only keeps the books.
+
+- ``ReplicaBook``: which snapshot the broker asks for next and which one is complete. One round in
+  flight: a snapshot is asked for (``snapshot`` in a ``step`` request) when every sub-DAG confirmed the
+  last one, so a slow link makes rounds sparser instead of piling snapshots up, and every sub-DAG has
+  snapshots of the same steps. ``committed`` (every sub-DAG's replica of that step is kept) goes out
+  as ``keep_from``: older snapshots may be deleted.
+- ``ring_holders``: sub-DAG ``i``'s replica lives with sub-DAG ``i + 1`` (mod n): one lost compnode
+  always leaves its snapshot with its successor and the others' on their own disks.
+- ``best_step``: after a failure, the newest step that every sub-DAG has a snapshot of on a live
+  compnode (``replicas`` answers); the broker fetches those, one sub-DAG at a time, into a checkpoint on
+  its disk and replays from there.
+- ``checkpoint_from_replicas`` / ``assemble_checkpoint``: those snapshots (or, for the results and
+  hand-overs, the compnodes' live state) into a checkpoint on the broker's disk, part by part.
+- ``ReplicaPointer``: what a restarted broker needs to find them again (``replicas.json``: attempt,
+  peers, committed step, metrics rows), a few hundred bytes whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fusionnet.broker.checkpoints import Checkpoint, JobFiles
+from fusionnet.broker.job_calls import JobCalls
+from fusionnet.broker.tensorfiles import TensorFiles
+from fusionnet.errors import FusionNetError
+from fusionnet.messages.blobs import pack_tensors
+
+log = logging.getLogger("fusionnet.broker.jobs")
+
+ROUND_RETRY = 4  # steps after which a round that never completed is asked for again
+
+
+def ring_holders(n: int) -> list[int] | None:
+    """Sub-DAG -> the sub-DAG whose compnode keeps its replica; None with a single sub-DAG (the broker
+    then collects the checkpoint itself)."""
+    return [(i + 1) % n for i in range(n)] if n >= 2 else None
+
+
+class ReplicaBook:
+    def __init__(self) -> None:
+        self.reset(0, enabled=False)
+
+    def reset(self, n: int, *, enabled: bool) -> None:
+        """A new placement of ``n`` sub-DAGs: nothing of it is replicated yet."""
+        self.n, self.enabled = n, enabled and n >= 2
+        self.round: int | None = None  # the snapshot step asked for and not yet confirmed by all
+        self.asked_at = 0
+        self.committed: int | None = None
+        self.reported: dict[int, int] = {}
+
+    def holders(self) -> list[int] | None:
+        return ring_holders(self.n) if self.enabled else None
+
+    def request(self, step: int) -> tuple[bool, int | None]:
+        """(take a snapshot after ``step``, keep_from) for the ``step`` request."""
+        if not self.enabled:
+            return False, None
+        if self.round is None or step - self.asked_at >= ROUND_RETRY:
+            self.round, self.asked_at = step + 1, step
+            return True, self.committed
+        return False, self.committed
+
+    def observe(self, replicated: Sequence[int | None]) -> bool:
+        """The sub-DAGs' latest confirmed snapshots from a step's replies; True when a round completed."""
+        for i, r in enumerate(replicated):
+            if r is not None:
+                self.reported[i] = max(self.reported.get(i, r), r)
+        if self.round is None or len(self.reported) < self.n:
+            return False
+        done = min(self.reported.values())
+        if done < self.round and (self.committed is None or done <= self.committed):
+            return False
+        self.committed = done
+        if done >= self.round:
+            self.round = None
+        return True
+
+    def pointer(self, attempt: int, peers: Sequence[str], rows: Sequence[dict[str, Any]]) -> ReplicaPointer:
+        """The committed step as a restarted broker finds it again."""
+        assert self.committed is not None
+        kept = [r for r in rows if r["step"] < self.committed]
+        return ReplicaPointer(attempt, list(peers), self.committed, kept)
+
+
+def best_step(
+    held: Mapping[str, Mapping[int, Sequence[int]]], n: int, after: int
+) -> tuple[int, list[str]] | None:
+    """The newest step > ``after`` that each of the ``n`` sub-DAGs has a snapshot of on some peer of
+    ``held`` (peer -> sub-DAG -> steps), with the peer to fetch each from (its own compnode first)."""
+    steps = sorted({s for by in held.values() for ss in by.values() for s in ss if s > after}, reverse=True)
+    for step in steps:
+        sources = []
+        for i in range(n):
+            have = [p for p, by in held.items() if step in by.get(i, ())]
+            if not have:
+                break
+            sources.append(have[0])
+        else:
+            return step, sources
+    return None
+
+
+@dataclass
+class ReplicaPointer:
+    attempt: int
+    peers: list[str]
+    step: int  # committed: every sub-DAG has a replica of the state before this step
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # rows of the steps before ``step``
+
+    @staticmethod
+    def path(folder: Path) -> Path:
+        return folder / "replicas.json"
+
+    def save(self, folder: Path) -> None:
+        path = self.path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, folder: Path) -> ReplicaPointer | None:
+        try:
+            doc = json.loads(cls.path(folder).read_text())
+            return cls(
+                int(doc["attempt"]), [str(p) for p in doc["peers"]], int(doc["step"]), list(doc["metrics"])
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+Parts = Callable[[int, str], AsyncIterator[tuple[str, bytes | None]]]  # (sub-DAG, peer) -> (part, blob)
+
+
+async def assemble_checkpoint(
+    files: JobFiles, step: int, last: Checkpoint, sources: Sequence[str], parts: Parts, prefix: str
+) -> Checkpoint:
+    """The checkpoint before ``step`` from each sub-DAG's blobs (sub-DAG ``i`` from ``sources[i]``),
+    written to disk as they come, one blob at a time: the broker holds one blob (at most a sub-DAG's
+    state) at a time, never the model. Tensors no sub-DAG holds keep their value from ``last``.
+    Metrics: the caller's."""
+    state = last.state if isinstance(last.state, TensorFiles) else None
+    if state is None:  # an in-memory state (tests): on disk first, like the submission
+        blob = await asyncio.to_thread(pack_tensors, last.state)
+        state = await asyncio.to_thread(files.write_part, step, "base-state", blob, "state")
+    optim = TensorFiles()
+    for i, peer in enumerate(sources):
+        k = 0
+        async for part, blob in parts(i, peer):
+            if blob is None:
+                continue
+            what = f"{'state' if part == 'state' else 'optimizer state'} of sub-DAG {i} from {peer}"
+            name = f"{prefix}-s{i:03d}-{part}-{k:05d}"
+            written = await asyncio.to_thread(files.write_part, step, name, blob, what)
+            del blob
+            k += 1
+            if part == "state":
+                state = state.merged(written)
+            else:
+                optim = optim.merged(written)
+    return Checkpoint(step, state, optim, [])
+
+
+async def checkpoint_from_replicas(
+    calls: JobCalls, files: JobFiles, live: Sequence[str], n: int, last: Checkpoint, attempt: int
+) -> Checkpoint | None:
+    """After a failure (or a broker restart): the newest checkpoint after ``last`` that the snapshots on
+    the ``live`` compnodes make up for all ``n`` sub-DAGs, fetched to the broker's disk chunk by chunk;
+    None when they hold none (the caller goes on from ``last``). Metrics: the caller's."""
+    held: dict[str, dict[int, list[int]]] = {}
+    for peer in live:
+        try:
+            reply = await calls.replicas(peer)
+        except FusionNetError as e:  # gone too, or never held the job: not a source
+            log.info("job %s: no snapshots from %s: %s", calls.job_id, peer, e)
+            continue
+        held[peer] = {int(k): list(v) for k, v in reply.held.items()}
+    found = best_step(held, n, last.step)
+    if found is None:
+        return None
+    step, sources = found
+
+    async def parts(i: int, peer: str) -> AsyncIterator[tuple[str, bytes | None]]:
+        chunk, count = 0, 1
+        while chunk < count:
+            reply = await calls.fetch_replica(peer, i, step, chunk)
+            count = reply.chunks
+            yield reply.part, reply.blob
+            chunk += 1
+
+    return await assemble_checkpoint(files, step, last, sources, parts, f"r{attempt}")
+
+
+async def recovered_checkpoint(
+    calls: JobCalls,
+    files: JobFiles,
+    live: Sequence[str],
+    n: int,
+    last: Checkpoint,
+    attempt: int,
+    rows: Sequence[dict[str, Any]],
+) -> Checkpoint | None:
+    """``checkpoint_from_replicas`` with the metrics rows before its step, made the job's current
+    checkpoint on disk; None (go on from ``last``) when there is none or a source died meanwhile."""
+    try:
+        got = await checkpoint_from_replicas(calls, files, live, n, last, attempt)
+    except FusionNetError as e:  # one more compnode gone while we fetched: the older checkpoint
+        log.warning("job %s: replicas not fetched (%s); going on from step %d", calls.job_id, e, last.step)
+        return None
+    if got is None:
+        return None
+    ckpt = replace(got, metrics=[r for r in rows if r["step"] < got.step])
+    await asyncio.to_thread(files.save_checkpoint, ckpt, attempt)
+    log.info("job %s: checkpoint before step %d from the compnodes' replicas", calls.job_id, ckpt.step)
+    return ckpt
+
+
+async def resumed_from_replicas(
+    calls: JobCalls, files: JobFiles, ckpt: Checkpoint, attempt: int
+) -> tuple[Checkpoint, int, bool]:
+    """A restarted broker's checkpoint: the replicas its ``ReplicaPointer`` names when they are newer
+    than ``ckpt`` and still there. Returns (checkpoint, attempt, whether a pointer was found)."""
+    pointer = ReplicaPointer.load(files.folder)
+    if pointer is None or pointer.step <= ckpt.step:
+        return ckpt, attempt, pointer is not None
+    attempt = max(attempt, pointer.attempt)
+    n, rows = len(pointer.peers), pointer.metrics
+    got = await recovered_checkpoint(calls, files, pointer.peers, n, ckpt, attempt, rows)
+    return (ckpt if got is None else got), attempt, True

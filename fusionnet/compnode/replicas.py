@@ -1,0 +1,201 @@
+"""Replicas of sub-DAG state on compnodes, so that failover checkpoints never pass through the broker
+(FusionAI 3.2: supernodes keep parameter copies; issue 11: the broker's memory and traffic stay
+independent of the model's size).
+
+When the broker asks for a snapshot in a ``step`` request, the compnode packs its sub-DAG's state and
+optimizer state right after that step, on the compute thread (so before any later Update can change
+them; the step's reply does not wait for it), keeps the blobs on its own disk and sends them in the
+background to the compnode the assignment names as the sub-DAG's replica holder (``replicate``). The
+holder keeps them on its disk. A snapshot is named by the checkpoint step it is: the step to run next.
+The owner reports the latest snapshot its holder confirmed in its next step replies; the broker asks
+for a new one only when every sub-DAG confirmed the last (``broker.replicas``), and says in
+``keep_from`` which older ones may go.
+
+After a SIGKILL the broker asks the survivors which snapshots they keep (``replicas``) and fetches, one
+sub-DAG at a time, the newest step every sub-DAG has somewhere (``fetch_replica``): the lost sub-DAG's
+from its holder, the others' from their own disks.
+
+Files: ``<state dir>/replicas/<job id>/a<attempt>-s<sub-DAG>-<step>.<i>of<n>.<state|optim>.safetensors``,
+a snapshot in chunks of at most ``CHUNK_BYTES`` of tensors (so no message, on either side, holds a
+whole sub-DAG), each written to a temporary name and renamed; complete when all ``n`` are there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from fusionnet.errors import JobError
+from fusionnet.messages.blobs import pack_tensors
+
+log = logging.getLogger("fusionnet.compnode.replicas")
+
+PARTS = ("state", "optim")
+CHUNK_BYTES = 64 << 20  # tensors per ``replicate`` message (one bigger tensor goes alone)
+Chunk = tuple[str, bytes]  # (part, safetensors blob)
+_NAME = re.compile(r"^a(\d+)-s(\d+)-(\d+)\.(\d+)of(\d+)\.(state|optim)\.safetensors$")
+
+
+def pack_chunks(part: str, tensors: Mapping[str, torch.Tensor], limit: int = CHUNK_BYTES) -> list[Chunk]:
+    """``tensors`` as safetensors blobs of at most ``limit`` bytes of tensors each (in key order)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for k in sorted(tensors):
+        n = tensors[k].numel() * tensors[k].element_size()
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += n
+    return [(part, pack_tensors({k: tensors[k] for k in g})) for g in groups if g or part == "state"]
+
+
+class ReplicaStore:
+    """Snapshots on this compnode's disk, by job, attempt, sub-DAG, step and chunk."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def _job(self, job_id: str) -> Path:
+        return self.folder / job_id
+
+    def _chunks(self, job_id: str) -> list[tuple[Path, re.Match[str]]]:
+        folder = self._job(job_id)
+        out = []
+        for path in folder.iterdir() if folder.is_dir() else ():
+            m = _NAME.match(path.name)
+            if m:
+                out.append((path, m))
+        return out
+
+    def put(
+        self, job_id: str, attempt: int, subdag: int, step: int, chunk: tuple[int, int, str], blob: bytes
+    ) -> bool:
+        """Writes chunk ``(index, count, part)`` (atomically); True when the snapshot is complete."""
+        index, count, part = chunk
+        if part not in PARTS or not 0 <= index < count:
+            raise JobError(f"replica chunk {index} of {count} ({part!r}) is not one")
+        folder = self._job(job_id)
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = folder / f"a{attempt}-s{subdag}-{step}.{index:05d}of{count:05d}.{part}.safetensors"
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as f:
+            f.write(blob)
+        os.replace(tmp, path)
+        return step in self.held(job_id, attempt).get(subdag, [])
+
+    def _snapshot(
+        self, job_id: str, attempt: int, subdag: int, step: int
+    ) -> dict[int, tuple[Path, str, int]]:
+        """Chunk index -> (file, part, count) of one snapshot."""
+        return {
+            int(m[4]): (path, m[6], int(m[5]))
+            for path, m in self._chunks(job_id)
+            if (int(m[1]), int(m[2]), int(m[3])) == (attempt, subdag, step)
+        }
+
+    def read(self, job_id: str, attempt: int, subdag: int, step: int, chunk: int) -> tuple[str, int, bytes]:
+        """(part, chunk count, blob) of one chunk."""
+        found = self._snapshot(job_id, attempt, subdag, step).get(chunk)
+        if found is None:
+            raise JobError(
+                f"job {job_id}: no snapshot of sub-DAG {subdag} at step {step} (chunk {chunk}) here"
+            )
+        path, part, count = found
+        return part, count, path.read_bytes()
+
+    def held(self, job_id: str, attempt: int) -> dict[int, list[int]]:
+        """Complete snapshots of ``attempt``: sub-DAG -> steps (ascending)."""
+        seen: dict[tuple[int, int], tuple[set[int], int]] = {}
+        for _path, m in self._chunks(job_id):
+            if int(m[1]) == attempt:
+                chunks, _ = seen.setdefault((int(m[2]), int(m[3])), (set(), int(m[5])))
+                chunks.add(int(m[4]))
+        out: dict[int, list[int]] = {}
+        for (subdag, step), (chunks, count) in sorted(seen.items()):
+            if len(chunks) == count:
+                out.setdefault(subdag, []).append(step)
+        return out
+
+    def prune(self, job_id: str, keep_from: int) -> None:
+        """Drops every snapshot of a step before ``keep_from`` (the broker no longer needs them)."""
+        for path, m in self._chunks(job_id):
+            if int(m[3]) < keep_from:
+                path.unlink(missing_ok=True)
+
+    def drop(self, job_id: str) -> None:
+        shutil.rmtree(self._job(job_id), ignore_errors=True)
+
+
+Pack = Awaitable[tuple[list[Chunk], float]]  # -> chunks, compute-thread seconds
+Send = Callable[[int, int, int, Chunk], Awaitable[bool]]  # step, index, count, chunk -> complete there
+
+
+class Replicator:
+    """One job's snapshots leaving this compnode: in step order, one chunk at a time."""
+
+    def __init__(
+        self,
+        store: ReplicaStore,
+        job_id: str,
+        attempt: int,
+        subdag: int,
+        send: Send,
+        fault: Callable[[], None],
+    ) -> None:
+        self.store, self.job_id, self.attempt, self.subdag = store, job_id, attempt, subdag
+        self._send, self._fault = send, fault
+        self.confirmed: int | None = None  # the latest step the holder has complete
+        self.seconds = 0.0  # compute-thread time of the latest snapshot
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, step: int, pack: Pack) -> None:
+        """Snapshot before ``step`` (the state after ``step - 1``): ``pack`` was queued on the compute
+        thread by the caller before it answered the step, so no later Update can run before it."""
+        previous = self._task
+        self._task = asyncio.ensure_future(self._replicate(step, pack, previous))
+
+    async def _replicate(self, step: int, pack: Pack, previous: asyncio.Task[None] | None) -> None:
+        try:
+            chunks, self.seconds = await pack
+            if previous is not None:  # in step order: the holder's newest is the owner's newest
+                await asyncio.gather(previous, return_exceptions=True)
+            self._fault()
+            started = time.perf_counter()
+            n = len(chunks)
+            for i, chunk in enumerate(chunks):
+                await asyncio.to_thread(
+                    self.store.put, self.job_id, self.attempt, self.subdag, step, (i, n, chunk[0]), chunk[1]
+                )
+            complete = False
+            while chunks:
+                chunk = chunks.pop(0)  # each chunk's memory goes once it has left
+                complete = await self._send(step, n - len(chunks) - 1, n, chunk)
+                del chunk
+            if complete:
+                self.confirmed = step if self.confirmed is None else max(self.confirmed, step)
+                log.debug(
+                    "job %s: snapshot of sub-DAG %d before step %d replicated in %.2f s",
+                    self.job_id, self.subdag, step, time.perf_counter() - started,
+                )  # fmt: skip
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the broker sees no confirmation and keeps the older replica
+            log.warning("job %s: snapshot before step %d not replicated: %s", self.job_id, step, e)
+
+    def take_seconds(self) -> float:
+        """The latest snapshot's compute-thread time, reported once (the step's checkpoint overhead)."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()

@@ -1,0 +1,116 @@
+"""Failover state replicated between compnodes (``broker.replicas``, ``compnode.replicas``): the
+broker's book of snapshot rounds, the choice of the step to recover from, the pointer a restarted broker
+reads, the compnode's snapshot files, and an owner's snapshots reaching their holder in step order."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusionnet.broker.replicas import ROUND_RETRY, ReplicaBook, ReplicaPointer, best_step, ring_holders
+from fusionnet.compnode.replicas import ReplicaStore, Replicator, pack_chunks
+from fusionnet.errors import JobError
+from fusionnet.messages.blobs import unpack_tensors
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_holders_form_a_ring_and_a_single_sub_dag_has_none() -> None:
+    assert ring_holders(3) == [1, 2, 0] and ring_holders(2) == [1, 0] and ring_holders(1) is None
+    book = ReplicaBook()
+    book.reset(1, enabled=True)
+    assert not book.enabled and book.request(0) == (False, None) and book.holders() is None
+
+
+def test_one_round_in_flight_committed_when_every_sub_dag_confirmed() -> None:
+    book = ReplicaBook()
+    book.reset(3, enabled=True)
+    assert book.request(0) == (True, None)  # snapshot after step 0: checkpoint step 1
+    assert book.request(1) == (False, None)  # the round is still in flight
+    assert not book.observe([1, None, 1])  # sub-DAG 1 has not confirmed yet
+    assert book.observe([1, 1, 1]) and book.committed == 1
+    assert book.request(2) == (True, 1)  # the next round; snapshots before step 1 may go
+    assert not book.observe([3, 1, 3])
+    for step in range(3, 2 + ROUND_RETRY):
+        assert book.request(step) == (False, 1)
+    assert book.request(2 + ROUND_RETRY)[0]  # a round that never completed is asked for again
+    assert book.observe([3, 3, 3]) and book.committed == 3  # the older round completed meanwhile
+    book.reset(3, enabled=False)  # grad / infer jobs
+    assert book.request(0) == (False, None) and book.holders() is None
+
+
+def test_the_newest_step_every_sub_dag_has_on_a_live_peer_is_chosen() -> None:
+    held = {
+        "a": {0: [2, 3]},  # sub-DAG 0's own snapshots
+        "c": {2: [2, 3], 1: [2]},  # sub-DAG 2's own, and the replica of sub-DAG 1 (whose compnode died)
+    }
+    assert best_step(held, 3, after=0) == (2, ["a", "c", "c"])  # step 3 lacks sub-DAG 1
+    assert best_step(held, 3, after=2) is None  # nothing newer than the broker's own checkpoint
+    assert best_step({}, 2, after=0) is None
+
+
+def test_the_pointer_survives_a_restart_and_a_torn_file_reads_as_none(tmp_path: Path) -> None:
+    pointer = ReplicaPointer(2, ["a", "b"], 5, [{"step": 4, "seconds": 0.1}])
+    pointer.save(tmp_path)
+    assert ReplicaPointer.load(tmp_path) == pointer
+    ReplicaPointer.path(tmp_path).write_text('{"attempt": 2')
+    assert ReplicaPointer.load(tmp_path) is None
+
+
+def test_snapshot_files_complete_listed_pruned_and_dropped(tmp_path: Path) -> None:
+    store = ReplicaStore(tmp_path)
+    assert not store.put("j", 1, 0, 4, (0, 2, "state"), b"s4")
+    assert store.held("j", 1) == {}  # half a snapshot is none
+    assert store.put("j", 1, 0, 4, (1, 2, "optim"), b"o4")
+    for subdag, step in ((0, 6), (2, 6)):
+        store.put("j", 1, subdag, step, (0, 1, "state"), b"s6")
+    store.put("j", 0, 1, 9, (0, 1, "state"), b"old attempt")
+    assert store.held("j", 1) == {0: [4, 6], 2: [6]} and store.held("j", 0) == {1: [9]}
+    assert store.read("j", 1, 0, 4, 1) == ("optim", 2, b"o4")
+    with pytest.raises(JobError, match="chunk 3 of 2"):
+        store.put("j", 1, 0, 4, (3, 2, "state"), b"")
+    with pytest.raises(JobError, match="no snapshot of sub-DAG 0 at step 5"):
+        store.read("j", 1, 0, 5, 0)
+    store.prune("j", 6)
+    assert store.held("j", 1) == {0: [6], 2: [6]}
+    store.drop("j")
+    assert store.held("j", 1) == {} and not (tmp_path / "j").exists()
+
+
+def test_a_snapshot_is_cut_into_chunks_that_load_back_to_it() -> None:
+    tensors = {f"w{i}": torch.full((1000,), float(i)) for i in range(10)}  # 4000 bytes each
+    chunks = pack_chunks("state", tensors, limit=9000)
+    assert [part for part, _ in chunks] == ["state"] * 5  # two tensors per chunk
+    back = {k: v for _, blob in chunks for k, v in unpack_tensors(blob, "chunk").items()}
+    assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    assert len(pack_chunks("state", tensors, limit=1)) == 10  # a bigger tensor goes alone
+    assert pack_chunks("optim", {}) == [] and len(pack_chunks("state", {})) == 1  # never an empty snapshot
+
+
+def test_an_owner_sends_its_snapshots_in_step_order_and_counts_the_confirmed(tmp_path: Path) -> None:
+    sent: list[tuple[int, int, int, str]] = []
+
+    async def send(step: int, index: int, count: int, chunk: tuple[str, bytes]) -> bool:
+        if step == 2:
+            await asyncio.sleep(0.05)  # the first snapshot travels slowly: the second waits for it
+        sent.append((step, index, count, chunk[0]))
+        return index == count - 1
+
+    async def run() -> Replicator:
+        loop = asyncio.get_running_loop()
+        r = Replicator(ReplicaStore(tmp_path), "j", 1, 0, send, lambda: None)
+        for step in (2, 3):
+            pack = loop.create_future()
+            pack.set_result(([("state", b"s"), ("optim", b"o")], 0.25))
+            r.start(step, pack)
+        assert r._task is not None
+        await r._task
+        return r
+
+    r = asyncio.run(run())
+    assert sent == [(2, 0, 2, "state"), (2, 1, 2, "optim"), (3, 0, 2, "state"), (3, 1, 2, "optim")]
+    assert r.confirmed == 3 and r.take_seconds() == 0.25 and r.take_seconds() == 0.0
+    assert ReplicaStore(tmp_path).held("j", 1) == {0: [2, 3]}  # the owner keeps its own copies
