@@ -91,7 +91,9 @@ class SubDagExecutor:
         self.compute = compute
         self.hooks = HookChain(hooks)
         self.precision = precision
-        self.subdags = subdags
+        if not 0 <= subdag.index < subdags:
+            raise ExecutionError(f"sub-DAG {subdag.index} is not one of the job's {subdags} sub-DAGs")
+        self.subdags = subdags  # the job's sub-DAG count: the stages of the schedule
         self.schedule = schedule
         self.scaler = make_scaler(precision) if task != "infer" else None
         self._found_inf = False  # this sub-DAG's gradients of the current step held an inf/nan
