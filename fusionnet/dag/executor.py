@@ -103,7 +103,9 @@ class SubDagExecutor:
         self.compute = compute
         self.hooks = HookChain(hooks)
         self.precision = precision
-        self.subdags = subdags
+        if not 0 <= subdag.index < subdags:
+            raise ExecutionError(f"sub-DAG {subdag.index} is not one of the job's {subdags} sub-DAGs")
+        self.subdags = subdags  # the job's sub-DAG count: the stages of the schedule
         self.schedule = schedule
         self.device = torch.device(device)
         self.scaler = make_scaler(precision) if task != "infer" else None

@@ -181,7 +181,7 @@ def _place(
             batch_size=shape.batch_size,
             optimizer=shape.optimizer,
             stages=k,
-            schedule=shape.priced,
+            pipeline_schedule=shape.priced,
             links=index_links((c.peer_id for c in pool), links),
         )
         return Placement(
@@ -208,7 +208,7 @@ def _place(
         batch_size=shape.batch_size,
         optimizer=shape.optimizer,
         links=index_links(placement.peers, links),
-        schedule=shape.priced,
+        pipeline_schedule=shape.priced,
     )
     return replace(placement, predicted=per_subdag, predicted_step=step)
 
@@ -230,7 +230,7 @@ def predicted_step(
         batch_size=shape.batch_size,
         optimizer=shape.optimizer,
         links=index_links(placement.peers, links),
-        schedule=shape.priced if placement.schedule is None else placement.schedule.name,
+        pipeline_schedule=shape.priced if placement.schedule is None else placement.schedule.name,
     )[1]
 
 

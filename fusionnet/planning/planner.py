@@ -18,7 +18,7 @@ from fusionnet.errors import PlanError
 from fusionnet.perfmodel.memory import fmt_bytes
 from fusionnet.perfmodel.types import DeviceSpec, Link, Swarm, Workload
 from fusionnet.planning.costgraph import cost_graph, ir_assignment, micro_batch_scale
-from fusionnet.planning.scheduler import Plan
+from fusionnet.planning.scheduler import Plan, schedule
 
 LOOPBACK = Link.from_bandwidth(100e-6, 1e9)  # local compnodes: loopback TCP, design.md's figures
 IN_PROCESS = Link(alpha=0.0, beta=0.0)  # run --local: tensors are handed over in memory
@@ -63,7 +63,7 @@ def plan_graph(
     default_link: Link | None = None,
     objective: str = "step_time",
     stages: int | None = None,
-    schedule: str = "gpipe",
+    pipeline_schedule: str = "gpipe",
 ) -> PlannedJob:
     """Plans ``graph`` onto ``devices`` with the scheduler of problem (2).
 
@@ -72,7 +72,7 @@ def plan_graph(
     parameter key -> name; ``max_devices`` caps the sub-DAGs (default: every device may be used);
     ``links`` a map (i, j) of device indices -> ``Link`` (pairs not given use ``default_link``,
     loopback by default) or one ``Link`` for every pair; ``stages`` fixes the number of sub-DAGs (the
-    scheduler then picks only the cuts and the devices); ``schedule`` the pipeline schedule the step
+    scheduler then picks only the cuts and the devices); ``pipeline_schedule`` the schedule the step
     is simulated with (``fusionnet.schedules``). Deterministic for equal inputs. Raises
     ``PlanError`` naming the binding constraint (an op or the model too big for the memories, ...)
     when no placement fits.
@@ -84,7 +84,7 @@ def plan_graph(
     plan = schedule(
         cg,
         swarm,
-        Workload(microbatches, graph.task, schedule),
+        Workload(microbatches, graph.task, pipeline_schedule),
         max_devices=max_devices,
         objective=objective,
         stages=stages,

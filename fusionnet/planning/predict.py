@@ -24,7 +24,7 @@ def predict_subdags(
     microbatches: int,
     optimizer: str | Mapping[str, str] | None = None,
     links: Links = IN_PROCESS,
-    schedule: str = "gpipe",
+    pipeline_schedule: str = "gpipe",
 ) -> dict[int, float]:
     """Predicted FP + BP + Update seconds per step of each sub-DAG of ``partition``, sub-DAG ``i`` on
     ``devices[i]`` (one device for all when a single one is given)."""
@@ -36,7 +36,7 @@ def predict_subdags(
     plan = plan_for_assignment(
         cg,
         make_swarm(devs, links, None),
-        Workload(microbatches, graph.task, schedule),
+        Workload(microbatches, graph.task, pipeline_schedule),
         {op.name: partition.assignment[op.name] for op in cg.ops},
         check_memory=False,
     )
@@ -52,7 +52,7 @@ def predict_assignment(
     batch_size: int | None = None,
     optimizer: str | Mapping[str, str] | None = None,
     links: Links = None,
-    schedule: str = "gpipe",
+    pipeline_schedule: str = "gpipe",
 ) -> tuple[dict[int, float], float]:
     """(sub-DAG -> predicted FP+BP+Update seconds per step, predicted step seconds) of an IR assignment
     whose sub-DAG ``i`` runs on ``devices[i]``."""
@@ -60,7 +60,7 @@ def predict_assignment(
     plan = plan_for_assignment(
         cg,
         make_swarm(devices, links, None),
-        Workload(microbatches, graph.task, schedule),
+        Workload(microbatches, graph.task, pipeline_schedule),
         {op.name: assignment[op.name] for op in cg.ops},
         check_memory=False,
     )

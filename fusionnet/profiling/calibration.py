@@ -99,6 +99,7 @@ class _Split:
                 self.hub.channel(s.index),
                 task="train",
                 make_optimizers=lambda named: build_optimizers(named, {k: setting for k in named}),
+                subdags=len(partition.subdags),
             )
             for s in partition.subdags
         ]

@@ -157,7 +157,12 @@ def run_local(
     )
     if device is not None:
         predicted = predict_subdags(
-            graph, prepared.partition, [device], microbatches=m, optimizer=optimizer, schedule=choice.name
+            graph,
+            prepared.partition,
+            [device],
+            microbatches=m,
+            optimizer=optimizer,
+            pipeline_schedule=choice.name,
         )
     return asyncio.run(_run(prepared, output_dir, on_step, predicted, device, choice))
 
