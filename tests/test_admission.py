@@ -156,3 +156,15 @@ def test_quotas_per_submitter(tmp_path: Path, submission: dict[str, Any]) -> Non
         await service.stop()
 
     asyncio.run(scenario())
+
+
+def test_fusionnet_key_prints_the_submitter_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fusionnet.cli.main import main
+
+    monkeypatch.setenv("FUSIONNET_HOME", str(tmp_path / "home"))
+    assert main(["key"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert len(printed) == 64 and printed == (tmp_path / "home" / "submitter.pub").read_text().strip()
+    assert main(["key"]) == 0 and capsys.readouterr().out.strip() == printed  # the same key next time

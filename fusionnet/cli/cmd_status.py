@@ -148,7 +148,8 @@ def format_tables(doc: dict[str, Any]) -> str:
             updated = (
                 time.strftime("%H:%M:%S", time.localtime(j["updated_at"])) if j.get("updated_at") else "-"
             )
-            table.append((j["job_id"], j["name"], j["state"], step, _num(j.get("loss"), ".6f"), updated))
+            name = j.get("name") or "-"  # the broker names only the caller's own jobs
+            table.append((j["job_id"], name, j["state"], step, _num(j.get("loss"), ".6f"), updated))
         lines.extend(_render(table))
     deployments = doc.get("deployments") or []
     if deployments:
