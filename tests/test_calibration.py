@@ -59,3 +59,16 @@ def test_calibrated_overheads_are_cached_per_base(tmp_path, monkeypatch, samples
         path.write_text("{not json")
     assert calibration.calibrated_overheads(base_device(2e-6), 0.1, tmp_path) == first
     assert calls == [2e-6, 3e-6, 2e-6]
+
+
+@pytest.mark.timeout(60)
+def test_a_stopping_daemon_stops_a_calibration_in_progress() -> None:
+    """A compnode told to stop mid-calibration must not live on until the calibration ends (the
+    interpreter joins the compute thread at exit): the next step raises, and nothing is returned."""
+    calibration.stop_calibrating()
+    try:
+        with pytest.raises(calibration.CalibrationStopped, match="shutting down"):
+            calibration.measure_stage_samples(seconds_budget=30.0)
+    finally:
+        calibration._STOP.clear()
+    assert len(calibration.measure_stage_samples(seconds_budget=0.05)) > 0  # cleared: measures again

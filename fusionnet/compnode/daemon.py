@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -225,6 +226,9 @@ class CompnodeDaemon(Daemon):
             await self.announce_now()
 
     async def on_stopped(self) -> None:
+        calibration = sys.modules.get("fusionnet.profiling.calibration")
+        if calibration is not None:  # loaded: a first start-up's calibration may still be running
+            calibration.stop_calibrating()
         self.compute.shutdown(wait=False, cancel_futures=True)
         self.state = NodeState.OFFLINE
         await self.announce_now()

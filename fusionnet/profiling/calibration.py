@@ -19,6 +19,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -140,9 +141,28 @@ class _Split:
         ]
 
 
+# Set once a daemon is stopping: a calibration running on its compute thread then gives up at its next
+# step. The interpreter joins that thread at exit, so without this a compnode told to stop during a
+# first start-up's calibration lived on for its remaining seconds (tens on a loaded machine), past the
+# lifetime of the OFFLINE record it had just announced.
+_STOP = threading.Event()
+
+
+class CalibrationStopped(RuntimeError):
+    pass
+
+
+def stop_calibrating() -> None:
+    """Makes every calibration in progress in this process end at its next step (it raises
+    ``CalibrationStopped``; nothing is cached)."""
+    _STOP.set()
+
+
 async def _run(splits: list[_Split], seconds: float) -> None:
     deadline = time.perf_counter() + seconds
     for n in range(MAX_STEPS + WARMUP):
+        if _STOP.is_set():
+            raise CalibrationStopped("calibration stopped: the daemon is shutting down")
         if n >= MIN_STEPS + WARMUP and time.perf_counter() > deadline:
             break
         for split in splits:
