@@ -57,6 +57,7 @@ from fusionnet.broker.tensorfiles import select
 from fusionnet.dag.partition import Partition, build_partition
 from fusionnet.errors import ExecutionError, FusionNetError
 from fusionnet.messages.blobs import unpack_tensors
+from fusionnet.planning.misprediction import PredictionWatch
 from fusionnet.planning.optimizers import optimizer_profiles
 from fusionnet.planning.placement import Candidate, JobShape, Placement, predicted_step
 from fusionnet.results.assemble import RunResult, assemble_result
@@ -110,6 +111,7 @@ class JobRun:
             schedule=job.spec.schedule,
         )
         self._planned_slowness: list[float] = []  # per sub-DAG: its compnode's slowness when planned
+        self.prediction = PredictionWatch()  # measured steps against the plan (issue 16: re-plan when off)
         self._telling: set[asyncio.Task[None]] = set()  # releases sent to compnodes declared lost
         self.watch = FailureWatch(context, lambda: self.peers, self.leaving)
         self.recoveries = RecoveryLog(context, job.job_id, self.progress.recoveries)
@@ -137,7 +139,7 @@ class JobRun:
                     if self._leavers():
                         self._hand_over(ckpt)
                     elif step < job.spec.step_count:
-                        self.pending = await self._grow()
+                        self.pending = await self._grow() or await self._recheck_prediction()
                         if self.pending is not None and ckpt.step != step:  # the re-plan starts here
                             ckpt = await self.watch.guarded(self._sync(step, ckpt))
                 except PeerFailure as failure:
@@ -289,6 +291,37 @@ class JobRun:
             )
         return replan
 
+    async def _recheck_prediction(self) -> Replan | None:
+        """Issue 16: when measured steps contradict the plan (``PredictionWatch``), the links are probed
+        where stale, the placement priced again and a fresh plan adopted when it is worth it."""
+        placement = self._placement
+        if placement is None or not self.progress.metrics:
+            return None
+        measured = self.progress.metrics[-1]["seconds"]
+        if not self.prediction.observe(measured):
+            return None
+        await self._probe_links()
+        placement = self._placement
+        assert placement is not None
+        replan, now = await asyncio.to_thread(
+            replanning.prediction_replan,
+            self.job.job_id,
+            self.shape,
+            placement,
+            self._candidates(),
+            self.ctx.settings.replan_gain,
+            self.ctx.links.pairs(),
+            measured,
+        )
+        self.prediction.repredicted(now)
+        if now is not None:
+            self._placement = replace(placement, predicted_step=now)
+        event: dict[str, Any] = {"measured": measured, "predicted": placement.predicted_step, "repriced": now}
+        if replan is not None and replan.proposed is not None:
+            event.update(to=list(replan.proposed.peers), proposed=replan.proposed.predicted_step)
+        self.ctx.store.add_job_event(self.job.job_id, "misprediction", event)
+        return replan
+
     def _plan(self, replan: Replan) -> Placement:
         return replanning.next_placement(
             self.shape,
@@ -325,6 +358,7 @@ class JobRun:
         self.pending = None
         self._seen_candidates = {c.peer_id for c in self._candidates()}
         await self._probe_links()
+        self.prediction.placed(None if self._placement is None else self._placement.predicted_step)
 
     async def _probe_links(self) -> None:
         """Times the links this placement's activations take that the broker has not measured lately

@@ -1,8 +1,9 @@
 """When a job needs a new placement, and which one: the decisions of a job run, as plain values.
 
 A ``Replan`` says that the job must be placed (again) before its next step and why: its first
-placement, a failure (``lost``: the dead compnodes), a proactive hand-over (``lost``: the leavers) or
-an elastic join (``proposed``: the placement the model chose at the step boundary). ``JobRun`` keeps
+placement, a failure (``lost``: the dead compnodes), a proactive hand-over (``lost``: the leavers), an
+elastic join or a misprediction (``proposed``: the placement the model chose at the step boundary; a
+misprediction is measured step times that contradict the plan, ``planning.misprediction``). ``JobRun`` keeps
 at most one pending ``Replan``; these functions decide it and turn it into a placement, without any
 I/O, so they are tested in-process (``tests/test_jobrun_decisions.py``).
 """
@@ -17,20 +18,24 @@ from typing import Literal
 from fusionnet.broker.registry import CompnodeRegistry
 from fusionnet.errors import FusionNetError
 from fusionnet.planning.placement import (
+    SCHEDULER,
     Candidate,
     JobShape,
     PeerLinks,
     Placement,
     consider_growth,
+    fastest_free,
     first_pool,
     plan_placement,
     pool_after_loss,
+    predicted_step,
+    worth_replanning,
 )
 from fusionnet.planning.speeds import SpeedBook
 
 log = logging.getLogger("fusionnet.broker.jobs")
 
-ReplanReason = Literal["first", "failure", "hand-over", "growth"]
+ReplanReason = Literal["first", "failure", "hand-over", "growth", "mispredicted"]
 
 
 @dataclass(frozen=True)
@@ -43,10 +48,11 @@ class Replan:
     proposed: Placement | None = None
 
     def __post_init__(self) -> None:
-        assert (self.proposed is not None) == (self.reason == "growth"), "only a growth proposes"
+        assert (self.proposed is not None) == (self.reason in PROPOSING), "only growth/misprediction propose"
         assert not self.lost or self.reason in ("failure", "hand-over"), "only a loss moves sub-DAGs"
 
 
+PROPOSING = ("growth", "mispredicted")
 FIRST = Replan("first")
 
 
@@ -121,6 +127,47 @@ def growth_replan(
         growth.describe(),
     )
     return Replan("growth", proposed=growth.proposed)
+
+
+def prediction_replan(
+    job_id: str,
+    shape: JobShape,
+    current: Placement,
+    pool: Sequence[Candidate],
+    min_gain: float,
+    links: PeerLinks | None,
+    measured: float,
+) -> tuple[Replan | None, float | None]:
+    """Measured steps contradict the plan: the current placement priced again with what was learnt
+    since (refined speeds, probed links), and a fresh plan over the job's compnodes plus the free
+    regular ones. Returns the re-plan when the fresh plan beats the re-priced current one by more than
+    ``min_gain`` (else None), and the re-priced step (None when the model cannot say)."""
+    if current.policy != SCHEDULER:
+        return None, None
+    by_id = {c.peer_id: c for c in pool}
+    mine = [by_id[p] for p in current.peers if p in by_id]
+    if len(mine) < len(current.peers):
+        return None, None  # one of ours is not schedulable right now: failure handling comes first
+    try:
+        now = predicted_step(shape, current, pool, links)
+        proposed = plan_placement(shape, mine + fastest_free(current.peers, pool), links=links)
+    except FusionNetError as e:
+        log.info("job %s: no re-plan after the misprediction: %s", job_id, e)
+        return None, None
+    predicted = current.predicted_step
+    log.info(
+        "job %s: measured %.3f s/step against %s predicted; re-priced %s, a fresh plan %s",
+        job_id,
+        measured,
+        "-" if predicted is None else f"{predicted:.3f} s",
+        "-" if now is None else f"{now:.3f} s",
+        "-" if proposed.predicted_step is None else f"{proposed.predicted_step:.3f} s",
+    )
+    same = list(proposed.peers) == list(current.peers) and proposed.assignment == current.assignment
+    if same or not worth_replanning(now, proposed, min_gain):
+        return None, now
+    log.info("job %s: re-planning at this step boundary (misprediction): %s", job_id, proposed.describe())
+    return Replan("mispredicted", proposed=proposed), now
 
 
 def sync_due(step: int, steps: int, sync_every: int, leaving: bool) -> bool:

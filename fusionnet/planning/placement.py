@@ -121,13 +121,18 @@ def pool_after_loss(
     return pool
 
 
+def fastest_free(current: Sequence[str], candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The regular compnodes not in ``current``, fastest first."""
+    return _fastest([c for c in candidates if c.peer_id not in set(current) and not c.backup])
+
+
 def grown_pool(current: Sequence[str], candidates: Sequence[Candidate]) -> list[Candidate] | None:
     """The job's compnodes plus every free regular one, or None when nobody new is free."""
     by_id = {c.peer_id: c for c in candidates}
     mine = [by_id[p] for p in current if p in by_id]
     if len(mine) < len(current):
         return None  # one of ours is not schedulable right now: failure handling comes first
-    free = _fastest([c for c in candidates if c.peer_id not in set(current) and not c.backup])
+    free = fastest_free(current, candidates)
     return mine + free if free else None
 
 

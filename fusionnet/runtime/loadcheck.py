@@ -7,7 +7,14 @@ child process loads the job exactly as the command will (``load_job``: schema, p
 data, preflight forward) under a time limit; the command loads it itself only once the child said the
 job is sound. The child's verdict travels as one JSON object in a file: nothing is unpickled.
 
-Run as ``python -m fusionnet.runtime.loadcheck --result FILE [--allow-outside-paths] JOB.yaml``.
+The children are forked from one server process per command that has torch and the loader imported
+already (``python -m fusionnet.runtime.loadcheck --serve``, started by the first check, ending with the
+process that started it when its stdin closes): a check costs tens of milliseconds instead of a new
+interpreter importing torch (seconds), which matters to every caller that checks more than one job in
+a process (the bad-input sweep checks hundreds). The server is single-threaded, so forking it is safe,
+unlike forking a command that runs torch or hivemind threads. Requests and answers are JSON lines.
+
+By hand: ``python -m fusionnet.runtime.loadcheck --result FILE [--allow-outside-paths] JOB.yaml``.
 """
 
 from __future__ import annotations
@@ -17,11 +24,15 @@ import contextlib
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from fusionnet.errors import JobError
 
@@ -30,10 +41,68 @@ log = logging.getLogger(__name__)
 DEFAULT_LOAD_TIMEOUT = 120.0  # seconds; a 1B-parameter model builds in well under a minute
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
+class _Server:
+    """The parent's end of the fork server: one check at a time (a lock), restarted if it died."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+        self.lock = threading.Lock()
+
+    def _started(self) -> subprocess.Popen[str]:
+        if self.proc is None or self.proc.poll() is not None:
+            cmd = [sys.executable, "-m", "fusionnet.runtime.loadcheck", "--serve"]
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+        return self.proc
+
+    def _answer(self, proc: subprocess.Popen[str], deadline: float) -> dict[str, Any] | None:
+        """The server's next line, or None at the deadline (or when the server is gone)."""
+        assert proc.stdout is not None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+                return None
+            line = proc.stdout.readline()
+            if not line:
+                return None
+            return json.loads(line)
+
+    def run(self, request: dict[str, Any], timeout: float) -> tuple[int | None, bool]:
+        """Forks a child for ``request``: (its exit code, or -signal; None if the server failed), and
+        whether it ran past ``timeout`` (then it was killed, with all it started)."""
+        with self.lock:
+            proc = self._started()
+            assert proc.stdin is not None
+            try:
+                proc.stdin.write(json.dumps(request) + "\n")
+                proc.stdin.flush()
+            except OSError:
+                return None, False
+            # the server's own start (importing torch) counts against no job: it has a deadline of its own
+            forked = self._answer(proc, time.monotonic() + SERVER_START_TIMEOUT)
+            if forked is None or "pid" not in forked:
+                self.stop()
+                return None, False
+            done = self._answer(proc, time.monotonic() + timeout)
+            if done is not None:
+                return int(done["exit"]), False
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(int(forked["pid"]), signal.SIGKILL)  # the child's session: all it started
+            if self._answer(proc, time.monotonic() + SERVER_START_TIMEOUT) is None:
+                self.stop()  # out of step with the server: a fresh one next time
+            return None, True
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+SERVER_START_TIMEOUT = 60.0
+_SERVER = _Server()
 
 
 def _verdict(code: int | None, result: Path, entrypoint_hint: str) -> str | None:
@@ -57,53 +126,95 @@ def check_job_loads(
 ) -> None:
     """Raises one JobError when loading ``job_path`` fails, exits, crashes or exceeds ``timeout``."""
     with tempfile.TemporaryDirectory(prefix="fusionnet-loadcheck-") as tmp:
-        result = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "fusionnet.runtime.loadcheck", "--result", str(result)]
-        cmd += ["--allow-outside-paths"] if allow_outside_paths else []
-        cmd += ["--", str(job_path)]
-        # A new session lets a timeout kill whatever the model code started too. What the model code
-        # prints is kept for --log-level DEBUG only: the command's own output stays one line.
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            printed, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
+        result, printed = Path(tmp) / "result.json", Path(tmp) / "output.txt"
+        request = {
+            "job": str(Path(job_path).absolute()),
+            "allow_outside_paths": allow_outside_paths,
+            "result": str(result),
+            "printed": str(printed),
+            "cwd": os.getcwd(),  # the server started in an earlier state of this process
+            "env": dict(os.environ),
+        }
+        code, timed_out = _SERVER.run(request, timeout)
+        if timed_out:
             raise JobError(
                 f"model.entrypoint: loading the job did not finish in {timeout:g} s (a loop at import or in "
                 "the builder?); raise --load-timeout if the model is really that slow to build"
-            ) from None
-        except BaseException:
-            _kill_group(proc)
-            raise
-        code = proc.returncode
-        if printed:
-            log.debug(
-                "output of the load check of %s:\n%s", job_path, printed[-4000:].decode(errors="replace")
             )
+        if code is None:
+            raise JobError("model.entrypoint: the load check could not start a process to load the job in")
+        output = printed.read_bytes() if printed.exists() else b""
+        if output:
+            text = output[-4000:].decode(errors="replace")
+            log.debug("output of the load check of %s:\n%s", job_path, text)
         verdict = _verdict(code, result, "model.entrypoint")
     if verdict is not None:
         raise JobError(verdict)
 
 
-def _child(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="fusionnet.runtime.loadcheck")
-    parser.add_argument("--result", type=Path, required=True)
-    parser.add_argument("--allow-outside-paths", action="store_true")
-    parser.add_argument("job", type=Path)
-    args = parser.parse_args(argv)
+def _serve() -> int:
+    """The fork server: one JSON request a line on stdin; forks a child per request, answers its pid,
+    then its exit code (``-signal`` when killed). Ends when stdin closes."""
+    import fusionnet.job.loader  # noqa: F401  (imported once here, inherited by every child)
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _check_in_child(request)
+        print(json.dumps({"pid": pid}), flush=True)
+        status = _wait_for_child(pid)
+        if status is None:  # the command is gone (stdin closed mid-check): so is its check
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return 0
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # whatever the model code left running in the child's session
+        print(json.dumps({"exit": code}), flush=True)
+    return 0
+
+
+def _wait_for_child(pid: int) -> int | None:
+    """The child's wait status; None when stdin becomes readable meanwhile (the command sends one request
+    at a time and waits for its answer, so that can only be the end of stdin: the command is gone)."""
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if select.select([sys.stdin], [], [], 0.05)[0]:
+            return None
+
+
+def _check_in_child(request: dict[str, Any]) -> None:
+    """The forked child: its own session (a timeout kills all it started), its output into a file (the
+    command's own output stays one line), the caller's directory and environment, then the load."""
+    code = 1
+    try:
+        os.setsid()
+        out = os.open(request["printed"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        code = _load_and_report(Path(request["job"]), request["allow_outside_paths"], Path(request["result"]))
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+    finally:
+        os._exit(code)  # no interpreter teardown: nothing the model code registered (atexit, threads) runs
+
+
+def _load_and_report(job: Path, allow_outside_paths: bool, result: Path) -> int:
     from fusionnet.job.loader import load_job
 
     def report(doc: dict[str, object]) -> None:
-        args.result.write_text(json.dumps(doc))
+        result.write_text(json.dumps(doc))
 
     try:
-        load_job(args.job, allow_outside_paths=args.allow_outside_paths)
+        load_job(job, allow_outside_paths=allow_outside_paths)
     except JobError as e:
         report({"error": str(e)})
         return 1
@@ -115,6 +226,20 @@ def _child(argv: list[str]) -> int:
         return 1
     report({"ok": True})
     return 0
+
+
+def _child(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="fusionnet.runtime.loadcheck")
+    parser.add_argument("--serve", action="store_true", help="run the fork server (JSON lines on stdin)")
+    parser.add_argument("--result", type=Path)
+    parser.add_argument("--allow-outside-paths", action="store_true")
+    parser.add_argument("job", type=Path, nargs="?")
+    args = parser.parse_args(argv)
+    if args.serve:
+        return _serve()
+    if args.result is None or args.job is None:
+        parser.error("--result and JOB are required without --serve")
+    return _load_and_report(args.job, args.allow_outside_paths, args.result)
 
 
 if __name__ == "__main__":
