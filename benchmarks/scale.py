@@ -1,4 +1,5 @@
-"""Real scale: a Llama-style model of >= 100M parameters on a broker and 3 compnodes beside plain PyTorch.
+"""Real scale: a Llama-style (or, ``--family gpt2``, GPT-2) model of ~100M parameters on a broker and 3
+compnodes beside plain PyTorch.
 
 One run, one swarm of processes on loopback (a broker, 3 working compnodes with one thread each and one
 ``--backup`` compnode), the job built from a ``transformers`` ``LlamaConfig`` (random init, nothing
@@ -54,6 +55,9 @@ GB = 1e9
 # (vocab, hidden, layers, heads, kv heads, intermediate): the full model has ~125M parameters.
 FULL = (32000, 768, 12, 12, 4, 2048)
 QUICK = (4000, 384, 4, 6, 2, 1024)  # ~8M parameters
+# --family gpt2: issue 11's GPT-2 job, 12 layers of width 768 with tied embeddings: 97M parameters
+GPT2_FULL = (16000, 768, 12, 12, 12, 3072)
+GPT2_QUICK = (4000, 384, 4, 6, 6, 1536)
 SEQ = 32
 # Generous: on a loaded 2-core machine a daemon moving 100s of MB can miss pings for seconds; a
 # SIGKILL is still seen at once (its streams break). Detection speed is benchmarks/recovery.py's.
@@ -63,19 +67,28 @@ OPTIMIZERS = {
     "sgd": {"name": "sgd", "lr": 0.01, "kwargs": {"momentum": 0.9}},
     "adamw": {"name": "adamw", "lr": 1e-4, "kwargs": {"weight_decay": 0.01}},
 }
-MODEL_PY = '''"""A Llama-style causal LM from a transformers config (random init, nothing downloaded)."""
+MODEL_PY = '''"""A causal LM from a transformers config (random init, nothing downloaded): Llama (RMSNorm,
+rotary, grouped-query attention, untied embeddings) or GPT-2 (LayerNorm, learnt positions, tied
+embeddings)."""
 import torch
 import transformers
 
 
-class Llama(torch.nn.Module):
-    def __init__(self, vocab, hidden, layers, heads, kv_heads, intermediate, seq):
+class LM(torch.nn.Module):
+    def __init__(self, family, vocab, hidden, layers, heads, kv_heads, intermediate, seq):
         super().__init__()
-        cfg = transformers.LlamaConfig(
-            vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-            num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=seq,
-            bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
-        )
+        if family == "gpt2":
+            cfg = transformers.GPT2Config(
+                vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_inner=intermediate,
+                n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                bos_token_id=0, eos_token_id=0, tie_word_embeddings=True,
+            )
+        else:
+            cfg = transformers.LlamaConfig(
+                vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=seq,
+                bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=False,
+            )
         self.lm = transformers.AutoModelForCausalLM.from_config(cfg)
 
     def forward(self, input_ids, labels):
@@ -83,7 +96,7 @@ class Llama(torch.nn.Module):
 
 
 def build(**kwargs):
-    return Llama(**kwargs)
+    return LM(**kwargs)
 '''
 
 
@@ -101,7 +114,9 @@ class SwarmRun:
     wall_s: float = 0.0
 
 
-def write_job(folder: Path, dims: tuple[int, ...], steps: int, optimizer: str, batch: int) -> Path:
+def write_job(
+    folder: Path, family: str, dims: tuple[int, ...], steps: int, optimizer: str, batch: int
+) -> Path:
     import torch
     import yaml
     from safetensors.torch import save_file
@@ -114,9 +129,12 @@ def write_job(folder: Path, dims: tuple[int, ...], steps: int, optimizer: str, b
     (folder / "model.py").write_text(MODEL_PY)
     keys = ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate")
     doc = {
-        "name": "llama-scale",
+        "name": f"{family}-scale",
         "task": "train",
-        "model": {"entrypoint": "model.py:build", "kwargs": {**dict(zip(keys, dims)), "seq": SEQ}},
+        "model": {
+            "entrypoint": "model.py:build",
+            "kwargs": {"family": family, **dict(zip(keys, dims)), "seq": SEQ},
+        },
         "data": {"path": "data.safetensors", "batch_size": batch, "microbatches": 2},
         "optimizer": OPTIMIZERS[optimizer],
         "steps": steps,
@@ -267,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="training steps per job (default 4, >= 3)")
     p.add_argument("--batch", type=int, default=4, help=f"samples of {SEQ} tokens per step (default 4)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
+    p.add_argument(
+        "--family",
+        choices=("llama", "gpt2"),
+        default="llama",
+        help=f"llama (default; {FULL}) or gpt2 (issue 11's 97M GPT-2, tied embeddings; {GPT2_FULL})",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one job may take")
     p.add_argument("--no-kill", action="store_true", help="skip the SIGKILL run")
     p.add_argument("--workdir", type=Path, help="logs and results (default: a temporary folder, kept)")
@@ -283,12 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     from fusionnet.reference import run_reference
 
     torch.set_num_threads(1)  # plain PyTorch on one thread, like each compnode
-    dims = QUICK if args.quick else FULL
-    job_path = write_job(workdir / "job", dims, args.steps, args.optimizer, args.batch)
+    if args.family == "gpt2":
+        dims = GPT2_QUICK if args.quick else GPT2_FULL
+    else:
+        dims = QUICK if args.quick else FULL
+    job_path = write_job(workdir / "job", args.family, dims, args.steps, args.optimizer, args.batch)
     job = load_job(job_path)
     sizes = {k: v.numel() * v.element_size() for k, v in job.model.named_parameters()}
     n_params = sum(v.numel() for v in job.model.parameters())
-    print(f"Llama {dims}: {n_params / 1e6:.1f}M parameters, {args.steps} steps, {args.optimizer}; "
+    print(f"{args.family} {dims}: {n_params / 1e6:.1f}M parameters, {args.steps} steps, {args.optimizer}; "
           f"logs in {workdir}", flush=True)  # fmt: skip
     started = time.perf_counter()
     ref = run_reference(job).weights
@@ -334,7 +361,7 @@ def report(
     swarm_ms, ckpt_ms, sync_ms = step_ms(run)
     rows = [
         ("what", "plain PyTorch (1 thread)", "FusionNet: broker + 3 compnodes (1 thread each)"),
-        ("model", f"Llama {n_params / 1e6:.1f}M params", f"{len(run.placement)} sub-DAGs"),
+        ("model", f"{args.family} {n_params / 1e6:.1f}M params", f"{len(run.placement)} sub-DAGs"),
         ("ms/step", f"{torch_ms:.0f}", f"{swarm_ms:.0f} (of which state snapshots {ckpt_ms:.0f})"),
         ("results collection", "-", f"{sync_ms:.0f} ms once (final state to the broker)"),
         ("exact", "-", f"max diff {run.max_diff:.1e} (bound {tol:g})"),
@@ -364,7 +391,10 @@ def report(
     exact = run.max_diff <= tol and (kill is None or kill.max_diff <= tol)
     summary = {
         "benchmark": "scale",
-        "model": dict(zip(("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate"), dims)),
+        "model": {
+            "family": args.family,
+            **dict(zip(("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate"), dims)),
+        },
         "params": n_params,
         "optimizer": args.optimizer,
         "steps": args.steps,

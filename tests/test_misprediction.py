@@ -45,6 +45,9 @@ def test_a_repriced_prediction_stops_the_looks() -> None:
     assert watch.predicted == 2.9
     with pytest.raises(ValueError):
         PredictionWatch(tolerance=0.0)
+    # the plan priced on loopback figures, then on the probed links: 0.57 s against 4.26 s (issue 16)
+    assert watch.contradicts(0.57, 4.26) and watch.contradicts(4.26, 0.57)
+    assert not watch.contradicts(1.0, 1.2) and not watch.contradicts(None, 1.0)
 
 
 def slowed(c: Candidate, slowness: float) -> Candidate:

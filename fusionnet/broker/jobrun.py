@@ -112,6 +112,7 @@ class JobRun:
         )
         self._planned_slowness: list[float] = []  # per sub-DAG: its compnode's slowness when planned
         self.prediction = PredictionWatch()  # measured steps against the plan (issue 16: re-plan when off)
+        self._probes_contradict = False  # the link probes after the last placement re-priced it by > 25%
         self._telling: set[asyncio.Task[None]] = set()  # releases sent to compnodes declared lost
         self.watch = FailureWatch(context, lambda: self.peers, self.leaving)
         self.recoveries = RecoveryLog(context, job.job_id, self.progress.recoveries)
@@ -292,13 +293,16 @@ class JobRun:
         return replan
 
     async def _recheck_prediction(self) -> Replan | None:
-        """Issue 16: when measured steps contradict the plan (``PredictionWatch``), the links are probed
-        where stale, the placement priced again and a fresh plan adopted when it is worth it."""
+        """Issue 16: when measured steps (``PredictionWatch``) or the link probes after a placement
+        contradict the plan, the links are probed where stale, the placement priced again and a fresh
+        plan adopted when it is worth it."""
         placement = self._placement
         if placement is None or not self.progress.metrics:
             return None
         measured = self.progress.metrics[-1]["seconds"]
-        if not self.prediction.observe(measured):
+        looks = self.prediction.observe(measured) or self._probes_contradict
+        self._probes_contradict = False
+        if not looks:
             return None
         await self._probe_links()
         placement = self._placement
@@ -377,6 +381,9 @@ class JobRun:
                 predicted_step, self.shape, placement, self._candidates(), self.ctx.links.pairs()
             )
             if step is not None:
+                # The plan was priced on links it had not measured (a backup brought in, say): when the
+                # probes contradict it, the next step boundary looks at the placement again.
+                self._probes_contradict = self.prediction.contradicts(placement.predicted_step, step)
                 self._placement = replace(placement, predicted_step=step)
 
     def _adopt(self, placement: Placement) -> None:

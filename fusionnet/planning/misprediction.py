@@ -60,6 +60,13 @@ class PredictionWatch:
         if predicted is not None and predicted > 0:
             self.predicted = predicted
 
+    def contradicts(self, predicted: float | None, other: float | None) -> bool:
+        """Whether two figures for one step (the plan's and one priced later on probed links, say) differ
+        by more than the tolerance."""
+        if predicted is None or other is None or predicted <= 0 or other <= 0:
+            return False
+        return abs(self.error(predicted, other)) > self.tolerance
+
     @staticmethod
     def error(predicted: float, measured: float) -> float:
         """Relative error of the prediction: (measured - predicted) / measured, as issue 16 counts it."""
