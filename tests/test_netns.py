@@ -107,7 +107,8 @@ def test_netns_swarm_runs_the_readme_commands() -> None:
     cmds = _readme_commands()
     broker = _flags(cmds["broker"])
     assert broker.pop("--state-dir") and broker.pop("--address-file")
-    assert broker == _flags(broker_argv("10.0.0.1"))
+    assert broker == _flags(broker_argv("10.0.0.1", Path("submitters.txt")))
+    assert cmds["key"] == []  # the submitter's id, for the broker's --submitters
     compnode = _flags(cmds["compnode"])
     compnode.pop("--state-dir")
     compnode.pop("--address-file", None)

@@ -84,7 +84,9 @@ def test_bad_frames_are_refused_and_counted_while_good_ones_keep_flowing(loop_na
         server.register_job("job1", KEY, {"A"}, got1.append)
         server.register_job("job2", OTHER_KEY, {"A", "B"}, slow_handler)
         addr = await server.start()
-        good, intruder, wrong_key = (DataPathClient(peer_id=p) for p in ("A", "Z", "A"))
+        # ``stray`` sends the frame of a job that never existed here: the server closes that connection
+        # (it is out of step with us), so it must not be the one the good frames travel on
+        good, intruder, wrong_key, stray = (DataPathClient(peer_id=p) for p in ("A", "Z", "A", "A"))
         sent1: list[torch.Tensor] = []
         sent2: list[torch.Tensor] = []
         closed: dict[str, bool] = {}
@@ -118,7 +120,7 @@ def test_bad_frames_are_refused_and_counted_while_good_ones_keep_flowing(loop_na
                 lambda: raw("dtype", craft(b"abcd", job="job2", dtype="complex64", shape=[1])),
             ),
             (NO_JOB, "bad_magic", lambda: raw("garbled", os.urandom(4096))),
-            (NO_JOB, "unknown_job", lambda: good.send(addr, frame(torch.ones(2), job="nojob"), KEY)),
+            (NO_JOB, "unknown_job", lambda: stray.send(addr, frame(torch.ones(2), job="nojob"), KEY)),
         ]
         try:
             for i, (job, reason, attack) in enumerate(attacks):
@@ -128,7 +130,7 @@ def test_bad_frames_are_refused_and_counted_while_good_ones_keep_flowing(loop_na
             await good_round(len(attacks))
             await until(lambda: len(got1) == len(sent1) and len(got2) == len(sent2), what="good frames")
         finally:
-            for c in (good, intruder, wrong_key):
+            for c in (good, intruder, wrong_key, stray):
                 await c.close()
             await server.stop()
 

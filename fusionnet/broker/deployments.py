@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +47,7 @@ log = logging.getLogger("fusionnet.broker.deployments")
 
 MAX_DEPLOYMENTS = 8
 PLACE_TIMEOUT = 180.0  # ``deploy`` answers once placed, or fails after this long
+REMEMBERED_UNDEPLOYS = 64  # names whose undeploy a retried call may repeat
 
 
 class DeploymentService:
@@ -67,6 +69,9 @@ class DeploymentService:
         self.served: dict[str, ServedModel] = {}
         self.runs: dict[str, DeploymentRun] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        # name -> who undeployed it, for the last few: a repeated undeploy (the RPC client retries a
+        # stream that closed before its answer) gets the first one's answer, not "no deployment"
+        self._undeployed: OrderedDict[str, str] = OrderedDict()
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
 
@@ -205,10 +210,16 @@ class DeploymentService:
 
     @handles(UndeployRequest)
     async def rpc_undeploy(self, request: UndeployRequest, context: RPCContext) -> UndeployReply:
+        done = UndeployReply(name=request.name, undeployed=True, message=f"{request.name} undeployed")
         if request.name not in self.served:
+            if self._undeployed.get(request.name) == str(context.remote_peer):
+                return done
             raise JobError(f"no deployment named {request.name!r}")
         await self._undeploy(request.name, f"undeployed by {context.remote_peer}")
-        return UndeployReply(name=request.name, undeployed=True, message=f"{request.name} undeployed")
+        self._undeployed[request.name] = str(context.remote_peer)
+        while len(self._undeployed) > REMEMBERED_UNDEPLOYS:
+            self._undeployed.popitem(last=False)
+        return done
 
     @handles(DeploymentsRequest)
     async def rpc_deployments(self, request: DeploymentsRequest, context: RPCContext) -> DeploymentsReply:

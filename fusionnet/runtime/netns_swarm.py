@@ -26,13 +26,14 @@ BROKER_PORT, COMPNODE_PORT, DATA_PORT = 31337, 31338, 31400
 BROKER_METRICS_PORT, COMPNODE_METRICS_PORT = 9700, 9701
 
 
-def broker_argv(ip: str) -> list[str]:
-    """The README's broker command for a machine at ``ip`` (--state-dir and --address-file added by
-    ``start_daemon``)."""
+def broker_argv(ip: str, submitters: Path) -> list[str]:
+    """The README's broker command for a machine at ``ip`` taking submissions from the ids in
+    ``submitters`` (--state-dir and --address-file added by ``start_daemon``)."""
     return [
         "--host-maddrs", f"/ip4/0.0.0.0/tcp/{BROKER_PORT}",
         "--announce-maddrs", f"/ip4/{ip}/tcp/{BROKER_PORT}",
         "--metrics-host", "0.0.0.0", "--metrics-port", str(BROKER_METRICS_PORT),
+        "--submitters", str(submitters),
     ]  # fmt: skip
 
 
@@ -82,14 +83,26 @@ class NetnsSwarm:
         return self.broker.maddrs()
 
     def _env(self) -> dict[str, str]:
-        return {"OMP_NUM_THREADS": "1", **self.env}
+        # the submitter's key lives in the swarm's folder, not in the home of whoever runs the tests
+        return {"OMP_NUM_THREADS": "1", "FUSIONNET_HOME": str(self.workdir / "submitter"), **self.env}
+
+    def _submitters(self) -> Path:
+        """The README's way in for a submitter on a broker that is not on loopback: ``fusionnet key`` on
+        the submitting machine (the broker's host here), its id a line of the broker's --submitters."""
+        done = self.run_head(["key"], 120)
+        if done.returncode != 0:
+            raise ExecutionError(f"fusionnet key failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        path = self.workdir / "submitters.txt"
+        path.write_text(done.stdout.strip() + "\n")
+        return path
 
     def start(self, timeout: float = READY_TIMEOUT) -> NetnsSwarm:
         deadline = time.monotonic() + timeout
         try:
             head = self.lab.hosts[0]
+            argv = [*broker_argv(head.ip, self._submitters()), *self.broker_extra]
             self.broker = start_daemon(
-                "broker", self.workdir, "broker", [*broker_argv(head.ip), *self.broker_extra],
+                "broker", self.workdir, "broker", argv,
                 extra_env=self._env(), wrap=self.lab.wrap(head),
             )  # fmt: skip
             self.broker.wait_ready(timeout)
