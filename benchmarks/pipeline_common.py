@@ -33,6 +33,7 @@ class Config:
     seed: int
     threads: int
     data_path: str
+    schedule: str = "gpipe"  # gpipe | 1f1b: torch ScheduleGPipe / Schedule1F1B, FusionNet placement.schedule
 
     @property
     def model_kwargs(self) -> dict[str, int]:

@@ -40,6 +40,7 @@ steps: {cfg.steps}
 seed: {cfg.seed}
 placement:
   compnodes: {compnodes}
+  schedule: {cfg.schedule}
 """
     path = workdir / f"job{compnodes}.yaml"
     path.write_text(job)

@@ -52,7 +52,7 @@ def pipe_worker(
         import torch.distributed as dist
         import torch.nn.functional as F
         from pipeline_model import build, stage_module
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         set_threads(cfg.threads)
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -61,7 +61,8 @@ def pipe_worker(
         model = build(**cfg.model_kwargs)
         sub = stage_module(model, *split[rank])
         stage = PipelineStage(sub, rank, world, torch.device("cpu"))
-        schedule = ScheduleGPipe(stage, cfg.microbatches, loss_fn=F.cross_entropy)  # scale_grads: 1/M
+        kind = Schedule1F1B if cfg.schedule == "1f1b" else ScheduleGPipe
+        schedule = kind(stage, cfg.microbatches, loss_fn=F.cross_entropy)  # scale_grads: 1/M
         opt = torch.optim.SGD(sub.parameters(), lr=cfg.lr)
         times, losses = [], []
         for x, y in batches:

@@ -3,8 +3,9 @@
 All contenders train the same model (``benchmarks/pipeline_model.py``: identical pre-norm MLP blocks,
 cross-entropy on the last block's output), from the same initial weights (built right after
 ``torch.manual_seed(seed)``), on the same batches (batch s = samples [s*B, (s+1)*B) modulo the dataset),
-with the same GPipe schedule (each batch split into M micro-batches: all forwards, all backwards, one SGD
-step), and with the same number of torch threads per process (``--threads``, default 1):
+with the same schedule (``--schedule``: GPipe, each batch split into M micro-batches, all forwards, all
+backwards, one SGD step; or 1F1B), and with the same number of torch threads per process (``--threads``,
+default 1):
 
 - ``plain torch``       one process, the M micro-batches one after the other with gradient accumulation.
                         The reference for the ratios.
@@ -140,6 +141,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=6, help="blocks (default 6: splits evenly in 2 and 3)")
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="pipeline widths (default 2 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process, all contenders")
+    ap.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b"),
+        default="gpipe",
+        help="pipeline schedule of both pipelines: torch's ScheduleGPipe/Schedule1F1B and FusionNet's "
+        "placement.schedule (default gpipe)",
+    )
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="8 steps, 2 of them warm-up")
@@ -211,11 +219,12 @@ def main(argv: list[str] | None = None) -> int:
             dim=args.dim, hidden=args.hidden, layers=args.layers, batch_size=args.batch_size,
             microbatches=args.microbatches, steps=args.steps, warmup=args.warmup, lr=args.lr,
             seed=args.seed, threads=args.threads, data_path=str(workdir / "data.safetensors"),
+            schedule=args.schedule,
         )  # fmt: skip
         make_data(cfg, samples=4 * cfg.batch_size)
         print(
             f"model: {cfg.layers} blocks, dim {cfg.dim}, hidden {cfg.hidden}; batch {cfg.batch_size} in "
-            f"{cfg.microbatches} micro-batches; {cfg.steps} steps ({cfg.warmup} warm-up); "
+            f"{cfg.microbatches} micro-batches, {cfg.schedule}; {cfg.steps} steps ({cfg.warmup} warm-up); "
             f"{cfg.threads} thread(s)/process; {os.cpu_count()} CPUs; load {loadavg:.2f}; workdir {workdir}",
             flush=True,
         )
@@ -230,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         splits = run_contenders(cfg, args, workdir, record)
 
     summary = report(results, cfg, args.stages, splits)
+    summary["schedule"] = cfg.schedule
     summary["loadavg_before"] = round(loadavg, 2)
     summary["loadavg_after"] = round(os.getloadavg()[0], 2)
     summary["wall_s"] = round(time.monotonic() - t_start, 1)

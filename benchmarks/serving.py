@@ -158,6 +158,7 @@ def plain_baselines(
             outs.append(gen[0, len(p) :].tolist())
     kv = time.perf_counter() - started
     started = time.perf_counter()
+    recomputed = []
     with torch.no_grad():
         for p in requests:  # what the deployment computes: the whole padded window per token
             row = torch.zeros(1, window, dtype=torch.long)
@@ -165,9 +166,15 @@ def plain_baselines(
             for t in range(max_tokens):
                 logits = model(row)[0, len(p) + t - 1]
                 row[0, len(p) + t] = int(torch.argmax(logits))
+            recomputed.append(row[0, len(p) : len(p) + max_tokens].tolist())
     recompute = time.perf_counter() - started
     total = len(requests) * max_tokens
-    return {"generate_tokens_per_s": total / kv, "recompute_tokens_per_s": total / recompute, "outputs": outs}
+    return {
+        "generate_tokens_per_s": total / kv,
+        "recompute_tokens_per_s": total / recompute,
+        "outputs": outs,
+        "recompute_outputs": recomputed,
+    }
 
 
 def predictions(status: dict[str, Any]) -> dict[str, Any]:
@@ -239,8 +246,13 @@ def main() -> int:
         finally:
             observer.close()
         killed = kill_mid_stream(sw, reply.url, reqs, args.max_tokens)
-    exact = all(r["outputs"] == plain["outputs"] for r in rows)
-    killed_exact = killed["outputs"] == plain["outputs"]
+    # The reference is the same computation in one process (the padded window, no KV cache): generate()
+    # with its KV cache rounds differently, and a random-init model's logits have near-ties that such
+    # rounding flips (in one process too), so its agreement is reported, not required.
+    want = plain["recompute_outputs"]
+    exact = all(r["outputs"] == want for r in rows)
+    killed_exact = killed["outputs"] == want
+    agree = sum(a == b for a, b in zip(want, plain["outputs"]))
     print(
         f"GPT-2 {shape}: {args.requests} requests x {args.max_tokens} tokens, prompt {PROMPT}, "
         f"max batch {args.batch}"
@@ -261,7 +273,8 @@ def main() -> int:
         f"per batch: {predicted['batch_seconds_mean'] * 1e3:.1f} ms wall at the broker; "
         f"FP per sub-DAG {stages} ms"
     )
-    print(f"greedy outputs equal generate(): {exact}; after the SIGKILL: {killed_exact}")
+    print(f"greedy outputs equal the plain recompute: {exact}; after the SIGKILL: {killed_exact}")
+    print(f"(plain generate() with its KV cache agrees with the plain recompute on {agree} of {len(want)})")
     summary = {
         "benchmark": "serving",
         "model": dict(zip(("vocab", "width", "layers", "heads", "window"), shape)),
@@ -271,6 +284,7 @@ def main() -> int:
         "plain_recompute_tokens_per_s": plain["recompute_tokens_per_s"],
         **{k: v for k, v in predicted.items()},
         "exact": exact,
+        "generate_agrees_with_recompute": f"{agree}/{len(want)}",
     }
     print(json.dumps(summary))
     return 0 if exact and killed_exact else 1
