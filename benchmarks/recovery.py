@@ -50,10 +50,12 @@ sys.path.insert(0, str(REPO))
 from swarm_jobs import run_main, write_gpt_job  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
-from fusionnet.messages.broker_rpc import BrokerClient, JobStatusRequest  # noqa: E402
+from fusionnet.messages.broker_rpc import BrokerClient  # noqa: E402
+from fusionnet.runtime.jobcontrol import job_status  # noqa: E402
 from fusionnet.runtime.process_swarm import CompnodeSpec, ProcessSwarm  # noqa: E402
 from fusionnet.runtime.processes import DaemonProcess  # noqa: E402
 from fusionnet.runtime.submit import submit_and_wait  # noqa: E402
+from fusionnet.runtime.submitter import Signer, load_or_create_key  # noqa: E402
 
 CONFIDANT_PASSIVE_S = 16.8
 CONFIDANT_PROACTIVE_S = 4.5
@@ -115,6 +117,7 @@ async def drive(swarm: ProcessSwarm, job_path: Path, out: Path, rec: RunRecord, 
         await swarm.wait_members(observer)
         broker = await observer.find_broker()
         brokers = BrokerClient(observer.call)
+        signer = Signer(load_or_create_key(None), broker, observer.peer_id)  # submit's own key: its job
         submit = asyncio.create_task(
             submit_and_wait(job_path, swarm.initial_peers, out, stream=io.StringIO(), timeout=timeout)
         )
@@ -128,9 +131,7 @@ async def drive(swarm: ProcessSwarm, job_path: Path, out: Path, rec: RunRecord, 
                     running.cancel()
                     await submit  # it finished or failed before step 3: raise its error
                     raise RuntimeError("the job finished before it could be interrupted; use more --steps")
-                status = await brokers.call_job_status(
-                    broker, JobStatusRequest(job_id=running.result()), timeout=10
-                )
+                status = await job_status(brokers, broker, running.result(), signer)
                 victim = max(status.placement, key=lambda p: (p["params"], -p["subdag"]))
                 rec.moved = f"sub-DAG {victim['subdag']} ({victim['nodes']} nodes, {victim['params']} params)"
                 leaver = next(d for d in swarm.compnodes if d.peer_id == victim["peer_id"])
@@ -146,7 +147,7 @@ async def drive(swarm: ProcessSwarm, job_path: Path, out: Path, rec: RunRecord, 
             if not submit.done():
                 submit.cancel()
                 await asyncio.gather(submit, return_exceptions=True)
-        status = await brokers.call_job_status(broker, JobStatusRequest(job_id=outcome.job_id), timeout=10)
+        status = await job_status(brokers, broker, outcome.job_id, signer)
     if leaver is not None:
         handed = [e for e in status.events if e["kind"] == "handed-over"]
         rec.notice = handed[0]["at"] - sigterm_at if handed else None

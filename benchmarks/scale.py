@@ -47,9 +47,11 @@ sys.path.insert(0, str(REPO))
 from swarm_jobs import run_main  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
-from fusionnet.messages.broker_rpc import BrokerClient, JobStatusRequest  # noqa: E402
+from fusionnet.messages.broker_rpc import BrokerClient  # noqa: E402
+from fusionnet.runtime.jobcontrol import job_status  # noqa: E402
 from fusionnet.runtime.process_swarm import CompnodeSpec, ProcessSwarm, broker_args  # noqa: E402
 from fusionnet.runtime.submit import submit_and_wait  # noqa: E402
+from fusionnet.runtime.submitter import Signer, load_or_create_key  # noqa: E402
 
 GB = 1e9
 # (vocab, hidden, layers, heads, kv heads, intermediate): the full model has ~125M parameters.
@@ -172,11 +174,12 @@ async def kill_when_running(swarm: ProcessSwarm, observer: SwarmObserver, step: 
     """SIGKILLs the process group of the compnode with the largest sub-DAG once the job passed ``step``."""
     brokers = BrokerClient(observer.call)
     broker = await observer.find_broker()
+    signer = Signer(load_or_create_key(None), broker, observer.peer_id)  # submit's own key: its job
     while True:
         with contextlib.suppress(Exception):  # the broker may be busy: ask again
             jobs = [j for j in (await observer.broker_status())["jobs"] if j["state"] == "RUNNING"]
             if jobs and jobs[0]["step"] >= step:
-                status = await brokers.call_job_status(broker, JobStatusRequest(job_id=jobs[0]["job_id"]))
+                status = await job_status(brokers, broker, jobs[0]["job_id"], signer)
                 victim = max(status.placement, key=lambda p: (p["params"], -p["subdag"]))
                 daemon = next(d for d in swarm.compnodes if d.peer_id == victim["peer_id"])
                 os.killpg(daemon.pid, signal.SIGKILL)
@@ -200,6 +203,9 @@ async def submit_job(
         finally:
             if killer is not None and not killer.done():
                 killer.cancel()
+                await asyncio.gather(killer, return_exceptions=True)
+        if killer is not None and (killer.cancelled() or killer.exception() is not None):
+            raise RuntimeError(f"the job ended before its compnode could be SIGKILLed past step {kill_at}")
         run.killed = killer.result() if killer is not None else None
     run.wall_s = time.monotonic() - started
     run.submit_s = (stream.accepted_at or float("nan")) - started

@@ -21,6 +21,8 @@ from fusionnet.messages.broker_rpc import (
     CancelJobReply,
     CancelJobRequest,
     JobRequest,
+    JobStatusReply,
+    JobStatusRequest,
     StatusRequest,
 )
 from fusionnet.runtime.submitter import Signer
@@ -84,6 +86,12 @@ async def cancel_job(
     auth = signer.auth("cancel_job", job_id)
     request = CancelJobRequest(job_id=job_id, reason=reason[:200], auth=auth)
     return await client.call_cancel_job(broker, request, timeout=CANCEL_TIMEOUT)
+
+
+async def job_status(client: BrokerClient, broker: str, job_id: str, signer: Signer) -> JobStatusReply:
+    """A job's status in full (placement, events, metrics): only for its submitter, signed with its key."""
+    request = JobStatusRequest(job_id=job_id, auth=signer.auth("job_status", job_id))
+    return await client.call_job_status(broker, request, timeout=CANCEL_TIMEOUT)
 
 
 async def download_results(
