@@ -74,9 +74,13 @@ class FakeNode:
 @pytest.fixture(scope="module")
 def assign_docs() -> list[dict[str, Any]]:
     """The broker's three ``assign`` payloads of figure3 (we are sub-DAG 1), as they go on the wire."""
+    return figure3_assign_docs(3)
+
+
+def figure3_assign_docs(pieces: int) -> list[dict[str, Any]]:
     job = load_job(REPO / "examples" / "figure3" / "job.yaml")
     traced = trace_job(job)
-    partition = build_partition(traced.graph, balanced_assignment(traced.graph, 3))
+    partition = build_partition(traced.graph, balanced_assignment(traced.graph, pieces))
     submitted = SubmittedJob(
         job_id="j1",
         spec=run_spec_of(job, "mean"),
@@ -87,7 +91,7 @@ def assign_docs() -> list[dict[str, Any]]:
         submitter="me",
     )
     ckpt = Checkpoint(0, dict(traced.state))
-    requests = assignment_payloads(submitted, partition, PEERS, {}, 1, ckpt)
+    requests = assignment_payloads(submitted, partition, PEERS[:pieces], {}, 1, ckpt)
     return [r.model_dump() for r in requests]
 
 
@@ -126,6 +130,32 @@ def test_an_assignment_is_held_and_only_its_broker_may_drive_it(assign_docs: lis
     assert call(s, "release", {"job_id": "j1", "reason": "done"}) == {"released": True, "refused": 0}
     assert not s.jobs and not s.server.jobs  # type: ignore[union-attr]
     assert call(s, "release", {"job_id": "j1"}) == {"released": False, "refused": 0}  # repeated
+
+
+@pytest.mark.timeout(60)
+def test_collect_comes_in_chunks_under_the_bound(monkeypatch) -> None:
+    """A big sub-DAG's state leaves in several answers (one tensor each here), which together are exactly
+    what one answer gives; asking past the last chunk is refused."""
+    from fusionnet.compnode import tasks
+    from fusionnet.messages.blobs import unpack_tensors
+
+    monkeypatch.setattr(tasks, "COLLECT_CHUNK_BYTES", 1)
+    s = service()
+    call(s, "assign", figure3_assign_docs(2)[1])  # the second half: the linear layer's two tensors
+    whole = unpack_tensors(call(s, "collect", {"job_id": "j1"})["state"], "all")
+    first = call(s, "collect", {"job_id": "j1", "part": "state"})
+    assert first["chunks"] == len(whole) > 1
+    got = unpack_tensors(first["state"], "chunk 0")
+    for k in range(1, first["chunks"]):
+        reply = call(s, "collect", {"job_id": "j1", "part": "state", "chunk": k})
+        assert reply["chunks"] == first["chunks"]
+        got.update(unpack_tensors(reply["state"], f"chunk {k}"))
+    assert sorted(got) == sorted(whole) and all(torch.equal(got[k], whole[k]) for k in whole)
+    assert not s._collected  # the packed chunks went with the last one
+    with pytest.raises(JobError, match="no chunk 9 of state"):
+        call(s, "collect", {"job_id": "j1", "part": "state", "chunk": 9})
+    optim = call(s, "collect", {"job_id": "j1", "part": "optim"})  # plain SGD: one empty chunk
+    assert optim["chunks"] == 1 and unpack_tensors(optim["optim"], "optim") == {}
 
 
 @pytest.mark.timeout(60)

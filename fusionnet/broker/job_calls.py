@@ -67,9 +67,9 @@ class JobCalls:
             [self._named(p, "step", self.client.call_step(p, request, timeout=timeout)) for p in peers]
         )
 
-    async def collect(self, peers: Sequence[str], part: str = "all") -> list[CollectReply]:
-        """``part``: "state" or "optim" alone (``JobRequest.part``)."""
-        request = JobRequest(job_id=self.job_id, part=part)
+    async def collect(self, peers: Sequence[str], part: str = "all", chunk: int = 0) -> list[CollectReply]:
+        """``part``: "state" or "optim" alone (``JobRequest.part``), ``chunk`` of it."""
+        request = JobRequest(job_id=self.job_id, part=part, chunk=chunk)
         return await gather(
             [
                 self._named(p, "collect", self.client.call_collect(p, request, timeout=ASSIGN_TIMEOUT))
@@ -90,10 +90,15 @@ class JobCalls:
         return await self._named(peer, "fetch_replica", call)
 
     async def collect_parts(self, subdag: int, peer: str) -> AsyncIterator[tuple[str, bytes | None]]:
-        """A sub-DAG's state, then its optimizer state: two answers, each under the message bound."""
+        """A sub-DAG's state, then its optimizer state, chunk by chunk: every answer under the message
+        bound however big the sub-DAG (the compnode says how many chunks a part has)."""
         for part in ("state", "optim"):
-            (r,) = await self.collect([peer], part)
-            yield part, r.state if part == "state" else r.optim
+            chunk, chunks = 0, 1
+            while chunk < chunks:
+                (r,) = await self.collect([peer], part, chunk)
+                chunks = r.chunks
+                yield part, r.state if part == "state" else r.optim
+                chunk += 1
 
     async def release(self, peers: Sequence[str], why: str) -> None:
         """Best effort: a compnode that does not answer has forgotten the job or is gone."""

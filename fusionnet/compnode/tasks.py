@@ -28,7 +28,7 @@ from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, fault_hooks
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
 from fusionnet.compnode.replica_rpc import ReplicaRPC
-from fusionnet.compnode.replicas import ReplicaStore
+from fusionnet.compnode.replicas import CHUNK_BYTES, Chunk, ReplicaStore, pack_chunks
 from fusionnet.compnode.serve_steps import StepOrder, serve_step
 from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
@@ -60,6 +60,7 @@ from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.refusal import PeerUnreachable
 
 log = logging.getLogger("fusionnet.compnode.tasks")
+COLLECT_CHUNK_BYTES = CHUNK_BYTES  # tensors per ``collect`` answer (one bigger tensor goes alone)
 
 MAX_JOBS = 16  # assignments held at once; a broker gone wild cannot exhaust our memory
 HANDOVER_TIMEOUT = 45.0  # a graceful leave waits this long for the broker to move our sub-DAGs
@@ -83,6 +84,7 @@ class SubtaskService(ReplicaRPC):
         self.fault = FaultPoint.from_env()
         settings = compnode.settings
         self.trust = TrustedBrokers.from_settings(settings.common.dht.initial_peers, settings.trusted_brokers)
+        self._collected: dict[str, tuple[tuple[str, int], list[Chunk]]] = {}  # job -> a collect's chunks
         self._heard: dict[str, float] = {}  # job id or trusted broker -> when it last drove us (monotonic)
         self.replicas = ReplicaStore(compnode.state_dir.path / "replicas")
 
@@ -185,6 +187,7 @@ class SubtaskService(ReplicaRPC):
         self._probers.pop(job_id, None)
         self._heard.pop(job_id, None)
         self._orders.pop(job_id, None)
+        self._collected.pop(job_id, None)
         if job is None:
             return
         for path in (self.server, self.p2p):
@@ -368,13 +371,33 @@ class SubtaskService(ReplicaRPC):
         def blobs() -> CollectReply:
             # Packing a big model's state is compute (seconds for 100M parameters): on the compute
             # thread, after any stretch still queued there, never on the event loop.
+            if request.part == "all":
+                grads = job.grads_blob() if job.spec.task == "grad" else None
+                return CollectReply(state=job.state_blob(), grads=grads, optim=job.optim_blob())
+            chunks = self._collect_chunks(job, request.part, request.chunk)
+            if request.chunk >= len(chunks):
+                raise JobError(f"collect: no chunk {request.chunk} of {request.part} ({len(chunks)} chunks)")
+            blob = chunks[request.chunk][1]
+            if request.chunk == len(chunks) - 1:
+                self._collected.pop(job.job_id, None)  # the last chunk went: the packed copy goes too
             if request.part == "optim":
-                return CollectReply(state=b"", optim=job.optim_blob())
-            grads = job.grads_blob() if job.spec.task == "grad" else None
-            optim = job.optim_blob() if request.part == "all" else None
-            return CollectReply(state=job.state_blob(), grads=grads, optim=optim)
+                return CollectReply(state=b"", optim=blob, chunks=len(chunks))
+            grads = job.grads_blob() if job.spec.task == "grad" and request.chunk == 0 else None
+            return CollectReply(state=blob, grads=grads, chunks=len(chunks))
 
         return await asyncio.get_running_loop().run_in_executor(self.node.compute, blobs)
+
+    def _collect_chunks(self, job: JobAssignment, part: str, chunk: int) -> list[Chunk]:
+        """The part's chunks (``replicas.pack_chunks``), packed at chunk 0 and kept until the last one
+        is asked for (the packing is the copy that goes out), for the state as it is now."""
+        key = (part, job.steps_done)
+        cached = self._collected.get(job.job_id)
+        if chunk == 0 or cached is None or cached[0] != key:
+            tensors = job.optim_tensors() if part == "optim" else job.executor.state(copy=False)
+            # no optimizer state at all: one empty chunk, as before the chunking
+            cached = (key, pack_chunks(part, tensors, COLLECT_CHUNK_BYTES) or [(part, pack_tensors({}))])
+            self._collected[job.job_id] = cached
+        return cached[1]
 
     @handles(ReleaseRequest)
     async def rpc_release(self, request: ReleaseRequest, context: RPCContext) -> ReleaseReply:

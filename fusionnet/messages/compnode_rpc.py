@@ -45,6 +45,9 @@ class JobRequest(Message):
     # collect: "state" or "optim" alone keeps each answer (and the memory it takes on both sides) to
     # one of them, under the message bound for big sub-DAGs; the other field is then empty / None.
     part: Literal["all", "state", "optim"] = "all"
+    # collect of "state"/"optim": which chunk of the part (``CollectReply.chunks`` says how many), so
+    # that no answer outgrows the message bound however big the sub-DAG
+    chunk: Annotated[int, Field(ge=0, le=1 << 20)] = 0
 
 
 class JobPeer(Message):
@@ -112,6 +115,7 @@ class CollectReply(Message):
     state: bytes
     grads: bytes | None = None
     optim: bytes | None = None
+    chunks: Annotated[int, Field(ge=1, le=1 << 20)] = 1  # chunks of the part asked for
 
 
 class ReleaseRequest(JobRequest):
