@@ -71,13 +71,16 @@ def test_a_compnode_measured_slower_than_announced_gets_less_work(gpt: JobShape)
     # b runs 4x slower than it announced: re-priced, the current plan is slower, and a fresh plan
     # moves work onto a
     learnt = [pool[0], slowed(pool[1], 4.0)]
-    replan, now = replanning.prediction_replan("j", gpt, current, learnt, 0.1, None, measured)
+    replan, now = replanning.prediction_replan("j", gpt, current, learnt, 0.1, None, measured, 100)
     assert now is not None and now > 1.5 * current.predicted_step
     assert replan is not None and replan.reason == "mispredicted" and replan.proposed is not None
     assert replan.proposed.predicted_step is not None and replan.proposed.predicted_step < 0.9 * now
     before = nodes_on(current, "b")
     after = nodes_on(replan.proposed, "b")
     assert after < before
+    # ... but with two steps left the move would cost more than it saves
+    late, _ = replanning.prediction_replan("j", gpt, current, learnt, 0.1, None, measured, 2)
+    assert late is None
 
 
 def test_no_replan_when_the_plan_is_as_good_as_it_gets(gpt: JobShape) -> None:
@@ -86,14 +89,15 @@ def test_no_replan_when_the_plan_is_as_good_as_it_gets(gpt: JobShape) -> None:
     assert current.predicted_step is not None
     # the steps were slow for a reason the model does not see (the machine was busy): the fresh plan on
     # the same figures is the same plan, so nothing moves, and the re-priced step is handed back
-    replan, now = replanning.prediction_replan("j", gpt, current, pool, 0.1, None, 5 * current.predicted_step)
+    slow = 5 * current.predicted_step
+    replan, now = replanning.prediction_replan("j", gpt, current, pool, 0.1, None, slow, 100)
     assert replan is None
     assert now == pytest.approx(current.predicted_step)
     # one of the job's compnodes is not schedulable now: failure handling comes first
-    assert replanning.prediction_replan("j", gpt, current, pool[:1], 0.1, None, 1.0) == (None, None)
+    assert replanning.prediction_replan("j", gpt, current, pool[:1], 0.1, None, 1.0, 100) == (None, None)
     # a placement the model did not make is not re-planned by it
     balanced = plan_placement(gpt, pool, policy=BALANCED)
-    assert replanning.prediction_replan("j", gpt, balanced, pool, 0.1, None, 1.0) == (None, None)
+    assert replanning.prediction_replan("j", gpt, balanced, pool, 0.1, None, 1.0, 100) == (None, None)
 
 
 def test_mispredicted_is_a_proposing_replan() -> None:

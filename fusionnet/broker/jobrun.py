@@ -316,6 +316,7 @@ class JobRun:
             self.ctx.settings.replan_gain,
             self.ctx.links.pairs(),
             measured,
+            self.job.spec.step_count - len(self.progress.metrics),
         )
         self.prediction.repredicted(now)
         if now is not None:

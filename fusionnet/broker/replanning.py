@@ -53,6 +53,9 @@ class Replan:
 
 
 PROPOSING = ("growth", "mispredicted")
+# What a re-plan costs, in steps: the state collected on the broker and every sub-DAG assigned again
+# take about as long as a few steps (benchmarks/scale.py, issue 16's link runs).
+REPLAN_COST_STEPS = 3
 FIRST = Replan("first")
 
 
@@ -137,11 +140,14 @@ def prediction_replan(
     min_gain: float,
     links: PeerLinks | None,
     measured: float,
+    remaining: int,
 ) -> tuple[Replan | None, float | None]:
     """Measured steps contradict the plan: the current placement priced again with what was learnt
     since (refined speeds, probed links), and a fresh plan over the job's compnodes plus the free
     regular ones. Returns the re-plan when the fresh plan beats the re-priced current one by more than
-    ``min_gain`` (else None), and the re-priced step (None when the model cannot say)."""
+    ``min_gain`` and what it saves over the ``remaining`` steps pays for the move (about
+    ``REPLAN_COST_STEPS`` measured steps: the state collected, every sub-DAG assigned again), else
+    None; and the re-priced step (None when the model cannot say)."""
     if current.policy != SCHEDULER:
         return None, None
     by_id = {c.peer_id: c for c in pool}
@@ -165,6 +171,16 @@ def prediction_replan(
     )
     same = list(proposed.peers) == list(current.peers) and proposed.assignment == current.assignment
     if same or not worth_replanning(now, proposed, min_gain):
+        return None, now
+    assert now is not None and proposed.predicted_step is not None  # worth_replanning checked them
+    saved = (now - proposed.predicted_step) / now * measured * remaining  # the gain, at measured speed
+    if saved < REPLAN_COST_STEPS * measured:
+        log.info(
+            "job %s: not re-planning: %d step(s) left save %.1f s, less than the move",
+            job_id,
+            remaining,
+            saved,
+        )
         return None, now
     log.info("job %s: re-planning at this step boundary (misprediction): %s", job_id, proposed.describe())
     return Replan("mispredicted", proposed=proposed), now
