@@ -42,6 +42,35 @@ def submission() -> dict[str, Any]:
     return signed(request.model_copy(update={"spec": spec}), SIGNER).model_dump()
 
 
+async def _download_in_chunks(service: JobService, job_id: str, whole: dict[str, bytes], out: Path) -> None:
+    """``download_results`` over chunks of 100 bytes gives the files one answer gives; a file the job does
+    not have is refused."""
+    from fusionnet.broker import jobs
+    from fusionnet.messages.broker_rpc import BrokerClient
+    from fusionnet.runtime.jobcontrol import download_results
+
+    calls: list[dict[str, Any]] = []
+
+    async def call(peer: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
+        calls.append(payload or {})
+        return await getattr(service, f"rpc_{method}")(payload, ctx(method))
+
+    saved, jobs.RESULTS_CHUNK_BYTES = jobs.RESULTS_CHUNK_BYTES, 100
+    try:
+        names = await download_results(BrokerClient(call), "broker", job_id, out, SIGNER)
+    finally:
+        jobs.RESULTS_CHUNK_BYTES = saved
+    assert names == sorted(whole)
+    assert {n: (out / n).read_bytes() for n in names} == whole
+    biggest = max(len(b) for b in whole.values())
+    assert len(calls) >= 1 + biggest // 100  # the big files came in chunks
+    assert not list(out.glob(".*.part"))
+    with pytest.raises(JobError, match=r"has no result file 'outputs\.safetensors'"):
+        await service.rpc_job_results(
+            job(job_id, "job_results", file="outputs.safetensors"), ctx("job_results")
+        )
+
+
 @pytest.mark.timeout(120)
 def test_a_submission_runs_to_its_results_and_refusals_are_clear(
     tmp_path: Path, submission: dict[str, Any]
@@ -71,6 +100,7 @@ def test_a_submission_runs_to_its_results_and_refusals_are_clear(
         assert [r["step"] for r in status["metrics"]] == [1]  # rows from ``since`` on
         results = await service.rpc_job_results(job(job_id, "job_results"), ctx("job_results"))
         assert {"weights.safetensors", "metrics.jsonl", "plan.json"} <= set(results["files"])
+        await _download_in_chunks(service, job_id, results["files"], tmp_path / "out")
         with pytest.raises(JobError, match="no job with id 'nope'"):
             await service.rpc_job_results(job("nope", "job_results"), ctx("job_results"))
         with pytest.raises(WireError, match=r"^rpc job_status: malformed message: job_id: "):

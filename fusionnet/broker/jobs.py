@@ -32,10 +32,12 @@ from fusionnet.messages.auth import SubmitterAuth, submission_digest
 from fusionnet.messages.base import handles
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.messages.broker_rpc import (
+    RESULTS_CHUNK_BYTES,
     CancelJobReply,
     CancelJobRequest,
     JobRequest,
     JobResultsReply,
+    JobResultsRequest,
     JobStatusReply,
     JobStatusRequest,
     LeavingReply,
@@ -46,6 +48,13 @@ from fusionnet.messages.jobwire import RunSpec
 from fusionnet.rpc.server import RPCContext
 
 log = logging.getLogger("fusionnet.broker.jobs")
+
+
+def _read_slice(path: Path, offset: int, length: int) -> bytes:
+    with path.open("rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
 
 RESULT_FILES = (
     "weights.safetensors",
@@ -240,20 +249,25 @@ class JobService:
         )
         return LeavingReply(accepted=True)
 
-    @handles(JobRequest)
-    async def rpc_job_results(self, request: JobRequest, context: RPCContext) -> JobResultsReply:
-        """The result files of a finished job (interface.md), as bytes by file name."""
+    @handles(JobResultsRequest)
+    async def rpc_job_results(self, request: JobResultsRequest, context: RPCContext) -> JobResultsReply:
+        """The result files of a finished job (interface.md): their sizes and the small ones, or one
+        chunk of one file, read from the job's folder (never the whole model in one message)."""
         job_id = request.job_id
         row = self._owner(job_id, request.auth, context)
         if row["state"] != "SUCCEEDED":
             raise JobError(f"job {job_id} is {row['state']}; results exist only for SUCCEEDED jobs")
         folder = self.jobs_dir / job_id
-        files = {}
-        for name in RESULT_FILES:
-            path = folder / name
-            if path.is_file():
-                files[name] = await asyncio.to_thread(path.read_bytes)
-        return JobResultsReply(files=files)
+        paths = {name: folder / name for name in RESULT_FILES if (folder / name).is_file()}
+        sizes = {name: path.stat().st_size for name, path in paths.items()}
+        if request.file is None:
+            small = [n for n, size in sizes.items() if size <= RESULTS_CHUNK_BYTES]
+            files = {n: await asyncio.to_thread(paths[n].read_bytes) for n in small}
+            return JobResultsReply(files=files, sizes=sizes)
+        if request.file not in paths:
+            raise JobError(f"job {job_id} has no result file {request.file!r}")
+        data = await asyncio.to_thread(_read_slice, paths[request.file], request.offset, RESULTS_CHUNK_BYTES)
+        return JobResultsReply(sizes=sizes, data=data)
 
     @handles(CancelJobRequest)
     async def rpc_cancel_job(self, request: CancelJobRequest, context: RPCContext) -> CancelJobReply:

@@ -86,8 +86,23 @@ class JobStatusReply(Message):
     events: list[dict[str, Any]] = []
 
 
+ResultFileName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_.-]{0,63}$")]
+RESULTS_CHUNK_BYTES = 32 << 20  # what one ``job_results`` answer carries at most
+
+
+class JobResultsRequest(JobRequest):
+    """``file`` None: every result file's size, and the small ones inline; else ``RESULTS_CHUNK_BYTES``
+    of ``file`` from ``offset`` on (a big weights file comes in chunks: no answer, on either side,
+    holds the model)."""
+
+    file: ResultFileName | None = None
+    offset: Annotated[int, Field(ge=0)] = 0
+
+
 class JobResultsReply(Message):
-    files: dict[str, bytes]
+    files: dict[str, bytes] = {}  # file name -> contents, for the files of at most one chunk
+    sizes: dict[str, int] = {}  # every result file -> its size in bytes
+    data: bytes = b""  # the chunk of ``JobResultsRequest.file`` asked for
 
 
 class LeavingReply(Message):
@@ -122,7 +137,7 @@ class BrokerClient(TypedCaller):
     async def call_job_status(self, peer: str, request: JobStatusRequest, **kw: Any) -> JobStatusReply:
         return await self.call_typed(peer, "job_status", request, JobStatusReply, **kw)
 
-    async def call_job_results(self, peer: str, request: JobRequest, **kw: Any) -> JobResultsReply:
+    async def call_job_results(self, peer: str, request: JobResultsRequest, **kw: Any) -> JobResultsReply:
         return await self.call_typed(peer, "job_results", request, JobResultsReply, **kw)
 
     async def call_cancel_job(self, peer: str, request: CancelJobRequest, **kw: Any) -> CancelJobReply:

@@ -20,7 +20,7 @@ from fusionnet.messages.broker_rpc import (
     BrokerClient,
     CancelJobReply,
     CancelJobRequest,
-    JobRequest,
+    JobResultsRequest,
     JobStatusReply,
     JobStatusRequest,
     StatusRequest,
@@ -98,13 +98,30 @@ async def download_results(
     client: BrokerClient, broker: str, job_id: str, output: Path, signer: Signer
 ) -> list[str]:
     """The result files of a SUCCEEDED job kept on the broker, written into ``output``; their names.
-    Only the job's submitter may fetch them: the request is signed with its key."""
-    request = JobRequest(job_id=job_id, auth=signer.auth("job_results", job_id))
-    results = await client.call_job_results(broker, request, timeout=RESULTS_TIMEOUT)
-    for name in results.files:
+    Only the job's submitter may fetch them: every request is signed with its key. Small files come in
+    the first answer; a big one (the weights of a large model) in chunks, written as they come to a
+    temporary file that takes its name once complete."""
+
+    def request(file: str | None = None, offset: int = 0) -> JobResultsRequest:
+        auth = signer.auth("job_results", job_id)
+        return JobResultsRequest(job_id=job_id, auth=auth, file=file, offset=offset)
+
+    first = await client.call_job_results(broker, request(), timeout=RESULTS_TIMEOUT)
+    for name in first.sizes:
         if "/" in name or "\\" in name or name.startswith(".") or not name:
             raise JobError(f"broker sent a result file with a bad name {name[:80]!r}")
     output.mkdir(parents=True, exist_ok=True)
-    for name, blob in results.files.items():
+    for name, blob in first.files.items():
         (output / name).write_bytes(blob)
-    return sorted(results.files)
+    for name, size in first.sizes.items():
+        if name in first.files:
+            continue
+        part = output / f".{name}.part"
+        with part.open("wb") as f:
+            while f.tell() < size:
+                got = await client.call_job_results(broker, request(name, f.tell()), timeout=RESULTS_TIMEOUT)
+                if not got.data:
+                    raise JobError(f"result file {name} ended at {f.tell()} of {size} bytes on the broker")
+                await asyncio.to_thread(f.write, got.data)
+        part.replace(output / name)
+    return sorted(first.sizes)
