@@ -100,7 +100,8 @@ def _unpack(data: bytes, what: str) -> Any:
         raise WireError(f"{what}: expected bytes, got {type(data).__name__}")
     try:
         # strict_map_key: only str/bytes keys; ext types stay inert ExtType values (refused below).
-        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
+        # (no bytes(data): a big message's buffer is not copied once more before it is decoded)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
     except Exception as e:  # msgpack raises a zoo of types (ExtraData, FormatError, ValueError, ...)
         raise WireError(f"{what} is not valid msgpack ({type(e).__name__}: {e})") from e
 

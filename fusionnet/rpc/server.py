@@ -237,6 +237,7 @@ class RPCServer:
                     return
                 # The handler runs in a task of ours, so abort() can cancel it without cancelling this one.
                 work = asyncio.create_task(self._dispatch(body, peer, unary=False))
+                del body  # ``_dispatch`` lets go of it once decoded
                 self._stream_work[task] = work
                 try:
                     response = await work
@@ -256,12 +257,13 @@ class RPCServer:
                 await close_writer(writer)
 
     # ---- dispatch --------------------------------------------------------------------------------
-    async def _dispatch(self, body: bytes, peer: str, *, unary: bool) -> bytes:
+    async def _dispatch(self, body: bytes | bytearray, peer: str, *, unary: bool) -> bytes:
         try:
             request = decode_request(body)
         except WireError as e:
             log.warning("refused rpc request from %s: %s", peer, e)
             return encode_error("WireError", str(e))
+        del body  # decoded: the raw frame goes now, not when the handler is done (big submissions)
         if request.method == FETCH_METHOD:
             return self._fetch(request.payload, peer, unary)
         handler = self._handlers.get(request.method)

@@ -28,7 +28,7 @@ async def read_frame(
     *,
     reserve: Callable[[int], None] | None = None,
     deadline: Callable[[int], float] | None = None,
-) -> bytes:
+) -> bytearray:
     """One frame's body. Raises ``WireError`` for garbage, oversize, a stall, a body not in within
     ``deadline(length)`` seconds, or one ``reserve(length)`` refuses; ``IncompleteReadError`` when the
     peer closes the stream early (nothing to answer then). ``progress`` is called per chunk read."""
@@ -42,7 +42,9 @@ async def read_frame(
     loop = asyncio.get_running_loop()
     total = None if deadline is None else deadline(length)
     end = None if total is None else loop.time() + total
-    chunks: list[bytes] = []
+    # One growing buffer, not a list of chunks joined at the end: a big message is held once, not twice
+    # (the join copied it). Grown as bytes arrive, never allocated from the declared length up front.
+    body = bytearray()
     remaining = length
     while remaining:
         wait = idle_timeout if end is None else min(idle_timeout, end - loop.time())
@@ -61,12 +63,13 @@ async def read_frame(
                 f"(nothing for {idle_timeout:g} s)"
             ) from e
         if not chunk:
-            raise asyncio.IncompleteReadError(b"".join(chunks), length)
-        chunks.append(chunk)
-        remaining -= len(chunk)
+            raise asyncio.IncompleteReadError(bytes(body), length)
+        body += chunk
+        del chunk
+        remaining = length - len(body)
         if progress is not None:
             progress()
-    return b"".join(chunks)
+    return body
 
 
 async def write_frame(writer: asyncio.StreamWriter, body: bytes, progress: Progress | None = None) -> None:
