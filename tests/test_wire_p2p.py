@@ -62,11 +62,21 @@ def test_frames_round_trip_over_p2p_streams_and_forgeries_are_refused() -> None:
             )
             writer.close()
 
-            # The pooled stream recovers after the refusal closed it: a good frame still arrives.
-            await path_a.send(b_id, frame(small, sender=a_id, name="after"), KEY)
-            await until(lambda: [f.name for f in got][-1] == "after", timeout=30, what="frame after refusals")
-            assert [f.name for f in got] == ["small", "big", "after"]
-            assert path_b.stats["job1"].frames_accepted == 3
+            # The pooled stream recovers after the refusal closed it: a good frame still arrives. A frame
+            # written in the instant before p2pd passes the close on is lost without an error (the pool's
+            # documented limit: a send is not an acknowledgement), so the sender tries again, as the
+            # job's own timeouts would; a lost frame is never accepted.
+            for attempt in range(10):
+                await path_a.send(b_id, frame(small, sender=a_id, name="after"), KEY)
+                try:
+                    await until(lambda: [f.name for f in got][-1] == "after", timeout=3, what="frame after")
+                    break
+                except AssertionError:
+                    if attempt == 9:
+                        raise
+            names = [f.name for f in got]
+            assert names[:2] == ["small", "big"] and set(names[2:]) == {"after"}  # forgeries never arrive
+            assert path_b.stats["job1"].frames_accepted == len(got)
         finally:
             await path_a.stop()
             await path_b.stop()
