@@ -305,6 +305,7 @@ class JobRun:
         if not looks:
             return None
         await self._probe_links()
+        self._probes_contradict = False  # this look covers what those probes found
         placement = self._placement
         assert placement is not None
         replan, now = await asyncio.to_thread(
