@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TOLERANCE = 0.25  # issue 16: |measured - predicted| / predicted above this is a contradiction
+TOLERANCE = 0.25  # issue 16: |measured - predicted| / measured above this is a contradiction
 PATIENCE = 2  # contradicting steps in a row before the placement is looked at again
 WARMUP = 1  # steps after a placement that are not judged
 COOLDOWN = 3  # steps after a look that are not judged
