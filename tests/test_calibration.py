@@ -3,6 +3,8 @@ executor and cover what the performance model prices; its result is cached per m
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -72,3 +74,56 @@ def test_a_stopping_daemon_stops_a_calibration_in_progress() -> None:
     finally:
         calibration._STOP.clear()
     assert len(calibration.measure_stage_samples(seconds_budget=0.05)) > 0  # cleared: measures again
+
+
+@pytest.mark.timeout(60)
+def test_a_calibration_gives_way_to_a_job_and_runs_again_when_allowed() -> None:
+    calibration.yield_to_work()
+    try:
+        with pytest.raises(calibration.CalibrationYielded, match="gave way to a job"):
+            calibration.measure_stage_samples(seconds_budget=30.0)
+    finally:
+        calibration.allow_calibrating()
+    assert len(calibration.measure_stage_samples(seconds_budget=0.05)) > 0
+
+
+@pytest.mark.timeout(60)
+def test_the_compnode_calibrates_again_once_idle_after_giving_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CompnodeDaemon._calibrated`` on a stand-in daemon: the first calibration gives way to a job, the
+    second starts only after the node held no job for ``CALIBRATION_IDLE`` and its result is announced."""
+    from fusionnet.compnode import daemon as compnode_daemon
+
+    monkeypatch.setattr(compnode_daemon, "CALIBRATION_IDLE", 0.3)
+    monkeypatch.setattr(compnode_daemon, "IDLE_POLL", 0.05)
+    events: list[str] = []
+
+    class StandIn:
+        running_tasks = 1
+        _calibrating = True
+        _until_idle = compnode_daemon.CompnodeDaemon._until_idle
+
+        def _start_calibration(self, hardware: str) -> asyncio.Future[str]:
+            events.append(f"start after {self.running_tasks} running")
+            done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            done.set_result(f"{hardware}+overheads")
+            return done
+
+        def _set_hardware(self, hardware: str) -> None:
+            events.append(f"set {hardware}")
+
+        async def announce_now(self) -> None:
+            events.append("announced")
+
+    async def scenario() -> None:
+        node = StandIn()
+        yielded: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        yielded.set_exception(calibration.CalibrationYielded("calibration gave way to a job"))
+        calibrated = compnode_daemon.CompnodeDaemon._calibrated(node, "hw", yielded)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(calibrated)
+        await asyncio.sleep(0.6)  # twice the idle time: had it not waited for the job, it would have run
+        assert events == [] and not node._calibrating  # a job is held: no new calibration
+        node.running_tasks = 0
+        await asyncio.wait_for(task, 5)
+        assert events == ["start after 0 running", "set hw+overheads", "announced"]
+
+    asyncio.run(scenario())

@@ -23,6 +23,7 @@ from tests.jobfiles import REPO
 from tests.test_jobrun_decisions import PEERS, FakeCompnodes, make_context
 
 SUBMITTER = f"12D3KooW{'S' * 44}"
+LATER_PEER = f"12D3KooW{'L' * 44}"
 SIGNER = Signer(Ed25519PrivateKey.from_private_bytes(bytes(range(32))), broker="", caller=SUBMITTER)
 
 
@@ -152,8 +153,14 @@ def test_cancel_stops_a_step_in_flight_releases_the_compnodes_and_is_kept(
         assert sum(1 for _, m in fake.calls if m == "step") == steps_before  # nothing drives it any more
         row = service.ctx.store.get_job(job_id)
         assert row["state"] == "CANCELLED" and "cancelled by the user" in row["error"]
+        # The RPC layer repeats a call whose stream p2pd dropped: the repeat gets the first answer ...
         again = await service.rpc_cancel_job(job(job_id, "cancel_job"), ctx("cancel_job"))
+        assert again == reply
+        # ... while a later cancel (another process: another peer id, the same key) learns it was done.
+        later = Signer(SIGNER.key, broker="", caller=LATER_PEER)
+        again = await service.rpc_cancel_job(job(job_id, "cancel_job", later), ctx("cancel_job", LATER_PEER))
         assert not again["cancelled"] and again["state"] == "CANCELLED"
+        assert again["message"] == f"job {job_id} already CANCELLED"
         with pytest.raises(JobError, match="results exist only for SUCCEEDED jobs"):
             await service.rpc_job_results(job(job_id, "job_results"), ctx("job_results"))
         await service.stop()

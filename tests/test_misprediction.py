@@ -67,7 +67,7 @@ def test_a_compnode_measured_slower_than_announced_gets_less_work(gpt: JobShape)
     pool = [cand("a", 1e11), cand("b", 1e11)]
     current = plan_placement(gpt, pool, stages=2)
     assert current.predicted_step is not None
-    measured = 3.0 * current.predicted_step
+    measured = 0.5  # seconds a step took (the model's figures are those of a far smaller machine)
     # b runs 4x slower than it announced: re-priced, the current plan is slower, and a fresh plan
     # moves work onto a
     learnt = [pool[0], slowed(pool[1], 4.0)]
@@ -81,6 +81,11 @@ def test_a_compnode_measured_slower_than_announced_gets_less_work(gpt: JobShape)
     # ... but with two steps left the move would cost more than it saves
     late, _ = replanning.prediction_replan("j", gpt, current, learnt, 0.1, None, measured, 2)
     assert late is None
+    # ... and steps of milliseconds never win back a move's fixed cost (REPLAN_COST_FLOOR), however many
+    short = 0.002
+    assert 100 * short < replanning.REPLAN_COST_FLOOR
+    tiny, _ = replanning.prediction_replan("j", gpt, current, learnt, 0.1, None, short, 100)
+    assert tiny is None
 
 
 def test_no_replan_when_the_plan_is_as_good_as_it_gets(gpt: JobShape) -> None:

@@ -59,8 +59,9 @@ def _fault_points(seed: int, n: int) -> list[str]:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_random_kills_in_fp_bp_update_and_sync_lose_nothing(seed: int, tmp_path: Path) -> None:
-    """3 working compnodes and 3 backups; 5 of the 6 die at seeded points. The first deaths are replaced
-    from the backup pool, the later ones (pool empty) are absorbed by re-planning over the survivors."""
+    """3 working compnodes and 3 backups, 5 of them armed to die at seeded points. The first deaths are
+    replaced from the backup pool, the later ones (pool empty) are absorbed by re-planning over the
+    survivors."""
     points = _fault_points(seed, 5)
     regular = [{"env": {"FUSIONNET_FAULT": p}} for p in points[:3]]
     backups = [{"backup": True, "env": {"FUSIONNET_FAULT": p}} for p in points[3:]] + [{"backup": True}]
@@ -75,14 +76,18 @@ def test_random_kills_in_fp_bp_update_and_sync_lose_nothing(seed: int, tmp_path:
                 _check_weights(job_path, out)
             finally:
                 job_path.unlink()
-            armed = sw.compnodes[:5]
-            died = [d.name for d in armed if d.proc.poll() is not None]
-            assert len(died) == 5, (
-                f"armed compnodes still alive: {[d.name for d in armed if d.name not in died]}"
-            )
-            logs = sw.dump_logs()
-            assert logs.count("fault injection: SIGKILL") == 5
             plan = json.loads((out / "plan.json").read_text())
+            armed = sw.compnodes[:5]
+            died = [d for d in armed if d.proc.poll() is not None]
+            # Who dies depends on the placements: a re-plan after a failure may leave an armed survivor
+            # out (the model preferred the backups), and then its point never comes. One the job kept to
+            # the end had to die (points are within a node's first 3 steps, the job runs 24).
+            final = set(plan["compnodes"].values())
+            kept = [d.name for d in armed if d not in died and d.peer_id in final]
+            assert not kept, f"armed compnodes in the final placement that never died: {kept}"
+            assert len(died) >= 2, f"only {[d.name for d in died]} died"
+            logs = sw.dump_logs()
+            assert logs.count("fault injection: SIGKILL") == len(died)
             recoveries = [r for r in plan["recoveries"] if "lost" in r and "detection" in r]
             assert recoveries and all("redistribution" in r for r in recoveries)
             assert all("replay" in r or r.get("superseded") for r in recoveries)

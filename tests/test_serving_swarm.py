@@ -213,9 +213,16 @@ def _check_openai(url: str, name: str, want: list[list[int]]) -> None:
 
 @pytest.mark.timeout(900)
 def test_generation_survives_a_compnode_sigkill_with_the_same_tokens(tmp_path: Path) -> None:
-    """One compnode SIGKILLs itself in the FP of its 5th batch, mid-generation: the deployment is placed
-    again on the survivor and the backup, the batch runs again, and the tokens equal ``generate()``'s."""
-    specs = [CompnodeSpec(), CompnodeSpec(env={"FUSIONNET_FAULT": "fp:4"}), CompnodeSpec(backup=True)]
+    """Both regular compnodes are armed: one SIGKILLs itself in the FP of its 5th batch, the other in its
+    8th, mid-generation. The deployment is placed again after each death (on the survivor and the backup,
+    then on the backup alone), the failed batch runs again, and the tokens equal ``generate()``'s. Two
+    armed nodes keep the kill certain even when a loaded machine made the broker re-place the deployment
+    without one of them before its point came."""
+    specs = [
+        CompnodeSpec(env={"FUSIONNET_FAULT": "fp:7"}),
+        CompnodeSpec(env={"FUSIONNET_FAULT": "fp:4"}),
+        CompnodeSpec(backup=True),
+    ]
     path = _generate_job(tmp_path / "job", "HFCausalLM", 24, positions=32)
     want = _reference_tokens(path, PROMPTS, 10)
     with running_swarm(tmp_path / "swarm", specs, broker_kw={"extra": ["--http-port", "0"]}) as sw:
@@ -228,7 +235,10 @@ def test_generation_survives_a_compnode_sigkill_with_the_same_tokens(tmp_path: P
         reply = FusionNetClient(url).complete(PROMPTS, model="gen", max_tokens=10, temperature=0)
         assert [c["token_ids"] for c in reply["choices"]] == want
         logs = sw.dump_logs()
-        assert "fault injection: SIGKILL" in logs and "placing it again" in logs
+        died = [d.name for d in sw.compnodes[:2] if d.proc.poll() is not None]
+        assert died and logs.count("fault injection: SIGKILL") == len(died)
+        assert logs.count("placing it again") >= len(died)
         deployment = _status(sw)["deployments"][0]
         backup = sw.compnodes[2].peer_id
         assert backup in deployment["peers"]
+        assert not {d.peer_id for d in sw.compnodes[:2] if d.name in died} & set(deployment["peers"])

@@ -138,7 +138,14 @@ class Admission:
 
     def authorise_submit(self, auth: SubmitterAuth | None, *, broker: str, caller: str, digest: str) -> str:
         """The submitter id of a properly signed submission this broker accepts, else ``JobError``."""
-        submitter = verify_auth(auth, broker=broker, caller=caller, scope="submit_job", subject=digest)
+        return self.authorise(auth, broker=broker, caller=caller, scope="submit_job", subject=digest)
+
+    def authorise(
+        self, auth: SubmitterAuth | None, *, broker: str, caller: str, scope: str, subject: str
+    ) -> str:
+        """The submitter id of a call signed for ``scope``/``subject`` by a submitter this broker takes work
+        from (a submission, or the state upload before it), else ``JobError``."""
+        submitter = verify_auth(auth, broker=broker, caller=caller, scope=scope, subject=subject)
         if self.open:
             return submitter
         if self.config.submitters_file is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,17 @@ class JobFiles:
         if len(blob) > MAX_BLOB_BYTES:
             raise WireError(f"submission: state: {len(blob)} bytes exceeds the {MAX_BLOB_BYTES}-byte bound")
         return write_blob(self.submission / "state.safetensors", blob, "submission: state")
+
+    def adopt_submitted_state(self, move: Callable[[Path], None]) -> TensorFiles:
+        """The submitted state uploaded in chunks: ``move`` puts the upload's file in place (refused, and
+        removed, if it is not valid safetensors)."""
+        path = self.submission / "state.safetensors"
+        move(path)
+        try:
+            return TensorFiles.of_files([path], "submission: state")
+        except WireError:
+            path.unlink(missing_ok=True)
+            raise
 
     def forget(self) -> None:
         """Removes what a refused submission left on disk."""

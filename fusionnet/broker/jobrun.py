@@ -300,7 +300,10 @@ class JobRun:
         if placement is None or not self.progress.metrics:
             return None
         measured = self.progress.metrics[-1]["seconds"]
-        looks = self.prediction.observe(measured) or self._probes_contradict
+        # A probe contradiction alone does not bypass the watch's floor: a job of steps that short cannot
+        # win back what a re-plan costs, however the links were priced.
+        probed = self._probes_contradict and measured >= self.prediction.min_seconds
+        looks = self.prediction.observe(measured) or probed
         self._probes_contradict = False
         if not looks:
             return None

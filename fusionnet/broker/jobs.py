@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
+from functools import partial
 from pathlib import Path
 
 from fusionnet.broker.admission import Admission, check_owner
@@ -26,6 +28,7 @@ from fusionnet.broker.context import JobContext
 from fusionnet.broker.jobrun import JobRun, mark_cancelled
 from fusionnet.broker.store import JobState
 from fusionnet.broker.submission import SubmittedJob, check_submission
+from fusionnet.broker.uploads import StateUploads
 from fusionnet.dag.codec import decode_ir
 from fusionnet.errors import JobError
 from fusionnet.messages.auth import SubmitterAuth, submission_digest
@@ -43,6 +46,8 @@ from fusionnet.messages.broker_rpc import (
     LeavingReply,
     SubmitJobReply,
     SubmitJobRequest,
+    UploadStateReply,
+    UploadStateRequest,
 )
 from fusionnet.messages.jobwire import RunSpec
 from fusionnet.rpc.server import RPCContext
@@ -64,6 +69,7 @@ RESULT_FILES = (
     "plan.json",
 )
 MAX_RUNNING_JOBS = 8
+CANCEL_REPEAT = 60.0  # a cancel from the same peer this soon after its first is a retry of it
 CANCEL_WAIT = 10.0  # a cancelled run releases its compnodes (5 s per call, all at once) within this
 
 
@@ -76,10 +82,17 @@ class JobService:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._requests: dict[tuple[str, str], str] = {}  # (submitter, request id) -> job id (repeats)
         self.admission = Admission.create(context.settings.admission, context.settings.common.dht.host_maddrs)
+        self._uploads: StateUploads | None = None
 
     @property
     def jobs_dir(self) -> Path:
         return self.ctx.jobs_dir
+
+    @property
+    def uploads(self) -> StateUploads:
+        if self._uploads is None:  # made on first use: the state dir is not there at construction
+            self._uploads = StateUploads(self.jobs_dir.parent / "uploads")
+        return self._uploads
 
     async def start(self) -> None:
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
@@ -147,7 +160,13 @@ class JobService:
 
     async def _admit(self, request: SubmitJobRequest, context: RPCContext) -> str:
         """The submitter of a signed submission this broker takes from it now, else ``JobError``."""
-        nbytes = len(request.ir) + len(request.state) + len(request.data)
+        state_bytes, state_sha256, uploader = len(request.state), None, None
+        if request.state_upload is not None:
+            if request.state:
+                raise JobError("submission: both an inline state and a state upload")
+            upload = request.state_upload
+            uploader, state_bytes, state_sha256 = await asyncio.to_thread(self.uploads.sha256, upload)
+        nbytes = len(request.ir) + state_bytes + len(request.data)
         limit = self.admission.config.max_submission_bytes
         if nbytes > limit:  # before hashing gigabytes
             raise JobError(
@@ -155,11 +174,18 @@ class JobService:
             )
         spec = request.spec.model_dump(mode="json")
         digest = await asyncio.to_thread(
-            submission_digest, spec, request.ir, request.state, request.data, request.request_id or ""
+            partial(submission_digest, state_sha256=state_sha256),
+            spec,
+            request.ir,
+            request.state,
+            request.data,
+            request.request_id or "",
         )
         submitter = self.admission.authorise_submit(
             request.auth, broker=self.ctx.broker_id(), caller=context.remote_peer, digest=digest
         )
+        if uploader is not None and uploader != submitter:
+            raise JobError(f"upload {request.state_upload}: not this submitter's upload")
         self.admission.check_quota(
             submitter, running=self._running(submitter), steps=request.spec.step_count, nodes=0, nbytes=nbytes
         )
@@ -188,7 +214,12 @@ class JobService:
         try:
             # The state goes to disk as it came and is read from there when needed (one tensor at a
             # time for the checks): the broker never holds the model (issue 11).
-            state = await asyncio.to_thread(files.write_submitted_state, request.state)
+            if request.state_upload is None:
+                state = await asyncio.to_thread(files.write_submitted_state, request.state)
+            else:
+                state = await asyncio.to_thread(
+                    files.adopt_submitted_state, partial(self.uploads.take, request.state_upload, submitter)
+                )
             await asyncio.to_thread(check_submission, graph, state, data, spec)
         except BaseException:
             files.forget()
@@ -217,6 +248,22 @@ class JobService:
             context.remote_peer,
         )
         return SubmitJobReply(job_id=job_id, steps=spec.step_count)
+
+    @handles(UploadStateRequest)
+    async def rpc_upload_state(self, request: UploadStateRequest, context: RPCContext) -> UploadStateReply:
+        """One chunk of a state too big for the submission message (``broker.uploads``)."""
+        submitter = self.admission.authorise(
+            request.auth,
+            broker=self.ctx.broker_id(),
+            caller=context.remote_peer,
+            scope="upload_state",
+            subject=request.upload_id,
+        )
+        r, limit = request, self.admission.config.max_submission_bytes
+        received = await asyncio.to_thread(
+            self.uploads.append, submitter, r.upload_id, r.offset, r.total, r.data, limit
+        )
+        return UploadStateReply(received=received)
 
     @handles(JobStatusRequest)
     async def rpc_job_status(self, request: JobStatusRequest, context: RPCContext) -> JobStatusReply:
@@ -277,6 +324,10 @@ class JobService:
         job_id = request.job_id
         row = self._owner(job_id, request.auth, context)
         if JobState(row["state"]).terminal:
+            if row["state"] == JobState.CANCELLED and self._cancelled_by(job_id, context.remote_peer):
+                # A repeat of the call that cancelled it (the RPC layer retries a stream p2pd dropped
+                # before the answer): the same answer as the first time.
+                return CancelJobReply(state=row["state"], cancelled=True, message=_cancelled(job_id))
             return CancelJobReply(
                 state=row["state"], cancelled=False, message=f"job {job_id} already {row['state']}"
             )
@@ -293,6 +344,16 @@ class JobService:
         self.ctx.refresh_job_metrics()
         if state != JobState.CANCELLED:  # it ended on its own in the meantime
             return CancelJobReply(state=state, cancelled=False, message=f"job {job_id} already {state}")
-        return CancelJobReply(
-            state=state, cancelled=True, message=f"job {job_id} cancelled; its compnodes are released"
-        )
+        return CancelJobReply(state=state, cancelled=True, message=_cancelled(job_id))
+
+    def _cancelled_by(self, job_id: str, peer: str, within: float = CANCEL_REPEAT) -> bool:
+        """Whether ``peer`` asked for the job's cancel in the last ``within`` seconds."""
+        events = [e for e in self.ctx.store.job_events(job_id) if e["kind"] == "cancel"]
+        if not events:
+            return False
+        last = events[-1]
+        return last["detail"].get("by") == peer and time.time() - last["at"] < within
+
+
+def _cancelled(job_id: str) -> str:
+    return f"job {job_id} cancelled; its compnodes are released"

@@ -56,6 +56,9 @@ PROPOSING = ("growth", "mispredicted")
 # What a re-plan costs, in steps: the state collected on the broker and every sub-DAG assigned again
 # take about as long as a few steps (benchmarks/scale.py, issue 16's link runs).
 REPLAN_COST_STEPS = 3
+# ... and never less than this (seconds): a collection and a round of assignments take a few hundred ms
+# even for a toy model, which short steps would otherwise make look free.
+REPLAN_COST_FLOOR = 1.0
 FIRST = Replan("first")
 
 
@@ -174,7 +177,7 @@ def prediction_replan(
         return None, now
     assert now is not None and proposed.predicted_step is not None  # worth_replanning checked them
     saved = (now - proposed.predicted_step) / now * measured * remaining  # the gain, at measured speed
-    if saved < REPLAN_COST_STEPS * measured:
+    if saved < max(REPLAN_COST_STEPS * measured, REPLAN_COST_FLOOR):
         log.info(
             "job %s: not re-planning: %d step(s) left save %.1f s, less than the move",
             job_id,

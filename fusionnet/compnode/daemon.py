@@ -63,6 +63,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fusionnet.compnode")
 
+CALIBRATION_IDLE = 10.0  # seconds without a job before a calibration that gave way runs again
+IDLE_POLL = 1.0
 CALIBRATION_WAIT = 1.0  # seconds the start-up waits for the overheads (a cache hit) before going ONLINE
 
 
@@ -117,6 +119,7 @@ class CompnodeDaemon(Daemon):
         self.hardware: HardwareInfo | None = None
         self.load = 0.0
         self.running_tasks = 0
+        self._calibrating = False  # a calibration holds the compute thread (``make_way_for_work``)
         self.data_path_address: str | None = None
         self.metrics_address: str | None = None
         self._maddrs: list[str] = []
@@ -190,21 +193,66 @@ class CompnodeDaemon(Daemon):
         # (seconds, tens of them with several nodes starting on 2 cores) goes on after ONLINE, on the
         # compute thread, so that no job's compute overlaps its timings; the record goes out without
         # overheads until then (the planner then only loses their precision).
-        calibration = asyncio.get_running_loop().run_in_executor(
-            self.compute, profile_software_overheads, hardware, self.state_dir.path
-        )
+        calibration = self._start_calibration(hardware)
         done, _ = await asyncio.wait({calibration}, timeout=CALIBRATION_WAIT)
         self._set_hardware(calibration.result() if done else hardware)
+        self._calibrating = not done
         await self.start_services()
         self.state = NodeState.ONLINE
         await self.announce_now()
         if not done:
             log.info("calibrating the per-op overheads in the background")
-            self.spawn(self._calibrated(calibration), "calibration")
+            self.spawn(self._calibrated(hardware, calibration), "calibration")
 
-    async def _calibrated(self, calibration: asyncio.Future[HardwareInfo]) -> None:
-        self._set_hardware(await calibration)
-        await self.announce_now()
+    def _start_calibration(self, hardware: HardwareInfo) -> asyncio.Future[HardwareInfo]:
+        self._calibrating = True
+        return asyncio.get_running_loop().run_in_executor(
+            self.compute, profile_software_overheads, hardware, self.state_dir.path
+        )
+
+    def make_way_for_work(self) -> None:
+        """A job is coming to the compute thread: a calibration on it gives way (``_calibrated``)."""
+        if self._calibrating:
+            from fusionnet.profiling.calibration import yield_to_work
+
+            yield_to_work()
+
+    async def _calibrated(self, hardware: HardwareInfo, calibration: asyncio.Future[HardwareInfo]) -> None:
+        """The background calibration's outcome; when it gave way to a job, it runs again from the start
+        once the node has been idle for ``CALIBRATION_IDLE`` seconds (the planner does without the
+        overheads meanwhile)."""
+        from fusionnet.profiling.calibration import CalibrationStopped, CalibrationYielded, allow_calibrating
+
+        while True:
+            try:
+                result = await calibration
+            except CalibrationYielded:
+                result = None
+            except CalibrationStopped:
+                return  # the daemon stops
+            finally:
+                self._calibrating = False
+            if result is not None:
+                self._set_hardware(result)
+                await self.announce_now()
+                return
+            log.info("calibration gave way to a job; it runs again once the node is idle")
+            await self._until_idle(CALIBRATION_IDLE)
+            allow_calibrating()
+            calibration = self._start_calibration(hardware)
+
+    async def _until_idle(self, seconds: float) -> None:
+        """Until no job has been held here for ``seconds`` in a row."""
+        idle_since: float | None = None
+        while True:
+            now = time.monotonic()
+            if self.running_tasks:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            elif now - idle_since >= seconds:
+                return
+            await asyncio.sleep(IDLE_POLL)
 
     def _set_hardware(self, hardware: HardwareInfo) -> None:
         if self.settings.slowdown != 1.0:

@@ -232,7 +232,9 @@ class SubtaskService(ReplicaRPC):
         async def send(dst: int, frame: TensorFrame) -> None:
             await self._send(holder["job"], dst, frame)
 
-        # Built on the compute thread: placing the state on the device is compute-stream work.
+        # Built on the compute thread: placing the state on the device is compute-stream work. A first
+        # start-up's calibration on that thread gives way at once instead of delaying the job.
+        self.node.make_way_for_work()
         build = partial(
             build_assignment,
             request,

@@ -87,10 +87,21 @@ def verify_auth(
     return submitter_id(auth.key)
 
 
-def submission_digest(spec: dict[str, object], ir: bytes, state: bytes, data: bytes, request_id: str) -> str:
-    """What a submission signature covers: the run spec and the hashes of its IR, state and data."""
+def submission_digest(
+    spec: dict[str, object],
+    ir: bytes,
+    state: bytes,
+    data: bytes,
+    request_id: str,
+    *,
+    state_sha256: bytes | None = None,
+) -> str:
+    """What a submission signature covers: the run spec and the hashes of its IR, state and data.
+    ``state_sha256``: the state's hash when it came in a chunked upload (``state`` is then empty)."""
     h = hashlib.sha256()
     h.update(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode())
-    for part in (ir, state, data, request_id.encode()):
+    h.update(hashlib.sha256(ir).digest())
+    h.update(hashlib.sha256(state).digest() if state_sha256 is None else state_sha256)
+    for part in (data, request_id.encode()):
         h.update(hashlib.sha256(part).digest())
     return h.hexdigest()

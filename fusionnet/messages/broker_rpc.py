@@ -4,7 +4,8 @@ Methods (served by ``broker.daemon`` and ``broker.jobs``):
 
 - ``ping``        heartbeat echo (``PingRequest`` -> ``PingReply``, shared with compnodes)
 - ``status``      compnodes and jobs, for ``fusionnet status`` and dashboards
-- ``submit_job``  spec + IR + state + data of a new job -> its id and step count
+- ``upload_state`` one chunk of a submission's state too big for one message (before ``submit_job``)
+- ``submit_job``  spec + IR + state (or the upload holding it) + data of a new job -> its id and step count
 - ``job_status``  a job's row, its per-step metrics from ``since`` on, placement, recoveries, events
 - ``job_results`` the result files of a SUCCEEDED job, by name
 - ``cancel_job``  stops a job at once (in-flight step abandoned, compnodes released) -> its state
@@ -52,6 +53,10 @@ class StatusReply(Message):
     deployments: list[dict[str, Any]] = []  # resident models (issue 14); older brokers omit it
 
 
+UploadId = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+UPLOAD_CHUNK_BYTES = 32 << 20  # what one ``upload_state`` call carries at most
+
+
 class SubmitJobRequest(Message):
     request_id: Annotated[str, Field(max_length=64)] | None = None  # repeated submissions map to one job
     spec: RunSpec
@@ -59,6 +64,24 @@ class SubmitJobRequest(Message):
     state: bytes  # safetensors (``blobs``)
     data: bytes  # safetensors (``blobs``)
     auth: SubmitterAuth | None = None  # scope "submit_job", subject ``auth.submission_digest``
+    # The state sent before, in chunks (``UploadStateRequest``): ``state`` is then empty, and the
+    # signature covers the uploaded bytes' hash as it would the inline state's.
+    state_upload: UploadId | None = None
+
+
+class UploadStateRequest(Message):
+    """``data`` at ``offset`` of an upload of ``total`` bytes of submission state (a safetensors blob too
+    big for one message). Chunks come in order; a repeated chunk (a retried call) changes nothing."""
+
+    upload_id: UploadId
+    offset: Annotated[int, Field(ge=0)]
+    total: Annotated[int, Field(ge=1)]
+    data: Annotated[bytes, Field(max_length=UPLOAD_CHUNK_BYTES)]
+    auth: SubmitterAuth | None = None  # scope "upload_state", subject the upload id
+
+
+class UploadStateReply(Message):
+    received: Annotated[int, Field(ge=0)]  # bytes of the upload the broker holds
 
 
 class SubmitJobReply(Message):
@@ -133,6 +156,9 @@ class BrokerClient(TypedCaller):
 
     async def call_submit_job(self, peer: str, request: SubmitJobRequest, **kw: Any) -> SubmitJobReply:
         return await self.call_typed(peer, "submit_job", request, SubmitJobReply, **kw)
+
+    async def call_upload_state(self, peer: str, request: UploadStateRequest, **kw: Any) -> UploadStateReply:
+        return await self.call_typed(peer, "upload_state", request, UploadStateReply, **kw)
 
     async def call_job_status(self, peer: str, request: JobStatusRequest, **kw: Any) -> JobStatusReply:
         return await self.call_typed(peer, "job_status", request, JobStatusReply, **kw)

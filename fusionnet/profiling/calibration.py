@@ -146,10 +146,18 @@ class _Split:
 # first start-up's calibration lived on for its remaining seconds (tens on a loaded machine), past the
 # lifetime of the OFFLINE record it had just announced.
 _STOP = threading.Event()
+# Set while a job wants the compute thread the calibration runs on: a compnode that went ONLINE must take
+# its first assignment at once, not after tens of seconds of calibration (on a loaded machine), and the
+# job's compute must not skew the timings either. The daemon calibrates again once it is idle.
+_YIELD = threading.Event()
 
 
 class CalibrationStopped(RuntimeError):
     pass
+
+
+class CalibrationYielded(CalibrationStopped):
+    """The calibration gave way to a job (``yield_to_work``); worth running again later."""
 
 
 def stop_calibrating() -> None:
@@ -158,11 +166,23 @@ def stop_calibrating() -> None:
     _STOP.set()
 
 
+def yield_to_work() -> None:
+    """Makes a calibration in progress end at its next step with ``CalibrationYielded`` (nothing is
+    cached), and any started before ``allow_calibrating``."""
+    _YIELD.set()
+
+
+def allow_calibrating() -> None:
+    _YIELD.clear()
+
+
 async def _run(splits: list[_Split], seconds: float) -> None:
     deadline = time.perf_counter() + seconds
     for n in range(MAX_STEPS + WARMUP):
         if _STOP.is_set():
             raise CalibrationStopped("calibration stopped: the daemon is shutting down")
+        if _YIELD.is_set():
+            raise CalibrationYielded("calibration gave way to a job")
         if n >= MIN_STEPS + WARMUP and time.perf_counter() > deadline:
             break
         for split in splits:

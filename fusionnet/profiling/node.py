@@ -207,7 +207,7 @@ def profile_software_overheads(hw: HardwareInfo, state_dir: Path) -> HardwareInf
     # Lazy, like torch above: importing the calibration starts torch, and the daemon imports this
     # module before it forks its DHT child.
     from fusionnet.perfmodel.types import DeviceSpec
-    from fusionnet.profiling.calibration import calibrated_overheads
+    from fusionnet.profiling.calibration import CalibrationStopped, calibrated_overheads
     from fusionnet.profiling.microbench import profile_overheads
 
     if hw.threads:
@@ -227,6 +227,8 @@ def profile_software_overheads(hw: HardwareInfo, state_dir: Path) -> HardwareInf
             overheads=base,
         )
         overheads = calibrated_overheads(device, 0.4, cache_dir=state_dir)
+    except CalibrationStopped:
+        raise  # the daemon decides: stopping, or a job came first (it calibrates again when idle)
     except Exception as e:  # never worth refusing to start over
         log.warning("could not measure the per-op overheads (planning without them): %s", e)
         return hw

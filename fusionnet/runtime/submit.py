@@ -12,6 +12,7 @@ import asyncio
 import json
 import secrets
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,12 @@ from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.messages.auth import submission_digest
 from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.broker_rpc import (
+    UPLOAD_CHUNK_BYTES,
     BrokerClient,
     JobStatusReply,
     JobStatusRequest,
     SubmitJobRequest,
+    UploadStateRequest,
 )
 from fusionnet.messages.jobwire import run_spec_of
 from fusionnet.rpc.protocol import RPCError
@@ -40,6 +43,7 @@ from fusionnet.runtime.prepare import loss_reduction_of, trace_job
 from fusionnet.runtime.submitter import Signer, load_or_create_key
 
 SUBMIT_TIMEOUT = 300.0
+UPLOAD_TIMEOUT = 300.0  # one chunk (32 MB on a slow uplink)
 POLL_INTERVAL = 0.2
 POLL_RETRIES = 5
 RETRYABLE = ("IncompleteReadError", "ConnectionError", "ConnectionResetError", "Timeout", "P2PDaemonError")
@@ -133,6 +137,9 @@ async def submit_and_wait(
         signer = Signer(key, broker, observer.peer_id)
         await wait_for_compnodes(client, broker, request.spec.compnodes, wait_compnodes, stream)
         request = await asyncio.to_thread(signed, request, signer)
+        if len(request.state) > UPLOAD_CHUNK_BYTES:  # the signature covers it as if it were inline
+            upload_id = await upload_state(client, broker, signer, request.state, stream)
+            request = request.model_copy(update={"state": b"", "state_upload": upload_id})
         reply = await client.call_submit_job(broker, request, timeout=SUBMIT_TIMEOUT)
         job_id = reply.job_id
         print(
@@ -157,6 +164,28 @@ async def submit_and_wait(
             raise JobError(f"job {job_id} {state}: {why}")
         await download_results(client, broker, job_id, output, signer)
     return SubmitOutcome(job_id, state, output, follow.metrics, follow.placement)
+
+
+async def upload_state(
+    client: BrokerClient, broker: str, signer: Signer, state: bytes, stream: TextIO
+) -> str:
+    """Sends a state too big for one message in chunks of ``UPLOAD_CHUNK_BYTES`` (``broker.uploads``);
+    returns the upload id the submission names. The broker then never holds more than a chunk of it."""
+    upload_id = secrets.token_hex(16)
+    auth = signer.auth("upload_state", upload_id)
+    view = memoryview(state)
+    started = time.perf_counter()
+    for offset in range(0, len(state), UPLOAD_CHUNK_BYTES):
+        chunk = bytes(view[offset : offset + UPLOAD_CHUNK_BYTES])
+        end = offset + len(chunk)
+        request = UploadStateRequest(
+            upload_id=upload_id, offset=offset, total=len(state), data=chunk, auth=auth
+        )
+        reply = await client.call_upload_state(broker, request, timeout=UPLOAD_TIMEOUT)
+        if reply.received != end:
+            raise ExecutionError(f"upload {upload_id}: the broker holds {reply.received} of {end} bytes sent")
+    print(f"state uploaded: {len(state) / 1e6:.0f} MB in {time.perf_counter() - started:.1f} s", file=stream)
+    return upload_id
 
 
 async def _cancel_on_broker(

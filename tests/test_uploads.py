@@ -1,0 +1,126 @@
+"""A submission's state in chunks (``broker.uploads``, ``upload_state``): the broker holds one chunk at a
+time, the submitter's signature covers the uploaded bytes, and a bad upload is refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusionnet.broker.jobs import JobService
+from fusionnet.broker.uploads import MAX_UPLOADS_PER_SUBMITTER, StateUploads
+from fusionnet.errors import JobError
+from fusionnet.job.loader import load_job
+from fusionnet.messages.broker_rpc import BrokerClient, SubmitJobRequest, UploadStateRequest
+from fusionnet.runtime import submit as submit_module
+from fusionnet.runtime.submit import signed, submission_payload, upload_state
+from tests.jobfiles import REPO
+from tests.test_admission import OTHER, OTHER_PEER
+from tests.test_job_service import SIGNER, ctx
+from tests.test_jobrun_decisions import FakeCompnodes, make_context
+
+UID = "0" * 32
+
+
+def test_chunks_in_order_repeats_are_harmless_and_everything_else_is_refused(tmp_path: Path) -> None:
+    uploads = StateUploads(tmp_path / "uploads")
+    assert uploads.append("s", UID, 0, 10, b"01234", 100) == 5
+    assert uploads.append("s", UID, 0, 10, b"01234", 100) == 5  # a retried call
+    with pytest.raises(JobError, match=f"upload {UID}: a chunk at byte 7, the broker holds 5 bytes"):
+        uploads.append("s", UID, 7, 10, b"789", 100)
+    with pytest.raises(JobError, match="no such upload"):  # another submitter cannot add to it
+        uploads.append("t", UID, 5, 10, b"56789", 100)
+    with pytest.raises(JobError, match="11 bytes announced, 10 at its start"):
+        uploads.append("s", UID, 5, 11, b"56789", 100)
+    with pytest.raises(JobError, match="a chunk ending at byte 11 of 10"):
+        uploads.append("s", UID, 5, 10, b"567890", 100)
+    with pytest.raises(JobError, match=r"incomplete \(5 of 10 bytes\)"):
+        uploads.sha256(UID)
+    assert uploads.append("s", UID, 5, 10, b"56789", 100) == 10
+    submitter, size, digest = uploads.sha256(UID)
+    assert (submitter, size) == ("s", 10) and digest == __import__("hashlib").sha256(b"0123456789").digest()
+    with pytest.raises(JobError, match="no such upload"):
+        uploads.take(UID, "t", tmp_path / "job" / "state")
+    uploads.take(UID, "s", tmp_path / "job" / "state")
+    assert (tmp_path / "job" / "state").read_bytes() == b"0123456789"
+    with pytest.raises(JobError, match="no such upload"):  # taken: gone
+        uploads.sha256(UID)
+    with pytest.raises(
+        JobError, match=r"101 bytes of state exceed this broker's limit of 100 \(--max-submission-mb\)"
+    ):
+        uploads.append("s", "1" * 32, 0, 101, b"x", 100)
+    with pytest.raises(JobError, match="no such upload"):  # a first chunk must start at 0
+        uploads.append("s", "1" * 32, 5, 10, b"x", 100)
+    for i in range(MAX_UPLOADS_PER_SUBMITTER):
+        uploads.append("s", f"{i + 2}" * 32, 0, 10, b"x", 100)
+    with pytest.raises(JobError, match="uploads under way already"):
+        uploads.append("s", "9" * 32, 0, 10, b"x", 100)
+    uploads.ttl = 0.0
+    uploads.expire()  # untouched uploads go, with their files
+    assert not list((tmp_path / "uploads").iterdir())
+    assert uploads.append("s", "9" * 32, 0, 10, b"x", 100) == 1
+
+
+@pytest.fixture(scope="module")
+def request_() -> SubmitJobRequest:
+    request = submission_payload(load_job(REPO / "examples" / "figure3" / "job.yaml"))
+    spec = request.spec.model_copy(update={"steps": 2})
+    return signed(request.model_copy(update={"spec": spec}), SIGNER)
+
+
+@pytest.mark.timeout(120)
+def test_a_job_submitted_on_an_uploaded_state_runs_and_bad_uploads_are_refused(
+    tmp_path: Path, request_: SubmitJobRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = JobService(make_context(tmp_path, FakeCompnodes()))
+    monkeypatch.setattr(submit_module, "UPLOAD_CHUNK_BYTES", 256)  # the figure3 state in several chunks
+    state = request_.state
+    assert len(state) > 3 * 256
+
+    def client(peer: str) -> BrokerClient:
+        async def call(_: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
+            return await getattr(service, f"rpc_{method}")(payload, ctx(method, peer))
+
+        return BrokerClient(call)
+
+    async def scenario() -> None:
+        await service.start()
+        log = io.StringIO()
+        upload = await upload_state(client(SIGNER.caller), "broker", SIGNER, state, log)
+        assert "state uploaded" in log.getvalue()
+        other = await upload_state(client(OTHER_PEER), "broker", OTHER, state, log)
+        with pytest.raises(JobError, match="not this submitter's upload"):  # someone else's bytes
+            await service.rpc_submit_job(
+                request_.model_copy(update={"state": b"", "state_upload": other}), ctx("submit_job")
+            )
+        with pytest.raises(JobError, match="both an inline state and a state upload"):
+            await service.rpc_submit_job(
+                request_.model_copy(update={"state_upload": upload}), ctx("submit_job")
+            )
+        # bytes that differ from what was signed: the signature covers the upload's hash
+        tampered = state[:-1] + bytes([state[-1] ^ 1])
+        bad = await upload_state(client(SIGNER.caller), "broker", SIGNER, tampered, log)
+        with pytest.raises(JobError, match="bad submitter signature"):
+            await service.rpc_submit_job(
+                request_.model_copy(update={"state": b"", "state_upload": bad}), ctx("submit_job")
+            )
+        reply = await service.rpc_submit_job(
+            request_.model_copy(update={"state": b"", "state_upload": upload}), ctx("submit_job")
+        )
+        job_id = reply["job_id"]
+        await asyncio.gather(*service._tasks.values())
+        assert service.ctx.store.get_job(job_id)["state"] == "SUCCEEDED"
+        assert (tmp_path / "jobs" / job_id / "submission" / "state.safetensors").read_bytes() == state
+        with pytest.raises(JobError, match="no such upload"):  # taken by the job
+            await service.rpc_submit_job(
+                request_.model_copy(update={"state": b"", "state_upload": upload}), ctx("submit_job")
+            )
+        unsigned = UploadStateRequest(upload_id=UID, offset=0, total=10, data=b"x")
+        with pytest.raises(JobError, match="not signed by a submitter key"):
+            await service.rpc_upload_state(unsigned, ctx("upload_state"))
+        await service.stop()
+
+    asyncio.run(scenario())
