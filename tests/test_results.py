@@ -57,3 +57,52 @@ def test_infer_of_a_model_with_several_outputs_writes_each(tmp_path: Path) -> No
     assert sorted(written) == ["outputs", "outputs.1"]
     assert (written["outputs"] - want_cls).abs().max().item() <= 1e-6
     assert (written["outputs.1"] - want_h).abs().max().item() <= 1e-6
+
+
+def test_streamed_safetensors_load_back_exactly_and_tensors_are_read_one_at_a_time(tmp_path) -> None:
+    """``stream_safetensors``: any reader loads what it writes (dtypes, 0-d, empty, non-contiguous, shared
+    storage), and a ``StateView`` over lazy files reads a tensor only when it is written."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fusionnet.broker.tensorfiles import TensorFiles
+    from fusionnet.results.assemble import StateView
+    from fusionnet.results.files import write_tensors
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 6, generator=g)
+    tensors = {
+        "w": base,
+        "w_t": base.t(),  # non-contiguous, shares storage with "w"
+        "half": torch.randn(5, generator=g).half(),
+        "bf": torch.randn(3, 2, generator=g).bfloat16(),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "ids": torch.arange(7),
+        "empty": torch.zeros(0, 3),
+        "mask": torch.tensor([True, False, True]),
+    }
+    write_tensors(tmp_path / "a.safetensors", tensors)
+    back = load_file(str(tmp_path / "a.safetensors"))
+    assert set(back) == set(tensors)
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+
+    save_file({"a": torch.ones(2), "b": torch.full((3,), 2.0)}, str(tmp_path / "ckpt.safetensors"))
+    files = TensorFiles.of_files([tmp_path / "ckpt.safetensors"])
+    reads: list[str] = []
+
+    class Counting(dict):
+        def __getitem__(self, key: str) -> torch.Tensor:
+            reads.append(key)
+            return files[key]
+
+        def __contains__(self, key: object) -> bool:
+            return key in files
+
+    view = StateView(["a", "tied_a", "b", "gone"], Counting(), {"tied_a": "a"})
+    assert list(view) == ["a", "tied_a", "b"] and not reads  # nothing read to build it
+    write_tensors(tmp_path / "w.safetensors", view)
+    got = load_file(str(tmp_path / "w.safetensors"))
+    assert torch.equal(got["tied_a"], torch.ones(2)) and torch.equal(got["b"], torch.full((3,), 2.0))
+    # twice each (the header's pass, then the bytes'), tied keys through their owner, one at a time
+    assert sorted(reads) == ["a", "a", "a", "a", "b", "b"]

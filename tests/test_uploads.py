@@ -124,3 +124,34 @@ def test_a_job_submitted_on_an_uploaded_state_runs_and_bad_uploads_are_refused(
         await service.stop()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_submit_uploads_a_big_state_in_chunks_and_the_job_equals_plain_pytorch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """End to end on a real swarm: ``submit_and_wait`` sends the state in chunks (made small here so
+    that a small model needs several) and the job's weights equal plain PyTorch's."""
+    from safetensors.torch import load_file
+
+    from fusionnet.reference import run_reference
+    from fusionnet.runtime.process_swarm import running_swarm
+    from fusionnet.runtime.submit import submit_and_wait
+    from tests.jobfiles import example_job
+
+    monkeypatch.setattr(submit_module, "UPLOAD_CHUNK_BYTES", 2048)
+    job_path = example_job("mlp", tmp_path, steps=3)
+    out = tmp_path / "out"
+    log = io.StringIO()
+    try:
+        assert len(submission_payload(load_job(job_path)).state) > 3 * 2048
+        with running_swarm(tmp_path / "swarm", [{}, {}]) as sw:
+            asyncio.run(submit_and_wait(job_path, sw.initial_peers, out, stream=log, timeout=240))
+        ref = run_reference(load_job(job_path))
+    finally:
+        job_path.unlink()
+    assert "state uploaded" in log.getvalue()
+    got = load_file(out / "weights.safetensors")
+    assert sorted(got) == sorted(ref.weights)
+    assert max((got[k] - ref.weights[k]).abs().max().item() for k in got) <= 1e-6

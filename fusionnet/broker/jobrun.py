@@ -53,14 +53,13 @@ from fusionnet.broker.replicas import (
 )
 from fusionnet.broker.store import BrokerStore, JobState
 from fusionnet.broker.submission import SubmittedJob
-from fusionnet.broker.tensorfiles import select
 from fusionnet.dag.partition import Partition, build_partition
 from fusionnet.errors import ExecutionError, FusionNetError
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.planning.misprediction import PredictionWatch
 from fusionnet.planning.optimizers import optimizer_profiles
 from fusionnet.planning.placement import Candidate, JobShape, Placement, predicted_step
-from fusionnet.results.assemble import RunResult, assemble_result
+from fusionnet.results.assemble import RunResult, StateView, assemble_result
 from fusionnet.results.files import plan_document, write_results
 
 log = logging.getLogger("fusionnet.broker.jobs")
@@ -536,19 +535,20 @@ class JobRun:
         )
         for doc in plan["subdags"]:
             doc["compnode"] = self.peers[doc["subdag"]]
-        # The results hold the whole model: read once here, at the end (the checkpoint is on disk).
-        everything = await asyncio.to_thread(select, ckpt.state, list(ckpt.state))
         result = assemble_result(
             graph,
             job.spec.task,
-            states=[everything],
-            initial=everything,
+            states=[],
+            initial={},
             grads=grads,
             outputs=[self._outputs[s] for s in sorted(self._outputs)],
             metrics=self.progress.metrics,
             plan=plan,
         )
-        return replace(result, measured_seconds=measured)
+        # The weights straight from the checkpoint on disk, a tensor at a time as they are written:
+        # the broker never holds the model, not even for the results.
+        weights = StateView(graph.state_keys, ckpt.state, graph.aliases)
+        return replace(result, weights=weights, measured_seconds=measured)
 
     async def _release_all(self, why: str, only: list[str] | None = None) -> None:
         peers = self.peers if only is None else only

@@ -14,7 +14,7 @@ of every step, in order: leaf 0 is ``outputs`` (interface.md), further leaves ``
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,7 @@ OUTPUTS = "outputs"
 
 @dataclass
 class RunResult:
-    weights: dict[str, torch.Tensor]  # train/grad: keys exactly as in model.state_dict()
+    weights: Mapping[str, torch.Tensor]  # train/grad: keys exactly as in model.state_dict()
     grads: dict[str, torch.Tensor] | None  # grad: the last batch's gradients, same keys
     outputs: torch.Tensor | None  # infer: the model's output (its first tensor), one row per sample
     metrics: list[dict[str, Any]]
@@ -77,6 +77,33 @@ def assemble_state(
         elif fallback is not None and k in fallback:
             out[k] = fallback[k].detach().contiguous()
     return out
+
+
+class StateView(Mapping[str, torch.Tensor]):
+    """``assemble_state`` over one mapping that reads lazily (the broker's checkpoint on disk), without
+    reading it: each key's tensor is read when asked for (``results.stream_safetensors`` writes them
+    one at a time), tied keys read their owner's."""
+
+    def __init__(
+        self, state_keys: Iterable[str], source: Mapping[str, torch.Tensor], aliases: Mapping[str, str]
+    ) -> None:
+        self.source = source
+        self.where: dict[str, str] = {}
+        for k in state_keys:
+            owner = aliases.get(k, k)
+            if owner in source:
+                self.where[k] = owner
+            elif k in source:
+                self.where[k] = k
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.source[self.where[key]].detach()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
 
 
 def output_tensors(per_microbatch: Sequence[Any]) -> dict[str, torch.Tensor]:

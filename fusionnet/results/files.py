@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from fusionnet.dag.partition import Partition
 from fusionnet.results.assemble import RunResult
+from fusionnet.results.stream_safetensors import save_streaming
 
 
 def _atomic_write(path: Path, write: Any) -> None:
@@ -25,9 +25,9 @@ def _atomic_write(path: Path, write: Any) -> None:
 
 
 def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
-    # safetensors refuses shared storage; clones make every tensor its own contiguous buffer.
-    data = {k: v.detach().contiguous().clone() for k, v in tensors.items()}
-    _atomic_write(path, lambda p: save_file(data, str(p)))
+    # A tensor at a time (``stream_safetensors``): ``tensors`` may read lazily from disk (the broker's
+    # checkpoint), and no copy of the whole set is made; tensors sharing storage are written apart.
+    _atomic_write(path, lambda p: save_streaming(tensors, p))
 
 
 def write_metrics(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
