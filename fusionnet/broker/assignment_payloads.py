@@ -64,6 +64,10 @@ def iter_assignment_payloads(
     for s in partition.subdags:
         wanted = {job.graph.node(p).target for p in s.placeholders}
         state, optim = ckpt.for_subdag(s.params, s.buffers)
+        # Packed, then the tensors go before the request is handed out: while it is sent the broker
+        # holds the slice as bytes only, not as tensors too.
+        state_blob, optim_blob = pack_tensors(state), pack_tensors(optim) if optim else None
+        del state, optim
         yield AssignRequest(
             job_id=job.job_id,
             attempt=attempt,
@@ -73,9 +77,9 @@ def iter_assignment_payloads(
             subdag=s.index,
             peers=peers_doc,
             key=key,
-            state=pack_tensors(state),
-            optim=pack_tensors(optim) if optim else None,
+            state=state_blob,
+            optim=optim_blob,
             data=pack_tensors({k: v for k, v in job.data.items() if k in wanted}),
             replica_holders=replica_holders,
         )
-        del state, optim
+        del state_blob, optim_blob
