@@ -63,6 +63,10 @@ class FakeNode:
         self.compute = None  # executors compute inline here; packing uses the loop's default pool
         self.device = torch.device("cpu")
         self.state_dir = SimpleNamespace(path=Path(tempfile.mkdtemp(prefix="fusionnet-replicas-")))
+        self.ways_made = 0  # assignments that asked a calibration to give way
+
+    def make_way_for_work(self) -> None:
+        self.ways_made += 1
 
     def set_load(self, *, load: float, running_tasks: int) -> None:
         self.load = (load, running_tasks)
@@ -111,6 +115,7 @@ def test_an_assignment_is_held_and_only_its_broker_may_drive_it(assign_docs: lis
     s = service()
     doc = assign_docs[1]
     assert call(s, "assign", doc) == {"subdag": 1, "nodes": len(s.jobs["j1"].subdag.nodes)}
+    assert s.node.ways_made == 1  # a calibration in progress would give way to it
     assert s.server.jobs["j1"] == [PEERS[0], PEERS[2]]  # type: ignore[union-attr]  # only the job's peers
     assert call(s, "assign", doc)["subdag"] == 1  # a repeated request: same answer, same job
     with pytest.raises(JobError, match=f"peer {STRANGER} is not a broker this compnode trusts"):

@@ -11,6 +11,7 @@ adds ``fusionnet.compnode.tasks.SubtaskService(compnode)``):
 - its ``start()`` runs after profiling and before ONLINE: the place to start the data path server on
   ``settings.data_address.listen``/``settings.data_port`` and report the address to announce
   (``addresses.announced_host``) with ``set_data_path_address("host:port")``;
+- ``make_way_for_work()`` before a job's first compute: a first start-up's calibration gives way;
 - ``set_load(load=, running_tasks=)`` updates what the next announcement says (``announce_now()`` to
   publish at once); ``hardware`` holds the profile; ``stop()`` is the graceful hand-over;
 - ``metrics`` (a ``fusionnet.metrics.CompnodeMetrics``) takes what only the services see:
