@@ -98,8 +98,15 @@ def test_the_compnode_calibrates_again_once_idle_after_giving_way(monkeypatch: p
     events: list[str] = []
 
     class StandIn:
-        running_tasks = 1
+        held = 1  # jobs held
+        polls = 0  # how often the idle wait looked
         _calibrating = True
+
+        @property
+        def running_tasks(self) -> int:
+            self.polls += 1
+            return self.held
+
         _until_idle = compnode_daemon.CompnodeDaemon._until_idle
 
         def _start_calibration(self, hardware: str) -> asyncio.Future[str]:
@@ -120,9 +127,15 @@ def test_the_compnode_calibrates_again_once_idle_after_giving_way(monkeypatch: p
         yielded.set_exception(calibration.CalibrationYielded("calibration gave way to a job"))
         calibrated = compnode_daemon.CompnodeDaemon._calibrated(node, "hw", yielded)  # type: ignore[arg-type]
         task = asyncio.ensure_future(calibrated)
-        await asyncio.sleep(0.6)  # twice the idle time: had it not waited for the job, it would have run
+
+        async def looked(times: int) -> None:
+            while node.polls < times:
+                await asyncio.sleep(0.01)
+
+        # twice the idle time in polls: had it not waited for the job, it would have run by then
+        await asyncio.wait_for(looked(2 * round(0.3 / 0.05)), 10)
         assert events == [] and not node._calibrating  # a job is held: no new calibration
-        node.running_tasks = 0
+        node.held = 0
         await asyncio.wait_for(task, 5)
         assert events == ["start after 0 running", "set hw+overheads", "announced"]
 

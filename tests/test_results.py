@@ -106,3 +106,25 @@ def test_streamed_safetensors_load_back_exactly_and_tensors_are_read_one_at_a_ti
     assert torch.equal(got["tied_a"], torch.ones(2)) and torch.equal(got["b"], torch.full((3,), 2.0))
     # twice each (the header's pass, then the bytes'), tied keys through their owner, one at a time
     assert sorted(reads) == ["a", "a", "a", "a", "b", "b"]
+
+
+def test_a_view_over_checkpoint_files_reads_each_tensor_once_when_written(tmp_path, monkeypatch) -> None:
+    """Over ``TensorFiles`` the header comes from the files' headers (``TensorFiles.meta``): each tensor's
+    bytes are read once, for writing them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fusionnet.broker.tensorfiles import TensorFiles
+    from fusionnet.results.assemble import StateView
+    from fusionnet.results.files import write_tensors
+
+    want = {"a": torch.randn(3, 2).bfloat16(), "b": torch.arange(4), "s": torch.tensor(1.5)}
+    save_file(want, str(tmp_path / "ckpt.safetensors"))
+    files = TensorFiles.of_files([tmp_path / "ckpt.safetensors"])
+    reads: list[str] = []
+    select = TensorFiles.select
+    monkeypatch.setattr(TensorFiles, "select", lambda self, keys: (reads.extend(keys), select(self, keys))[1])
+    write_tensors(tmp_path / "w.safetensors", StateView(["a", "tied", "b", "s"], files, {"tied": "a"}))
+    got = load_file(str(tmp_path / "w.safetensors"))
+    assert sorted(reads) == ["a", "a", "b", "s"]
+    assert all(torch.equal(got[k], want[k]) for k in want) and torch.equal(got["tied"], want["a"])

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from fusionnet.errors import WireError
+from fusionnet.results.stream_safetensors import NAMES, TensorMeta
 
 
 class TensorFiles(Mapping[str, torch.Tensor]):
@@ -63,6 +64,12 @@ class TensorFiles(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.select([key])[key]
+
+    def meta(self, key: str) -> TensorMeta:
+        """``key``'s dtype and shape, from its file's header (no tensor bytes read)."""
+        with safe_open(str(self.index[key]), framework="pt") as f:
+            piece = f.get_slice(key)
+            return NAMES[piece.get_dtype()], tuple(piece.get_shape())
 
     def __contains__(self, key: object) -> bool:
         return key in self.index

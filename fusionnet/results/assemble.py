@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 
 from fusionnet.dag.ir import IRGraph
 from fusionnet.errors import ExecutionError
+from fusionnet.results.stream_safetensors import TensorMeta, describe
 
 OUTPUTS = "outputs"
 
@@ -98,6 +99,9 @@ class StateView(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.source[self.where[key]].detach()
+
+    def meta(self, key: str) -> TensorMeta:
+        return describe(self.source, self.where[key])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.where)

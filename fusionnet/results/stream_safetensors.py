@@ -3,10 +3,11 @@
 ``safetensors.torch.save_file`` takes every tensor at once and turns each into bytes first, so writing
 a model's weights cost two to three times the model in memory. Here the tensors come from a mapping
 that may read them lazily (``broker.tensorfiles.TensorFiles``: one tensor from disk per access): a
-first pass reads each tensor's dtype and shape for the header, a second writes their bytes in the same
-order. The layout is the format's own (an 8-byte little-endian header length, the JSON header padded
-with spaces to 8 bytes, then the tensors back to back, in header order), so any safetensors reader
-loads the file.
+first pass gets each tensor's dtype and shape for the header (from the mapping's ``meta`` when it has
+one, which reads a file's header and no tensor bytes), a second writes their bytes in the same order.
+The layout is the format's own (an 8-byte little-endian header length, the JSON header padded with
+spaces to 8 bytes, then the tensors back to back, in header order), so any safetensors reader loads
+the file.
 """
 
 from __future__ import annotations
@@ -35,6 +36,20 @@ DTYPES: dict[torch.dtype, str] = {
 }
 
 
+NAMES = {name: dtype for dtype, name in DTYPES.items()}
+TensorMeta = tuple[torch.dtype, tuple[int, ...]]
+
+
+def describe(tensors: Mapping[str, torch.Tensor], key: str) -> TensorMeta:
+    """``key``'s dtype and shape: from ``tensors.meta`` when the mapping offers it (files on disk), else
+    from the tensor itself."""
+    meta = getattr(tensors, "meta", None)
+    if meta is not None:
+        return meta(key)
+    t = tensors[key]
+    return t.dtype, tuple(t.shape)
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     """The tensor's bytes in row-major order (a copy only when it is not contiguous on the CPU)."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
@@ -42,19 +57,18 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 
 def header(tensors: Mapping[str, torch.Tensor]) -> bytes:
-    """The JSON header for ``tensors`` in their iteration order, padded to 8 bytes (reads each once)."""
+    """The JSON header for ``tensors`` in their iteration order, padded to 8 bytes."""
     doc: dict[str, object] = {}
     offset = 0
     for key in tensors:
-        t = tensors[key]
-        if t.dtype not in DTYPES:
-            raise TypeError(f"{key!r}: dtype {t.dtype} has no safetensors name")
-        nbytes = t.numel() * t.element_size()
-        doc[key] = {
-            "dtype": DTYPES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
+        dtype, shape = describe(tensors, key)
+        if dtype not in DTYPES:
+            raise TypeError(f"{key!r}: dtype {dtype} has no safetensors name")
+        numel = 1
+        for n in shape:
+            numel *= n
+        nbytes = numel * dtype.itemsize
+        doc[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(doc, separators=(",", ":")).encode()
     return text + b" " * (-len(text) % 8)
