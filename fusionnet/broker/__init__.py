@@ -6,11 +6,14 @@ Map of the package:
 
 - ``daemon.py``       ``Broker``: DHT announcement, registry, heartbeats, the job service, shutdown.
 - ``registry.py``     the compnodes as the broker sees them: DHT records merged with heartbeats.
-- ``jobs.py``         job intake RPCs: ``submit_job``, ``job_status``, ``job_results``.
+- ``jobs.py``         job intake RPCs: ``upload_state``, ``submit_job``, ``job_status``, ``job_results``,
+                      ``cancel_job``.
+- ``uploads.py``      a submission's state uploaded in chunks before the submission that names it.
 - ``admission.py``    who may submit (``--submitters`` / ``--open-submissions``), per-submitter quotas,
                      a job's details and results for its submitter only.
 - ``submission.py``   a job as received, and the checks a submission passes before it is accepted.
-- ``jobrun.py``       one job from plan to results: placement, steps, failover, hand-over, growth.
+- ``jobrun.py``       one job from plan to results: placement, steps, failover, hand-over.
+- ``placement_review.py``  between steps: elastic growth, re-plans on a misprediction, link probes.
 - ``config.py``       ``BrokerConfig``: the broker's flags, validated.
 - ``context.py``      ``JobContext``: what a job run may use of the broker (store, registry, books, client).
 - ``replanning.py``   ``Replan``: why and how a job's placement changes, as a value; the pure decisions.
