@@ -9,6 +9,7 @@ Tiers: ``pytest -m "not swarm"`` is the fast tier (no daemon processes, no real 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +19,18 @@ from fusionnet.planning.optimizers import job_optimizers
 from fusionnet.planning.placement import JobShape
 from fusionnet.runtime.prepare import trace_job
 from tests.jobfiles import REPO
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_reaches_children() -> Iterator[None]:
+    """Tests press Ctrl-C (SIGINT) on the daemons and clients they start. A suite launched as a shell
+    script's background job (``.ci/run &``) starts with SIGINT ignored, which every child inherits, and
+    those tests would then wait on processes that never see the key: the default is restored here."""
+    before = signal.getsignal(signal.SIGINT)
+    if before == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(scope="session", autouse=True)
