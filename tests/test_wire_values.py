@@ -63,6 +63,19 @@ def test_small_values_travel_as_one_exact_frame() -> None:
     assert got[5].shape == (0, 4)
 
 
+def test_packed_parts_take_in_place_ops_like_the_senders_tensors() -> None:
+    # torch.export writes ``detach_`` on lifted constants; a part that autograd saw as a view of the
+    # payload refused it on the receiving compnode ("Can't detach views in-place").
+    value = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0, 5.0])]
+    got, wire = _roundtrip(value)
+    assert len(wire) == 1 and is_packed(wire[0].tensor)
+    first, second = got
+    assert not first._is_view() and not second._is_view()
+    torch.ops.aten.detach_.default(first)
+    first.add_(10)  # in place on one part leaves the other as it was
+    assert first.tolist() == [11.0, 12.0] and second.tolist() == [3.0, 4.0, 5.0]
+
+
 def test_large_values_travel_as_tensor_frames_and_a_structure() -> None:
     big = torch.randn(PACK_MAX // 4 + 1, generator=torch.Generator().manual_seed(1))
     got, wire = _roundtrip((big, torch.ones(2)))

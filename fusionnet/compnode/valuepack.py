@@ -99,8 +99,19 @@ def unpack_value(payload: torch.Tensor) -> tuple[Any, dict[int, torch.Tensor], l
         t = payload[start + offset : start + offset + nbytes]
         if dtype == torch.bool and bool((t > 1).any()):
             raise WireError(f"packed bool part {i} holds bytes other than 0/1")
-        tensors[i] = t.view(dtype).reshape(shape)
+        tensors[i] = _own_tensor(t.view(dtype).reshape(shape))
     return doc["tree"], tensors, codecs
+
+
+def _own_tensor(view: torch.Tensor) -> torch.Tensor:
+    """``view``'s memory as a tensor that autograd does not count as a view, without a copy.
+
+    Why: a part sliced out of the payload is a view, and the graph a compnode runs may mutate what it
+    receives as a model would its own tensor: ``torch.export`` writes ``detach_`` on lifted constants,
+    which torch refuses on a view ("Can't detach views in-place") though it works on the sender's
+    original. Parts do not overlap, so each owning its span is safe.
+    """
+    return view.new_empty(0).set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 def _check_part(part: object, i: int) -> tuple[torch.dtype, list[int], int]:
