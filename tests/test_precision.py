@@ -38,7 +38,7 @@ from fusionnet.job.parse import parse_yaml_text, spec_from_document
 from fusionnet.messages.jobwire import RunSpec
 from fusionnet.reference import run_reference
 from fusionnet.runtime.local import InMemorySwarm, run_local
-from fusionnet.runtime.prepare import prepare_job
+from fusionnet.runtime.prepare import prepare_job, trace_job
 from fusionnet.wire.frames import TensorFrame
 from tests.dag_models import token_data
 from tests.jobfiles import REPO, example_job, write_job
@@ -170,9 +170,15 @@ def test_examples_microbatched_equal_to_rounding(example: str, precision: str, t
         job = load_job(path)
         ref = run_reference(job)
         one = run_local(job, 1)
+        # A parameter read across a cut (a tied embedding) sums its far side's gradients over the step
+        # before they join its own (it crosses once per step): equal to fp32 accumulation's rounding.
+        shared = {n.target for n in trace_job(job).graph.nodes if n.kind == "variable"}
         for pieces in (2, 3):  # distribution adds nothing to micro-batching
             got = run_local(job, pieces)
-            _assert_equal(got.grads, one.grads)
+            _assert_equal({k: v for k, v in got.grads.items() if k not in shared},
+                          {k: v for k, v in one.grads.items() if k not in shared})  # fmt: skip
+            _assert_close({k: got.grads[k] for k in shared}, {k: one.grads[k] for k in shared},
+                          torch.finfo(torch.float32).eps)  # fmt: skip
             assert _losses(got) == _losses(one)
         _assert_close(one.grads, ref.grads, EPS[precision])
         for a, b in zip(_losses(one), ref.losses):

@@ -140,6 +140,14 @@ class SubDagExecutor:
         self._weight_work: dict[int, WeightWork] = {}  # micro-batches whose I ran and whose W has not
         self.outbox = Outbox()
         self._placeholder_target = {n: graph.node(n).target for n in subdag.placeholders}
+        # Parameters read across a cut (a tied embedding, a shared layer) hold one value for the whole
+        # step, so they cross once per step (key micro-batch 0) and their gradient comes back once,
+        # summed over the step's micro-batches by autograd on one leaf (issue 16).
+        self.step_wide = {
+            n for n in (*subdag.outer_required, *subdag.outwards) if graph.node(n).kind == "variable"
+        }
+        self._step_inputs: dict[str, Any] = {}  # step-wide inputs received and placed this step
+        self._step_sent: set[str] = set()  # step-wide outputs sent this step
 
     async def _run(self, phase: Phase, step: int, mb: int, work: Callable[[], T]) -> T:
         """One compute stretch, between the hooks, on the compute pool (or inline without one)."""
@@ -174,6 +182,7 @@ class SubDagExecutor:
         """Forgets a failed step's stashed activations and gradients (after a device OOM, the memory
         they hold is what the next attempt needs)."""
         self._stash.clear()
+        self._forget_step_values()
         self.zero_grad()
         release_cached_memory(self.device)
 
@@ -186,6 +195,10 @@ class SubDagExecutor:
 
         self.outbox.start(send() if ready is not None else self.channel.send(dst, key, value))
 
+    def _forget_step_values(self) -> None:
+        self._step_inputs.clear()
+        self._step_sent.clear()
+
     # -- FP ------------------------------------------------------------------------------------
     async def forward(self, step: int, mb: int, data: Mapping[str, Any]) -> tuple[Any, ...]:
         inputs: list[Any] = []
@@ -195,15 +208,23 @@ class SubDagExecutor:
                     raise ExecutionError(f"sub-DAG {self.subdag.index}: no data for placeholder {name!r}")
                 inputs.append(data[self._placeholder_target[name]])
                 continue
-            value = await self.outbox.guard(
-                self.channel.recv(self.subdag.sources[name], ("act", step, mb, name))
-            )
+            if name in self._step_inputs:  # the step's one leaf: its gradient sums every micro-batch's
+                inputs.append(self._step_inputs[name])
+                continue
+            key = ("act", step, 0 if name in self.step_wide else mb, name)
+            value = await self.outbox.guard(self.channel.recv(self.subdag.sources[name], key))
             inputs.append(value)
         received = [n not in self._placeholder_target for n in self.subdag.outer_required]
+        ready_leaves = set(self._step_inputs)  # placed in an earlier micro-batch of this step
+        first_sends = [n for n in self.step_wide & set(self.subdag.outwards) if n not in self._step_sent]
+        self._step_sent.update(first_sends)
 
         def work() -> tuple[tuple[Any, ...], list[Any], Any]:
             try:
-                placed = [self._place_input(v, leaf) for v, leaf in zip(inputs, received)]
+                placed = [
+                    v if name in ready_leaves else self._place_input(v, leaf)
+                    for name, v, leaf in zip(self.subdag.outer_required, inputs, received)
+                ]
                 # Grad mode is per thread: set it on the thread that computes.
                 with (
                     torch.set_grad_enabled(self.task != "infer"),
@@ -213,14 +234,21 @@ class SubDagExecutor:
             except Exception as e:
                 raise self._failed("FP", step, mb, e) from e
             inputs[:] = placed  # the leaves BP reads the gradients of
-            sent = {n: v for n, v in zip(self.output_names, outs) if self.subdag.consumers.get(n)}
+            sent = {
+                n: v
+                for n, v in zip(self.output_names, outs)
+                if self.subdag.consumers.get(n) and (n not in self.step_wide or n in first_sends)
+            }
             host, ready = to_host(sent, self.device)
             return outs, host, ready
 
         outs, host, ready = await self._run("fp", step, mb, work)
+        for name, value in zip(self.subdag.outer_required, inputs):
+            if name in self.step_wide:
+                self._step_inputs[name] = value
         for name, value in host.items():
             for dst in self.subdag.consumers.get(name, ()):
-                self._send_out(dst, ("act", step, mb, name), value, ready)
+                self._send_out(dst, ("act", step, 0 if name in self.step_wide else mb, name), value, ready)
         if self.task != "infer":
             self._stash[mb] = (inputs, outs)
         return outs
@@ -234,11 +262,22 @@ class SubDagExecutor:
         return value
 
     # -- BP ------------------------------------------------------------------------------------
-    async def backward(self, step: int, mb: int, loss_weight: float, *, last: bool | None = None) -> None:
+    async def backward(
+        self,
+        step: int,
+        mb: int,
+        loss_weight: float,
+        *,
+        last: bool | None = None,
+        last_seeded: bool | None = None,
+    ) -> None:
         """The whole BP of micro-batch ``mb`` (``last``: the step's last BP, after which this sub-DAG's
-        gradients are complete; by default micro-batch 0, GPipe's last)."""
+        gradients are complete; by default micro-batch 0, GPipe's last; ``last_seeded``: the step's last
+        BP that seeds gradients, which also seeds the step-wide ones; by default ``last``)."""
+        last = last if last is not None else mb == 0
+        last_seeded = last if last_seeded is None else last_seeded
         inputs, outs = self._stash.pop(mb)
-        received = await self._receive_grads(step, mb, outs)
+        received = await self._receive_grads(step, mb, outs, step_wide=last_seeded)
 
         def work() -> tuple[dict[str, list[Any]], Any]:
             try:
@@ -249,17 +288,20 @@ class SubDagExecutor:
                 raise
             except Exception as e:
                 raise self._failed("BP", step, mb, e) from e
-            if last if last is not None else mb == 0:
+            if last:
                 self._unscale()
-            return self._input_grads_to_host(inputs)
+            return self._input_grads_to_host(inputs, step_wide=last_seeded)
 
         back, ready = await self._run("bp", step, mb, work)
         self._send_input_grads(step, mb, back, ready)
 
-    async def backward_input(self, step: int, mb: int, loss_weight: float) -> None:
-        """I of a split BP: the received inputs' gradients, sent at once (``split_backward``)."""
+    async def backward_input(
+        self, step: int, mb: int, loss_weight: float, *, last_seeded: bool = False
+    ) -> None:
+        """I of a split BP: the received inputs' gradients, sent at once (``split_backward``);
+        ``last_seeded``: the step's last I, which also seeds and sends the step-wide gradients."""
         inputs, outs = self._stash.pop(mb)
-        received = await self._receive_grads(step, mb, outs)
+        received = await self._receive_grads(step, mb, outs, step_wide=last_seeded)
 
         def work() -> tuple[dict[str, list[Any]], Any]:
             leaves = [v for v in self._grad_leaves(inputs) if v.requires_grad]
@@ -271,7 +313,7 @@ class SubDagExecutor:
                 raise
             except Exception as e:
                 raise self._failed("BP (input gradients)", step, mb, e) from e
-            return self._input_grads_to_host(inputs)
+            return self._input_grads_to_host(inputs, step_wide=last_seeded)
 
         back, ready = await self._run("bp", step, mb, work)
         self._send_input_grads(step, mb, back, ready)
@@ -296,16 +338,21 @@ class SubDagExecutor:
             self._found_inf = self.scaler.unscale_(p.grad for p in self.named_params.values())
 
     async def _receive_grads(
-        self, step: int, mb: int, outs: tuple[Any, ...]
+        self, step: int, mb: int, outs: tuple[Any, ...], *, step_wide: bool
     ) -> list[tuple[str, Any, list[tuple[int, Any]]]]:
+        """The gradients the consumers sent for this micro-batch's outputs; with ``step_wide``
+        also the step's summed gradients of the step-wide outputs (which no other BP waits for)."""
         received: list[tuple[str, Any, list[tuple[int, Any]]]] = []
         for name, value in zip(self.output_names, outs):
+            if name in self.step_wide and not step_wide:
+                continue
             # Consumers return gradients exactly for values with a float part (see the send below).
             consumers = self.subdag.consumers.get(name, ()) if self.expects_grad(value) else ()
+            key = ("grad", step, 0 if name in self.step_wide else mb, name)
             # Latest consumer first: eager autograd accumulates a value's gradients in reverse execution
             # order, and sub-DAGs are contiguous in that order, so this grouping keeps sums bit-exact.
             grads = [
-                (dst, await self.outbox.guard(self.channel.recv(dst, ("grad", step, mb, name))))
+                (dst, await self.outbox.guard(self.channel.recv(dst, key)))
                 for dst in sorted(consumers, reverse=True)
             ]
             received.append((name, value, grads))
@@ -319,13 +366,16 @@ class SubDagExecutor:
                 leaves.extend(v for v in tree_flatten(value)[0] if _is_float(v))
         return leaves
 
-    def _input_grads_to_host(self, inputs: list[Any]) -> tuple[dict[str, list[Any]], Any]:
+    def _input_grads_to_host(self, inputs: list[Any], *, step_wide: bool) -> tuple[dict[str, list[Any]], Any]:
         """On the compute thread: the received inputs' gradients as host copies (``to_host``) and the
-        event that marks them done, per input the producer expects a gradient for."""
+        event that marks them done, per input the producer expects a gradient for (the step-wide
+        ones only with ``step_wide``: their leaves have summed the whole step by then)."""
         back = {}
         for name, value in zip(self.subdag.outer_required, inputs):
             if name in self.subdag.placeholders:
                 continue  # placeholders need no gradient (section 3.6)
+            if name in self.step_wide and not step_wide:
+                continue
             if not self.expects_grad(value):
                 continue  # nothing differentiable was received, so the producer expects nothing
             back[name] = [v.grad if _is_float(v) else None for v in tree_flatten(value)[0]]
@@ -333,7 +383,8 @@ class SubDagExecutor:
 
     def _send_input_grads(self, step: int, mb: int, back: dict[str, list[Any]], ready: Any) -> None:
         for name, grads in back.items():
-            self._send_out(self.subdag.sources[name], ("grad", step, mb, name), grads, ready)
+            key = ("grad", step, 0 if name in self.step_wide else mb, name)
+            self._send_out(self.subdag.sources[name], key, grads, ready)
 
     def _placed(
         self, received: list[tuple[str, Any, list[tuple[int, Any]]]]
@@ -421,6 +472,7 @@ class SubDagExecutor:
         """One step of the schedule: this sub-DAG's FPs and BPs in its program's order, then Update."""
         self.hooks.step_started(step)
         self.outbox.reset()
+        self._forget_step_values()
         try:
             report = await self._step(step, microbatches, sizes)
             await self.outbox.drain()
@@ -462,6 +514,7 @@ class SubDagExecutor:
         losses: list[float] = []
         program = self.program(len(microbatches))
         last_bp = max((i for i, a in enumerate(program) if a.kind in ("B", "W")), default=-1)
+        last_seeded = max((i for i, a in enumerate(program) if a.kind in ("B", "I")), default=-1)
         self.zero_grad()
         for i, action in enumerate(program):
             mb = action.mb
@@ -473,15 +526,18 @@ class SubDagExecutor:
                 if self.task == "infer" and self.subdag.holds_output:
                     report.outputs.append(_detach(_rebuild_output(self.graph, values)))
             elif action.kind == "B":
-                await self.backward(step, mb, self._loss_weight(sizes[mb], batch), last=i == last_bp)
+                weight = self._loss_weight(sizes[mb], batch)
+                await self.backward(step, mb, weight, last=i == last_bp, last_seeded=i == last_seeded)
             elif action.kind == "I":
-                await self.backward_input(step, mb, self._loss_weight(sizes[mb], batch))
+                weight = self._loss_weight(sizes[mb], batch)
+                await self.backward_input(step, mb, weight, last_seeded=i == last_seeded)
             elif action.kind == "W":
                 await self.backward_weight(step, mb, last=i == last_bp)
         if self.task != "infer":
             skip = await self._agree_found_inf(step) if self.scaler is not None else False
             if self.task == "train":
                 await self._run("update", step, 0, partial(self.update, skip))
+        self._step_inputs.clear()  # the step's leaves go with its graphs
         if losses:
             report.loss = sum(losses)
         return report

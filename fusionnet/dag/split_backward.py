@@ -87,14 +87,16 @@ def _capture(groups: list[dict[str, Any]]) -> list[Any]:
 def input_gradients(
     roots: list[torch.Tensor], seeds: list[torch.Tensor], leaves: Tensors, params: list[torch.Tensor]
 ) -> WeightWork:
-    """I: sets ``leaf.grad`` of every input leaf (None where unused) and returns W's work."""
+    """I: adds to ``leaf.grad`` of every input leaf (a leaf read by every micro-batch of a step sums
+    them, as a plain backward would) and returns W's work."""
     groups = _param_groups(roots, leaves, params)
     handles = _capture(groups) if groups else []
     try:
         if roots and leaves:
             grads = torch.autograd.grad(roots, list(leaves), seeds, retain_graph=True, allow_unused=True)
             for leaf, g in zip(leaves, grads):
-                leaf.grad = g
+                if g is not None:
+                    leaf.grad = g if leaf.grad is None else leaf.grad + g
     finally:
         for handle in handles:
             handle.remove()

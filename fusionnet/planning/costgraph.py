@@ -58,11 +58,17 @@ def owners(graph: IRGraph) -> dict[str, str]:
 
 
 def cost_graph(
-    graph: IRGraph, optimizer: str | Mapping[str, str] | None = None, *, scale: float = 1.0
+    graph: IRGraph,
+    optimizer: str | Mapping[str, str] | None = None,
+    *,
+    scale: float = 1.0,
+    microbatches: int = 1,
 ) -> CostGraph:
     """The IR as the performance model sees it (module docstring). ``optimizer`` is one profile name for
     every parameter or a map from parameter key to name; ``scale`` multiplies per-micro-batch FLOPs and
-    bytes (planning for a micro-batch of another size than the traced one)."""
+    bytes (planning for a micro-batch of another size than the traced one). A parameter read across a
+    cut crosses once per step (and its gradient once back), so its edge carries its bytes spread over
+    the step's ``microbatches``: the model prices edges per micro-batch."""
     ops = [n for n in graph.nodes if n.kind in OPS]
     if not ops:
         raise PlanError("the graph has no operators to place")
@@ -115,6 +121,8 @@ def cost_graph(
             nbytes = int(graph.node(src).cost.get("activation_bytes", 0))
             if graph.node(src).kind != "variable":
                 nbytes = per_mb(nbytes)
+            else:
+                nbytes = -(-nbytes // max(1, microbatches))
             edges[(producer, n.name)] = edges.get((producer, n.name), 0) + nbytes
     return CostGraph(tuple(costs), tuple((a, b, nbytes) for (a, b), nbytes in edges.items()))
 

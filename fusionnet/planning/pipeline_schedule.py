@@ -64,7 +64,9 @@ def _predict(
     """Predicted step seconds under ``name``, or None when its memory does not fit."""
     k = len(partition.subdags)
     devs = list(devices) * k if len(devices) == 1 else list(devices)
-    cg = cost_graph(graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches))
+    cg = cost_graph(
+        graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches), microbatches=microbatches
+    )
     try:
         plan = plan_for_assignment(
             cg,

@@ -80,7 +80,9 @@ def plan_graph(
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
     swarm = make_swarm(devices, links, default_link)
-    cg = cost_graph(graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches))
+    cg = cost_graph(
+        graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches), microbatches=microbatches
+    )
     plan = schedule(
         cg,
         swarm,

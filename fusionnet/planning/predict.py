@@ -56,7 +56,9 @@ def predict_assignment(
 ) -> tuple[dict[int, float], float]:
     """(sub-DAG -> predicted FP+BP+Update seconds per step, predicted step seconds) of an IR assignment
     whose sub-DAG ``i`` runs on ``devices[i]``."""
-    cg = cost_graph(graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches))
+    cg = cost_graph(
+        graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches), microbatches=microbatches
+    )
     plan = plan_for_assignment(
         cg,
         make_swarm(devices, links, None),
