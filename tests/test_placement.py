@@ -8,12 +8,14 @@ import pytest
 
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.errors import PlanError
+from fusionnet.perfmodel.types import Link
 from fusionnet.planning.placement import (
     BALANCED,
     SCHEDULER,
     JobShape,
     first_pool,
     grown_pool,
+    idle_stages,
     plan_placement,
     pool_after_loss,
     predicted_step,
@@ -50,7 +52,7 @@ def test_grown_pool_offers_only_free_regular_nodes() -> None:
 
 
 def test_performance_model_places_more_work_on_the_faster_node(gpt: JobShape) -> None:
-    pool = [cand("slow", 2e10), cand("fast", 2e11)]
+    pool = [cand("slow", 5e10), cand("fast", 2e11)]
     placement = plan_placement(gpt, pool)
     assert placement.policy == SCHEDULER
     assert len(placement.peers) == 2  # wanted 3, but only 2 compnodes
@@ -59,11 +61,11 @@ def test_performance_model_places_more_work_on_the_faster_node(gpt: JobShape) ->
     fast = placement.peers.index("fast")
     assert flops[fast] > 2 * flops[1 - fast]
     # ... and it beats the equal (FLOP-balanced) split on the same two compnodes, as the model sees it
-    balanced = plan_placement(gpt, [cand("slow", None), cand("fast", 2e11)])
+    balanced = plan_placement(gpt, [cand("slow", None), cand("fast", 2e11)])  # no hardware: balanced
     assert balanced.policy == BALANCED and balanced.predicted_step is None
     equal = predicted_step(gpt, balanced, pool)
     assert equal is not None and placement.predicted_step is not None
-    assert placement.predicted_step < 0.8 * equal
+    assert placement.predicted_step < 0.9 * equal
     assert set(placement.predicted or {}) == {0, 1}
 
 
@@ -74,6 +76,25 @@ def test_fixed_stage_count_and_determinism(gpt: JobShape) -> None:
     assert len(build_partition(gpt.graph, one.assignment).subdags) == 3
     with pytest.raises(PlanError, match="cannot place"):
         plan_placement(gpt, pool, stages=5)
+
+
+def test_compnodes_without_work_go_back_to_the_pool(gpt: JobShape) -> None:
+    # Over a crawling link the model puts all the work on one compnode; forced to 3 stages it would
+    # keep the others as stubs of a few ops (issue 16's "idle stages"). They are left out instead.
+    pool = [cand(f"n{i}", 1e11) for i in range(3)]
+    slow = Link.from_bandwidth(0.001, 1e7)  # 80 Mbit/s
+    links = {(a.peer_id, b.peer_id): slow for a in pool for b in pool if a is not b}
+    forced = plan_placement(gpt, pool, links=links, stages=3)  # an explicit count is kept, stubs and all
+    assert len(forced.peers) == 3 and len(idle_stages(forced.predicted or {})) == 2
+    placement = plan_placement(gpt, pool, links=links)
+    assert len(placement.peers) == 1 and set(placement.assignment.values()) == {0}
+    assert idle_stages(placement.predicted or {}) == []
+    assert placement.predicted_step is not None and forced.predicted_step is not None
+    assert placement.predicted_step < forced.predicted_step
+    # On loopback links the same pool splits the work, every stage with some.
+    fast = plan_placement(gpt, pool)
+    assert len(fast.peers) >= 2 and idle_stages(fast.predicted or {}) == []
+    assert idle_stages({0: 1.0, 1: 0.001, 2: 0.5}) == [1] and idle_stages({0: 0.0}) == []
 
 
 def test_balanced_fallback_when_hardware_is_unknown(gpt: JobShape) -> None:

@@ -31,7 +31,7 @@ from fusionnet.errors import PlanError
 from fusionnet.perfmodel.types import DeviceSpec, Link
 from fusionnet.planning.links import index_links
 from fusionnet.planning.pipeline_schedule import AUTO, ScheduleChoice, choose_schedule
-from fusionnet.planning.planner import plan_graph
+from fusionnet.planning.planner import PlannedJob, plan_graph
 from fusionnet.planning.predict import predict_assignment
 
 PeerLinks = Mapping[tuple[str, str], Link]  # measured links by (from, to) compnode; others: loopback
@@ -144,7 +144,8 @@ def plan_placement(
     policy: str = SCHEDULER,
     links: PeerLinks | None = None,
 ) -> Placement:
-    """Cuts the job into ``stages`` sub-DAGs (default ``min(wanted, pool, ops)``) placed on the pool, by
+    """Cuts the job into ``stages`` sub-DAGs (default ``min(wanted, pool, ops)``, fewer where the model
+    would leave a compnode without work: ``idle_stages``) placed on the pool, by
     the performance model (``policy=SCHEDULER``, when every compnode's hardware is known) or by cost
     balance on the fastest compnodes (``BALANCED``: the plain default policy, for comparison).
     ``links`` are the measured links between compnodes (``links.LinkBook.pairs``).
@@ -179,16 +180,11 @@ def _place(
     if not 1 <= k <= len(pool):
         raise PlanError(f"cannot place {k} sub-DAG(s) on {len(pool)} compnode(s)")
     if policy == SCHEDULER and all(c.device is not None for c in pool):
-        planned = plan_graph(
-            shape.graph,
-            [c.device for c in pool],  # type: ignore[misc]
-            microbatches=shape.microbatches,
-            batch_size=shape.batch_size,
-            optimizer=shape.optimizer,
-            stages=k,
-            pipeline_schedule=shape.priced,
-            links=index_links((c.peer_id for c in pool), links),
-        )
+        planned = _schedule(shape, pool, links, stages=k)
+        if stages is None and k > 1 and idle_stages(planned.predicted_seconds):
+            # Forced to k stages, the model left some without work (slow links: one compnode does it
+            # all). A compnode that gets no work goes back to the pool: the model picks fewer stages.
+            planned = _schedule(shape, pool, links, max_devices=k - 1)
         return Placement(
             peers=tuple(pool[d].peer_id for d in planned.devices),
             assignment=dict(planned.assignment),
@@ -216,6 +212,38 @@ def _place(
         pipeline_schedule=shape.priced,
     )
     return replace(placement, predicted=per_subdag, predicted_step=step)
+
+
+IDLE_SHARE = 0.02  # a stage predicted to do less than this share of the step's compute gets no real work
+
+
+def idle_stages(predicted_seconds: Mapping[int, float]) -> list[int]:
+    """The sub-DAGs whose predicted compute is a stub's (under ``IDLE_SHARE`` of the total)."""
+    total = sum(predicted_seconds.values())
+    if total <= 0:
+        return []
+    return sorted(i for i, t in predicted_seconds.items() if t < IDLE_SHARE * total)
+
+
+def _schedule(
+    shape: JobShape,
+    pool: Sequence[Candidate],
+    links: PeerLinks | None,
+    *,
+    stages: int | None = None,
+    max_devices: int | None = None,
+) -> PlannedJob:
+    return plan_graph(
+        shape.graph,
+        [c.device for c in pool],  # type: ignore[misc]
+        microbatches=shape.microbatches,
+        batch_size=shape.batch_size,
+        optimizer=shape.optimizer,
+        stages=stages,
+        max_devices=max_devices,
+        pipeline_schedule=shape.priced,
+        links=index_links((c.peer_id for c in pool), links),
+    )
 
 
 def predicted_step(

@@ -73,6 +73,7 @@ class NetnsSwarm:
     broker_extra: Sequence[str] = ()
     data_host: bool = True  # pass the README's --data-host (False: rely on the default)
     env: dict[str, str] = field(default_factory=dict)
+    compnode_env: dict[int, dict[str, str]] = field(default_factory=dict)  # more, for compnode i only
     broker: DaemonProcess | None = None
     compnodes: list[DaemonProcess] = field(default_factory=list)
 
@@ -117,7 +118,7 @@ class NetnsSwarm:
                         self.workdir,
                         f"compnode{i}",
                         argv,
-                        extra_env=self._env(),
+                        extra_env={**self._env(), **self.compnode_env.get(i, {})},
                         wrap=self.lab.wrap(host),
                     )
                 )
