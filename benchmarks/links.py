@@ -8,7 +8,9 @@ init, nothing downloaded; tied input/output embeddings), 12.4M parameters, seq 1
 micro-batches, SGD with momentum, compnodes with ``--threads 1``. Beside it, in this process:
 
 - plain PyTorch  ``fusionnet.reference`` on one thread: ms/step and the final weights (exactness);
-- swarm          per rate and compnode count: median ms/step after the first step (``metrics.jsonl``),
+- swarm          per rate and compnode count, on a fresh swarm whose broker first ran a warm-up job
+                 (``--warmup`` steps: it has probed the links and learnt its compnodes' real speed, as
+                 a broker in service has): median ms/step after the first step (``metrics.jsonl``),
                  the broker's prediction (``plan.json``), the work split (forward FLOPs per sub-DAG),
                  bytes across the busiest cut per step and direction (from the IR: activations per
                  micro-batch, shared parameters once per step), compnodes falsely declared lost;
@@ -21,7 +23,7 @@ micro-batches, SGD with momentum, compnodes with ``--threads 1``. Beside it, in 
 Prints a table, then one JSON line.
 
     python benchmarks/links.py [--steps 8] [--runs 1gbit:2 1gbit:3 100mbit:2 100mbit:3 20mbit:3]
-                               [--no-failover] [--quick] [--workdir DIR]
+                               [--warmup 10] [--no-failover] [--quick] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -128,8 +130,10 @@ def rows_ms(rows: list[dict[str, Any]]) -> float:
 
 def run_swarm(
     workdir: Path, job: Path, run: LinkRun, ref: dict[str, Any], plain_ms: float, graph: Any, scale: float,
-    *, backups: int = 0, fault: str | None = None, timeout: float = 1500,
+    *, backups: int = 0, fault: str | None = None, warmup: Path | None = None, timeout: float = 1500,
 ) -> LinkRun:  # fmt: skip
+    """``warmup``: a job run first on the same swarm, so that its broker has measured the links and
+    learnt how fast its compnodes really run (``planning.speeds``), as a broker in service has."""
     from safetensors.torch import load_file
 
     out = workdir / "out"
@@ -138,6 +142,11 @@ def run_swarm(
         swarm = NetnsSwarm(lab, workdir / "swarm", backups=backups, compnode_env=env)
         try:
             swarm.start()
+            if warmup is not None:
+                done = swarm.submit(warmup, workdir / "out-warmup", timeout=timeout)
+                if done.returncode != 0:
+                    run.error = "warm-up job: " + (done.stdout + done.stderr).strip()[-300:]
+                    return run
             done = swarm.submit(job, out, timeout=timeout)
         finally:
             swarm.stop()
@@ -177,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="training steps per job (default 8, >= 6)")
     p.add_argument("--runs", nargs="+", default=list(RUNS), help="RATE:COMPNODES pairs (tc rate syntax)")
     p.add_argument("--no-failover", action="store_true", help="skip the SIGKILL run at 100 Mbit/s")
+    p.add_argument(
+        "--warmup", type=int, default=10,
+        help="steps of a job run first on each swarm (its broker then knows links and speeds; 0: none)",
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help=f"a small model {QUICK} instead of {FULL}")
     p.add_argument("--workdir", type=Path, help="logs and results (default: a temporary folder, kept)")
     args = p.parse_args(argv)
@@ -216,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
           f"logs in {workdir}", flush=True)  # fmt: skip
     for i, run in enumerate(runs):
         path = write_job(workdir / f"job{i}", dims, args.steps, run.compnodes)
-        run_swarm(workdir / f"run{i}-{run.rate}-{run.compnodes}", path, run, ref, plain_ms, graph, scale)
+        warmup = write_job(workdir / f"warmup{i}", dims, args.warmup, run.compnodes) if args.warmup else None
+        folder = workdir / f"run{i}-{run.rate}-{run.compnodes}"
+        run_swarm(folder, path, run, ref, plain_ms, graph, scale, warmup=warmup)
         print(f"  {run.rate} x{run.compnodes}: {run.measured_ms:.0f} ms/step "
               f"(predicted {run.predicted_ms:.0f}), split {run.split}, error {run.error}",
               flush=True)  # fmt: skip

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusionnet.broker.replicas import ROUND_RETRY, ReplicaBook, ReplicaPointer, best_step, ring_holders
+from fusionnet.broker.replicas import PACE, ROUND_RETRY, ReplicaBook, ReplicaPointer, best_step, ring_holders
 from fusionnet.compnode.replicas import ReplicaStore, Replicator, pack_chunks
 from fusionnet.errors import JobError
 from fusionnet.messages.blobs import unpack_tensors
@@ -31,15 +31,27 @@ def test_one_round_in_flight_committed_when_every_sub_dag_confirmed() -> None:
     assert book.request(0) == (True, None)  # snapshot after step 0: checkpoint step 1
     assert book.request(1) == (False, None)  # the round is still in flight
     assert not book.observe([1, None, 1])  # sub-DAG 1 has not confirmed yet
-    assert book.observe([1, 1, 1]) and book.committed == 1
-    assert book.request(2) == (True, 1)  # the next round; snapshots before step 1 may go
-    assert not book.observe([3, 1, 3])
-    for step in range(3, 2 + ROUND_RETRY):
+    assert book.observe([1, 1, 1], step=1) and book.committed == 1
+    assert book.request(2) == (False, 1)  # paced: the round held the links 1 step, so 2 steps off
+    assert book.request(3) == (True, 1)  # the next round; snapshots before step 1 may go
+    assert not book.observe([4, 1, 4], step=4)
+    for step in range(4, 3 + ROUND_RETRY):
         assert book.request(step) == (False, 1)
-    assert book.request(2 + ROUND_RETRY)[0]  # a round that never completed is asked for again
-    assert book.observe([3, 3, 3]) and book.committed == 3  # the older round completed meanwhile
+    assert book.request(3 + ROUND_RETRY)[0]  # a round that never completed is asked for again
+    assert book.observe([4, 4, 4], step=7) and book.committed == 4  # the older round completed meanwhile
     book.reset(3, enabled=False)  # grad / infer jobs
     assert book.request(0) == (False, None) and book.holders() is None
+
+
+def test_rounds_on_a_slow_link_are_paced_to_a_share_of_the_steps() -> None:
+    book = ReplicaBook()
+    book.reset(2, enabled=True)
+    assert book.request(0) == (True, None)
+    for step in range(1, 3):  # the snapshots take 3 steps to reach their holders
+        assert book.request(step) == (False, None) and not book.observe([None, None], step=step)
+    assert book.observe([1, 1], step=3) and book.committed == 1
+    asked = [step for step in range(4, 20) if book.request(step)[0]]
+    assert asked[0] == 3 + (PACE - 1) * 3  # idle twice as long as the round took
 
 
 def test_the_newest_step_every_sub_dag_has_on_a_live_peer_is_chosen() -> None:

@@ -37,6 +37,11 @@ from fusionnet.messages.blobs import pack_tensors
 log = logging.getLogger("fusionnet.broker.jobs")
 
 ROUND_RETRY = 4  # steps after which a round that never completed is asked for again
+# A round's snapshots share the links with the activations: after a round that took k steps to
+# complete, the next is asked for only (PACE - 1) * k steps later, so replication holds the links for
+# at most about 1 / PACE of the steps (every PACE-th step on a fast link; sparser on a slow one) and a
+# failover replays at most a few steps more.
+PACE = 3
 
 
 def ring_holders(n: int) -> list[int] | None:
@@ -56,6 +61,7 @@ class ReplicaBook:
         self.asked_at = 0
         self.committed: int | None = None
         self.reported: dict[int, int] = {}
+        self.next_at = 0  # the first step a new round may be asked at (``PACE``)
 
     def holders(self) -> list[int] | None:
         return ring_holders(self.n) if self.enabled else None
@@ -64,13 +70,16 @@ class ReplicaBook:
         """(take a snapshot after ``step``, keep_from) for the ``step`` request."""
         if not self.enabled:
             return False, None
-        if self.round is None or step - self.asked_at >= ROUND_RETRY:
+        if (self.round is None and step >= self.next_at) or (
+            self.round is not None and step - self.asked_at >= ROUND_RETRY
+        ):
             self.round, self.asked_at = step + 1, step
             return True, self.committed
         return False, self.committed
 
-    def observe(self, replicated: Sequence[int | None]) -> bool:
-        """The sub-DAGs' latest confirmed snapshots from a step's replies; True when a round completed."""
+    def observe(self, replicated: Sequence[int | None], step: int | None = None) -> bool:
+        """The sub-DAGs' latest confirmed snapshots from the replies of ``step``; True when a round
+        completed (the next one then waits ``PACE``)."""
         for i, r in enumerate(replicated):
             if r is not None:
                 self.reported[i] = max(self.reported.get(i, r), r)
@@ -81,7 +90,9 @@ class ReplicaBook:
             return False
         self.committed = done
         if done >= self.round:
-            self.round = None
+            at = self.round if step is None else step
+            span = max(1, at - self.asked_at)  # steps the round held the links
+            self.round, self.next_at = None, at + (PACE - 1) * span
         return True
 
     def pointer(self, attempt: int, peers: Sequence[str], rows: Sequence[dict[str, Any]]) -> ReplicaPointer:
