@@ -98,6 +98,7 @@ class JobRun(PlacementReview):
         self._outputs: dict[int, dict[str, torch.Tensor]] = {}
         self._busy: dict[int, float] = {}  # sub-DAG -> FP+BP+Update seconds over the steps below
         self._busy_steps = 0
+        self._next_sync = 0  # one compnode: the first step after which the broker collects again
         self._placement: Placement | None = None
         self._seen_candidates: set[str] = set()  # the compnodes offered at the last placement decision
         self.shape = JobShape(
@@ -184,9 +185,17 @@ class JobRun(PlacementReview):
         job = self.job
         if job.spec.task != "train":
             return Checkpoint(step, ckpt.state, ckpt.optim, list(self.progress.metrics))
-        every = self.ctx.settings.sync_every or (0 if self.replicas.enabled else 1)  # one compnode: no peer
-        if replanning.sync_due(step, job.spec.step_count, every, bool(self._leavers())):
-            return await self.watch.guarded(self._sync(step, ckpt))
+        every = self.ctx.settings.sync_every
+        leaving = bool(self._leavers())
+        if every or self.replicas.enabled:
+            due = replanning.sync_due(step, job.spec.step_count, every, leaving)
+        else:  # one compnode, no peer to replicate to: the broker collects, paced to a share of the time
+            due = step >= self._next_sync or replanning.sync_due(step, job.spec.step_count, 0, leaving)
+        if not due:
+            return ckpt
+        ckpt = await self.watch.guarded(self._sync(step, ckpt))
+        row = self.progress.metrics[-1] if self.progress.metrics else {}
+        self._next_sync = replanning.next_sync(step, row.get("sync_seconds", 0.0), row.get("seconds", 0.0))
         return ckpt
 
     async def _initial_checkpoint(self) -> Checkpoint:

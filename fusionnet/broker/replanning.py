@@ -11,6 +11,7 @@ I/O, so they are tested in-process (``tests/test_jobrun_decisions.py``).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -187,6 +188,19 @@ def prediction_replan(
         return None, now
     log.info("job %s: re-planning at this step boundary (misprediction): %s", job_id, proposed.describe())
     return Replan("mispredicted", proposed=proposed), now
+
+
+SYNC_PACE = 3  # a paced collection holds the link for at most about 1 / SYNC_PACE of the time
+
+
+def next_sync(step: int, sync_seconds: float, step_seconds: float) -> int:
+    """After a collection at ``step`` that took ``sync_seconds`` (steps take ``step_seconds``): the step
+    count at which the next is due, so that collecting (the whole state through one link) costs at most
+    about 1 / ``SYNC_PACE`` of the job's time; every step where it is cheap. A failure replays at most
+    those steps; nothing is lost."""
+    if sync_seconds <= 0 or step_seconds <= 0:
+        return step + 1
+    return step + max(1, math.ceil((SYNC_PACE - 1) * sync_seconds / step_seconds))
 
 
 def sync_due(step: int, steps: int, sync_every: int, leaving: bool) -> bool:
