@@ -12,7 +12,7 @@ from fusionnet.broker.links import parse_probe_reply, probe_placement
 from fusionnet.compnode.linkprobe import MAX_PROBE_BYTES, LinkProber, check_probe_request
 from fusionnet.errors import JobError
 from fusionnet.perfmodel.types import Link
-from fusionnet.planning.links import LinkBook, index_links
+from fusionnet.planning.links import LinkBook, assumed_link, index_links
 from fusionnet.planning.placement import consider_growth, plan_placement, predicted_step
 from fusionnet.wire.frames import TensorFrame
 from tests.planning_support import cand
@@ -65,7 +65,12 @@ def test_probe_replies_are_validated_before_they_reach_the_planner() -> None:
     assert parse_probe_reply(reply) == {1: Link(1e-4, 1e-9)}
     assert parse_probe_reply("garbage") == {} and parse_probe_reply({"links": [1]}) == {}
     known = {("a", "c"): Link(1, 0), ("x", "a"): Link(2, 0)}
-    assert index_links(["a", "b", "c"], known) == {(0, 2): Link(1, 0)}
+    # unprobed pairs are priced like the slowest probed link, not at loopback figures
+    indexed = index_links(["a", "b", "c"], known)
+    assert indexed[(0, 2)] == Link(1, 0) and len(indexed) == 6
+    assert all(link == Link(2, 0) for pair, link in indexed.items() if pair != (0, 2))
+    assert assumed_link([Link(1e-4, 1e-9), Link(5e-4, 8e-8), Link(1e-3, 8e-8)]) == Link(1e-3, 8e-8)
+    assert index_links(["a", "b"], {}) == {}  # nothing probed: the planner's loopback default
 
 
 def test_probe_placement_asks_only_for_links_it_lacks_and_survives_a_failed_compnode() -> None:

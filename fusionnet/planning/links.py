@@ -115,13 +115,22 @@ def _blend(old: float, new: float, weight: float) -> float:
 def index_links(
     peers: Iterable[str], links: Mapping[tuple[str, str], Link] | None
 ) -> dict[tuple[int, int], Link]:
-    """Peer-keyed links as the planner's device-index keys for a pool listed as ``peers``."""
+    """Peer-keyed links as the planner's device-index keys for a pool listed as ``peers``.
+
+    A pair never probed is priced like the slowest pair that was (``assumed_link``), not at loopback
+    figures: on a swarm whose links are alike that is what a probe will find, and a re-plan priced with
+    loopback for the unprobed pairs kept moving the job to pairs it had not probed yet, each found as
+    slow as the last (issue 16). With nothing probed at all, the planner's default (loopback) stays."""
     if not links:
         return {}
     order = list(peers)
+    assumed = assumed_link(links.values())
     return {
-        (i, j): links[(a, b)]
-        for i, a in enumerate(order)
-        for j, b in enumerate(order)
-        if i != j and (a, b) in links
+        (i, j): links.get((a, b), assumed) for i, a in enumerate(order) for j, b in enumerate(order) if i != j
     }
+
+
+def assumed_link(measured: Iterable[Link]) -> Link:
+    """The link assumed for an unprobed pair: the slowest measured one (least bandwidth, then most
+    latency)."""
+    return max(measured, key=lambda link: (link.beta, link.alpha))
