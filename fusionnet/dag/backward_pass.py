@@ -1,0 +1,230 @@
+"""BP of one sub-DAG (FusionAI section 3.6), the half of ``SubDagExecutor`` that runs the reversed edges.
+
+Gradients for the outwards data arrive from the consumers (summed when several read the same value,
+latest consumer first, as eager autograd accumulates), the loss is seeded with its share of the batch,
+and the gradients of received inputs go back to their producers (placeholders get none). A split BP
+(zero-bubble schedules) is I, the received inputs' gradients sent at once, then W, the parameters'
+(``split_backward``). Step-wide values (parameters read across a cut) get their summed gradient once,
+at the step's last seeding BP. Every stretch runs on the compute pool through ``SubDagExecutor._run``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from fusionnet.dag.channel import Channel
+from fusionnet.dag.devices import to_device, to_host
+from fusionnet.dag.hooks import Phase
+from fusionnet.dag.outbox import Outbox
+from fusionnet.dag.partition import SubDag
+from fusionnet.dag.precision import LossScaler
+from fusionnet.dag.split_backward import WeightWork, input_gradients, weight_gradients
+from fusionnet.errors import ExecutionError
+
+T = TypeVar("T")
+
+
+def is_float(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
+class BackwardPass:
+    """BP, I and W of one sub-DAG; mixed into ``SubDagExecutor``, which owns every attribute below."""
+
+    subdag: SubDag
+    channel: Channel
+    outbox: Outbox
+    device: torch.device
+    compute: Executor | None
+    scaler: LossScaler | None
+    loss_name: str | None
+    output_names: list[str]
+    named_params: dict[str, torch.nn.Parameter]
+    step_wide: set[str]
+    _stash: dict[int, tuple[list[Any], tuple[Any, ...]]]
+    _weight_work: dict[int, WeightWork]
+    _found_inf: bool
+
+    async def _run(self, phase: Phase, step: int, mb: int, work: Callable[[], T]) -> T:
+        raise NotImplementedError
+
+    def _failed(self, what: str, step: int, mb: int, e: Exception) -> ExecutionError:
+        raise NotImplementedError
+
+    def _send_out(self, dst: int, key: Any, value: Any, ready: Any) -> None:
+        raise NotImplementedError
+
+    async def backward(
+        self,
+        step: int,
+        mb: int,
+        loss_weight: float,
+        *,
+        last: bool | None = None,
+        last_seeded: bool | None = None,
+    ) -> None:
+        """The whole BP of micro-batch ``mb`` (``last``: the step's last BP, after which this sub-DAG's
+        gradients are complete; by default micro-batch 0, GPipe's last; ``last_seeded``: the step's last
+        BP that seeds gradients, which also seeds the step-wide ones; by default ``last``)."""
+        last = last if last is not None else mb == 0
+        last_seeded = last if last_seeded is None else last_seeded
+        inputs, outs = self._stash.pop(mb)
+        received = await self._receive_grads(step, mb, outs, step_wide=last_seeded)
+
+        def work() -> tuple[dict[str, list[Any]], Any]:
+            try:
+                roots, seeds = self._seeds(self._placed(received), loss_weight)
+                if roots:
+                    torch.autograd.backward(roots, seeds)
+            except ExecutionError:
+                raise
+            except Exception as e:
+                raise self._failed("BP", step, mb, e) from e
+            if last:
+                self._unscale()
+            return self._input_grads_to_host(inputs, step_wide=last_seeded)
+
+        back, ready = await self._run("bp", step, mb, work)
+        self._send_input_grads(step, mb, back, ready)
+
+    async def backward_input(
+        self, step: int, mb: int, loss_weight: float, *, last_seeded: bool = False
+    ) -> None:
+        """I of a split BP: the received inputs' gradients, sent at once (``split_backward``);
+        ``last_seeded``: the step's last I, which also seeds and sends the step-wide gradients."""
+        inputs, outs = self._stash.pop(mb)
+        received = await self._receive_grads(step, mb, outs, step_wide=last_seeded)
+
+        def work() -> tuple[dict[str, list[Any]], Any]:
+            leaves = [v for v in self._grad_leaves(inputs) if v.requires_grad]
+            params = [p for p in self.named_params.values() if p.requires_grad]
+            try:
+                roots, seeds = self._seeds(self._placed(received), loss_weight)
+                self._weight_work[mb] = input_gradients(roots, seeds, leaves, params)
+            except ExecutionError:
+                raise
+            except Exception as e:
+                raise self._failed("BP (input gradients)", step, mb, e) from e
+            return self._input_grads_to_host(inputs, step_wide=last_seeded)
+
+        back, ready = await self._run("bp", step, mb, work)
+        self._send_input_grads(step, mb, back, ready)
+
+    async def backward_weight(self, step: int, mb: int, *, last: bool) -> None:
+        """W of a split BP: the parameters' gradients, accumulated as a plain backward would."""
+        pending = self._weight_work.pop(mb)
+
+        def work() -> None:
+            try:
+                weight_gradients(pending)
+            except Exception as e:
+                raise self._failed("BP (weight gradients)", step, mb, e) from e
+            if last:
+                self._unscale()
+
+        await self._run("bp", step, mb, work)
+
+    def _unscale(self) -> None:
+        """After the step's last BP the gradients are complete: fp16 unscales them (and notes inf/nan)."""
+        if self.scaler is not None:
+            self._found_inf = self.scaler.unscale_(p.grad for p in self.named_params.values())
+
+    async def _receive_grads(
+        self, step: int, mb: int, outs: tuple[Any, ...], *, step_wide: bool
+    ) -> list[tuple[str, Any, list[tuple[int, Any]]]]:
+        """The gradients the consumers sent for this micro-batch's outputs; with ``step_wide``
+        also the step's summed gradients of the step-wide outputs (which no other BP waits for)."""
+        received: list[tuple[str, Any, list[tuple[int, Any]]]] = []
+        for name, value in zip(self.output_names, outs):
+            if name in self.step_wide and not step_wide:
+                continue
+            # Consumers return gradients exactly for values with a float part (see the send below).
+            consumers = self.subdag.consumers.get(name, ()) if self.expects_grad(value) else ()
+            key = ("grad", step, 0 if name in self.step_wide else mb, name)
+            # Latest consumer first: eager autograd accumulates a value's gradients in reverse execution
+            # order, and sub-DAGs are contiguous in that order, so this grouping keeps sums bit-exact.
+            grads = [
+                (dst, await self.outbox.guard(self.channel.recv(dst, key)))
+                for dst in sorted(consumers, reverse=True)
+            ]
+            received.append((name, value, grads))
+        return received
+
+    def _grad_leaves(self, inputs: list[Any]) -> list[torch.Tensor]:
+        """The float leaves of the received (non-placeholder) inputs: what the producers want back."""
+        leaves: list[torch.Tensor] = []
+        for name, value in zip(self.subdag.outer_required, inputs):
+            if name not in self.subdag.placeholders:
+                leaves.extend(v for v in tree_flatten(value)[0] if is_float(v))
+        return leaves
+
+    def _input_grads_to_host(self, inputs: list[Any], *, step_wide: bool) -> tuple[dict[str, list[Any]], Any]:
+        """On the compute thread: the received inputs' gradients as host copies (``to_host``) and the
+        event that marks them done, per input the producer expects a gradient for (the step-wide
+        ones only with ``step_wide``: their leaves have summed the whole step by then)."""
+        back = {}
+        for name, value in zip(self.subdag.outer_required, inputs):
+            if name in self.subdag.placeholders:
+                continue  # placeholders need no gradient (section 3.6)
+            if name in self.step_wide and not step_wide:
+                continue
+            if not self.expects_grad(value):
+                continue  # nothing differentiable was received, so the producer expects nothing
+            back[name] = [v.grad if is_float(v) else None for v in tree_flatten(value)[0]]
+        return to_host(back, self.device)
+
+    def _send_input_grads(self, step: int, mb: int, back: dict[str, list[Any]], ready: Any) -> None:
+        for name, grads in back.items():
+            key = ("grad", step, 0 if name in self.step_wide else mb, name)
+            self._send_out(self.subdag.sources[name], key, grads, ready)
+
+    def _placed(
+        self, received: list[tuple[str, Any, list[tuple[int, Any]]]]
+    ) -> list[tuple[str, Any, list[tuple[int, Any]]]]:
+        """Received gradients moved to this sub-DAG's device (on the compute thread)."""
+        return [(n, v, to_device(g, self.device)) for n, v, g in received]
+
+    def _seeds(
+        self, received: list[tuple[str, Any, list[tuple[int, Any]]]], loss_weight: float
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The roots and seed gradients of one BP: received gradients summed per output leaf (in the
+        order received), plus the loss seeded with its share of the batch."""
+        roots: list[torch.Tensor] = []
+        seeds: list[torch.Tensor] = []
+        for name, value, grads in received:
+            leaves, _ = tree_flatten(value)
+            total: list[torch.Tensor | None] = [None] * len(leaves)
+            for dst, got in grads:
+                flat, _ = tree_flatten(got)
+                if len(flat) != len(leaves):
+                    raise ExecutionError(
+                        f"sub-DAG {self.subdag.index}: gradient for {name!r} from sub-DAG "
+                        f"{dst} has {len(flat)} parts, expected {len(leaves)}"
+                    )
+                for i, g in enumerate(flat):
+                    if g is None:
+                        continue
+                    if not isinstance(g, torch.Tensor) or g.shape != leaves[i].shape:
+                        shape = getattr(g, "shape", type(g).__name__)
+                        raise ExecutionError(
+                            f"sub-DAG {self.subdag.index}: gradient for {name!r} from sub-DAG {dst} "
+                            f"has shape {shape}, expected {tuple(leaves[i].shape)}"
+                        )
+                    total[i] = g if total[i] is None else total[i] + g
+            for leaf, g in zip(leaves, total):
+                if g is not None and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    roots.append(leaf)
+                    seeds.append(g.to(leaf.dtype))
+            if name == self.loss_name and self.subdag.holds_loss:
+                roots.append(value)
+                seed = loss_weight if self.scaler is None else self.scaler.loss_seed(loss_weight)
+                seeds.append(torch.full_like(value, seed))
+        return roots, seeds
+
+    def expects_grad(self, value: Any) -> bool:
+        return any(is_float(v) for v in tree_flatten(value)[0])
