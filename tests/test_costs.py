@@ -496,3 +496,34 @@ def test_op_cost_rejects_bad_calls() -> None:
         op_cost(42, (x,), {}, x)
     with pytest.raises(TraceError, match="args"):
         op_cost(operator.neg, x, {}, -x)  # type: ignore[arg-type]
+
+
+def test_a_tied_weight_across_a_cut_is_timed_once_per_step() -> None:
+    from fusionnet.job.loader import load_job
+    from fusionnet.perfmodel.placement_cost import evaluate_assignment
+    from fusionnet.perfmodel.types import Link, Swarm, Workload
+    from fusionnet.planning.costgraph import cost_graph
+    from tests.planning_support import device as make_device
+
+    from fusionnet.runtime.prepare import trace_job
+    from tests.jobfiles import REPO
+
+    graph = trace_job(load_job(REPO / "examples" / "gpt" / "job.yaml")).graph
+    (var,) = [n for n in graph.nodes if n.kind == "variable"]
+    cg = cost_graph(graph, "sgd", microbatches=4)
+    step_edges = {(a, b): nbytes for a, b, nbytes in cg.step_edges}
+    assert step_edges and set(step_edges.values()) == {int(var.cost["activation_bytes"])}
+    # cut right after the embedding: the head on the other device reads the tied weight
+    names = [op.name for op in cg.ops]
+    consumer = next(b for a, b in step_edges)
+    cut = names.index(consumer)
+    assignment = {name: 0 if i < cut else 1 for i, name in enumerate(names)}
+    device = make_device("d", flops=1e10)
+    swarm = Swarm((device, device), {}, Link.from_bandwidth(1e-3, 1.25e8))
+    cost = evaluate_assignment(cg, swarm, Workload(4, "train", "gpipe"), assignment)
+    (transfer,) = cost.transfers
+    assert transfer.once_bytes == int(var.cost["activation_bytes"])
+    assert transfer.fwd_once == pytest.approx(transfer.once_bytes / 1.25e8)
+    # per step the link carries the weight once each way, not once per micro-batch
+    m = 4
+    assert cost.link_loads[(0, 1)] == pytest.approx(m * transfer.fwd + transfer.fwd_once)

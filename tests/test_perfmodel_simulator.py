@@ -104,3 +104,15 @@ def test_simulator_refuses_bad_input():
         simulate([StageTimes(1, 1)], [], 0)
     with pytest.raises(PlanError, match="negative"):
         simulate([StageTimes(-1, 1)], [], 1)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+def test_once_per_step_values_delay_the_first_forward_and_the_last_backward(schedule):
+    # A parameter read across the cut (a tied embedding) rides on stage 0's first forward message and
+    # its summed gradient on stage 1's last backward message: both lie on the critical path here.
+    stages = [StageTimes(1.0, 2.0), StageTimes(1.0, 2.0)]
+    plain = simulate(stages, [Hop(0, 1, 0.1, 0.1)], 4, schedule=schedule).step_seconds
+    once = simulate(stages, [Hop(0, 1, 0.1, 0.1, fwd_once=0.5, bwd_once=0.7)], 4, schedule=schedule)
+    assert once.step_seconds == pytest.approx(plain + 1.2)
+    with pytest.raises(PlanError, match="negative"):
+        simulate(stages, [Hop(0, 1, 0.1, 0.1, fwd_once=-1.0)], 4)

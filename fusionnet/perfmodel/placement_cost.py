@@ -52,6 +52,9 @@ class Transfer:
     grad_bytes: int  # gradient bytes per micro-batch going back
     fwd: float  # seconds per micro-batch on src -> dst
     bwd: float  # seconds per micro-batch on dst -> src
+    once_bytes: int = 0  # bytes once per step (parameters read across the cut; their gradients back)
+    fwd_once: float = 0.0  # seconds once per step on src -> dst
+    bwd_once: float = 0.0  # seconds once per step on dst -> src
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,9 @@ class AssignmentCost:
         m = self.workload.microbatches
         loads: dict[tuple[int, int], float] = {}
         for t in self.transfers:
-            loads[(t.src, t.dst)] = loads.get((t.src, t.dst), 0.0) + m * t.fwd
-            if self.workload.backward and t.bwd > 0:
-                loads[(t.dst, t.src)] = loads.get((t.dst, t.src), 0.0) + m * t.bwd
+            loads[(t.src, t.dst)] = loads.get((t.src, t.dst), 0.0) + m * t.fwd + t.fwd_once
+            if self.workload.backward and t.bwd + t.bwd_once > 0:
+                loads[(t.dst, t.src)] = loads.get((t.dst, t.src), 0.0) + m * t.bwd + t.bwd_once
         return loads
 
     @cached_property
@@ -105,7 +108,17 @@ class AssignmentCost:
         times = [
             StageTimes(s.fp, s.bp if w.backward else 0.0, s.update if w.update else 0.0) for s in self.stages
         ]
-        hops = [Hop(t.src, t.dst, t.fwd, t.bwd if w.backward else 0.0) for t in self.transfers]
+        hops = [
+            Hop(
+                t.src,
+                t.dst,
+                t.fwd,
+                t.bwd if w.backward else 0.0,
+                t.fwd_once,
+                t.bwd_once if w.backward else 0.0,
+            )
+            for t in self.transfers
+        ]
         return simulate(times, hops, w.microbatches, schedule=w.schedule, task=w.task)
 
     @property
@@ -215,29 +228,37 @@ def evaluate_assignment(
     n = len(order)
     grad = graph.needs_grad
     index = graph.index
-    # one message per (producer op, consuming device)
+    # one message per (producer op, consuming device); a step-wide value once per step
+    step_wide = {(e[0], e[1]): e[2] for e in graph.step_edges}
     sent: dict[tuple[int, int], int] = {}
+    sent_once: dict[tuple[int, int], int] = {}
     for src, dst, nbytes in graph.edges:
         u, v = index[src], index[dst]
         if assign[u] != assign[v]:
             key = (u, stage_of[assign[v]])
-            if nbytes > sent.get(key, -1):
-                sent[key] = nbytes
+            table, size = (sent_once, step_wide[(src, dst)]) if (src, dst) in step_wide else (sent, nbytes)
+            if size > table.get(key, -1):
+                table[key] = size
     pair_bytes: dict[tuple[int, int], list[int]] = {}
-    for (u, t), nbytes in sorted(sent.items()):
-        acc = pair_bytes.setdefault((stage_of[assign[u]], t), [0, 0])
-        acc[0] += nbytes
-        if grad[u]:
-            acc[1] += nbytes
+    for once, table in ((0, sent), (2, sent_once)):
+        for (u, t), nbytes in sorted(table.items()):
+            acc = pair_bytes.setdefault((stage_of[assign[u]], t), [0, 0, 0, 0])
+            acc[once] += nbytes
+            if grad[u]:
+                acc[once + 1] += nbytes
     transfers = []
     in_b, out_b = [0] * n, [0] * n
     recv_f, recv_b = [0.0] * n, [0.0] * n
-    for (a, b), (nb, gb) in sorted(pair_bytes.items()):
-        fwd = swarm.link(order[a], order[b]).time(nb)
-        bwd = swarm.link(order[b], order[a]).time(gb) if workload.backward else 0.0
-        transfers.append(Transfer(a, b, nb, gb, fwd, bwd))
-        in_b[b] += nb
-        out_b[a] += nb
+    for (a, b), (nb, gb, ob, ogb) in sorted(pair_bytes.items()):
+        there, back = swarm.link(order[a], order[b]), swarm.link(order[b], order[a])
+        fwd = there.time(nb)
+        bwd = back.time(gb) if workload.backward else 0.0
+        # rides on the first forward's (the last backward's) message; alone, it is a message of its own
+        fwd_once = there.beta * ob if nb else there.time(ob)
+        bwd_once = (back.beta * ogb if gb else back.time(ogb)) if workload.backward else 0.0
+        transfers.append(Transfer(a, b, nb, gb, fwd, bwd, ob, fwd_once, bwd_once))
+        in_b[b] += nb + ob  # staged on both ends (the step-wide value is held the whole step)
+        out_b[a] += nb + ob
         recv_f[b] += fwd
         recv_b[a] += bwd
     stage_ops: list[list[int]] = [[] for _ in range(n)]

@@ -39,6 +39,10 @@ class Hop:
     dst: int
     fwd: float  # seconds per micro-batch on src -> dst
     bwd: float = 0.0  # seconds per micro-batch on dst -> src
+    # Once per step (a parameter read across the cut): more seconds on the message of src's first
+    # forward, and on the gradient message of dst's last seeding backward (B or I).
+    fwd_once: float = 0.0
+    bwd_once: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ def _validate(
             )
         if (h.src, h.dst) in seen:
             raise PlanError(f"hop {h.src} -> {h.dst} is given twice")
-        if min(h.fwd, h.bwd) < 0:
+        if min(h.fwd, h.bwd, h.fwd_once, h.bwd_once) < 0:
             raise PlanError(f"hop {h.src} -> {h.dst} has a negative time")
         seen.add((h.src, h.dst))
 
@@ -128,12 +132,14 @@ def _send(
     link_free: list[float],
     arrival: list[list[float | None]],
     seconds: list[float],
+    once: list[float] | None = None,
 ) -> None:
-    """A task that ended at ``end`` sends micro-batch ``k`` over ``hop_ids``: each link carries one
-    message at a time, so a message waits for the one before it."""
+    """A task that ended at ``end`` sends micro-batch ``k`` over ``hop_ids`` (with ``once``: the
+    step's once-per-step values too): each link carries one message at a time, so a message waits
+    for the one before it."""
     for j in hop_ids:
         t0 = end if end > link_free[j] else link_free[j]
-        link_free[j] = arrival[j][k] = t0 + seconds[j]
+        link_free[j] = arrival[j][k] = t0 + seconds[j] + (once[j] if once is not None else 0.0)
 
 
 def simulate(
@@ -153,12 +159,18 @@ def simulate(
     outs: list[list[int]] = [[j for j, h in enumerate(hops) if h.src == s] for s in range(n)]
     fwd_t = [h.fwd for h in hops]
     bwd_t = [h.bwd for h in hops]
+    fwd_once = [h.fwd_once for h in hops]
+    bwd_once = [h.bwd_once for h in hops]
     fwd_arrival: list[list[float | None]] = [[None] * m for _ in hops]  # activation at hop.dst
     bwd_arrival: list[list[float | None]] = [[None] * m for _ in hops]  # gradient at hop.src
     fwd_free = [0.0] * len(hops)  # the src -> dst link
     bwd_free = [0.0] * len(hops)  # the dst -> src link
     plan = _resolve(schedule, task, n, m)
     programs = [[(a.kind, a.mb) for a in plan.program(s)] for s in range(n)]
+    first_f = [next((i for i, (kind, _) in enumerate(p) if kind == "F"), -1) for p in programs]
+    last_seed = [
+        max((i for i, (kind, _) in enumerate(p) if kind in ("B", "I")), default=-1) for p in programs
+    ]
     dur = {
         "F": [st.fp for st in stages],
         "B": [st.bp for st in stages],
@@ -204,9 +216,11 @@ def simulate(
                         peak[s] = max(peak[s], held[s])
                     else:
                         peak[s] = 1
-                    _send(outs[s], k, end, fwd_free, fwd_arrival, fwd_t)
+                    once = fwd_once if pos[s] - 1 == first_f[s] else None
+                    _send(outs[s], k, end, fwd_free, fwd_arrival, fwd_t, once)
                 if kind in ("B", "I"):
-                    _send(ins[s], k, end, bwd_free, bwd_arrival, bwd_t)
+                    once = bwd_once if pos[s] - 1 == last_seed[s] else None
+                    _send(ins[s], k, end, bwd_free, bwd_arrival, bwd_t, once)
                 if kind in ("B", "W"):
                     held[s] -= 1
         if not progressed:  # check names what each stuck stage waits for

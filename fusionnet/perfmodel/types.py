@@ -90,12 +90,22 @@ class CostGraph:
 
     ops: tuple[OpCost, ...]
     edges: tuple[tuple[str, str, int], ...]  # (producer, consumer, bytes per micro-batch)
+    # Edges among ``edges`` whose value holds for a whole step (a parameter read across a cut): it
+    # crosses once per step, at the first FP, and its gradient once, at the last BP. (producer,
+    # consumer, bytes per step); ``edges`` lists them with those bytes spread over the micro-batches,
+    # which is what the searches price; ``evaluate_assignment`` times them as they run.
+    step_edges: tuple[tuple[str, str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.ops:
             raise IRError("a cost graph needs at least one op")
         object.__setattr__(self, "ops", tuple(self.ops))
         object.__setattr__(self, "edges", tuple(tuple(e) for e in self.edges))
+        object.__setattr__(self, "step_edges", tuple(tuple(e) for e in self.step_edges))
+        pairs = {(e[0], e[1]) for e in self.edges}
+        for k, edge in enumerate(self.step_edges):
+            if len(edge) != 3 or (edge[0], edge[1]) not in pairs or not _is_int(edge[2]) or edge[2] < 0:
+                raise IRError(f"step_edges[{k}] must be (producer, consumer, bytes) of one of the edges")
         index: dict[str, int] = {}
         for i, op in enumerate(self.ops):
             if not isinstance(op, OpCost):

@@ -113,6 +113,7 @@ def cost_graph(
             )
         )
     edges: dict[tuple[str, str], int] = {}
+    step_edges: dict[tuple[str, str], int] = {}
     for n in ops:
         for src in n.input_names():
             producer = owner.get(src, src)
@@ -122,9 +123,16 @@ def cost_graph(
             if graph.node(src).kind != "variable":
                 nbytes = per_mb(nbytes)
             else:
+                step_edges[(producer, n.name)] = step_edges.get((producer, n.name), 0) + nbytes
                 nbytes = -(-nbytes // max(1, microbatches))
             edges[(producer, n.name)] = edges.get((producer, n.name), 0) + nbytes
-    return CostGraph(tuple(costs), tuple((a, b, nbytes) for (a, b), nbytes in edges.items()))
+    # an edge that also carries per-micro-batch values is timed per micro-batch as a whole
+    once = {k: v for k, v in step_edges.items() if edges[k] == -(-v // max(1, microbatches))}
+    return CostGraph(
+        tuple(costs),
+        tuple((a, b, nbytes) for (a, b), nbytes in edges.items()),
+        tuple((a, b, nbytes) for (a, b), nbytes in once.items()),
+    )
 
 
 def _traced_samples(graph: IRGraph) -> int | None:
