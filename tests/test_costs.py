@@ -503,10 +503,9 @@ def test_a_tied_weight_across_a_cut_is_timed_once_per_step() -> None:
     from fusionnet.perfmodel.placement_cost import evaluate_assignment
     from fusionnet.perfmodel.types import Link, Swarm, Workload
     from fusionnet.planning.costgraph import cost_graph
-    from tests.planning_support import device as make_device
-
     from fusionnet.runtime.prepare import trace_job
     from tests.jobfiles import REPO
+    from tests.planning_support import device as make_device
 
     graph = trace_job(load_job(REPO / "examples" / "gpt" / "job.yaml")).graph
     (var,) = [n for n in graph.nodes if n.kind == "variable"]
