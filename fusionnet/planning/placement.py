@@ -181,10 +181,11 @@ def _place(
         raise PlanError(f"cannot place {k} sub-DAG(s) on {len(pool)} compnode(s)")
     if policy == SCHEDULER and all(c.device is not None for c in pool):
         planned = _schedule(shape, pool, links, stages=k)
-        if stages is None and k > 1 and idle_stages(planned.predicted_seconds):
+        while stages is None and len(planned.devices) > 1 and idle_stages(planned.predicted_seconds):
             # Forced to k stages, the model left some without work (slow links: one compnode does it
-            # all). A compnode that gets no work goes back to the pool: the model picks fewer stages.
-            planned = _schedule(shape, pool, links, max_devices=k - 1)
+            # all). A compnode that gets no work goes back to the pool: the model picks fewer stages
+            # (free to, it may still keep a stub that saves it a millisecond: then fewer again).
+            planned = _schedule(shape, pool, links, max_devices=len(planned.devices) - 1)
         return Placement(
             peers=tuple(pool[d].peer_id for d in planned.devices),
             assignment=dict(planned.assignment),
