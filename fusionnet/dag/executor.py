@@ -7,6 +7,11 @@
   gradients of received inputs go back to their producers (placeholders get none).
 - **Update** applies the per-op optimizers of the job file to the parameters this sub-DAG owns.
 
+A parameter read on another sub-DAG (a tied embedding: a ``variable`` node across a cut) is one
+value for the whole step: it is sent at the owner's first FP (key micro-batch 0), placed once as a
+leaf that every micro-batch of the reader uses, and its gradient, summed over the step by autograd on
+that leaf, goes back once at the reader's last seeding BP (``backward_pass``).
+
 Micro-batches follow the job's pipeline schedule (``fusionnet.schedules``; GPipe by default: all FPs,
 then all BPs in reverse order, then one Update): one loop runs this sub-DAG's program of the schedule,
 action by action. Gradients accumulate over micro-batches and equal the full-batch gradients up to
