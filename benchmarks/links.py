@@ -173,7 +173,7 @@ def run_swarm(
     flops = [float(s["cost"].get("flops_fwd", 0)) for s in plan["subdags"]]
     run.split = [round(f / max(sum(flops), 1.0), 3) for f in flops]
     run.cut_mb = cut_bytes(graph, plan, scale) / 1e6
-    k, m = len(plan["subdags"]), MICROBATCHES
+    k, m = max(1, sum(1 for share in run.split if share > 0.02)), MICROBATCHES  # stages with work
     compute = plain_ms * (m + k - 1) / (m * k)
     run.bound_ms = max(compute, run.cut_mb * 1e6 / (rate_bits(run.rate) / 8) * 1e3)
     got = load_file(str(out / "weights.safetensors"))
