@@ -69,6 +69,7 @@ class LinkRun:
     bound_ms: float = float("nan")
     max_diff: float = float("nan")
     falsely_lost: int = 0
+    jobs: int = 1  # measured jobs run in a row on the swarm (``--repeat``), all succeeded
     error: str | None = None
     before_ms: float | None = None  # failover: before and after the backup came in
     after_ms: float | None = None
@@ -130,10 +131,13 @@ def rows_ms(rows: list[dict[str, Any]]) -> float:
 
 def run_swarm(
     workdir: Path, job: Path, run: LinkRun, ref: dict[str, Any], plain_ms: float, graph: Any, scale: float,
-    *, backups: int = 0, fault: str | None = None, warmup: Path | None = None, timeout: float = 1500,
+    *, backups: int = 0, fault: str | None = None, warmup: Path | None = None, repeat: int = 1,
+    timeout: float = 1500,
 ) -> LinkRun:  # fmt: skip
     """``warmup``: a job run first on the same swarm, so that its broker has measured the links and
-    learnt how fast its compnodes really run (``planning.speeds``), as a broker in service has."""
+    learnt how fast its compnodes really run (``planning.speeds``), as a broker in service has;
+    ``repeat``: the job is run that many times in a row (the first one's figures are reported; every
+    one must succeed, and a compnode declared lost during any of them counts as falsely lost)."""
     from safetensors.torch import load_file
 
     out = workdir / "out"
@@ -148,6 +152,11 @@ def run_swarm(
                     run.error = "warm-up job: " + (done.stdout + done.stderr).strip()[-300:]
                     return run
             done = swarm.submit(job, out, timeout=timeout)
+            for again in range(2, repeat + 1):
+                if done.returncode != 0:
+                    break
+                done = swarm.submit(job, workdir / f"out-{again}", timeout=timeout)
+                run.jobs = again
         finally:
             swarm.stop()
             logs = swarm.dump_logs()
@@ -160,7 +169,7 @@ def run_swarm(
     plan = json.loads((out / "plan.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     recoveries = plan.get("recoveries") or []
-    broker_log = logs.split("===== broker =====")[-1].split("succeeded;")[0]
+    broker_log = logs.split("===== broker =====")[-1].rsplit("succeeded;", 1)[0]  # up to the last job's end
     run.falsely_lost = 0 if fault else broker_log.count("counts as lost")
     if fault and recoveries:
         failed = int(recoveries[0].get("failed_step", 0))
@@ -186,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8, help="training steps per job (default 8, >= 6)")
     p.add_argument("--runs", nargs="+", default=list(RUNS), help="RATE:COMPNODES pairs (tc rate syntax)")
     p.add_argument("--no-failover", action="store_true", help="skip the SIGKILL run at 100 Mbit/s")
+    p.add_argument("--repeat", type=int, default=1, help="run each row's job this many times in a row")
     p.add_argument(
         "--warmup", type=int, default=10,
         help="steps of a job run first on each swarm (its broker then knows links and speeds; 0: none)",
@@ -231,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         path = write_job(workdir / f"job{i}", dims, args.steps, run.compnodes)
         warmup = write_job(workdir / f"warmup{i}", dims, args.warmup, run.compnodes) if args.warmup else None
         folder = workdir / f"run{i}-{run.rate}-{run.compnodes}"
-        run_swarm(folder, path, run, ref, plain_ms, graph, scale, warmup=warmup)
+        run_swarm(folder, path, run, ref, plain_ms, graph, scale, warmup=warmup, repeat=args.repeat)
         print(f"  {run.rate} x{run.compnodes}: {run.measured_ms:.0f} ms/step "
               f"(predicted {run.predicted_ms:.0f}), split {run.split}, error {run.error}",
               flush=True)  # fmt: skip
@@ -263,7 +273,7 @@ def report(
         table.append((
             r.rate, str(r.compnodes), f"{r.measured_ms:.0f}", f"{r.predicted_ms:.0f}",
             f"{r.prediction_error:+.0%}", f"{r.measured_ms / plain_ms:.2f}", f"{r.bound_ms:.0f}",
-            f"{r.cut_mb:.2f}", "/".join(f"{s:.0%}" for s in r.split), str(r.falsely_lost),
+            f"{r.cut_mb:.2f}", "/".join(f"{s:.0%}" for s in r.split), f"{r.falsely_lost} in {r.jobs} job(s)",
             f"{r.max_diff:.1e}",
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -293,7 +303,7 @@ def report(
             {"rate": r.rate, "compnodes": r.compnodes, "measured_ms": round(r.measured_ms, 1),
              "predicted_ms": round(r.predicted_ms, 1), "vs_plain": round(r.measured_ms / plain_ms, 3),
              "gpipe_bound_ms": round(r.bound_ms, 1), "cut_mb_per_step": round(r.cut_mb, 3), "split": r.split,
-             "falsely_lost": r.falsely_lost, "max_diff": r.max_diff, "error": r.error}
+             "falsely_lost": r.falsely_lost, "jobs": r.jobs, "max_diff": r.max_diff, "error": r.error}
             for r in runs
         ],
         "median_prediction_error_split": None if median_error is None else round(median_error, 3),
