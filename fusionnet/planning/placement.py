@@ -34,7 +34,7 @@ from fusionnet.planning.pipeline_schedule import AUTO, ScheduleChoice, choose_sc
 from fusionnet.planning.planner import PlannedJob, plan_graph
 from fusionnet.planning.predict import predict_assignment
 
-PeerLinks = Mapping[tuple[str, str], Link]  # measured links by (from, to) compnode; others: loopback
+PeerLinks = Mapping[tuple[str, str], Link]  # measured links by (from, to); others: index_links
 
 SCHEDULER = "performance model"
 BALANCED = "balanced"
