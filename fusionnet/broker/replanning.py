@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fusionnet.broker.registry import CompnodeRegistry
+from fusionnet.broker.replicas import PACE
 from fusionnet.errors import FusionNetError
 from fusionnet.planning.placement import (
     SCHEDULER,
@@ -190,17 +191,14 @@ def prediction_replan(
     return Replan("mispredicted", proposed=proposed), now
 
 
-SYNC_PACE = 3  # a paced collection holds the link for at most about 1 / SYNC_PACE of the time
-
-
 def next_sync(step: int, sync_seconds: float, step_seconds: float) -> int:
     """After a collection at ``step`` that took ``sync_seconds`` (steps take ``step_seconds``): the step
     count at which the next is due, so that collecting (the whole state through one link) costs at most
-    about 1 / ``SYNC_PACE`` of the job's time; every step where it is cheap. A failure replays at most
-    those steps; nothing is lost."""
+    about 1 / ``replicas.PACE`` of the job's time, as replication rounds do; every step where it is
+    cheap. A failure replays at most those steps; nothing is lost."""
     if sync_seconds <= 0 or step_seconds <= 0:
         return step + 1
-    return step + max(1, math.ceil((SYNC_PACE - 1) * sync_seconds / step_seconds))
+    return step + max(1, math.ceil((PACE - 1) * sync_seconds / step_seconds))
 
 
 def sync_due(step: int, steps: int, sync_every: int, leaving: bool) -> bool:

@@ -246,7 +246,7 @@ class SubDagExecutor(BackwardPass):
 
         outs, host, ready = await self._run("fp", step, mb, work)
         for name, value in zip(self.subdag.outer_required, inputs):
-            if name in self.step_wide:
+            if name in self.step_wide and name not in ready_leaves:  # placed by this FP: kept for the step
                 self._step_inputs[name] = value
         for name, value in host.items():
             for dst in self.subdag.consumers.get(name, ()):

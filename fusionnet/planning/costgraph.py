@@ -67,8 +67,8 @@ def cost_graph(
     """The IR as the performance model sees it (module docstring). ``optimizer`` is one profile name for
     every parameter or a map from parameter key to name; ``scale`` multiplies per-micro-batch FLOPs and
     bytes (planning for a micro-batch of another size than the traced one). A parameter read across a
-    cut crosses once per step (and its gradient once back), so its edge carries its bytes spread over
-    the step's ``microbatches``: the model prices edges per micro-batch."""
+    cut crosses once per step (and its gradient once back): its edge is a ``step_edges`` entry, and in
+    ``edges`` (what the searches price per micro-batch) its bytes are spread over ``microbatches``."""
     ops = [n for n in graph.nodes if n.kind in OPS]
     if not ops:
         raise PlanError("the graph has no operators to place")
@@ -114,6 +114,7 @@ def cost_graph(
         )
     edges: dict[tuple[str, str], int] = {}
     step_edges: dict[tuple[str, str], int] = {}
+    per_mb_edges: set[tuple[str, str]] = set()  # edges carrying a per-micro-batch value too
     for n in ops:
         for src in n.input_names():
             producer = owner.get(src, src)
@@ -122,12 +123,13 @@ def cost_graph(
             nbytes = int(graph.node(src).cost.get("activation_bytes", 0))
             if graph.node(src).kind != "variable":
                 nbytes = per_mb(nbytes)
+                per_mb_edges.add((producer, n.name))
             else:
                 step_edges[(producer, n.name)] = step_edges.get((producer, n.name), 0) + nbytes
                 nbytes = -(-nbytes // max(1, microbatches))
             edges[(producer, n.name)] = edges.get((producer, n.name), 0) + nbytes
     # an edge that also carries per-micro-batch values is timed per micro-batch as a whole
-    once = {k: v for k, v in step_edges.items() if edges[k] == -(-v // max(1, microbatches))}
+    once = {k: v for k, v in step_edges.items() if k not in per_mb_edges}
     return CostGraph(
         tuple(costs),
         tuple((a, b, nbytes) for (a, b), nbytes in edges.items()),
