@@ -80,12 +80,14 @@ def test_random_kills_in_fp_bp_update_and_sync_lose_nothing(seed: int, tmp_path:
             armed = sw.compnodes[:5]
             died = [d for d in armed if d.proc.poll() is not None]
             # Who dies depends on the placements: a re-plan after a failure may leave an armed survivor
-            # out (the model preferred the backups), and then its point never comes. One the job kept to
-            # the end had to die (points are within a node's first 3 steps, the job runs 24).
+            # out (the model preferred the backups, or a compnode it would give no work goes back to the
+            # pool: placement.idle_stages), and then its point never comes. One the job kept to the end
+            # had to die (points are within a node's first 3 steps, the job runs 24), and so did every
+            # armed compnode of the first placement that ran a step.
             final = set(plan["compnodes"].values())
             kept = [d.name for d in armed if d not in died and d.peer_id in final]
             assert not kept, f"armed compnodes in the final placement that never died: {kept}"
-            assert len(died) >= 2, f"only {[d.name for d in died]} died"
+            assert died, "no armed compnode died"
             logs = sw.dump_logs()
             assert logs.count("fault injection: SIGKILL") == len(died)
             recoveries = [r for r in plan["recoveries"] if "lost" in r and "detection" in r]
