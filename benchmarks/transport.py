@@ -8,6 +8,8 @@ Rows (all over loopback; each moves tensors of 64 KiB, 1, 16 and 64 MiB):
                    into a fresh buffer per message): the ceiling for any asyncio transport.
 - ``datapath``     ``fusionnet.wire`` DataPathServer/DataPathClient: framed, authenticated with the
                    job's MAC, delivered as a tensor to the job's callback.
+- ``datapath+enc`` the same, with the payload encrypted (``placement.wire_encryption: on``, AES-CTR
+                   under the same MAC, ``fusionnet/wire/crypt.py``): what a frame costs between hosts.
 - ``p2p``          ``fusionnet.wire`` P2PDataPath: the same frames over hivemind P2P streams.
 
 The receiver of every row runs in its own process (spawned, one per row), as a peer would: in one
@@ -64,7 +66,7 @@ def size_key(n: int) -> str:
 
 
 ROUND_BYTES = 64 << 20
-KINDS = ("raw socket", "raw asyncio", "datapath", "p2p")
+KINDS = ("raw socket", "raw asyncio", "datapath", "datapath+enc", "p2p")
 LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
 KEY = b"benchmark-job-key-0123456789abcdef"  # both processes need it; a real job key is random
 
@@ -136,10 +138,11 @@ async def _async_receiver(kind: str, conn: Connection) -> None:
         async def stop() -> None:
             server.close()
 
-    elif kind == "datapath":
+    elif kind.startswith("datapath"):
         sizes = {}
         dp = DataPathServer(peer_id="receiver")
-        dp.register_job("bench", KEY, {"sender"}, lambda f: counter.delivered())
+        policy = "on" if kind == "datapath+enc" else "auto"
+        dp.register_job("bench", KEY, {"sender"}, lambda f: counter.delivered(), encryption=policy)
         conn.send(await dp.start())
         stop = dp.stop
     else:
@@ -201,7 +204,7 @@ class Sender:
         elif self.kind == "raw asyncio":
             _, self.writer = await asyncio.open_connection(*info)
             self.writer.transport.set_write_buffer_limits(high=0)  # as the data path does
-        elif self.kind == "datapath":
+        elif self.kind.startswith("datapath"):
             self.address = info
             self.client = DataPathClient(peer_id="sender")
         else:
@@ -231,8 +234,9 @@ class Sender:
             self._tensors[size] = torch.randn(size // 4)
         tensor = self._tensors[size]
         for i in range(count):
-            if self.kind == "datapath":
-                await self.client.send(self.address, _frame("sender", i, tensor), KEY)
+            if self.kind.startswith("datapath"):
+                policy = "on" if self.kind == "datapath+enc" else "auto"
+                await self.client.send(self.address, _frame("sender", i, tensor), KEY, encryption=policy)
             else:
                 await self.path.send(self.peer_id, _frame(self.path.peer_id, i, tensor), KEY)
 
@@ -358,7 +362,13 @@ def main() -> None:
     )
 
     result: dict[str, object] = {"loop": args.loop, "rounds": args.rounds, "cpus": os.cpu_count()}
-    keys = {"raw socket": "raw", "raw asyncio": "raw_asyncio", "datapath": "datapath", "p2p": "p2p"}
+    keys = {
+        "raw socket": "raw",
+        "raw asyncio": "raw_asyncio",
+        "datapath": "datapath",
+        "datapath+enc": "datapath_enc",
+        "p2p": "p2p",
+    }
     base, cpu_base = mbps["raw socket"], cpu_mbps["raw socket"]
     for name, row in mbps.items():
         for n in sizes:

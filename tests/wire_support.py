@@ -12,7 +12,7 @@ import msgpack
 import torch
 
 from fusionnet.wire.frames import TensorFrame, encode_frame, read_frame
-from fusionnet.wire.header import MAGIC
+from fusionnet.wire.header import MAGIC, VERSION
 from fusionnet.wire.mac import FrameMac
 
 KEY = b"k" * 32
@@ -41,7 +41,7 @@ def craft(
 ) -> bytes:
     """A frame built by hand, so tests can send what ``encode_frame`` would never produce."""
     doc: dict[str, object] = {
-        "v": 2,
+        "v": VERSION,
         "job": "job1",
         "from": "A",
         "kind": "act",

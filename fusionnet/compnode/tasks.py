@@ -159,7 +159,7 @@ class SubtaskService(ReplicaRPC):
         if peer.data_address and peer.peer_id not in self._tcp_down:
             assert self.client is not None
             try:
-                await self.client.send(peer.data_address, frame, job.key)
+                await self.client.send(peer.data_address, frame, job.key, job.spec.wire_encryption)
                 self.node.metrics.count_data("tcp", "sent", nbytes)
                 return
             except PeerUnreachable as e:
@@ -262,7 +262,7 @@ class SubtaskService(ReplicaRPC):
 
         for path_name, path in (("tcp", self.server), ("p2p", self.p2p)):
             assert path is not None
-            path.register_job(job.job_id, job.key, allowed, router(path_name))
+            path.register_job(job.job_id, job.key, allowed, router(path_name), job.spec.wire_encryption)
         self.jobs[job.job_id] = job
         self._locks[job.job_id] = asyncio.Lock()
         self._heard[job.job_id] = time.monotonic()

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Iterable
 
 from fusionnet.errors import WireError
+from fusionnet.wire.crypt import check_policy, encrypt_to
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.header import MAX_ID_LEN, check_text
 from fusionnet.wire.pool import StreamPool
@@ -113,9 +114,14 @@ class DataPathServer:
         return self.receiver.stats
 
     def register_job(
-        self, job_id: str, key: bytes, allowed_senders: Iterable[str], on_frame: FrameHandler
+        self,
+        job_id: str,
+        key: bytes,
+        allowed_senders: Iterable[str],
+        on_frame: FrameHandler,
+        encryption: str = "auto",
     ) -> None:
-        self.receiver.register_job(job_id, key, allowed_senders, on_frame)
+        self.receiver.register_job(job_id, key, allowed_senders, on_frame, encryption)
 
     def unregister_job(self, job_id: str) -> None:
         self.receiver.unregister_job(job_id)
@@ -161,7 +167,8 @@ class DataPathServer:
 
     async def _serve(self, source: BufferedSource) -> None:
         try:
-            await self.receiver.serve(source, source.peername)
+            host = source.peername.rpartition(":")[0]
+            await self.receiver.serve(source, source.peername, remote_host=host)
         except asyncio.CancelledError:
             raise
         except Exception:  # serve() handles peers' errors; this only guards against our own bugs
@@ -217,13 +224,19 @@ class DataPathClient:
                 raise
         return reader, writer, receiver
 
-    async def send(self, address: tuple[str, int] | str, frame: TensorFrame, key: bytes) -> None:
-        """Sends one frame; returns once all of it is in the kernel. ``PeerUnreachable`` if it cannot."""
+    async def send(
+        self, address: tuple[str, int] | str, frame: TensorFrame, key: bytes, encryption: str = "auto"
+    ) -> None:
+        """Sends one frame; returns once all of it is in the kernel. ``PeerUnreachable`` if it cannot.
+
+        ``encryption`` is the job's ``placement.wire_encryption``: ``auto`` encrypts the payload
+        unless ``address`` is loopback (``crypt.py``)."""
         if not isinstance(frame, TensorFrame):
             raise WireError(f"expected a TensorFrame, got {type(frame).__name__}")
         if frame.sender != self.peer_id:
             raise WireError(f"frame claims sender {frame.sender!r} but this client is {self.peer_id!r}")
-        await self._pool.send(parse_address(address), frame, key)
+        dest = parse_address(address)
+        await self._pool.send(dest, frame, key, encrypt=encrypt_to(check_policy(encryption), dest[0]))
 
     async def close(self) -> None:
         await self._pool.close()

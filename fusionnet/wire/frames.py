@@ -5,14 +5,16 @@ is ``prefix | msgpack header | head tag | raw bytes | tag`` (layout in ``header.
 ``mac.py``). Nothing a peer sends is unpickled or evaluated: the header is msgpack of plain fields,
 checked field by field; the payload is the raw bytes of an allowlisted dtype, received straight
 into the memory of the tensor that is handed out (no extra copy). Sending takes a zero-copy view
-of a contiguous CPU tensor.
+of a contiguous CPU tensor. An encrypted frame (``crypt.py``) carries the payload's ciphertext,
+which the receiver decrypts in place once the frame is authentic.
 
 ``read_frame`` checks, in this order, so that nothing large is allocated for a frame that will be
 refused: prefix magic and header length, header structure and types, dtype allowlist, shape
 bounds, ``nbytes == prod(shape) * itemsize``, ``payload <= max_payload``, sender (if bound to an
 authenticated stream), job known, sender allowed, the head tag (so only a key holder can make a
 receiver allocate a payload buffer), the receiver named in the header is us, the sequence number is
-fresh (``replay.py``), then the whole-frame tag once the bytes are in.
+fresh (``replay.py``), that the frame is encrypted if its job requires it, then the whole-frame tag
+once the bytes are in.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from fusionnet.errors import WireError
 from fusionnet.wire import refusal as R
+from fusionnet.wire.crypt import PayloadCipher, decrypt, write_sealed
 from fusionnet.wire.header import (
     ALLOWED_DTYPES,
     MAX_ID_LEN,
@@ -40,23 +43,33 @@ from fusionnet.wire.header import (
     parse_header,
     parse_prefix,
 )
-from fusionnet.wire.mac import MAC_CHUNK, NONCE_SIZE, TAG_SIZE, FrameMac, check_key, chunk_spans
+from fusionnet.wire.mac import (
+    NONCE_SIZE,
+    SMALL_FRAME,
+    TAG_SIZE,
+    THREAD_MIN,
+    THREAD_WINDOW,
+    WRITE_CHUNK,
+    FrameMac,
+    check_key,
+    chunk_spans,
+)
 from fusionnet.wire.refusal import FrameRefused, StreamEnded
 from fusionnet.wire.replay import next_nonce, next_seq
 from fusionnet.wire.sources import ByteSource, as_source
 
-__all__ = ["ALLOWED_DTYPES", "TensorFrame", "encode_frame", "read_frame", "write_frame"]
+__all__ = [
+    "ALLOWED_DTYPES",
+    "SMALL_FRAME",
+    "THREAD_MIN",
+    "THREAD_WINDOW",
+    "WRITE_CHUNK",
+    "TensorFrame",
+    "encode_frame",
+    "read_frame",
+    "write_frame",
+]
 
-WRITE_CHUNK = 1 << 20
-# From this size on, chunk MACs are computed in worker threads (GMAC releases the GIL), in parallel
-# with the socket I/O. Smaller payloads are authenticated inline, chunk by chunk as they arrive: a
-# hop to a thread costs about what GMAC of a MiB does, and inline hashing of chunk i still overlaps
-# with the kernel receiving chunk i+1.
-THREAD_MIN = 8 * MAC_CHUNK
-# A receiver hands chunks to threads in windows of this many: one hop per window, not per chunk.
-THREAD_WINDOW = 4
-# Up to this payload size a frame goes out in one write with its MAC computed first.
-SMALL_FRAME = 256 * 1024
 _SKIP_CHUNK = 1 << 20
 
 Keyring = Callable[[str], bytes | None]
@@ -108,7 +121,7 @@ def payload_view(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
 
 
 def _head_of(
-    frame: TensorFrame, nonce: bytes | None, receiver: str, seq: int | None
+    frame: TensorFrame, nonce: bytes | None, receiver: str, seq: int | None, encrypted: bool = False
 ) -> tuple[bytes, memoryview, torch.Tensor, bytes]:
     if not isinstance(frame, TensorFrame):
         raise WireError(f"expected a TensorFrame, got {type(frame).__name__}")
@@ -131,6 +144,7 @@ def _head_of(
         payload_len=len(payload),
         receiver=receiver,
         seq=seq,
+        encrypted=encrypted,
     )
     return pack_head(header), payload, t, nonce
 
@@ -142,15 +156,19 @@ def encode_frame(
     receiver: str,
     seq: int | None = None,
     nonce: bytes | None = None,
+    encrypt: bool = False,
 ) -> list[bytes | memoryview]:
     """``[head + head tag, payload, tag]`` for ``writelines``; the payload is a view of the tensor's memory.
 
     ``receiver`` is the peer id the frame is for; ``seq`` defaults to this process's next sequence
-    number. The tensor must not be modified while the returned buffers are in use.
+    number; ``encrypt`` sends the payload's ciphertext (a new buffer) instead. The tensor must not be
+    modified while the returned buffers are in use.
     """
     key = check_key(key)
-    head, payload, _, nonce = _head_of(frame, nonce, receiver, seq)
+    head, payload, _, nonce = _head_of(frame, nonce, receiver, seq, encrypt)
     mac = FrameMac(key, nonce)
+    if encrypt:
+        payload = memoryview(PayloadCipher(key, nonce).seal(payload))
     return [head + mac.head_tag(head), payload, mac.finish(head, mac.chunk_tags(payload))]
 
 
@@ -162,6 +180,7 @@ class PreparedFrame:
     payload: memoryview
     mac: FrameMac
     tensor: torch.Tensor
+    cipher: PayloadCipher | None = None  # set: the payload leaves encrypted
 
 
 def check_frame(frame: TensorFrame, key: bytes) -> None:
@@ -171,11 +190,12 @@ def check_frame(frame: TensorFrame, key: bytes) -> None:
         raise WireError(f"expected a TensorFrame, got {type(frame).__name__}")
 
 
-def prepare_frame(frame: TensorFrame, key: bytes, receiver: str) -> PreparedFrame:
+def prepare_frame(frame: TensorFrame, key: bytes, receiver: str, *, encrypt: bool = False) -> PreparedFrame:
     """All checks of an outgoing frame for ``receiver``, done before a connection is touched."""
     key = check_key(key)
-    head, payload, t, nonce = _head_of(frame, None, receiver, None)
-    return PreparedFrame(head, payload, FrameMac(key, nonce), t)
+    head, payload, t, nonce = _head_of(frame, None, receiver, None, encrypt)
+    cipher = PayloadCipher(key, nonce) if encrypt else None
+    return PreparedFrame(head, payload, FrameMac(key, nonce), t, cipher)
 
 
 async def write_prepared(
@@ -186,6 +206,9 @@ async def write_prepared(
     On any exception the stream holds a partial frame and must be closed by the caller.
     """
     head = p.head + p.mac.head_tag(p.head)
+    if p.cipher is not None:
+        await write_sealed(writer, head, p.head, p.payload, p.mac, p.cipher, threaded_mac)
+        return
     if len(p.payload) <= SMALL_FRAME:
         # Small: the whole frame in one write (one syscall), tags first; GMAC of a small payload
         # costs less than the syscall and wake-up a separate tag write would.
@@ -216,9 +239,11 @@ async def write_frame(
     *,
     receiver: str,
     threaded_mac: bool = True,
+    encrypt: bool = False,
 ) -> None:
     """Checks then writes one frame for ``receiver`` (nothing is written if a check fails)."""
-    await write_prepared(writer, prepare_frame(frame, key, receiver), threaded_mac=threaded_mac)
+    prepared = prepare_frame(frame, key, receiver, encrypt=encrypt)
+    await write_prepared(writer, prepared, threaded_mac=threaded_mac)
 
 
 async def _read(source: ByteSource, n: int, what: str, job: str | None = None) -> bytes:
@@ -317,6 +342,7 @@ async def read_frame(
     accept_sender: Callable[[str, str], bool] | None = None,
     bound_sender: str | None = None,
     threaded_mac: bool = True,
+    plaintext_ok: Callable[[str], bool] | None = None,
 ) -> TensorFrame:
     """Reads and authenticates one frame. Every problem is a ``WireError``.
 
@@ -327,8 +353,10 @@ async def read_frame(
     sender (checked before the payload is allocated, recorded once the whole frame is authentic);
     ``accept_sender(job, sender)`` may refuse a sender before its payload is read; ``bound_sender``
     is the peer id the transport already authenticated (P2P streams), which the frame's sender must
-    equal. A clean EOF between frames raises ``StreamEnded``; a refusal raises ``FrameRefused``
-    whose ``in_sync`` says whether the stream is still at a frame boundary.
+    equal; ``plaintext_ok(job)`` (if given) refuses an unencrypted frame of a job whose frames must be
+    encrypted (checked before the payload is allocated). A clean EOF between frames raises
+    ``StreamEnded``; a refusal raises ``FrameRefused`` whose ``in_sync`` says whether the stream is
+    still at a frame boundary.
     """
     source = as_source(reader)
     try:
@@ -372,6 +400,10 @@ async def read_frame(
         raise await _skip(source, rest, refusal(f"frame is for {h.receiver!r}, not for us", R.WRONG_RECEIVER))
     if replay is not None and not replay.fresh(h.job_id, h.sender, h.seq):
         raise await _skip(source, rest, refusal(f"sequence number {h.seq} already seen or too old", R.REPLAY))
+    if not h.encrypted and plaintext_ok is not None and not plaintext_ok(h.job_id):
+        raise await _skip(
+            source, rest, refusal("unencrypted frame of a job whose frames must be encrypted", R.PLAINTEXT)
+        )
     tensor, view = allocate_tensor(h)  # only now: the sizes it is made from are authenticated
     try:
         tags = await _receive_payload(source, view, mac, threaded_mac)
@@ -380,6 +412,8 @@ async def read_frame(
     tag = await _read(source, TAG_SIZE, "tag", h.job_id)
     if not mac.verify(prefix + raw, tags, tag):
         raise refusal("MAC check failed: wrong key or altered bytes", R.BAD_MAC)
+    if h.encrypted:  # only now: nothing of a tampered frame is ever decrypted
+        await decrypt(view, PayloadCipher(key, h.nonce), threaded_mac)
     if replay is not None and not replay.accept(h.job_id, h.sender, h.seq):  # a twin won the race
         twin = refusal(f"sequence number {h.seq} already seen", R.REPLAY)
         twin.in_sync = True  # the whole frame was read

@@ -5,7 +5,7 @@ Layout of one frame on the stream::
     prefix    16 bytes   MAGIC (4) | header length (u32, big-endian) | payload length (u64, big-endian)
     header    msgpack map, at most MAX_HEADER bytes
     head tag  TAG_SIZE bytes: authenticates prefix + header before the payload is allocated
-    payload   the tensor's raw bytes, C order, native little-endian
+    payload   the tensor's raw bytes, C order, native little-endian (AES-CTR ciphertext if ``enc``)
     tag       TAG_SIZE bytes: authenticates the whole frame (``mac.py``)
 
 The header names the receiver (``to``) and carries the sender's sequence number (``seq``): both are
@@ -32,7 +32,7 @@ from fusionnet.wire.mac import NONCE_SIZE
 from fusionnet.wire.refusal import FrameRefused
 
 MAGIC = b"FNW1"
-VERSION = 2  # 2: the receiver's id and a sequence number under the MAC (replay protection)
+VERSION = 3  # 2: the receiver's id and a sequence number under the MAC (replay protection); 3: ``enc``
 _PREFIX = struct.Struct(">4sIQ")
 PREFIX_SIZE = _PREFIX.size
 MAX_HEADER = 16 * 1024
@@ -74,6 +74,7 @@ class FrameHeader:
     payload_len: int
     receiver: str = ""  # the peer id the frame is for (``to``): no other receiver accepts it
     seq: int = 0  # the sender's sequence number (``replay.py``)
+    encrypted: bool = False  # the payload is AES-CTR ciphertext (``crypt.py``)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -128,6 +129,7 @@ def pack_head(h: FrameHeader) -> bytes:
         "nonce": h.nonce,
         "to": h.receiver,
         "seq": h.seq,
+        "enc": h.encrypted,
     }
     header = msgpack.packb(doc, use_bin_type=True)
     assert len(header) <= MAX_HEADER, "field checks bound the header size"
@@ -186,6 +188,9 @@ def parse_header(raw: bytes, payload_len: int) -> FrameHeader:
         seq = check_count(doc.get("seq"), "seq")
     except WireError as e:
         raise refuse(str(e)) from None
+    encrypted = doc.get("enc", False)
+    if not isinstance(encrypted, bool):
+        raise refuse(f"enc must be true or false, got {str(encrypted)[:32]!r}")
     nonce = doc.get("nonce")
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_SIZE:
         raise refuse(f"nonce must be {NONCE_SIZE} bytes")
@@ -219,4 +224,5 @@ def parse_header(raw: bytes, payload_len: int) -> FrameHeader:
         payload_len=payload_len,
         receiver=receiver,
         seq=seq,
+        encrypted=encrypted,
     )

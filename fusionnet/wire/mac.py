@@ -37,6 +37,17 @@ TAG_SIZE = 32
 NONCE_SIZE = 16
 MIN_KEY_SIZE = 16
 MAX_KEY_SIZE = 1024
+# I/O tuning of frames (``frames.py``, ``crypt.py``), here because it is sized by what MACs cost.
+WRITE_CHUNK = 1 << 20
+# From this size on, chunk MACs are computed in worker threads (GMAC releases the GIL), in parallel
+# with the socket I/O. Smaller payloads are authenticated inline, chunk by chunk as they arrive: a
+# hop to a thread costs about what GMAC of a MiB does, and inline hashing of chunk i still overlaps
+# with the kernel receiving chunk i+1.
+THREAD_MIN = 8 * MAC_CHUNK
+# A receiver hands chunks to threads in windows of this many: one hop per window, not per chunk.
+THREAD_WINDOW = 4
+# Up to this payload size a frame goes out in one write with its MAC computed first.
+SMALL_FRAME = 256 * 1024
 
 
 def check_key(key: object, where: str = "job key") -> bytes:

@@ -70,9 +70,15 @@ class P2PDataPath:
         return self.receiver.stats
 
     def register_job(
-        self, job_id: str, key: bytes, allowed_senders: Iterable[str], on_frame: FrameHandler
+        self,
+        job_id: str,
+        key: bytes,
+        allowed_senders: Iterable[str],
+        on_frame: FrameHandler,
+        encryption: str = "auto",
     ) -> None:
-        self.receiver.register_job(job_id, key, allowed_senders, on_frame)
+        # libp2p encrypts its connections: frames on this path are never refused as plaintext.
+        self.receiver.register_job(job_id, key, allowed_senders, on_frame, encryption)
 
     def unregister_job(self, job_id: str) -> None:
         self.receiver.unregister_job(job_id)

@@ -85,7 +85,7 @@ class StreamPool:
             with contextlib.suppress(Exception):
                 await stream.writer.wait_closed()
 
-    async def send(self, dest: Hashable, frame: TensorFrame, key: bytes) -> None:
+    async def send(self, dest: Hashable, frame: TensorFrame, key: bytes, *, encrypt: bool = False) -> None:
         if self._closed:
             raise PeerUnreachable(f"cannot send to {self._describe(dest)}: the client is closed")
         check_frame(frame, key)  # every check before a stream is touched
@@ -97,7 +97,8 @@ class StreamPool:
                 stream = None
             if stream is not None:
                 try:
-                    await write_prepared(stream.writer, prepare_frame(frame, key, stream.receiver))
+                    prepared = prepare_frame(frame, key, stream.receiver, encrypt=encrypt)
+                    await write_prepared(stream.writer, prepared)
                     return
                 except OSError as e:
                     log.info("stream to %s broke (%s); reconnecting once", self._describe(dest), e)
@@ -108,7 +109,8 @@ class StreamPool:
             stream = await self._open(dest)
             try:
                 # prepared again: a new sequence number, and the receiver may have changed
-                await write_prepared(stream.writer, prepare_frame(frame, key, stream.receiver))
+                prepared = prepare_frame(frame, key, stream.receiver, encrypt=encrypt)
+                await write_prepared(stream.writer, prepared)
             except OSError as e:
                 await self._drop(dest)
                 raise PeerUnreachable(f"stream to {self._describe(dest)} broke while sending: {e}") from e

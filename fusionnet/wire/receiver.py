@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from fusionnet.errors import WireError
 from fusionnet.wire import refusal as R
+from fusionnet.wire.crypt import check_policy, plaintext_ok
 from fusionnet.wire.frames import TensorFrame, read_frame
 from fusionnet.wire.header import MAX_ID_LEN, check_text
 from fusionnet.wire.mac import check_key
@@ -63,6 +64,7 @@ class JobRoute:
     key: bytes
     allowed_senders: frozenset[str]
     on_frame: FrameHandler
+    encryption: str = "auto"  # ``placement.wire_encryption``: which plaintext frames are refused
 
 
 @dataclass(frozen=True)
@@ -98,9 +100,17 @@ class FrameReceiver:
         self.stats: dict[str, JobStats] = {NO_JOB: JobStats()}
 
     def register_job(
-        self, job_id: str, key: bytes, allowed_senders: Iterable[str], on_frame: FrameHandler
+        self,
+        job_id: str,
+        key: bytes,
+        allowed_senders: Iterable[str],
+        on_frame: FrameHandler,
+        encryption: str = "auto",
     ) -> None:
-        """Accepts frames of ``job_id`` from ``allowed_senders``; registering again replaces the route."""
+        """Accepts frames of ``job_id`` from ``allowed_senders``; registering again replaces the route.
+
+        ``encryption`` is the job's ``placement.wire_encryption`` (``crypt.py``): on a connection
+        from a remote host (``serve(remote_host=...)``) it decides whether plaintext is refused."""
         check_text(job_id, "job_id", MAX_ID_LEN)
         if job_id == NO_JOB:
             raise WireError(f"job id {NO_JOB!r} is reserved")
@@ -112,7 +122,7 @@ class FrameReceiver:
         senders = frozenset(check_text(s, "allowed sender", MAX_ID_LEN) for s in allowed_senders)
         if not callable(on_frame):
             raise WireError(f"on_frame of job {job_id!r} must be callable")
-        self._routes[job_id] = JobRoute(key, senders, on_frame)
+        self._routes[job_id] = JobRoute(key, senders, on_frame, check_policy(encryption))
         self._ended.pop(job_id, None)
         self.stats.setdefault(job_id, JobStats())
 
@@ -151,6 +161,13 @@ class FrameReceiver:
         route = self._routes.get(job_id)
         return route is not None and sender in route.allowed_senders
 
+    def _plaintext_policy(self, host: str) -> Callable[[str], bool]:
+        def plaintext_allowed(job_id: str) -> bool:
+            route = self._routes.get(job_id)
+            return route is None or plaintext_ok(route.encryption, host)
+
+        return plaintext_allowed
+
     def _bucket(self, job_id: str | None) -> JobStats:
         return self.stats[job_id] if job_id is not None and job_id in self.stats else self.stats[NO_JOB]
 
@@ -167,8 +184,19 @@ class FrameReceiver:
             "" if e.in_sync else "; closing the connection",
         )
 
-    async def serve(self, source: ByteSource, peer: str, *, bound_sender: str | None = None) -> None:
-        """Reads frames until the peer closes the stream, falls out of sync or times out."""
+    async def serve(
+        self,
+        source: ByteSource,
+        peer: str,
+        *,
+        bound_sender: str | None = None,
+        remote_host: str | None = None,
+    ) -> None:
+        """Reads frames until the peer closes the stream, falls out of sync or times out.
+
+        ``remote_host``: the TCP peer's address, for the jobs' encryption policies (``None``: a
+        transport that encrypts by itself, libp2p, where plaintext frames are fine)."""
+        plaintext_allowed = None if remote_host is None else self._plaintext_policy(remote_host)
         phased = PhasedSource(source, self.timeouts.progress)
         wait = self.timeouts.handshake
         while True:
@@ -184,6 +212,7 @@ class FrameReceiver:
                     job_ended=self.job_ended,
                     accept_sender=self.accept_sender,
                     bound_sender=bound_sender,
+                    plaintext_ok=plaintext_allowed,
                 )
             except StreamEnded:
                 return

@@ -31,6 +31,7 @@ WRONG_RECEIVER = "wrong_receiver"
 REPLAY = "replay"
 TIMEOUT = "timeout"
 UNEXPECTED = "unexpected"
+PLAINTEXT = "plaintext"  # unencrypted, where the job wants its frames encrypted (``crypt.py``)
 
 REASONS = (
     TRUNCATED,
@@ -51,6 +52,7 @@ REASONS = (
     REPLAY,
     TIMEOUT,
     UNEXPECTED,
+    PLAINTEXT,
 )
 
 

@@ -114,7 +114,8 @@ def _frames() -> list[bytes]:
         [torch.arange(12.0).reshape(3, 4), torch.tensor([True, False]), torch.zeros(0), torch.ones(300, 5)]
     ):
         f = TensorFrame(job_id="job1", sender="A", kind="act", step=i, microbatch=0, name=f"n{i}", tensor=t)
-        frames.append(b"".join(bytes(p) for p in encode_frame(f, KEY, receiver="S")))
+        # odd frames encrypted (``wire/crypt.py``): the fuzzer mutates ciphertext and the ``enc`` flag too
+        frames.append(b"".join(bytes(p) for p in encode_frame(f, KEY, receiver="S", encrypt=i % 2 == 1)))
     return frames
 
 
@@ -139,7 +140,11 @@ def frame_reader_target() -> Target:
         while True:
             try:
                 await read_frame(
-                    reader, lambda job: KEY if job == "job1" else None, max_payload=1 << 20, receiver="S"
+                    reader,
+                    lambda job: KEY if job == "job1" else None,
+                    max_payload=1 << 20,
+                    receiver="S",
+                    plaintext_ok=lambda job, k=n: k % 2 == 0,  # alternately refuse plaintext frames
                 )
             except StreamEnded:  # a clean end between frames: everything before it was accepted
                 return n
