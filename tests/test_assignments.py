@@ -4,9 +4,11 @@ key."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from pydantic import ValidationError
 
-from fusionnet.broker.assignment_payloads import assignment_payloads
+from fusionnet.broker.assignment_payloads import assignment_payloads, iter_assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.codec import encode_ir
@@ -61,3 +63,59 @@ def test_each_compnode_gets_its_slice_and_all_share_the_map_peers_and_key() -> N
     # a fresh key per placement: frames of an earlier placement no longer authenticate
     again = assignment_payloads(submitted, partition, peers, {}, 3, ckpt)
     assert again[0].key != docs[0]["key"]
+
+
+def _figure3() -> tuple[SubmittedJob, object, Checkpoint]:
+    job = load_job(REPO / "examples" / "figure3" / "job.yaml")
+    traced = trace_job(job)
+    graph = traced.graph
+    partition = build_partition(graph, balanced_assignment(graph, 2))
+    submitted = SubmittedJob(
+        job_id="j1",
+        spec=run_spec_of(job, "mean"),
+        ir=encode_ir(graph),
+        graph=graph,
+        state=dict(traced.state),
+        data={"inputs": job.inputs, "labels": job.labels},
+        submitter="me",
+    )
+    optim = {
+        f"opt::{k}::exp_avg": torch.full_like(v, 0.5) for k, v in traced.state.items() if k in graph.params
+    }
+    return submitted, partition, Checkpoint(4, dict(traced.state), optim)
+
+
+def test_slices_over_the_part_size_are_staged_with_the_bytes_an_inline_slice_would_carry() -> None:
+    submitted, partition, ckpt = _figure3()
+    inline = assignment_payloads(submitted, partition, ["pa", "pb"], {}, 2, ckpt, key=b"k" * 32)
+    staged = list(
+        iter_assignment_payloads(
+            submitted, partition, ["pa", "pb"], {}, 2, ckpt, key=b"k" * 32, stage_over=10
+        )
+    )
+    for plain, prepared in zip(inline, staged, strict=True):
+        request = prepared.request
+        assert set(prepared.staged) == {"state", "optim"}
+        assert request.state == b"" and request.optim is None
+        assert request.staged_state == prepared.staged["state"].total
+        assert request.staged_optim == prepared.staged["optim"].total
+        for kind, blob in (("state", plain.state), ("optim", plain.optim)):
+            joined = b"".join(prepared.staged[kind].parts(7))
+            want, got = unpack_tensors(blob, "inline"), unpack_tensors(joined, "staged")
+            assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+        # everything else is what the inline request says
+        same = plain.model_dump(exclude={"state", "optim", "staged_state", "staged_optim"})
+        assert request.model_dump(exclude={"state", "optim", "staged_state", "staged_optim"}) == same
+
+
+def test_an_assign_request_cannot_carry_a_slice_both_inline_and_staged() -> None:
+    submitted, partition, ckpt = _figure3()
+    doc = assignment_payloads(submitted, partition, ["pa", "pb"], {}, 2, ckpt)[0].model_dump()
+    with pytest.raises(ValidationError, match="state is staged"):
+        type(assignment_payloads(submitted, partition, ["pa", "pb"], {}, 2, ckpt)[0]).model_validate(
+            doc | {"staged_state": 10}
+        )
+    with pytest.raises(ValidationError, match="optim is staged"):
+        type(assignment_payloads(submitted, partition, ["pa", "pb"], {}, 2, ckpt)[0]).model_validate(
+            doc | {"state": b"", "staged_state": 10, "staged_optim": 5}
+        )

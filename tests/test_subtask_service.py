@@ -45,8 +45,9 @@ class FakePath:
         self.jobs: dict[str, list[str]] = {}
         self.stats: dict[str, Any] = {}
 
-    def register_job(self, job_id: str, key: bytes, allowed: list[str], route: Any) -> None:
+    def register_job(self, job_id: str, key: bytes, allowed: list[str], route: Any, encryption: str) -> None:
         self.jobs[job_id] = allowed
+        self.encryption = encryption
 
     def unregister_job(self, job_id: str) -> None:
         self.jobs.pop(job_id, None)
@@ -276,3 +277,30 @@ def test_replicas_are_kept_only_from_the_sub_dag_this_node_holds_and_read_only_b
     assert folder.is_dir()
     call(s, "release", {"job_id": "j1", "reason": "done"})
     assert not folder.exists()  # released: its snapshots go too
+
+
+@pytest.mark.timeout(60)
+def test_a_staged_slice_comes_only_from_a_trusted_broker_and_becomes_the_assignments_state(
+    assign_docs: list[dict],
+) -> None:
+    s = service()
+    doc = assign_docs[1]
+    blob = doc["state"]
+    staged = {**doc, "state": b"", "staged_state": len(blob)}
+    part = {"job_id": "j1", "attempt": doc["attempt"], "subdag": 1, "kind": "state", "total": len(blob)}
+    with pytest.raises(JobError, match="not a broker this compnode trusts"):
+        call(s, "stage_state", {**part, "offset": 0, "data": blob}, sender=STRANGER)
+    with pytest.raises(JobError, match="was to be staged first, but nothing was staged"):
+        call(s, "assign", staged)
+    half = len(blob) // 2
+    assert call(s, "stage_state", {**part, "offset": 0, "data": blob[:half]}) == {"received": half}
+    with pytest.raises(JobError, match=f"{half} of {len(blob)} bytes staged"):
+        call(s, "assign", staged)
+    assert s.staging.staged_bytes == len(blob)  # a refused assign leaves the staging for a retry
+    call(s, "stage_state", {**part, "offset": half, "data": blob[half:]})
+    assert call(s, "assign", staged)["subdag"] == 1
+    inline = service()
+    call(inline, "assign", doc)
+    got, want = s.jobs["j1"].executor.state(), inline.jobs["j1"].executor.state()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert s.staging.staged_bytes == 0

@@ -13,14 +13,26 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from fusionnet.broker.checkpoints import Checkpoint
+from fusionnet.broker.state_stream import PART_BYTES, SliceStream
 from fusionnet.broker.submission import SubmittedJob
+from fusionnet.broker.tensorfiles import select
 from fusionnet.dag.partition import Partition
 from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.compnode_rpc import AssignRequest, JobPeer
 
 KEY_BYTES = 32
+
+
+@dataclass
+class PreparedAssignment:
+    """An ``assign`` request, and the parts of its slice that go ahead of it in ``stage_state`` calls
+    (``"state"`` / ``"optim"``: the request then carries their sizes instead of the bytes)."""
+
+    request: AssignRequest
+    staged: dict[str, SliceStream] = field(default_factory=dict)
 
 
 def assignment_payloads(
@@ -35,11 +47,18 @@ def assignment_payloads(
     replica_holders: list[int] | None = None,
 ) -> list[AssignRequest]:
     """The ``assign`` request of every sub-DAG, in sub-DAG order (sub-DAG ``i`` runs on ``peers[i]``)."""
-    return list(
-        iter_assignment_payloads(
-            job, partition, peers, data_addresses, attempt, ckpt, key=key, replica_holders=replica_holders
-        )
+    prepared = iter_assignment_payloads(
+        job,
+        partition,
+        peers,
+        data_addresses,
+        attempt,
+        ckpt,
+        key=key,
+        replica_holders=replica_holders,
+        stage_over=None,
     )
+    return [p.request for p in prepared]
 
 
 def iter_assignment_payloads(
@@ -53,22 +72,31 @@ def iter_assignment_payloads(
     key: bytes | None = None,
     schedule: str | None = None,
     replica_holders: list[int] | None = None,
-) -> Iterator[AssignRequest]:
+    stage_over: int | None = PART_BYTES,
+) -> Iterator[PreparedAssignment]:
     """``assignment_payloads`` one at a time: the broker sends each before it reads the next slice of
-    the checkpoint, so it never holds more than one sub-DAG's state (issue 11). ``schedule``: the
-    pipeline schedule the placement settled on (the job's ``auto`` becomes a name here)."""
+    the checkpoint. ``schedule``: the pipeline schedule the placement settled on (the job's ``auto``
+    becomes a name here). A state or optimizer slice over ``stage_over`` bytes is not packed: it is
+    staged part by part (``state_stream``), so the broker holds one part at a time (issue 11);
+    ``None`` packs every slice inline."""
     spec = job.spec if schedule is None else job.spec.model_copy(update={"schedule": schedule})
     key = secrets.token_bytes(KEY_BYTES) if key is None else key
     peers_doc = [JobPeer(peer_id=p, data_address=data_addresses.get(p)) for p in peers]
     assignment = {n: s.index for s in partition.subdags for n in s.nodes}
     for s in partition.subdags:
         wanted = {job.graph.node(p).target for p in s.placeholders}
-        state, optim = ckpt.for_subdag(s.params, s.buffers)
-        # Packed, then the tensors go before the request is handed out: while it is sent the broker
-        # holds the slice as bytes only, not as tensors too.
-        state_blob, optim_blob = pack_tensors(state), pack_tensors(optim) if optim else None
-        del state, optim
-        yield AssignRequest(
+        state_keys, optim_keys = ckpt.slice_keys(s.params, s.buffers)
+        staged: dict[str, SliceStream] = {}
+        blobs: dict[str, bytes | None] = {"state": None, "optim": None}
+        for kind, tensors, keys in (("state", ckpt.state, state_keys), ("optim", ckpt.optim, optim_keys)):
+            if kind == "optim" and not keys:
+                continue
+            stream = SliceStream(tensors, keys)
+            if stage_over is not None and stream.total > stage_over:
+                staged[kind] = stream
+            else:  # small: packed here; the tensors go before the request is handed out
+                blobs[kind] = pack_tensors(select(tensors, keys))
+        request = AssignRequest(
             job_id=job.job_id,
             attempt=attempt,
             spec=spec,
@@ -77,9 +105,13 @@ def iter_assignment_payloads(
             subdag=s.index,
             peers=peers_doc,
             key=key,
-            state=state_blob,
-            optim=optim_blob,
+            state=blobs["state"] or b"",
+            optim=blobs["optim"],
+            staged_state=staged["state"].total if "state" in staged else None,
+            staged_optim=staged["optim"].total if "optim" in staged else None,
             data=pack_tensors({k: v for k, v in job.data.items() if k in wanted}),
             replica_holders=replica_holders,
         )
-        del state_blob, optim_blob
+        del blobs
+        yield PreparedAssignment(request, staged)
+        del request

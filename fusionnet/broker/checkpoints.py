@@ -46,11 +46,14 @@ class Checkpoint:
     optim: Mapping[str, torch.Tensor] = field(default_factory=dict)  # opt::<key>::<slot>
     metrics: list[dict[str, Any]] = field(default_factory=list)  # rows of the steps before ``step``
 
-    def for_subdag(self, params: list[str], buffers: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
-        state = select(self.state, (*params, *buffers))
+    def slice_keys(self, params: list[str], buffers: list[str]) -> tuple[list[str], list[str]]:
+        """The state keys and the optimizer keys of a sub-DAG that owns ``params`` and ``buffers``."""
         wanted = (*(f"opt::{k}::" for k in params), SCALER_PREFIX)  # fp16's loss scale goes to every one
-        optim = select(self.optim, [k for k in self.optim if k.startswith(wanted)])
-        return state, optim
+        return [*params, *buffers], [k for k in self.optim if k.startswith(wanted)]
+
+    def for_subdag(self, params: list[str], buffers: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+        state_keys, optim_keys = self.slice_keys(params, buffers)
+        return select(self.state, state_keys), select(self.optim, optim_keys)
 
 
 def _atomic(path: Path, write: Any) -> None:

@@ -24,6 +24,9 @@ class BrokerConfig:
     ping_timeout: float | None = None  # one ping's limit; default min(heartbeat period, timeout)
     sd_file: Path | None = None  # Prometheus file_sd target list of compnodes, rewritten at every refresh
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # who may submit, quotas
+    # A sub-DAG's state or optimizer slice over this size goes to its compnode in parts of this size
+    # ahead of the assignment (``broker.state_stream``): what the broker holds at a time.
+    stage_part_mb: float = 32.0
 
     def __post_init__(self) -> None:
         if not self.heartbeat_period > 0:
@@ -33,6 +36,8 @@ class BrokerConfig:
                 f"--heartbeat-timeout ({self.heartbeat_timeout} s) must exceed --heartbeat-period "
                 f"({self.heartbeat_period} s), or every compnode looks unreachable between pings"
             )
+        if not 0.001 <= self.stage_part_mb <= 1024:
+            raise ValueError(f"--stage-part-mb must be in [0.001, 1024] MB, got {self.stage_part_mb}")
         if self.sync_every < 0:
             raise ValueError(f"--sync-every must be >= 0 steps, got {self.sync_every}")
         if not 0.0 <= self.replan_gain < 1.0:

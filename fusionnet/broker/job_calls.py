@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
+from fusionnet.broker.state_stream import SliceStream
 from fusionnet.errors import DeviceMemoryError, FusionNetError
 from fusionnet.messages.compnode_rpc import (
     AssignRequest,
@@ -23,6 +24,7 @@ from fusionnet.messages.compnode_rpc import (
     ReplicaChunk,
     ReplicaRequest,
     ReplicasReply,
+    StageStateRequest,
     StepReply,
     StepRequest,
 )
@@ -50,6 +52,34 @@ class JobCalls:
                 for p, r in zip(peers, requests, strict=True)
             ]
         )
+
+    async def stage(
+        self, peer: str, request: AssignRequest, kind: str, stream: SliceStream, part_bytes: int
+    ) -> None:
+        """Sends ``stream`` (the ``kind`` slice ``request`` names by size) to ``peer`` part by part, each
+        read from disk in a thread just before it goes (``broker.state_stream``)."""
+        parts = stream.parts(part_bytes)
+        offset = 0
+        while (data := await asyncio.to_thread(next, parts, None)) is not None:
+            part = StageStateRequest(
+                job_id=self.job_id,
+                attempt=request.attempt,
+                subdag=request.subdag,
+                kind=kind,  # type: ignore[arg-type]  # "state" | "optim", from ``PreparedAssignment``
+                offset=offset,
+                total=stream.total,
+                data=data,
+            )
+            del data
+            await self._named(
+                peer, "stage_state", self.client.call_stage_state(peer, part, timeout=ASSIGN_TIMEOUT)
+            )
+            offset += len(part.data)
+            del part
+        if offset != stream.total:
+            raise FusionNetError(
+                f"staging {kind} of sub-DAG {request.subdag}: {offset} of {stream.total} bytes"
+            )
 
     async def step(
         self,

@@ -349,6 +349,7 @@ class JobRun(PlacementReview):
             entry = self.ctx.registry.get(peer_id)
             addresses[peer_id] = None if entry is None else entry.record.data_path_address
         chosen = None if self._placement is None else self._placement.schedule
+        part_bytes = int(self.ctx.settings.stage_part_mb * 1e6)
         requests = iter_assignment_payloads(
             self.job,
             self.partition,
@@ -358,13 +359,16 @@ class JobRun(PlacementReview):
             ckpt,
             schedule=None if chosen is None else chosen.name,
             replica_holders=self.replicas.holders(),
+            stage_over=part_bytes,
         )
         # One compnode at a time, each slice read from disk and packed just before it is sent: the
         # broker never holds the whole model (issue 11).
         for peer in self.peers:
-            request = await asyncio.to_thread(next, requests)
-            await self.calls.assign([peer], [request])
-            del request
+            prepared = await asyncio.to_thread(next, requests)
+            for kind, stream in prepared.staged.items():  # a large slice goes ahead in parts
+                await self.calls.stage(peer, prepared.request, kind, stream, part_bytes)
+            await self.calls.assign([peer], [prepared.request])
+            del prepared
 
     # ---- steps and syncs -------------------------------------------------------------------------
     async def _step(self, step: int) -> None:

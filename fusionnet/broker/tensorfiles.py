@@ -10,6 +10,7 @@ indexed from its header, which ``safe_open`` checks (a header that lies about it
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -70,6 +71,26 @@ class TensorFiles(Mapping[str, torch.Tensor]):
         with safe_open(str(self.index[key]), framework="pt") as f:
             piece = f.get_slice(key)
             return NAMES[piece.get_dtype()], tuple(piece.get_shape())
+
+    def restricted(self, keys: Iterable[str]) -> TensorFiles:
+        """The same files, only ``keys`` (in that order)."""
+        return TensorFiles({k: self.index[k] for k in keys})
+
+    def byte_ranges(self, keys: Iterable[str]) -> dict[str, tuple[Path, int, int]]:
+        """Where each key's bytes lie: ``(file, offset, length)``, from the files' headers (which
+        ``safe_open`` checked when the file was indexed). Lets a caller copy a tensor's bytes from
+        disk without making a tensor of them first."""
+        keys = list(keys)
+        found: dict[str, tuple[Path, int, int]] = {}
+        for path in {self.index[k] for k in keys}:
+            with path.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                doc = json.loads(f.read(size))
+            for k in keys:
+                if self.index[k] == path:
+                    start, stop = doc[k]["data_offsets"]
+                    found[k] = (path, 8 + size + start, stop - start)
+        return {k: found[k] for k in keys}
 
     def __contains__(self, key: object) -> bool:
         return key in self.index

@@ -45,6 +45,15 @@ def add_parser(subparsers: Any) -> None:
         "the job, and after a failure the job goes on from the newest replicated step)",
     )
     p.add_argument(
+        "--stage-part-mb",
+        type=float,
+        default=32.0,
+        metavar="MB",
+        help="a sub-DAG's state (or optimizer state) over this size is sent to its compnode in parts of "
+        "this size before the assignment, so the broker holds one part at a time whatever the model "
+        "size (default 32; keep it under the compnodes' --rpc-max-mb)",
+    )
+    p.add_argument(
         "--placement",
         choices=("model", "balanced"),
         default="model",
@@ -134,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_period=args.heartbeat_period,
             heartbeat_timeout=args.heartbeat_timeout,
             sync_every=args.sync_every,
+            stage_part_mb=args.stage_part_mb,
             replan_gain=args.replan_gain,
             placement_policy=BALANCED if args.placement == "balanced" else SCHEDULER,
             sd_file=args.sd_file,

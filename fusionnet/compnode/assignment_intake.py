@@ -163,7 +163,9 @@ def _decode(request: AssignRequest, own_peer_id: str) -> _Decoded:
     if mine != own_peer_id:
         raise JobError(f"assign {job_id}: sub-DAG {request.subdag} is for {mine}, not this node")
     subdag = partition.subdags[request.subdag]
-    state = unpack_tensors(request.state, f"assign {job_id}: state")
+    # No blob bound of our own: an inline state is bounded by the RPC message limit, a staged one by
+    # the memory check of ``staging`` (a slice of a large model may exceed 1 GiB).
+    state = unpack_tensors(request.state, f"assign {job_id}: state", max_bytes=len(request.state))
     _check_state(graph, subdag, state, job_id)
     fields = unpack_tensors(request.data, f"assign {job_id}: data")
     _check_fields(graph, subdag, fields, spec, job_id)
@@ -188,7 +190,8 @@ def _executor(
         device=device,
     )
     if request.optim is not None:
-        optim = unpack_tensors(request.optim, f"assign {request.job_id}: optimizer state")
+        what = f"assign {request.job_id}: optimizer state"
+        optim = unpack_tensors(request.optim, what, max_bytes=len(request.optim))
         load_optimizer_tensors(executor.optimizers, executor.named_params, optim)
         if executor.scaler is not None:
             try:

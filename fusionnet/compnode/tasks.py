@@ -30,6 +30,7 @@ from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
 from fusionnet.compnode.replica_rpc import ReplicaRPC
 from fusionnet.compnode.replicas import CHUNK_BYTES, Chunk, ReplicaStore, pack_chunks
 from fusionnet.compnode.serve_steps import StepOrder, serve_step
+from fusionnet.compnode.staging import StateStaging
 from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
 from fusionnet.daemon.addresses import announced_host
@@ -49,6 +50,8 @@ from fusionnet.messages.compnode_rpc import (
     ProbeLinksRequest,
     ReleaseReply,
     ReleaseRequest,
+    StageStateReply,
+    StageStateRequest,
     StepReply,
     StepRequest,
 )
@@ -87,6 +90,7 @@ class SubtaskService(ReplicaRPC):
         self._collected: dict[str, tuple[tuple[str, int], list[Chunk]]] = {}  # job -> a collect's chunks
         self._heard: dict[str, float] = {}  # job id or trusted broker -> when it last drove us (monotonic)
         self.replicas = ReplicaStore(compnode.state_dir.path / "replicas")
+        self.staging = StateStaging(ttl=max(settings.assignment_ttl, 120.0))  # slices ahead of ``assign``
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -117,6 +121,7 @@ class SubtaskService(ReplicaRPC):
         brokers = {job_id: job.broker for job_id, job in self.jobs.items()}
         busy = [job_id for job_id, lock in self._locks.items() if lock.locked()]
         ttl = self.node.settings.assignment_ttl
+        self.staging.expire()
         for job_id in stale_jobs(brokers, self._heard, busy, ttl):
             self._release(job_id, f"its broker sent nothing for {ttl:g} s (assignment expired)")
 
@@ -188,6 +193,7 @@ class SubtaskService(ReplicaRPC):
         self._heard.pop(job_id, None)
         self._orders.pop(job_id, None)
         self._collected.pop(job_id, None)
+        self.staging.drop_job(job_id)
         if job is None:
             return
         for path in (self.server, self.p2p):
@@ -213,6 +219,12 @@ class SubtaskService(ReplicaRPC):
         return total + (job.channel.refused if job else 0) + (prober.refused if prober else 0)
 
     # ---- RPC -------------------------------------------------------------------------------------
+    @handles(StageStateRequest)
+    async def rpc_stage_state(self, request: StageStateRequest, context: RPCContext) -> StageStateReply:
+        """One part of a slice that its ``assign`` will name (``compnode.staging``)."""
+        self.trust.check(context.remote_peer, "stage_state")
+        return StageStateReply(received=self.staging.add(context.remote_peer, request))
+
     @handles(AssignRequest)
     async def rpc_assign(self, request: AssignRequest, context: RPCContext) -> AssignReply:
         self.trust.check(context.remote_peer, "assign")
@@ -227,6 +239,10 @@ class SubtaskService(ReplicaRPC):
             self._release(job_id, f"superseded by attempt {request.attempt}")
         if len(self.jobs) >= MAX_JOBS:
             raise JobError(f"this compnode already runs {MAX_JOBS} jobs")
+        staged = [n for n in (request.staged_state, request.staged_optim) if n is not None]
+        request = self.staging.resolve(context.remote_peer, request)
+        if staged:
+            log.info("job %s: sub-DAG %d slice staged ahead (%d bytes)", job_id, request.subdag, sum(staged))
         holder: dict[str, JobAssignment] = {}
 
         async def send(dst: int, frame: TensorFrame) -> None:

@@ -64,8 +64,12 @@ class AssignRequest(Message):
     subdag: NonNegative  # which of them this compnode runs
     peers: Annotated[list[JobPeer], Field(min_length=1, max_length=MAX_PEERS)]  # per sub-DAG
     key: Annotated[bytes, Field(min_length=MIN_KEY_BYTES, max_length=1024)]  # data-path key
-    state: bytes  # safetensors: this sub-DAG's parameters and buffers
+    state: bytes  # safetensors: this sub-DAG's parameters and buffers (empty when staged)
     optim: bytes | None = None  # safetensors: its optimizer state (opt::<key>::<slot>)
+    # Set: the state / optimizer slice came ahead in ``stage_state`` calls, this many bytes in all
+    # (``broker.state_stream``, ``compnode.staging``); the inline field is then empty.
+    staged_state: NonNegative | None = None
+    staged_optim: NonNegative | None = None
     data: bytes  # safetensors: the dataset fields its placeholders read
     # Per sub-DAG: the sub-DAG whose compnode keeps the replica of its state (None: no replication,
     # the broker collects checkpoints itself).
@@ -75,6 +79,10 @@ class AssignRequest(Message):
     def _subdag_has_a_peer(self) -> AssignRequest:
         if self.subdag >= len(self.peers):
             raise ValueError(f"subdag {self.subdag} but only {len(self.peers)} peers")
+        if self.staged_state is not None and self.state:
+            raise ValueError("state is staged: the inline state must be empty")
+        if self.staged_optim is not None and self.optim:
+            raise ValueError("optim is staged: the inline optim must be empty")
         holders = self.replica_holders
         if holders is not None and (
             len(holders) != len(self.peers)
@@ -82,6 +90,30 @@ class AssignRequest(Message):
         ):
             raise ValueError("replica_holders: one other sub-DAG per sub-DAG")
         return self
+
+
+class StageStateRequest(Message):
+    """One part of a sub-DAG's state or optimizer slice, ahead of the ``assign`` that names its size."""
+
+    job_id: JobId
+    attempt: NonNegative = 0
+    subdag: NonNegative
+    kind: Literal["state", "optim"]
+    offset: NonNegative  # where ``data`` starts in the slice; parts come in order
+    total: NonNegative  # the slice's size in bytes
+    data: bytes
+
+    @model_validator(mode="after")
+    def _inside(self) -> StageStateRequest:
+        if self.offset + len(self.data) > self.total:
+            raise ValueError(
+                f"part [{self.offset}, {self.offset + len(self.data)}) beyond {self.total} bytes"
+            )
+        return self
+
+
+class StageStateReply(Message):
+    received: NonNegative  # bytes of the slice in so far
 
 
 class AssignReply(Message):
@@ -220,6 +252,9 @@ class CompnodeClient(TypedCaller):
 
     async def call_assign(self, peer: str, request: AssignRequest, **kw: Any) -> AssignReply:
         return await self.call_typed(peer, "assign", request, AssignReply, **kw)
+
+    async def call_stage_state(self, peer: str, request: StageStateRequest, **kw: Any) -> StageStateReply:
+        return await self.call_typed(peer, "stage_state", request, StageStateReply, **kw)
 
     async def call_step(self, peer: str, request: StepRequest, **kw: Any) -> StepReply:
         return await self.call_typed(peer, "step", request, StepReply, **kw)

@@ -33,12 +33,15 @@ def broker_args(
     heartbeat_period: float = 0.5,
     heartbeat_timeout: float = 3.0,
     extra: Sequence[str] = (),
+    stage_part_mb: float = 0.1,
 ) -> list[str]:
-    """Broker flags with quick refreshes and heartbeats (tests see failures in seconds)."""
+    """Broker flags with quick refreshes and heartbeats (tests see failures in seconds), and slices
+    staged in parts from 100 KB on, so that test-sized models take the path large ones take."""
     return [
         "--refresh-period", str(refresh_period),
         "--heartbeat-period", str(heartbeat_period),
         "--heartbeat-timeout", str(heartbeat_timeout),
+        "--stage-part-mb", str(stage_part_mb),
         *extra,
     ]  # fmt: skip
 
