@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     specs = [CompnodeSpec(refresh_period=2.0) for _ in range(3)] + [
         CompnodeSpec(refresh_period=2.0, backup=True)
     ]
-    swarm = ProcessSwarm(workdir / "swarm", specs, broker_args(1.0, 1.0, HEARTBEAT_TIMEOUT, stage_part_mb=32.0))
+    argv = broker_args(1.0, 1.0, HEARTBEAT_TIMEOUT, stage_part_mb=32.0)  # the daemon's default part size
+    swarm = ProcessSwarm(workdir / "swarm", specs, argv)
     tol = 1e-5 if args.optimizer == "sgd" else OPTIMIZERS["adamw"]["lr"]
     try:
         swarm.start()

@@ -235,7 +235,8 @@ def main() -> int:
     specs = [CompnodeSpec(), CompnodeSpec(), CompnodeSpec(), CompnodeSpec(backup=True)]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
-    with ProcessSwarm(work / "swarm", specs, broker_args(extra=["--http-port", "0"], stage_part_mb=32.0)) as sw:
+    argv = broker_args(extra=["--http-port", "0"], stage_part_mb=32.0)  # the daemon's default part size
+    with ProcessSwarm(work / "swarm", specs, argv) as sw:
         reply = asyncio.run(deploy(job, sw.initial_peers, name="gpt", wait_compnodes=120))
         assert reply.url is not None
         for clients in (1, 4, 16):
