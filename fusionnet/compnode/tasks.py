@@ -28,7 +28,7 @@ from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, fault_hooks
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
 from fusionnet.compnode.replica_rpc import ReplicaRPC
-from fusionnet.compnode.replicas import CHUNK_BYTES, Chunk, ReplicaStore, pack_chunks
+from fusionnet.compnode.replicas import Chunk, ReplicaStore, pack_chunks
 from fusionnet.compnode.serve_steps import StepOrder, serve_step
 from fusionnet.compnode.staging import StateStaging
 from fusionnet.compnode.throttle import throttle_hooks
@@ -63,7 +63,7 @@ from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.refusal import PeerUnreachable
 
 log = logging.getLogger("fusionnet.compnode.tasks")
-COLLECT_CHUNK_BYTES = CHUNK_BYTES  # tensors per ``collect`` answer (one bigger tensor goes alone)
+COLLECT_CHUNK_BYTES = 32 << 20  # tensors per ``collect`` answer (one bigger tensor goes alone)
 
 MAX_JOBS = 16  # assignments held at once; a broker gone wild cannot exhaust our memory
 HANDOVER_TIMEOUT = 45.0  # a graceful leave waits this long for the broker to move our sub-DAGs

@@ -35,6 +35,7 @@ from fusionnet.daemon.addresses import useful_maddrs
 from fusionnet.daemon.config import DaemonConfig
 from fusionnet.daemon.files import StateDir, apply_private_umask, write_address_file
 from fusionnet.daemon.logs import install_peer_label
+from fusionnet.daemon.memory import return_large_buffers
 from fusionnet.daemon.swarm import SwarmPeer
 from fusionnet.metrics.common import BaseMetrics
 from fusionnet.metrics.sd import TargetSource
@@ -142,6 +143,7 @@ class Daemon:
     # ---- lifecycle -------------------------------------------------------------------------------
     def serve(self) -> int:
         apply_private_umask()  # this process is the daemon: everything it writes is private
+        return_large_buffers()  # freed message buffers leave the process (``daemon.memory``)
         return asyncio.run(self.serve_async())
 
     async def serve_async(self, *, install_signals: bool = True) -> int:
