@@ -1,4 +1,4 @@
-"""Slices of state staged ahead of their assignment: the broker's part stream (``broker.state_stream``),
+"""Slices of state staged ahead of their assignment: the broker's part stream (``results.slice_stream``),
 the compnode's store (``compnode.staging``), and a job on a real swarm whose slices all travel so."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load as load_blob
 from safetensors.torch import load_file, save_file
 
-from fusionnet.broker.state_stream import SliceStream
 from fusionnet.broker.tensorfiles import TensorFiles
 from fusionnet.compnode import staging as staging_module
 from fusionnet.compnode.staging import MAX_STAGINGS, StateStaging
@@ -20,6 +19,7 @@ from fusionnet.errors import JobError
 from fusionnet.job.loader import load_job
 from fusionnet.messages.compnode_rpc import AssignRequest, StageStateRequest
 from fusionnet.reference import run_reference
+from fusionnet.results.slice_stream import SliceStream
 from fusionnet.runtime.process_swarm import running_swarm
 from fusionnet.runtime.submit import submit_and_wait
 from tests.jobfiles import example_job
@@ -143,3 +143,21 @@ def test_a_job_whose_slices_are_all_staged_in_tiny_parts_equals_pytorch(tmp_path
     got = load_file(out / "weights.safetensors")
     assert max((got[k].double() - ref.weights[k].double()).abs().max().item() for k in got) <= 1e-5
     assert json.loads((out / "plan.json").read_text())["compnodes"]
+
+
+def test_any_byte_range_of_the_stream_reads_the_same_bytes_from_memory_or_disk(tmp_path: Path) -> None:
+    tensors = _tensors(3)
+    keys = sorted(tensors)
+    save_file(tensors, tmp_path / "all.safetensors")
+    streams = [
+        SliceStream(tensors, keys),
+        SliceStream(TensorFiles.of_files([tmp_path / "all.safetensors"]), keys),
+    ]
+    whole = b"".join(streams[0].parts(1 << 20))
+    g = torch.Generator().manual_seed(4)
+    for _ in range(40):
+        a, b = sorted(torch.randint(0, len(whole) + 1, (2,), generator=g).tolist())
+        assert all(s.read(a, b) == whole[a:b] for s in streams)
+    assert streams[1].chunks(100) == -(-len(whole) // 100) and streams[0].chunks(1 << 30) == 1
+    with pytest.raises(ValueError, match="outside the stream"):
+        streams[0].read_into(len(whole) - 2, memoryview(bytearray(5)))

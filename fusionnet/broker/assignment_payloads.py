@@ -16,12 +16,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fusionnet.broker.checkpoints import Checkpoint
-from fusionnet.broker.state_stream import PART_BYTES, SliceStream
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.broker.tensorfiles import select
 from fusionnet.dag.partition import Partition
 from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.compnode_rpc import AssignRequest, JobPeer
+from fusionnet.results.slice_stream import PART_BYTES, SliceStream
 
 KEY_BYTES = 32
 
@@ -77,7 +77,7 @@ def iter_assignment_payloads(
     """``assignment_payloads`` one at a time: the broker sends each before it reads the next slice of
     the checkpoint. ``schedule``: the pipeline schedule the placement settled on (the job's ``auto``
     becomes a name here). A state or optimizer slice over ``stage_over`` bytes is not packed: it is
-    staged part by part (``state_stream``), so the broker holds one part at a time (issue 11);
+    staged part by part (``results.slice_stream``), so the broker holds one part at a time (issue 11);
     ``None`` packs every slice inline."""
     spec = job.spec if schedule is None else job.spec.model_copy(update={"schedule": schedule})
     key = secrets.token_bytes(KEY_BYTES) if key is None else key

@@ -25,7 +25,7 @@ class BrokerConfig:
     sd_file: Path | None = None  # Prometheus file_sd target list of compnodes, rewritten at every refresh
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # who may submit, quotas
     # A sub-DAG's state or optimizer slice over this size goes to its compnode in parts of this size
-    # ahead of the assignment (``broker.state_stream``): what the broker holds at a time.
+    # ahead of the assignment (``results.slice_stream``): what the broker holds at a time.
     stage_part_mb: float = 32.0
 
     def __post_init__(self) -> None:

@@ -12,7 +12,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
-from fusionnet.broker.state_stream import SliceStream
 from fusionnet.errors import DeviceMemoryError, FusionNetError
 from fusionnet.messages.compnode_rpc import (
     AssignRequest,
@@ -28,6 +27,7 @@ from fusionnet.messages.compnode_rpc import (
     StepReply,
     StepRequest,
 )
+from fusionnet.results.slice_stream import SliceStream
 
 log = logging.getLogger("fusionnet.broker.jobs")
 
@@ -57,7 +57,7 @@ class JobCalls:
         self, peer: str, request: AssignRequest, kind: str, stream: SliceStream, part_bytes: int
     ) -> None:
         """Sends ``stream`` (the ``kind`` slice ``request`` names by size) to ``peer`` part by part, each
-        read from disk in a thread just before it goes (``broker.state_stream``)."""
+        read from disk in a thread just before it goes (``results.slice_stream``)."""
         parts = stream.parts(part_bytes)
         offset = 0
         while (data := await asyncio.to_thread(next, parts, None)) is not None:

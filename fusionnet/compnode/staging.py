@@ -1,6 +1,6 @@
 """Slices of state that arrive ahead of their ``assign``, part by part (``stage_state``).
 
-A broker sends a sub-DAG's state (or optimizer state) over ``broker.state_stream.PART_BYTES`` in parts
+A broker sends a sub-DAG's state (or optimizer state) over ``results.slice_stream.PART_BYTES`` in parts
 instead of inline, so that it never holds a whole slice (issue 11); here the parts are put together
 into one buffer, which the ``assign`` that names the slice's size then takes. Only trusted brokers
 stage (the caller checks), and what they stage is bounded: a slice must fit the memory this machine

@@ -67,7 +67,7 @@ class AssignRequest(Message):
     state: bytes  # safetensors: this sub-DAG's parameters and buffers (empty when staged)
     optim: bytes | None = None  # safetensors: its optimizer state (opt::<key>::<slot>)
     # Set: the state / optimizer slice came ahead in ``stage_state`` calls, this many bytes in all
-    # (``broker.state_stream``, ``compnode.staging``); the inline field is then empty.
+    # (``results.slice_stream``, ``compnode.staging``); the inline field is then empty.
     staged_state: NonNegative | None = None
     staged_optim: NonNegative | None = None
     data: bytes  # safetensors: the dataset fields its placeholders read
