@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load as load_blob
 from safetensors.torch import load_file, save_file
 
-from fusionnet.broker.tensorfiles import TensorFiles
+from fusionnet.broker.tensorfiles import StreamedFile, TensorFiles
 from fusionnet.compnode import staging as staging_module
 from fusionnet.compnode.staging import MAX_STAGINGS, StateStaging
-from fusionnet.errors import JobError
+from fusionnet.errors import JobError, WireError
 from fusionnet.job.loader import load_job
 from fusionnet.messages.compnode_rpc import AssignRequest, StageStateRequest
 from fusionnet.reference import run_reference
@@ -161,3 +161,20 @@ def test_any_byte_range_of_the_stream_reads_the_same_bytes_from_memory_or_disk(t
     assert streams[1].chunks(100) == -(-len(whole) // 100) and streams[0].chunks(1 << 30) == 1
     with pytest.raises(ValueError, match="outside the stream"):
         streams[0].read_into(len(whole) - 2, memoryview(bytearray(5)))
+
+
+def test_a_streamed_file_is_indexed_once_whole_and_refused_or_dropped_otherwise(tmp_path: Path) -> None:
+    tensors = _tensors(5)
+    whole = StreamedFile(tmp_path / "a.safetensors")
+    for part in SliceStream(tensors, sorted(tensors)).parts(10):
+        whole.append(part)
+    got = whole.finish("state of sub-DAG 0").select(sorted(tensors))
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)
+    garbled = StreamedFile(tmp_path / "b.safetensors")
+    garbled.append(b"\xff" * 20)
+    with pytest.raises(WireError, match=r"b\.safetensors is not a valid safetensors file"):
+        garbled.finish("state of sub-DAG 1")
+    cut = StreamedFile(tmp_path / "c.safetensors")
+    cut.append(b"half a file")
+    cut.abandon()  # the peer failed mid-file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]

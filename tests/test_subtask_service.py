@@ -139,29 +139,35 @@ def test_an_assignment_is_held_and_only_its_broker_may_drive_it(assign_docs: lis
 
 
 @pytest.mark.timeout(60)
-def test_collect_comes_in_chunks_under_the_bound(monkeypatch) -> None:
-    """A big sub-DAG's state leaves in several answers (one tensor each here), which together are exactly
-    what one answer gives; asking past the last chunk is refused."""
+def test_collect_comes_in_byte_ranges_under_the_bound(monkeypatch) -> None:
+    """A sub-DAG's state leaves in answers of at most the chunk size (64 bytes here: every tensor split
+    across several), which put together are the safetensors of exactly what one answer gives; asking
+    past the last chunk is refused."""
     from fusionnet.compnode import tasks
     from fusionnet.messages.blobs import unpack_tensors
 
-    monkeypatch.setattr(tasks, "COLLECT_CHUNK_BYTES", 1)
+    monkeypatch.setattr(tasks, "COLLECT_CHUNK_BYTES", 64)
     s = service()
     call(s, "assign", figure3_assign_docs(2)[1])  # the second half: the linear layer's two tensors
     whole = unpack_tensors(call(s, "collect", {"job_id": "j1"})["state"], "all")
     first = call(s, "collect", {"job_id": "j1", "part": "state"})
-    assert first["chunks"] == len(whole) > 1
-    got = unpack_tensors(first["state"], "chunk 0")
+    pieces = [first["state"]]
     for k in range(1, first["chunks"]):
         reply = call(s, "collect", {"job_id": "j1", "part": "state", "chunk": k})
         assert reply["chunks"] == first["chunks"]
-        got.update(unpack_tensors(reply["state"], f"chunk {k}"))
+        pieces.append(reply["state"])
+    assert first["chunks"] > 10 and all(len(p) == 64 for p in pieces[:-1]) and 0 < len(pieces[-1]) <= 64
+    got = unpack_tensors(b"".join(pieces), "joined")
     assert sorted(got) == sorted(whole) and all(torch.equal(got[k], whole[k]) for k in whole)
-    assert not s._collected  # the packed chunks went with the last one
-    with pytest.raises(JobError, match="no chunk 9 of state"):
-        call(s, "collect", {"job_id": "j1", "part": "state", "chunk": 9})
-    optim = call(s, "collect", {"job_id": "j1", "part": "optim"})  # plain SGD: one empty chunk
-    assert optim["chunks"] == 1 and unpack_tensors(optim["optim"], "optim") == {}
+    assert not s._collected  # the stream went with the last chunk
+    with pytest.raises(JobError, match="no chunk 99999 of state"):
+        call(s, "collect", {"job_id": "j1", "part": "state", "chunk": 99999})
+    optim = call(s, "collect", {"job_id": "j1", "part": "optim"})  # plain SGD: an empty file
+    pieces = [optim["optim"]] + [
+        call(s, "collect", {"job_id": "j1", "part": "optim", "chunk": k})["optim"]
+        for k in range(1, optim["chunks"])
+    ]
+    assert unpack_tensors(b"".join(pieces), "optim") == {}
 
 
 @pytest.mark.timeout(60)

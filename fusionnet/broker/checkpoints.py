@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from fusionnet.broker.tensorfiles import TensorFiles, select, write_blob
+from fusionnet.broker.tensorfiles import StreamedFile, TensorFiles, select, write_blob
 from fusionnet.dag.precision import SCALER_PREFIX
 from fusionnet.errors import WireError
 from fusionnet.messages.blobs import MAX_BLOB_BYTES, own_storage
@@ -124,6 +124,10 @@ class JobFiles:
     # ---- checkpoints -----------------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
         return self.folder / f"{CKPT_PREFIX}{step}"
+
+    def streamed_part(self, step: int, name: str) -> StreamedFile:
+        """A compnode's part of the checkpoint after ``step`` that arrives in byte ranges."""
+        return StreamedFile(self.checkpoint_dir(step) / f"{name}.safetensors")
 
     def write_part(self, step: int, name: str, blob: bytes, what: str) -> TensorFiles:
         """One compnode's blob of the checkpoint after ``step``, on disk as it came."""

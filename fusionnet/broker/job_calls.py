@@ -119,15 +119,19 @@ class JobCalls:
         call = self.client.call_fetch_replica(peer, request, timeout=ASSIGN_TIMEOUT)
         return await self._named(peer, "fetch_replica", call)
 
-    async def collect_parts(self, subdag: int, peer: str) -> AsyncIterator[tuple[str, bytes | None]]:
-        """A sub-DAG's state, then its optimizer state, chunk by chunk: every answer under the message
-        bound however big the sub-DAG (the compnode says how many chunks a part has)."""
+    async def collect_parts(self, subdag: int, peer: str) -> AsyncIterator[tuple[str, bytes, bool]]:
+        """A sub-DAG's state, then its optimizer state, each a safetensors file in byte ranges (the
+        compnode says how many): every answer under the message bound however big the sub-DAG or any
+        one tensor of it. Yields ``(part, bytes, ends_file)`` (``replicas.Parts``)."""
         for part in ("state", "optim"):
             chunk, chunks = 0, 1
             while chunk < chunks:
                 (r,) = await self.collect([peer], part, chunk)
                 chunks = r.chunks
-                yield part, r.state if part == "state" else r.optim
+                data = r.state if part == "state" else r.optim
+                if data is None:
+                    raise FusionNetError(f"compnode {peer} (collect): no {part} in its answer")
+                yield part, data, chunk == chunks - 1
                 chunk += 1
 
     async def release(self, peers: Sequence[str], why: str) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
 from fusionnet.broker.job_calls import JobCalls
-from fusionnet.broker.tensorfiles import TensorFiles
+from fusionnet.broker.tensorfiles import StreamedFile, TensorFiles
 from fusionnet.errors import FusionNetError
 from fusionnet.messages.blobs import pack_tensors
 
@@ -149,7 +149,9 @@ class ReplicaPointer:
             return None
 
 
-Parts = Callable[[int, str], AsyncIterator[tuple[str, bytes | None]]]  # (sub-DAG, peer) -> (part, blob)
+# (sub-DAG, peer) -> pieces (part, bytes, ends_file): consecutive byte ranges of safetensors files, each
+# file ending with the piece that says so (a replica chunk is a whole file; a collect answer a range).
+Parts = Callable[[int, str], AsyncIterator[tuple[str, bytes, bool]]]
 
 
 async def assemble_checkpoint(
@@ -166,18 +168,25 @@ async def assemble_checkpoint(
     optim = TensorFiles()
     for i, peer in enumerate(sources):
         k = 0
-        async for part, blob in parts(i, peer):
-            if blob is None:
-                continue
-            what = f"{'state' if part == 'state' else 'optimizer state'} of sub-DAG {i} from {peer}"
-            name = f"{prefix}-s{i:03d}-{part}-{k:05d}"
-            written = await asyncio.to_thread(files.write_part, step, name, blob, what)
-            del blob
-            k += 1
-            if part == "state":
-                state = state.merged(written)
-            else:
-                optim = optim.merged(written)
+        current: StreamedFile | None = None
+        try:
+            async for part, data, ends_file in parts(i, peer):
+                if current is None:
+                    current = files.streamed_part(step, f"{prefix}-s{i:03d}-{part}-{k:05d}")
+                await asyncio.to_thread(current.append, data)
+                del data
+                if not ends_file:
+                    continue
+                what = f"{'state' if part == 'state' else 'optimizer state'} of sub-DAG {i} from {peer}"
+                written = await asyncio.to_thread(current.finish, what)
+                current, k = None, k + 1
+                if part == "state":
+                    state = state.merged(written)
+                else:
+                    optim = optim.merged(written)
+        finally:
+            if current is not None:  # the peer failed in the middle of a file
+                current.abandon()
     return Checkpoint(step, state, optim, [])
 
 
@@ -200,12 +209,12 @@ async def checkpoint_from_replicas(
         return None
     step, sources = found
 
-    async def parts(i: int, peer: str) -> AsyncIterator[tuple[str, bytes | None]]:
+    async def parts(i: int, peer: str) -> AsyncIterator[tuple[str, bytes, bool]]:
         chunk, count = 0, 1
         while chunk < count:
             reply = await calls.fetch_replica(peer, i, step, chunk)
             count = reply.chunks
-            yield reply.part, reply.blob
+            yield reply.part, reply.blob, True  # a snapshot chunk is a whole safetensors blob
             chunk += 1
 
     return await assemble_checkpoint(files, step, last, sources, parts, f"r{attempt}")

@@ -120,3 +120,31 @@ def write_blob(path: Path, blob: bytes, what: str) -> TensorFiles:
     except WireError:
         path.unlink(missing_ok=True)
         raise
+
+
+class StreamedFile:
+    """A safetensors file a peer sends as consecutive byte ranges (``results.slice_stream``): appended
+    to a temporary file as they come, indexed from its header once the last one is in (a file whose
+    header lies is removed and refused, as ``write_blob``'s)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._tmp = path.with_name(path.name + ".tmp")
+        self._file = self._tmp.open("wb")
+
+    def append(self, data: bytes) -> None:
+        self._file.write(data)
+
+    def finish(self, what: str) -> TensorFiles:
+        self._file.close()
+        os.replace(self._tmp, self.path)
+        try:
+            return TensorFiles.of_files([self.path], what)
+        except WireError:
+            self.path.unlink(missing_ok=True)
+            raise
+
+    def abandon(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)

@@ -28,7 +28,7 @@ from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, fault_hooks
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
 from fusionnet.compnode.replica_rpc import ReplicaRPC
-from fusionnet.compnode.replicas import Chunk, ReplicaStore, pack_chunks
+from fusionnet.compnode.replicas import ReplicaStore
 from fusionnet.compnode.serve_steps import StepOrder, serve_step
 from fusionnet.compnode.staging import StateStaging
 from fusionnet.compnode.throttle import throttle_hooks
@@ -57,6 +57,7 @@ from fusionnet.messages.compnode_rpc import (
 )
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
 from fusionnet.results.assemble import output_tensors
+from fusionnet.results.slice_stream import SliceStream
 from fusionnet.rpc.server import RPCContext
 from fusionnet.wire.datapath import DataPathClient, DataPathServer
 from fusionnet.wire.frames import TensorFrame
@@ -87,7 +88,7 @@ class SubtaskService(ReplicaRPC):
         self.fault = FaultPoint.from_env()
         settings = compnode.settings
         self.trust = TrustedBrokers.from_settings(settings.common.dht.initial_peers, settings.trusted_brokers)
-        self._collected: dict[str, tuple[tuple[str, int], list[Chunk]]] = {}  # job -> a collect's chunks
+        self._collected: dict[str, tuple[tuple[str, int], SliceStream]] = {}  # job -> what collect reads
         self._heard: dict[str, float] = {}  # job id or trusted broker -> when it last drove us (monotonic)
         self.replicas = ReplicaStore(compnode.state_dir.path / "replicas")
         self.staging = StateStaging(ttl=max(settings.assignment_ttl, 120.0))  # slices ahead of ``assign``
@@ -392,28 +393,29 @@ class SubtaskService(ReplicaRPC):
             if request.part == "all":
                 grads = job.grads_blob() if job.spec.task == "grad" else None
                 return CollectReply(state=job.state_blob(), grads=grads, optim=job.optim_blob())
-            chunks = self._collect_chunks(job, request.part, request.chunk)
-            if request.chunk >= len(chunks):
-                raise JobError(f"collect: no chunk {request.chunk} of {request.part} ({len(chunks)} chunks)")
-            blob = chunks[request.chunk][1]
-            if request.chunk == len(chunks) - 1:
-                self._collected.pop(job.job_id, None)  # the last chunk went: the packed copy goes too
+            stream = self._collect_stream(job, request.part)
+            chunks = stream.chunks(COLLECT_CHUNK_BYTES)
+            if request.chunk >= chunks:
+                raise JobError(f"collect: no chunk {request.chunk} of {request.part} ({chunks} chunks)")
+            start = request.chunk * COLLECT_CHUNK_BYTES
+            data = stream.read(start, start + COLLECT_CHUNK_BYTES)
+            if request.chunk == chunks - 1:
+                self._collected.pop(job.job_id, None)  # the last chunk went
             if request.part == "optim":
-                return CollectReply(state=b"", optim=blob, chunks=len(chunks))
+                return CollectReply(state=b"", optim=data, chunks=chunks)
             grads = job.grads_blob() if job.spec.task == "grad" and request.chunk == 0 else None
-            return CollectReply(state=blob, grads=grads, chunks=len(chunks))
+            return CollectReply(state=data, grads=grads, chunks=chunks)
 
         return await asyncio.get_running_loop().run_in_executor(self.node.compute, blobs)
 
-    def _collect_chunks(self, job: JobAssignment, part: str, chunk: int) -> list[Chunk]:
-        """The part's chunks (``replicas.pack_chunks``), packed at chunk 0 and kept until the last one
-        is asked for (the packing is the copy that goes out), for the state as it is now."""
-        key = (part, job.steps_done)
+    def _collect_stream(self, job: JobAssignment, part: str) -> SliceStream:
+        """The part as one safetensors stream over the live tensors (no packed copy), answered in byte
+        ranges (``results.slice_stream``); kept from chunk 0 to the last for the state as it is now."""
+        key = (part, len(job.steps_done))
         cached = self._collected.get(job.job_id)
-        if chunk == 0 or cached is None or cached[0] != key:
+        if cached is None or cached[0] != key:
             tensors = job.optim_tensors() if part == "optim" else job.executor.state(copy=False)
-            # no optimizer state at all: one empty chunk, as before the chunking
-            cached = (key, pack_chunks(part, tensors, COLLECT_CHUNK_BYTES) or [(part, pack_tensors({}))])
+            cached = (key, SliceStream(tensors, sorted(tensors)))
             self._collected[job.job_id] = cached
         return cached[1]
 

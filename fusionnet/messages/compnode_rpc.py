@@ -147,7 +147,9 @@ class CollectReply(Message):
     state: bytes
     grads: bytes | None = None
     optim: bytes | None = None
-    chunks: Annotated[int, Field(ge=1, le=1 << 20)] = 1  # chunks of the part asked for
+    # part "state" / "optim": chunk k is bytes [k*C, (k+1)*C) of the part as one safetensors stream
+    # (``results.slice_stream``), in ``chunks`` chunks; part "all": whole blobs in one answer.
+    chunks: Annotated[int, Field(ge=1, le=1 << 20)] = 1
 
 
 class ReleaseRequest(JobRequest):

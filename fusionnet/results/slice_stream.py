@@ -60,6 +60,7 @@ class SliceStream:
         self._tensors, self._on_disk, self._head = tensors, on_disk, head
         # On disk: where each key's bytes lie, from one read of each file's header.
         self._ranges = tensors.byte_ranges(self.keys) if on_disk else {}  # type: ignore[attr-defined]
+        self._last: tuple[int, memoryview] | None = None
         # Stream offset of each segment (the header, then every key), for random access by ``read``.
         self._starts = [0]
         for n in (len(head), *sizes[:-1]) if sizes else ():
@@ -71,7 +72,9 @@ class SliceStream:
         key = self.keys[index - 1]
         if self._on_disk:
             return self._ranges[key]
-        return _raw(self._tensors[key])
+        if self._last is None or self._last[0] != index:  # a device tensor is copied out once per part
+            self._last = (index, _raw(self._tensors[key]))
+        return self._last[1]
 
     def read_into(self, start: int, out: memoryview) -> None:
         """Fills ``out`` with the stream's bytes from ``start`` (``out`` must not run past the end)."""
