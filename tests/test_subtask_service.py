@@ -310,3 +310,22 @@ def test_a_staged_slice_comes_only_from_a_trusted_broker_and_becomes_the_assignm
     got, want = s.jobs["j1"].executor.state(), inline.jobs["j1"].executor.state()
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert s.staging.staged_bytes == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_new_attempts_staged_slice_survives_the_release_of_the_old_attempt(assign_docs: list[dict]) -> None:
+    """A restarted broker (or a failover) stages attempt 2 while attempt 1 is still held: the assign of
+    attempt 2 releases attempt 1 first, and must still find its own staged slice."""
+    s = service()
+    doc = assign_docs[1]
+    call(s, "assign", doc)
+    blob = doc["state"]
+    newer = doc["attempt"] + 1
+    part = {"job_id": "j1", "attempt": newer, "subdag": 1, "kind": "state", "total": len(blob)}
+    call(s, "stage_state", {**part, "offset": 0, "data": blob})
+    assert call(s, "assign", {**doc, "attempt": newer, "state": b"", "staged_state": len(blob)})["subdag"] == 1
+    assert s.jobs["j1"].attempt == newer and s.staging.staged_bytes == 0
+    call(s, "stage_state", {**part, "attempt": newer + 1, "offset": 0, "data": blob[:3]})
+    call(s, "stage_state", {**part, "offset": 0, "data": blob[:3]})  # an old attempt's leftover
+    call(s, "release", {"job_id": "j1"})
+    assert s.staging.staged_bytes == len(blob)  # the newer attempt's staging stays, the old one went

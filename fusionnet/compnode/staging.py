@@ -117,8 +117,11 @@ class StateStaging:
             del self._open[(broker, request.job_id, request.attempt, request.subdag, kind)]
         return request.model_copy(update=update) if update else request
 
-    def drop_job(self, job_id: str) -> None:
-        for key in [k for k in self._open if k[1] == job_id]:
+    def drop_job(self, job_id: str, up_to_attempt: int | None = None) -> None:
+        """Drops the job's stagings (only those of attempts up to ``up_to_attempt`` if given)."""
+        for key in [
+            k for k in self._open if k[1] == job_id and (up_to_attempt is None or k[2] <= up_to_attempt)
+        ]:
             del self._open[key]
 
     def expire(self) -> None:

@@ -194,7 +194,8 @@ class SubtaskService(ReplicaRPC):
         self._heard.pop(job_id, None)
         self._orders.pop(job_id, None)
         self._collected.pop(job_id, None)
-        self.staging.drop_job(job_id)
+        # Slices staged for a newer attempt stay: a new round's ``assign`` releases the old one first.
+        self.staging.drop_job(job_id, None if job is None else job.attempt)
         if job is None:
             return
         for path in (self.server, self.p2p):
