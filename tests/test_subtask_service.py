@@ -323,7 +323,8 @@ def test_a_new_attempts_staged_slice_survives_the_release_of_the_old_attempt(ass
     newer = doc["attempt"] + 1
     part = {"job_id": "j1", "attempt": newer, "subdag": 1, "kind": "state", "total": len(blob)}
     call(s, "stage_state", {**part, "offset": 0, "data": blob})
-    assert call(s, "assign", {**doc, "attempt": newer, "state": b"", "staged_state": len(blob)})["subdag"] == 1
+    staged = {**doc, "attempt": newer, "state": b"", "staged_state": len(blob)}
+    assert call(s, "assign", staged)["subdag"] == 1
     assert s.jobs["j1"].attempt == newer and s.staging.staged_bytes == 0
     call(s, "stage_state", {**part, "attempt": newer + 1, "offset": 0, "data": blob[:3]})
     call(s, "stage_state", {**part, "offset": 0, "data": blob[:3]})  # an old attempt's leftover
