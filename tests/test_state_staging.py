@@ -126,7 +126,7 @@ def test_staging_is_bounded_expires_and_goes_with_its_job(monkeypatch: pytest.Mo
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 def test_a_job_whose_slices_are_all_staged_in_tiny_parts_equals_pytorch(tmp_path: Path) -> None:
-    """2 compnodes, every slice sent in 2 KB parts (dozens of ``stage_state`` calls each)."""
+    """Every slice sent in 2 KB parts (dozens of ``stage_state`` calls each)."""
     job_path = example_job(
         "gpt",
         tmp_path,
@@ -138,11 +138,11 @@ def test_a_job_whose_slices_are_all_staged_in_tiny_parts_equals_pytorch(tmp_path
         out = tmp_path / "out"
         asyncio.run(submit_and_wait(job_path, sw.initial_peers, out, timeout=180))
         logs = sw.dump_logs()
-    assert logs.count("slice staged ahead") == 2
+    placed = json.loads((out / "plan.json").read_text())["compnodes"]  # 1 or 2: the model decides
+    assert logs.count("slice staged ahead") == len(placed) >= 1
     ref = run_reference(load_job(job_path))
     got = load_file(out / "weights.safetensors")
     assert max((got[k].double() - ref.weights[k].double()).abs().max().item() for k in got) <= 1e-5
-    assert json.loads((out / "plan.json").read_text())["compnodes"]
 
 
 def test_any_byte_range_of_the_stream_reads_the_same_bytes_from_memory_or_disk(tmp_path: Path) -> None:
