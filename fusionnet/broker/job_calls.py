@@ -129,8 +129,10 @@ class JobCalls:
                 (r,) = await self.collect([peer], part, chunk)
                 chunks = r.chunks
                 data = r.state if part == "state" else r.optim
+                if data is None and chunk == 0:  # nothing of this part (no optimizer state)
+                    break
                 if data is None:
-                    raise FusionNetError(f"compnode {peer} (collect): no {part} in its answer")
+                    raise FusionNetError(f"compnode {peer} (collect): chunk {chunk} of {part} is empty")
                 yield part, data, chunk == chunks - 1
                 chunk += 1
 
