@@ -86,12 +86,14 @@ class FakeCompnodes:
             return {"step": payload["step"], "loss": loss, "replicated": self.confirmed.get(peer)}
         if method == "replicas":
             return {"held": self.snapshots.get(peer, {})}
-        if method == "fetch_replica":  # two chunks: the state, then the optimizer state
+        if method == "fetch_replica":  # two chunks, the state then the optimizer state, in 100 B ranges
             assert payload["step"] in self.snapshots[peer][str(payload["subdag"])]
             source = next(h for h in self.held.values() if h.subdag == payload["subdag"])
-            if payload.get("chunk", 0) == 0:
-                return {"part": "state", "chunks": 2, "blob": source.state}
-            return {"part": "optim", "chunks": 2, "blob": source.optim or pack_tensors({})}
+            first = payload.get("chunk", 0) == 0
+            blob = source.state if first else source.optim or pack_tensors({})
+            offset = payload.get("offset", 0)
+            piece = blob[offset : offset + 100]
+            return {"part": "state" if first else "optim", "chunks": 2, "blob": piece, "size": len(blob)}
         if method == "collect":
             return {"state": held.state, "optim": held.optim}
         if method == "release":
@@ -189,7 +191,7 @@ def test_a_dead_compnode_is_replaced_by_a_backup_and_the_steps_replayed(
     # The broker took no state per step: the checkpoint came from the replicas (the victim's from its
     # holder), and the state was collected once, for the results (state + optimizer state per peer).
     fetched = [p for p, m in fake.calls if m == "fetch_replica"]
-    assert len(fetched) == 2 * 3 and victim not in fetched
+    assert len(fetched) > 2 * 3 and victim not in fetched  # 2 chunks a sub-DAG, each in 100 B ranges
     assert [m for _, m in fake.calls].count("collect") == 2 * 3
 
 

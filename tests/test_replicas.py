@@ -81,7 +81,10 @@ def test_snapshot_files_complete_listed_pruned_and_dropped(tmp_path: Path) -> No
         store.put("j", 1, subdag, step, (0, 1, "state"), b"s6")
     store.put("j", 0, 1, 9, (0, 1, "state"), b"old attempt")
     assert store.held("j", 1) == {0: [4, 6], 2: [6]} and store.held("j", 0) == {1: [9]}
-    assert store.read("j", 1, 0, 4, 1) == ("optim", 2, b"o4")
+    assert store.read("j", 1, 0, 4, 1) == ("optim", 2, b"o4", 2)
+    assert store.read("j", 1, 0, 4, 1, offset=1) == ("optim", 2, b"4", 2)  # answers are byte ranges
+    with pytest.raises(JobError, match="offset 3 past the 2 bytes of chunk 1"):
+        store.read("j", 1, 0, 4, 1, offset=3)
     with pytest.raises(JobError, match="chunk 3 of 2"):
         store.put("j", 1, 0, 4, (3, 2, "state"), b"")
     with pytest.raises(JobError, match="no snapshot of sub-DAG 0 at step 5"):
@@ -126,3 +129,20 @@ def test_an_owner_sends_its_snapshots_in_step_order_and_counts_the_confirmed(tmp
     assert sent == [(2, 0, 2, "state"), (2, 1, 2, "optim"), (3, 0, 2, "state"), (3, 1, 2, "optim")]
     assert r.confirmed == 3 and r.take_seconds() == 0.25 and r.take_seconds() == 0.0
     assert ReplicaStore(tmp_path).held("j", 1) == {0: [2, 3]}  # the owner keeps its own copies
+
+
+def test_a_snapshot_chunk_bigger_than_an_answer_is_read_in_bounded_ranges(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from fusionnet.compnode import replicas as replicas_module
+
+    monkeypatch.setattr(replicas_module, "FETCH_BYTES", 4)
+    store = ReplicaStore(tmp_path)
+    store.put("j", 1, 0, 2, (0, 1, "state"), b"0123456789")
+    pieces, offset = [], 0
+    while offset < 10:
+        part, count, data, size = store.read("j", 1, 0, 2, 0, offset=offset)
+        assert (part, count, size) == ("state", 1, 10) and 0 < len(data) <= 4
+        pieces.append(data)
+        offset += len(data)
+    assert b"".join(pieces) == b"0123456789" and len(pieces) == 3

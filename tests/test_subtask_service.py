@@ -274,7 +274,9 @@ def test_replicas_are_kept_only_from_the_sub_dag_this_node_holds_and_read_only_b
     assert call(s, "replicate", second, sender=PEERS[0]) == {"complete": True}
     assert call(s, "replicas", {"job_id": "j1"}) == {"held": {"0": [3]}}
     got = call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 3, "chunk": 0})
-    assert got == {"part": "state", "chunks": 2, "blob": blob}
+    assert got == {"part": "state", "chunks": 2, "blob": blob, "size": len(blob)}
+    tail = call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 3, "chunk": 0, "offset": 5})
+    assert tail == {"part": "state", "chunks": 2, "blob": blob[5:], "size": len(blob)}
     with pytest.raises(JobError, match=f"{STRANGER} may not drive it"):
         call(s, "fetch_replica", {"job_id": "j1", "subdag": 0, "step": 3}, sender=STRANGER)
     with pytest.raises(JobError, match="no snapshot of sub-DAG 0 at step 2"):

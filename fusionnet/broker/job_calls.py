@@ -114,8 +114,10 @@ class JobCalls:
             peer, "replicas", self.client.call_replicas(peer, request, timeout=PROBE_TIMEOUT)
         )
 
-    async def fetch_replica(self, peer: str, subdag: int, step: int, chunk: int) -> ReplicaChunk:
-        request = ReplicaRequest(job_id=self.job_id, subdag=subdag, step=step, chunk=chunk)
+    async def fetch_replica(
+        self, peer: str, subdag: int, step: int, chunk: int, offset: int = 0
+    ) -> ReplicaChunk:
+        request = ReplicaRequest(job_id=self.job_id, subdag=subdag, step=step, chunk=chunk, offset=offset)
         call = self.client.call_fetch_replica(peer, request, timeout=ASSIGN_TIMEOUT)
         return await self._named(peer, "fetch_replica", call)
 

@@ -210,11 +210,20 @@ async def checkpoint_from_replicas(
     step, sources = found
 
     async def parts(i: int, peer: str) -> AsyncIterator[tuple[str, bytes, bool]]:
+        """Each snapshot chunk (a safetensors file on the holder) in byte ranges of bounded size."""
         chunk, count = 0, 1
         while chunk < count:
-            reply = await calls.fetch_replica(peer, i, step, chunk)
-            count = reply.chunks
-            yield reply.part, reply.blob, True  # a snapshot chunk is a whole safetensors blob
+            offset = 0
+            while True:
+                reply = await calls.fetch_replica(peer, i, step, chunk, offset)
+                count = reply.chunks
+                size = len(reply.blob) if reply.size is None else reply.size
+                offset += len(reply.blob)
+                if offset < size and not reply.blob:
+                    raise FusionNetError(f"{peer}: snapshot chunk {chunk} of sub-DAG {i} stops at {offset}")
+                yield reply.part, reply.blob, offset >= size
+                if offset >= size:
+                    break
             chunk += 1
 
     return await assemble_checkpoint(files, step, last, sources, parts, f"r{attempt}")

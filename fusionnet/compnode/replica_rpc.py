@@ -118,9 +118,9 @@ class ReplicaRPC:
     @handles(ReplicaRequest)
     async def rpc_fetch_replica(self, request: ReplicaRequest, context: RPCContext) -> ReplicaChunk:
         job = self._job(request, context)
-        where = (job.job_id, job.attempt, request.subdag, request.step, request.chunk)
-        part, chunks, blob = await asyncio.to_thread(self.replicas.read, *where)
-        return ReplicaChunk(part=part, chunks=chunks, blob=blob)
+        where = (job.job_id, job.attempt, request.subdag, request.step, request.chunk, request.offset)
+        part, chunks, data, size = await asyncio.to_thread(self.replicas.read, *where)
+        return ReplicaChunk(part=part, chunks=chunks, blob=data, size=size)
 
 
 def _pack(job: JobAssignment) -> tuple[list[Chunk], float]:

@@ -40,6 +40,7 @@ log = logging.getLogger("fusionnet.compnode.replicas")
 
 PARTS = ("state", "optim")
 CHUNK_BYTES = 64 << 20  # tensors per ``replicate`` message (one bigger tensor goes alone)
+FETCH_BYTES = 32 << 20  # what one ``fetch_replica`` answer carries at most (a byte range of a chunk)
 Chunk = tuple[str, bytes]  # (part, safetensors blob)
 _NAME = re.compile(r"^a(\d+)-s(\d+)-(\d+)\.(\d+)of(\d+)\.(state|optim)\.safetensors$")
 
@@ -102,15 +103,23 @@ class ReplicaStore:
             if (int(m[1]), int(m[2]), int(m[3])) == (attempt, subdag, step)
         }
 
-    def read(self, job_id: str, attempt: int, subdag: int, step: int, chunk: int) -> tuple[str, int, bytes]:
-        """(part, chunk count, blob) of one chunk."""
+    def read(
+        self, job_id: str, attempt: int, subdag: int, step: int, chunk: int, offset: int = 0
+    ) -> tuple[str, int, bytes, int]:
+        """(part, chunk count, bytes from ``offset`` on (at most ``FETCH_BYTES``), file size) of one
+        chunk: a broker fetching a snapshot gets bounded answers however big one tensor of it is."""
         found = self._snapshot(job_id, attempt, subdag, step).get(chunk)
         if found is None:
             raise JobError(
                 f"job {job_id}: no snapshot of sub-DAG {subdag} at step {step} (chunk {chunk}) here"
             )
         path, part, count = found
-        return part, count, path.read_bytes()
+        with path.open("rb") as f:
+            size = f.seek(0, 2)
+            if offset > size:
+                raise JobError(f"job {job_id}: offset {offset} past the {size} bytes of chunk {chunk}")
+            f.seek(offset)
+            return part, count, f.read(FETCH_BYTES), size
 
     def held(self, job_id: str, attempt: int) -> dict[int, list[int]]:
         """Complete snapshots of ``attempt``: sub-DAG -> steps (ascending)."""

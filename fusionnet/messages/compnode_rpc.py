@@ -232,12 +232,14 @@ class ReplicaRequest(JobRequest):
     subdag: NonNegative
     step: NonNegative
     chunk: NonNegative = 0
+    offset: NonNegative = 0  # where in the chunk's file the answer starts (answers are byte ranges)
 
 
 class ReplicaChunk(Message):
     part: Literal["state", "optim"]
     chunks: Annotated[int, Field(ge=1)]  # of the whole snapshot
-    blob: bytes
+    blob: bytes  # bytes [offset, offset + len) of the chunk's safetensors file
+    size: NonNegative | None = None  # the whole file's size (None: ``blob`` is the whole file)
 
 
 class CompnodeClient(TypedCaller):
