@@ -12,7 +12,7 @@ from fusionnet.broker.assignment_payloads import assignment_payloads, iter_assig
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.codec import encode_ir
-from fusionnet.dag.partition import balanced_assignment, build_partition
+from fusionnet.dag.partition import Partition, balanced_assignment, build_partition
 from fusionnet.job.loader import load_job
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.messages.jobwire import run_spec_of
@@ -21,21 +21,10 @@ from tests.jobfiles import REPO
 
 
 def test_each_compnode_gets_its_slice_and_all_share_the_map_peers_and_key() -> None:
-    job = load_job(REPO / "examples" / "figure3" / "job.yaml")
-    traced = trace_job(job)
-    graph = traced.graph
-    partition = build_partition(graph, balanced_assignment(graph, 3))
-    submitted = SubmittedJob(
-        job_id="j1",
-        spec=run_spec_of(job, "mean"),
-        ir=encode_ir(graph),
-        graph=graph,
-        state=dict(traced.state),
-        data={"inputs": job.inputs, "labels": job.labels},
-        submitter="me",
-    )
+    submitted, partition, state = _figure3(3)
+    graph = submitted.graph
     optim = {f"opt::{k}::exp_avg": torch.zeros(1) for k in graph.params}
-    ckpt = Checkpoint(4, dict(traced.state), optim)
+    ckpt = Checkpoint(4, state, optim)
     peers = ["pa", "pb", "pc"]
     requests = assignment_payloads(submitted, partition, peers, {"pa": "127.0.0.1:1", "pb": None}, 2, ckpt)
     docs = [r.model_dump() for r in requests]  # what goes on the wire
@@ -65,11 +54,11 @@ def test_each_compnode_gets_its_slice_and_all_share_the_map_peers_and_key() -> N
     assert again[0].key != docs[0]["key"]
 
 
-def _figure3() -> tuple[SubmittedJob, object, Checkpoint]:
+def _figure3(pieces: int) -> tuple[SubmittedJob, Partition, dict[str, torch.Tensor]]:
+    """The bundled Figure 3 job, traced and cut into ``pieces`` balanced sub-DAGs, and its state."""
     job = load_job(REPO / "examples" / "figure3" / "job.yaml")
     traced = trace_job(job)
     graph = traced.graph
-    partition = build_partition(graph, balanced_assignment(graph, 2))
     submitted = SubmittedJob(
         job_id="j1",
         spec=run_spec_of(job, "mean"),
@@ -79,14 +68,17 @@ def _figure3() -> tuple[SubmittedJob, object, Checkpoint]:
         data={"inputs": job.inputs, "labels": job.labels},
         submitter="me",
     )
-    optim = {
-        f"opt::{k}::exp_avg": torch.full_like(v, 0.5) for k, v in traced.state.items() if k in graph.params
-    }
-    return submitted, partition, Checkpoint(4, dict(traced.state), optim)
+    return submitted, build_partition(graph, balanced_assignment(graph, pieces)), dict(traced.state)
+
+
+def _figure3_halves() -> tuple[SubmittedJob, Partition, Checkpoint]:
+    submitted, partition, state = _figure3(2)
+    optim = {f"opt::{k}::exp_avg": torch.full_like(state[k], 0.5) for k in submitted.graph.params}
+    return submitted, partition, Checkpoint(4, state, optim)
 
 
 def test_slices_over_the_part_size_are_staged_with_the_bytes_an_inline_slice_would_carry() -> None:
-    submitted, partition, ckpt = _figure3()
+    submitted, partition, ckpt = _figure3_halves()
     inline = assignment_payloads(submitted, partition, ["pa", "pb"], {}, 2, ckpt, key=b"k" * 32)
     staged = list(
         iter_assignment_payloads(
@@ -109,7 +101,7 @@ def test_slices_over_the_part_size_are_staged_with_the_bytes_an_inline_slice_wou
 
 
 def test_an_assign_request_cannot_carry_a_slice_both_inline_and_staged() -> None:
-    submitted, partition, ckpt = _figure3()
+    submitted, partition, ckpt = _figure3_halves()
     doc = assignment_payloads(submitted, partition, ["pa", "pb"], {}, 2, ckpt)[0].model_dump()
     with pytest.raises(ValidationError, match="state is staged"):
         type(assignment_payloads(submitted, partition, ["pa", "pb"], {}, 2, ckpt)[0]).model_validate(
