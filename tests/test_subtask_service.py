@@ -58,7 +58,7 @@ class FakeNode:
 
     def __init__(self) -> None:
         self.peer_id = ME
-        self.settings = CompnodeConfig(trusted_brokers=(BROKER,))
+        self.settings = CompnodeConfig(trusted_brokers=(BROKER,), sandbox=False)
         self.metrics = CompnodeMetrics(process=False)
         self.load = (0.0, 0)
         self.compute = None  # executors compute inline here; packing uses the loop's default pool
@@ -115,7 +115,7 @@ def call(s: SubtaskService, method: str, payload: dict[str, Any], sender: str = 
 def test_an_assignment_is_held_and_only_its_broker_may_drive_it(assign_docs: list[dict]) -> None:
     s = service()
     doc = assign_docs[1]
-    assert call(s, "assign", doc) == {"subdag": 1, "nodes": len(s.jobs["j1"].subdag.nodes)}
+    assert call(s, "assign", doc) == {"subdag": 1, "nodes": s.jobs["j1"].nodes}
     assert s.node.ways_made == 1  # a calibration in progress would give way to it
     assert s.server.jobs["j1"] == [PEERS[0], PEERS[2]]  # type: ignore[union-attr]  # only the job's peers
     assert call(s, "assign", doc)["subdag"] == 1  # a repeated request: same answer, same job
@@ -143,10 +143,10 @@ def test_collect_comes_in_byte_ranges_under_the_bound(monkeypatch) -> None:
     """A sub-DAG's state leaves in answers of at most the chunk size (64 bytes here: every tensor split
     across several), which put together are the safetensors of exactly what one answer gives; asking
     past the last chunk is refused."""
-    from fusionnet.compnode import tasks
+    from fusionnet.compnode import job_host
     from fusionnet.messages.blobs import unpack_tensors
 
-    monkeypatch.setattr(tasks, "COLLECT_CHUNK_BYTES", 64)
+    monkeypatch.setattr(job_host, "COLLECT_CHUNK_BYTES", 64)
     s = service()
     call(s, "assign", figure3_assign_docs(2)[1])  # the second half: the linear layer's two tensors
     whole = unpack_tensors(call(s, "collect", {"job_id": "j1"})["state"], "all")
@@ -159,7 +159,7 @@ def test_collect_comes_in_byte_ranges_under_the_bound(monkeypatch) -> None:
     assert first["chunks"] > 10 and all(len(p) == 64 for p in pieces[:-1]) and 0 < len(pieces[-1]) <= 64
     got = unpack_tensors(b"".join(pieces), "joined")
     assert sorted(got) == sorted(whole) and all(torch.equal(got[k], whole[k]) for k in whole)
-    assert not s._collected  # the stream went with the last chunk
+    assert s.jobs["j1"].host._collected is None  # the stream went with the last chunk
     with pytest.raises(JobError, match="no chunk 99999 of state"):
         call(s, "collect", {"job_id": "j1", "part": "state", "chunk": 99999})
     optim = call(s, "collect", {"job_id": "j1", "part": "optim"})  # plain SGD: an empty file
@@ -309,7 +309,7 @@ def test_a_staged_slice_comes_only_from_a_trusted_broker_and_becomes_the_assignm
     assert call(s, "assign", staged)["subdag"] == 1
     inline = service()
     call(inline, "assign", doc)
-    got, want = s.jobs["j1"].executor.state(), inline.jobs["j1"].executor.state()
+    got, want = s.jobs["j1"].host.job.executor.state(), inline.jobs["j1"].host.job.executor.state()
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert s.staging.staged_bytes == 0
 

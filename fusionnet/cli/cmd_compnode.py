@@ -71,6 +71,21 @@ def add_parser(subparsers: Any) -> None:
         help="release an assignment whose broker sent no step, call or heartbeat for S seconds "
         "(default %(default)g)",
     )
+    p.add_argument(
+        "--sandbox",
+        choices=["process", "off"],
+        default="process",
+        help="where a job's sub-DAG is decoded, rebuilt and run: 'process' (default), a worker process "
+        "per assignment with a memory limit, so a job that crashes or runs away ends only itself; "
+        "'off', on this daemon's compute thread (one process; a crashing job takes the compnode down)",
+    )
+    p.add_argument(
+        "--sandbox-memory-gb",
+        type=float,
+        metavar="GB",
+        help="private memory one job's worker may use beyond its start-up (CPU devices; default: 90%% "
+        "of this machine's RAM); a job past it fails with an error naming its worker",
+    )
     p.set_defaults(func=run)
 
 
@@ -94,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
             metrics_announce_host=args.metrics_announce_host,
             trusted_brokers=tuple(args.trusted_broker),
             assignment_ttl=args.assignment_ttl,
+            sandbox=args.sandbox == "process",
+            sandbox_memory_gb=args.sandbox_memory_gb,
         )
         # One compnode per process: its metrics are the process's set, so module-level users count too.
         compnode = CompnodeDaemon(config, COMPNODE_METRICS)

@@ -83,6 +83,8 @@ class CompnodeConfig:
     slowdown: float = 1.0  # emulate a device this many times slower (``fusionnet.compnode.throttle``)
     trusted_brokers: tuple[str, ...] = ()  # brokers obeyed besides those named in --initial-peers
     assignment_ttl: float = DEFAULT_ASSIGNMENT_TTL  # s without a word from its broker voids an assignment
+    sandbox: bool = True  # each assignment in a worker process of its own (``compnode.sandbox_client``)
+    sandbox_memory_gb: float | None = None  # a worker's memory budget; None: 90 % of this machine's RAM
 
     def __post_init__(self) -> None:
         self.role = Role(self.role)
@@ -101,12 +103,22 @@ class CompnodeConfig:
                 raise ValueError(f"--trusted-broker: {peer!r} is not a peer id")
         if not self.assignment_ttl > 0:
             raise ValueError(f"--assignment-ttl must be > 0 seconds, got {self.assignment_ttl}")
+        if self.sandbox_memory_gb is None and self.sandbox:
+            self.sandbox_memory_gb = 0.9 * _physical_memory_gb()
+        if self.sandbox_memory_gb is not None and not 0 < self.sandbox_memory_gb < 1 << 20:
+            raise ValueError(f"--sandbox-memory-gb must be > 0, got {self.sandbox_memory_gb}")
         from fusionnet.dag.devices import resolve_device  # torch: only when a compnode is configured
 
         self.device = str(resolve_device(self.device))  # a clear start-up error without CUDA / MPS
         host = self.metrics_announce_host
         if host is not None and (is_bind_all(host) or not is_host_port(join_host_port(host, 1))):
             raise ValueError(f"--metrics-announce-host: {host!r} is not a host name or IP address to reach")
+
+
+def _physical_memory_gb() -> float:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
 
 
 class CompnodeDaemon(Daemon):

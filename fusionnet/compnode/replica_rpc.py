@@ -10,11 +10,10 @@ broker that assigned the job (``SubtaskService._job``).
 from __future__ import annotations
 
 import asyncio
-import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from fusionnet.compnode.replicas import Chunk, ReplicaStore, Replicator, pack_chunks
+from fusionnet.compnode.replicas import Chunk, ReplicaStore, Replicator
 from fusionnet.errors import JobError
 from fusionnet.messages.base import handles
 from fusionnet.messages.compnode_rpc import (
@@ -30,21 +29,21 @@ from fusionnet.messages.compnode_rpc import (
 from fusionnet.rpc.server import RPCContext
 
 if TYPE_CHECKING:
-    from fusionnet.compnode.assignment_intake import JobAssignment
+    from fusionnet.compnode.job_host import HeldJob
 
 REPLICATE_TIMEOUT = 600.0  # one part of a snapshot (hundreds of MB on a slow link)
 
 
 class ReplicaRPC:
-    jobs: dict[str, JobAssignment]
+    jobs: dict[str, HeldJob]
     node: Any  # CompnodeDaemon
     fault: Any  # FaultPoint | None
     replicas: ReplicaStore
 
-    def _job(self, request: JobRequest, context: RPCContext) -> JobAssignment:
+    def _job(self, request: JobRequest, context: RPCContext) -> HeldJob:
         raise NotImplementedError  # SubtaskService's
 
-    def _replicator(self, job: JobAssignment) -> Replicator | None:
+    def _replicator(self, job: HeldJob) -> Replicator | None:
         holders = job.replica_holders
         if holders is None or job.spec.task != "train":
             return None
@@ -73,7 +72,7 @@ class ReplicaRPC:
             job.replicator = Replicator(self.replicas, job.job_id, job.attempt, job.index, send, fault)
         return job.replicator
 
-    def after_step(self, job: JobAssignment, request: StepRequest) -> None:
+    def after_step(self, job: HeldJob, request: StepRequest) -> None:
         """Called with the job's lock held, right after the step ran: queues the snapshot on the compute
         thread before anything else can be (module docstring of ``compnode.replicas``)."""
         replicator = self._replicator(job)
@@ -82,10 +81,9 @@ class ReplicaRPC:
         if request.keep_from is not None:
             self.replicas.prune(job.job_id, request.keep_from)
         if request.snapshot:
-            pack = asyncio.get_running_loop().run_in_executor(self.node.compute, partial(_pack, job))
-            replicator.start(request.step + 1, pack)
+            replicator.start(request.step + 1, job.host.snapshot())
 
-    def forget_replicas(self, job: JobAssignment) -> None:
+    def forget_replicas(self, job: HeldJob) -> None:
         if job.replicator is not None:
             job.replicator.cancel()
         self.replicas.drop(job.job_id)
@@ -121,11 +119,3 @@ class ReplicaRPC:
         where = (job.job_id, job.attempt, request.subdag, request.step, request.chunk, request.offset)
         part, chunks, data, size = await asyncio.to_thread(self.replicas.read, *where)
         return ReplicaChunk(part=part, chunks=chunks, blob=data, size=size)
-
-
-def _pack(job: JobAssignment) -> tuple[list[Chunk], float]:
-    """The sub-DAG's state and optimizer state in chunks (the packing is the copy), on the compute
-    thread: no Update runs meanwhile."""
-    started = time.perf_counter()
-    state = pack_chunks("state", job.executor.state(copy=False))
-    return state + pack_chunks("optim", job.optim_tensors()), time.perf_counter() - started

@@ -11,8 +11,13 @@ Only a broker this compnode trusts may assign a job (``trust.py``: the peers of 
 (``collect``) or end it (``release``); a call about a job from anyone else is refused with a
 ``JobError``. An assignment its broker stops driving expires (``--assignment-ttl``), freeing its slot.
 
-Compute runs on the compnode's compute thread (``fusionnet.compnode.compute``), never on the event
-loop: while a sub-task computes for minutes the loop keeps answering pings and RPCs and moving data.
+Compute never runs on the event loop: while a sub-task computes for minutes the loop keeps answering
+pings and RPCs and moving data. By default (``--sandbox process``) each assignment runs in its own
+worker process (``sandbox_client``/``sandbox_worker``): the IR is decoded, rebuilt and executed there,
+under a memory limit, so a graph that crashes the interpreter or runs away ends that job's worker and
+fails that job with a message saying so, never the daemon or other jobs. With ``--sandbox off`` it
+runs on the daemon's compute thread (``fusionnet.compnode.compute``). Either way the daemon keeps the
+data path, the replicas and who may drive what (``job_host.HeldJob``).
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ import time
 from functools import partial
 from typing import Any
 
-from fusionnet.compnode.assignment_intake import JobAssignment, build_assignment
+from fusionnet.compnode.assignment_intake import build_assignment
 from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, fault_hooks
+from fusionnet.compnode.job_host import HeldJob, JobHost
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
 from fusionnet.compnode.replica_rpc import ReplicaRPC
 from fusionnet.compnode.replicas import ReplicaStore
-from fusionnet.compnode.serve_steps import StepOrder, serve_step
+from fusionnet.compnode.sandbox_client import SandboxedJob, SandboxPool
 from fusionnet.compnode.staging import StateStaging
 from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
@@ -37,7 +43,6 @@ from fusionnet.daemon.addresses import announced_host
 from fusionnet.dht.records import join_host_port
 from fusionnet.errors import DeviceMemoryError, JobError
 from fusionnet.messages.base import handles
-from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.broker_rpc import BrokerClient
 from fusionnet.messages.broker_rpc import JobRequest as BrokerJobRequest
 from fusionnet.messages.compnode_rpc import (
@@ -56,15 +61,12 @@ from fusionnet.messages.compnode_rpc import (
     StepRequest,
 )
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
-from fusionnet.results.assemble import output_tensors
-from fusionnet.results.slice_stream import SliceStream
 from fusionnet.rpc.server import RPCContext
 from fusionnet.wire.datapath import DataPathClient, DataPathServer
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.refusal import PeerUnreachable
 
 log = logging.getLogger("fusionnet.compnode.tasks")
-COLLECT_CHUNK_BYTES = 32 << 20  # tensors per ``collect`` answer (one bigger tensor goes alone)
 
 MAX_JOBS = 16  # assignments held at once; a broker gone wild cannot exhaust our memory
 HANDOVER_TIMEOUT = 45.0  # a graceful leave waits this long for the broker to move our sub-DAGs
@@ -76,7 +78,7 @@ class SubtaskService(ReplicaRPC):
     def __init__(self, compnode: CompnodeDaemon) -> None:
         self.node = compnode
         self.brokers = BrokerClient(compnode.call)
-        self.jobs: dict[str, JobAssignment] = {}
+        self.jobs: dict[str, HeldJob] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self.server: DataPathServer | None = None
         self.client: DataPathClient | None = None
@@ -84,14 +86,13 @@ class SubtaskService(ReplicaRPC):
         self._tcp_down: set[str] = set()  # peers whose TCP address failed: use P2P for them
         self._released: dict[str, asyncio.Event] = {}
         self._probers: dict[str, LinkProber] = {}
-        self._orders: dict[str, StepOrder] = {}  # deployments: request batches run in step order
         self.fault = FaultPoint.from_env()
         settings = compnode.settings
         self.trust = TrustedBrokers.from_settings(settings.common.dht.initial_peers, settings.trusted_brokers)
-        self._collected: dict[str, tuple[tuple[str, int], SliceStream]] = {}  # job -> what collect reads
         self._heard: dict[str, float] = {}  # job id or trusted broker -> when it last drove us (monotonic)
         self.replicas = ReplicaStore(compnode.state_dir.path / "replicas")
         self.staging = StateStaging(ttl=max(settings.assignment_ttl, 120.0))  # slices ahead of ``assign``
+        self.sandboxes = SandboxPool.of(settings, self.fault) if settings.sandbox else None
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -106,6 +107,8 @@ class SubtaskService(ReplicaRPC):
         assert self.node.peer is not None
         self.p2p = P2PDataPath(self.node.peer.p2p, self.node.peer_id)
         await self.p2p.start()
+        if self.sandboxes is not None:
+            self.sandboxes.start()  # the workers' fork server imports torch once, in the background
         self.node.set_data_path_address(join_host_port(host, port))
         log.info("data path announced as %s", self.node.data_path_address)
         self.node.ping_listeners.append(self._pinged)
@@ -136,6 +139,8 @@ class SubtaskService(ReplicaRPC):
             await self.p2p.stop()
         if self.server is not None:
             await self.server.stop()
+        if self.sandboxes is not None:
+            self.sandboxes.stop()
 
     async def _hand_over(self) -> None:
         """Proactive leave (Confidant's proactive mode): tell each job's broker we are going, keep serving
@@ -159,7 +164,7 @@ class SubtaskService(ReplicaRPC):
                 log.warning("hand-over not finished within %.0f s; leaving anyway", HANDOVER_TIMEOUT)
 
     # ---- transport -------------------------------------------------------------------------------
-    async def _send(self, job: JobAssignment, dst: int, frame: TensorFrame) -> None:
+    async def _send(self, job: HeldJob, dst: int, frame: TensorFrame) -> None:
         peer = job.peers[dst]
         nbytes = frame.tensor.numel() * frame.tensor.element_size()
         if peer.data_address and peer.peer_id not in self._tcp_down:
@@ -175,7 +180,7 @@ class SubtaskService(ReplicaRPC):
         self.node.metrics.count_data("p2p", "sent", nbytes)
 
     # ---- helpers ---------------------------------------------------------------------------------
-    def _job(self, request: JobRequest, context: RPCContext) -> JobAssignment:
+    def _job(self, request: JobRequest, context: RPCContext) -> HeldJob:
         job_id = request.job_id
         job = self.jobs.get(job_id)
         if job is None:
@@ -192,8 +197,6 @@ class SubtaskService(ReplicaRPC):
         self._locks.pop(job_id, None)
         self._probers.pop(job_id, None)
         self._heard.pop(job_id, None)
-        self._orders.pop(job_id, None)
-        self._collected.pop(job_id, None)
         # Slices staged for a newer attempt stay: a new round's ``assign`` releases the old one first.
         self.staging.drop_job(job_id, None if job is None else job.attempt)
         if job is None:
@@ -201,7 +204,8 @@ class SubtaskService(ReplicaRPC):
         for path in (self.server, self.p2p):
             if path is not None:
                 path.unregister_job(job_id)
-        job.channel.mailbox.fail_all(JobError(f"job {job_id} was released: {why}"))
+        closing = asyncio.ensure_future(job.host.close(why))  # a sandbox worker is stopped
+        closing.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.forget_replicas(job)
         if job_id in self._released:
             self._released.pop(job_id).set()
@@ -218,7 +222,7 @@ class SubtaskService(ReplicaRPC):
             total += 0 if stats is None else stats.refused_total
         job = self.jobs.get(job_id)
         prober = self._probers.get(job_id)
-        return total + (job.channel.refused if job else 0) + (prober.refused if prober else 0)
+        return total + (job.host.refused() if job else 0) + (prober.refused if prober else 0)
 
     # ---- RPC -------------------------------------------------------------------------------------
     @handles(StageStateRequest)
@@ -236,7 +240,7 @@ class SubtaskService(ReplicaRPC):
             if held.broker != context.remote_peer:
                 raise JobError(f"job {job_id} is already assigned here by {held.broker}")
             if request.attempt == held.attempt and request.subdag == held.index:
-                return AssignReply(subdag=held.index, nodes=len(held.subdag.nodes))  # a repeated request
+                return AssignReply(subdag=held.index, nodes=held.nodes)  # a repeated request
             # A new round of the same job (failover, re-plan, restarted broker): the old one is void.
             self._release(job_id, f"superseded by attempt {request.attempt}")
         if len(self.jobs) >= MAX_JOBS:
@@ -245,36 +249,22 @@ class SubtaskService(ReplicaRPC):
         request = self.staging.resolve(context.remote_peer, request)
         if staged:
             log.info("job %s: sub-DAG %d slice staged ahead (%d bytes)", job_id, request.subdag, sum(staged))
-        holder: dict[str, JobAssignment] = {}
+        holder: dict[str, HeldJob] = {}
 
         async def send(dst: int, frame: TensorFrame) -> None:
             await self._send(holder["job"], dst, frame)
 
-        # Built on the compute thread: placing the state on the device is compute-stream work. A first
-        # start-up's calibration on that thread gives way at once instead of delaying the job.
-        self.node.make_way_for_work()
-        build = partial(
-            build_assignment,
-            request,
-            own_peer_id=self.node.peer_id,
-            broker=context.remote_peer,
-            send=send,
-            device=self.node.device,
-        )
-        job = await asyncio.get_running_loop().run_in_executor(self.node.compute, build)
+        job = await self._build(request, context.remote_peer, send)
         holder["job"] = job
-        job.executor.compute = self.node.compute
-        for hook in (*fault_hooks(self.fault), *throttle_hooks(self.node.settings.slowdown)):
-            job.executor.hooks.add(hook)
         allowed = job.allowed_senders()
-        prober = LinkProber(job.job_id, self.node.peer_id, job.channel.subdag_of_peer, send)
+        prober = LinkProber(job.job_id, self.node.peer_id, job.subdag_of_peer(), send)
         self._probers[job.job_id] = prober
 
         def router(path_name: str) -> Any:
             def route(frame: TensorFrame) -> Any:  # link probes to the prober, values to the executor
                 nbytes = frame.tensor.numel() * frame.tensor.element_size()
                 self.node.metrics.count_data(path_name, "received", nbytes)  # as ``_send`` counts: probes too
-                return prober.on_frame(frame) if frame.kind == "ctrl" else job.channel.on_frame(frame)
+                return prober.on_frame(frame) if frame.kind == "ctrl" else job.host.deliver(frame)
 
             return route
 
@@ -290,10 +280,37 @@ class SubtaskService(ReplicaRPC):
             job.job_id,
             job.index,
             context.remote_peer,
-            len(job.subdag.nodes),
-            len(job.subdag.params),
+            job.nodes,
+            job.params,
         )
-        return AssignReply(subdag=job.index, nodes=len(job.subdag.nodes))
+        return AssignReply(subdag=job.index, nodes=job.nodes)
+
+    async def _build(self, request: AssignRequest, broker: str, send: Any) -> HeldJob:
+        """The assignment decoded, checked and built where it will run: in a sandbox worker, or on the
+        compute thread (placing the state on the device is compute-stream work). A first start-up's
+        calibration on that thread gives way at once instead of delaying the job."""
+        self.node.make_way_for_work()
+        if self.sandboxes is not None:
+            sandboxed = SandboxedJob(self.sandboxes, self.node.peer_id, request.job_id, request.subdag, send)
+            try:
+                nodes, params = await sandboxed.assign(request, broker, str(self.node.device))
+            except BaseException:
+                await sandboxed.close("its assignment was refused")
+                raise
+            return HeldJob.of(request, broker, nodes, params, sandboxed)
+        build = partial(
+            build_assignment,
+            request,
+            own_peer_id=self.node.peer_id,
+            broker=broker,
+            send=send,
+            device=self.node.device,
+        )
+        built = await asyncio.get_running_loop().run_in_executor(self.node.compute, build)
+        for hook in (*fault_hooks(self.fault), *throttle_hooks(self.node.settings.slowdown)):
+            built.executor.hooks.add(hook)
+        host = JobHost(built, self.node.compute)
+        return HeldJob.of(request, broker, len(built.subdag.nodes), len(built.subdag.params), host)
 
     @handles(StepRequest)
     async def rpc_step(self, request: StepRequest, context: RPCContext) -> StepReply:
@@ -306,38 +323,31 @@ class SubtaskService(ReplicaRPC):
                     return job.last_reply  # a repeated request whose answer was lost on the way
                 raise JobError(f"job {job.job_id}: step {step} already ran on sub-DAG {job.index}")
             try:
-                report = await job.run_step(step)
+                outcome = await job.host.run_step(step)
             except Exception as e:
                 self.node.metrics.count_subtask("failed")
                 if isinstance(e, DeviceMemoryError):  # the daemon lives on; the broker places again
                     log.warning("job %s: %s", job.job_id, e)
-                    await asyncio.get_running_loop().run_in_executor(
-                        self.node.compute, job.executor.drop_inflight
-                    )
+                    await job.host.drop_inflight()
                 raise
+            job.steps_done.add(step)
             self.after_step(job, request)
         for phase, seconds in (
-            ("fp", report.fp_seconds),
-            ("bp", report.bp_seconds),
-            ("update", report.update_seconds),
+            ("fp", outcome.fp_seconds),
+            ("bp", outcome.bp_seconds),
+            ("update", outcome.update_seconds),
         ):
             if job.spec.task != "infer" or phase == "fp":
                 self.node.metrics.observe_compute(phase, seconds)
         self.node.metrics.count_subtask("succeeded")
-        outputs = None
-        if report.outputs:
-            tensors = output_tensors(report.outputs)
-            outputs = await asyncio.get_running_loop().run_in_executor(
-                self.node.compute, pack_tensors, tensors
-            )
         reply = StepReply(
             step=step,
-            loss=report.loss,
-            fp_seconds=report.fp_seconds,
-            bp_seconds=report.bp_seconds,
-            update_seconds=report.update_seconds,
+            loss=outcome.loss,
+            fp_seconds=outcome.fp_seconds,
+            bp_seconds=outcome.bp_seconds,
+            update_seconds=outcome.update_seconds,
             refused=self._refused(job.job_id),
-            outputs=outputs,
+            outputs=outcome.outputs,
             replicated=None if job.replicator is None else job.replicator.confirmed,
             snapshot_seconds=0.0 if job.replicator is None else job.replicator.take_seconds(),
         )
@@ -350,9 +360,8 @@ class SubtaskService(ReplicaRPC):
         job = self._job(request, context)  # type: ignore[arg-type]  # it names a job like a JobRequest
         if job.spec.task != "infer":
             raise JobError(f"job {job.job_id} is a {job.spec.task} job, not a deployment")
-        order = self._orders.setdefault(job.job_id, StepOrder())
         try:
-            reply = await serve_step(job, order, request, self.node.compute)
+            reply = await job.host.serve(request)
         except Exception:
             self.node.metrics.count_subtask("failed")
             raise
@@ -388,37 +397,7 @@ class SubtaskService(ReplicaRPC):
         if self.fault is not None and job.steps_done:
             self.fault.hit("sync")
 
-        def blobs() -> CollectReply:
-            # Packing a big model's state is compute (seconds for 100M parameters): on the compute
-            # thread, after any stretch still queued there, never on the event loop.
-            if request.part == "all":
-                grads = job.grads_blob() if job.spec.task == "grad" else None
-                return CollectReply(state=job.state_blob(), grads=grads, optim=job.optim_blob())
-            stream = self._collect_stream(job, request.part)
-            chunks = stream.chunks(COLLECT_CHUNK_BYTES)
-            if request.chunk >= chunks:
-                raise JobError(f"collect: no chunk {request.chunk} of {request.part} ({chunks} chunks)")
-            start = request.chunk * COLLECT_CHUNK_BYTES
-            data = stream.read(start, start + COLLECT_CHUNK_BYTES)
-            if request.chunk == chunks - 1:
-                self._collected.pop(job.job_id, None)  # the last chunk went
-            if request.part == "optim":
-                return CollectReply(state=b"", optim=data, chunks=chunks)
-            grads = job.grads_blob() if job.spec.task == "grad" and request.chunk == 0 else None
-            return CollectReply(state=data, grads=grads, chunks=chunks)
-
-        return await asyncio.get_running_loop().run_in_executor(self.node.compute, blobs)
-
-    def _collect_stream(self, job: JobAssignment, part: str) -> SliceStream:
-        """The part as one safetensors stream over the live tensors (no packed copy), answered in byte
-        ranges (``results.slice_stream``); kept from chunk 0 to the last for the state as it is now."""
-        key = (part, len(job.steps_done))
-        cached = self._collected.get(job.job_id)
-        if cached is None or cached[0] != key:
-            tensors = job.optim_tensors() if part == "optim" else job.executor.state(copy=False)
-            cached = (key, SliceStream(tensors, sorted(tensors)))
-            self._collected[job.job_id] = cached
-        return cached[1]
+        return await job.host.collect(request.part, request.chunk)
 
     @handles(ReleaseRequest)
     async def rpc_release(self, request: ReleaseRequest, context: RPCContext) -> ReleaseReply:

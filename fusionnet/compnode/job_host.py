@@ -1,0 +1,190 @@
+"""What a compnode does with one assigned sub-DAG once it is built: steps, request batches, state
+collection, snapshots and received values, each an async call.
+
+``JobHost`` runs them on a ``JobAssignment`` with a compute pool, in the process that holds the
+executor: the compnode daemon itself (``--sandbox off``) or the job's sandbox worker
+(``compnode.sandbox_worker``), where the daemon reaches it through ``compnode.sandbox_client``'s
+``SandboxedJob``, which has the same calls. ``HeldJob`` is what the daemon keeps of an assignment
+either way: who may drive it, its peers, its round, and the host its calls go to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fusionnet.compnode.assignment_intake import JobAssignment
+from fusionnet.compnode.replicas import Chunk, Replicator, pack_chunks
+from fusionnet.compnode.serve_steps import StepOrder, serve_step
+from fusionnet.errors import JobError
+from fusionnet.messages.blobs import pack_tensors
+from fusionnet.messages.compnode_rpc import AssignRequest, CollectReply, JobPeer, StepReply
+from fusionnet.messages.jobwire import RunSpec
+from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
+from fusionnet.results.assemble import output_tensors
+from fusionnet.results.slice_stream import SliceStream
+from fusionnet.wire.frames import TensorFrame
+
+COLLECT_CHUNK_BYTES = 32 << 20  # bytes per ``collect`` answer: a byte range of one safetensors stream
+
+
+@dataclass
+class StepOutcome:
+    """One step of a sub-DAG as the broker's ``step`` reply needs it (outputs packed)."""
+
+    loss: float | None
+    fp_seconds: float
+    bp_seconds: float
+    update_seconds: float
+    outputs: bytes | None
+    refused: int  # values refused by the channel's checks so far
+
+
+class Host(Protocol):
+    """The calls ``tasks.SubtaskService`` makes on a job, in-process or in its sandbox worker."""
+
+    async def run_step(self, step: int) -> StepOutcome: ...
+    async def drop_inflight(self) -> None: ...
+    async def serve(self, request: ServeStepRequest) -> ServeStepReply: ...
+    async def collect(self, part: str, chunk: int) -> CollectReply: ...
+    def snapshot(self) -> Awaitable[tuple[list[Chunk], float]]: ...
+    def deliver(self, frame: TensorFrame) -> None: ...
+    def refused(self) -> int: ...
+    async def close(self, why: str) -> None: ...
+
+
+class JobHost:
+    """``Host`` on a built ``JobAssignment``: compute on ``compute`` (None: inline)."""
+
+    def __init__(self, job: JobAssignment, compute: Executor | None) -> None:
+        self.job = job
+        self.compute = compute
+        job.executor.compute = compute
+        self._order = StepOrder()  # deployments: request batches run in step order
+        self._collected: tuple[tuple[str, int], SliceStream] | None = None
+
+    def _on_compute(self, fn: Any, *args: Any) -> asyncio.Future[Any]:
+        return asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
+
+    async def run_step(self, step: int) -> StepOutcome:
+        report = await self.job.run_step(step)
+        outputs = None
+        if report.outputs:
+            outputs = await self._on_compute(pack_tensors, output_tensors(report.outputs))
+        return StepOutcome(
+            loss=report.loss,
+            fp_seconds=report.fp_seconds,
+            bp_seconds=report.bp_seconds,
+            update_seconds=report.update_seconds,
+            outputs=outputs,
+            refused=self.refused(),
+        )
+
+    async def drop_inflight(self) -> None:
+        await self._on_compute(self.job.executor.drop_inflight)
+
+    async def serve(self, request: ServeStepRequest) -> ServeStepReply:
+        return await serve_step(self.job, self._order, request, self.compute)
+
+    async def collect(self, part: str, chunk: int) -> CollectReply:
+        job = self.job
+
+        def blobs() -> CollectReply:
+            # Packing a big model's state is compute (seconds for 100M parameters): on the compute
+            # thread, after any stretch still queued there, never on the event loop.
+            if part == "all":
+                grads = job.grads_blob() if job.spec.task == "grad" else None
+                return CollectReply(state=job.state_blob(), grads=grads, optim=job.optim_blob())
+            stream = self._collect_stream(part)
+            chunks = stream.chunks(COLLECT_CHUNK_BYTES)
+            if chunk >= chunks:
+                raise JobError(f"collect: no chunk {chunk} of {part} ({chunks} chunks)")
+            start = chunk * COLLECT_CHUNK_BYTES
+            data = stream.read(start, start + COLLECT_CHUNK_BYTES)
+            if chunk == chunks - 1:
+                self._collected = None  # the last chunk went
+            if part == "optim":
+                return CollectReply(state=b"", optim=data, chunks=chunks)
+            grads = job.grads_blob() if job.spec.task == "grad" and chunk == 0 else None
+            return CollectReply(state=data, grads=grads, chunks=chunks)
+
+        return await self._on_compute(blobs)
+
+    def _collect_stream(self, part: str) -> SliceStream:
+        """The part as one safetensors stream over the live tensors (no packed copy), answered in byte
+        ranges (``results.slice_stream``); kept from chunk 0 to the last for the state as it is now."""
+        key = (part, len(self.job.steps_done))
+        if self._collected is None or self._collected[0] != key:
+            job = self.job
+            tensors = job.optim_tensors() if part == "optim" else job.executor.state(copy=False)
+            self._collected = (key, SliceStream(tensors, sorted(tensors)))
+        return self._collected[1]
+
+    def snapshot(self) -> asyncio.Future[tuple[list[Chunk], float]]:
+        """The state and optimizer state in chunks, queued on the compute thread *now*: no Update that
+        is queued later can run before it (``compnode.replicas``)."""
+        return self._on_compute(_pack, self.job)
+
+    def deliver(self, frame: TensorFrame) -> None:
+        self.job.channel.on_frame(frame)
+
+    def refused(self) -> int:
+        return self.job.channel.refused
+
+    async def close(self, why: str) -> None:
+        self.job.channel.mailbox.fail_all(JobError(f"job {self.job.job_id} was released: {why}"))
+
+
+def _pack(job: JobAssignment) -> tuple[list[Chunk], float]:
+    """The sub-DAG's state and optimizer state in chunks (the packing is the copy), on the compute
+    thread: no Update runs meanwhile."""
+    started = time.perf_counter()
+    state = pack_chunks("state", job.executor.state(copy=False))
+    return state + pack_chunks("optim", job.optim_tensors()), time.perf_counter() - started
+
+
+@dataclass
+class HeldJob:
+    """The daemon's record of one assignment; its compute happens in ``host``."""
+
+    job_id: str
+    broker: str  # the peer that assigned the job: the only one that may drive or release it
+    attempt: int  # the broker's assignment round (a failover or re-plan starts a new one)
+    spec: RunSpec
+    index: int  # our sub-DAG
+    peers: list[JobPeer]
+    key: bytes
+    nodes: int  # IR nodes of our sub-DAG
+    params: int  # parameters it owns
+    host: Host
+    replica_holders: list[int] | None = None  # per sub-DAG: who keeps its snapshots (None: nobody)
+    replicator: Replicator | None = None  # our snapshots leaving (``compnode.replicas``)
+    steps_done: set[int] = field(default_factory=set)
+    last_reply: StepReply | None = None  # answer to the last step, for a repeated request
+    created_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def of(cls, request: AssignRequest, broker: str, nodes: int, params: int, host: Host) -> HeldJob:
+        return cls(
+            job_id=request.job_id,
+            broker=broker,
+            attempt=request.attempt,
+            spec=request.spec,
+            index=request.subdag,
+            peers=list(request.peers),
+            key=request.key,
+            nodes=nodes,
+            params=params,
+            host=host,
+            replica_holders=request.replica_holders,
+        )
+
+    def allowed_senders(self) -> list[str]:
+        return [p.peer_id for i, p in enumerate(self.peers) if i != self.index]
+
+    def subdag_of_peer(self) -> dict[str, int]:
+        return {p.peer_id: i for i, p in enumerate(self.peers) if i != self.index}

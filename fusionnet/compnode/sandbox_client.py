@@ -1,0 +1,348 @@
+"""The daemon's side of the sandbox workers (issue 12, sandboxed execution).
+
+``SandboxPool`` owns a ``multiprocessing`` fork server that imports torch and the executor once
+(started in the background when the compnode starts, so an ``assign`` does not wait 5 s for
+imports); every assignment forks one worker from it (``sandbox_worker``). ``SandboxedJob`` is that
+worker seen from the daemon: the ``job_host.Host`` calls, made over the worker's socket.
+
+When the worker dies (a segfault in an op, the memory limit, a kill) every pending and later call
+of the job fails with an ``ExecutionError`` that names the signal or exit code and says that the
+job's own graph or data caused it. The daemon and its other jobs go on; the broker sees a compnode
+that still answers its pings, so it fails the job with that message instead of failing the sub-DAG
+over to the next compnode, which would crash the same way. Releasing the job stops the worker, which
+also ends a runaway op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgpack
+
+from fusionnet.compnode.faults import FaultPoint
+from fusionnet.compnode.job_host import StepOutcome
+from fusionnet.compnode.replicas import Chunk
+from fusionnet.compnode.sandbox_ipc import (
+    IPCChannel,
+    IPCError,
+    blob_view,
+    error_from,
+    frame_message,
+    frame_of,
+    int_field,
+)
+from fusionnet.errors import ExecutionError, FusionNetError
+from fusionnet.messages.compnode_rpc import AssignRequest, CollectReply
+from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
+from fusionnet.wire.frames import TensorFrame
+
+log = logging.getLogger("fusionnet.compnode.sandbox")
+PRELOAD = ["fusionnet.compnode.sandbox_worker"]
+STOP_GRACE = 2.0  # seconds a worker has to leave after its socket closes, before SIGKILL
+MAX_REPLY_FIELDS = 64
+
+
+class SandboxPool:
+    """Where workers come from, and what each is configured with."""
+
+    def __init__(
+        self,
+        threads: int | None,
+        slowdown: float,
+        memory_bytes: int | None,
+        fault: FaultPoint | None,
+    ) -> None:
+        self.threads = threads
+        self.slowdown = slowdown
+        self.memory_bytes = memory_bytes
+        self.fault = fault
+        if fault is not None:
+            fault.share()
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(PRELOAD)
+        self._warming: asyncio.Future[None] | None = None
+
+    @classmethod
+    def of(cls, settings: Any, fault: FaultPoint | None) -> SandboxPool:
+        gb = settings.sandbox_memory_gb
+        budget = None if gb is None else int(gb * 2**30)
+        return cls(settings.threads, settings.slowdown, budget, fault)
+
+    def start(self) -> None:
+        """Starts the fork server in the background (it imports torch: seconds)."""
+        from multiprocessing import forkserver
+
+        self._warming = asyncio.ensure_future(asyncio.to_thread(forkserver.ensure_running))
+
+    async def spawn(self, peer_id: str, job_id: str, subdag: int) -> tuple[Any, IPCChannel]:
+        if self._warming is not None:
+            await self._warming
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        from fusionnet.compnode.sandbox_worker import WorkerConfig, main
+
+        config = WorkerConfig(
+            peer_id=peer_id,
+            job_id=job_id,
+            subdag=subdag,
+            threads=self.threads,
+            slowdown=self.slowdown,
+            memory_bytes=self.memory_bytes,
+            daemon_pid=os.getpid(),
+            fault=None if self.fault is None else self.fault.for_worker(),
+            log_level=logging.getLogger().getEffectiveLevel(),
+        )
+        process = self.context.Process(
+            target=main, args=(theirs, config), name=f"fusionnet-job-{job_id}", daemon=True
+        )
+        await asyncio.to_thread(process.start)
+        theirs.close()
+        return process, IPCChannel(ours)
+
+    def stop(self) -> None:
+        """Nothing to do: the fork server leaves when this process does, and its workers with it."""
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "it stopped answering"
+    if code < 0:
+        try:
+            return f"it was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"it was killed by signal {-code}"
+    return f"it exited with status {code}"
+
+
+class SandboxedJob:
+    """``job_host.Host`` over a sandbox worker. ``send(dst, frame)`` carries the worker's values."""
+
+    def __init__(
+        self,
+        pool: SandboxPool,
+        peer_id: str,
+        job_id: str,
+        subdag: int,
+        send: Callable[[int, TensorFrame], Awaitable[None]],
+    ) -> None:
+        self.pool = pool
+        self.peer_id = peer_id
+        self.job_id = job_id
+        self.subdag = subdag
+        self._send = send
+        self.process: Any = None
+        self.channel: IPCChannel | None = None
+        self._calls: dict[int, asyncio.Future[tuple[dict[str, Any], list[Any]]]] = {}
+        self._next = 0
+        self._reader: asyncio.Task[None] | None = None
+        self._failure: ExecutionError | None = None
+        self._refused = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    # ---- life ------------------------------------------------------------------------------------
+    async def assign(self, request: AssignRequest, broker: str, device: str) -> tuple[int, int]:
+        """Starts the worker and builds the job there: (IR nodes, parameters) of our sub-DAG."""
+        self.process, self.channel = await self.pool.spawn(self.peer_id, self.job_id, self.subdag)
+        self._reader = asyncio.ensure_future(self._read())
+        doc = request.model_dump(exclude={"state", "optim"}) | {"state": b"", "optim": None}
+        blobs: list[Any] = [msgpack.packb(doc, use_bin_type=True), request.state]
+        if request.optim is not None:
+            blobs.append(request.optim)
+        header, _ = await self._call("assign", {"broker": broker, "device": device}, blobs)
+        return int_field(header, "nodes"), int_field(header, "params")
+
+    async def close(self, why: str) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.channel is not None and self._failure is None:
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(self.channel.send({"op": "close", "why": why[:200]}), STOP_GRACE)
+        if self.process is not None:
+            await asyncio.to_thread(self._stop_process)
+        if self.channel is not None:
+            self.channel.close()
+        if self._reader is not None:
+            self._reader.cancel()
+        self._fail_all(ExecutionError(f"job {self.job_id}: released ({why})"))
+
+    def _stop_process(self) -> None:
+        self.process.join(STOP_GRACE)
+        if self.process.exitcode is None:
+            self.process.kill()  # a runaway op does not read its socket
+            self.process.join(STOP_GRACE)
+
+    # ---- the socket ------------------------------------------------------------------------------
+    async def _read(self) -> None:
+        assert self.channel is not None
+        why = ""
+        try:
+            while True:
+                header, blobs = await self.channel.recv()
+                op = header["op"]
+                if op == "reply":
+                    self._answer(header, blobs)
+                elif op == "send":
+                    self._spawn(self._carry(header, blobs))
+                else:
+                    raise IPCError(f"unknown message {op[:40]!r} from the worker")
+        except asyncio.CancelledError:
+            raise
+        except EOFError:
+            pass
+        except (IPCError, FusionNetError) as e:  # a worker that talks nonsense is ended
+            why = f"; it sent a malformed message ({e})"
+            log.warning("job %s: sandbox worker sent a malformed message: %s", self.job_id, e)
+        if not self._closed:
+            await asyncio.to_thread(self._stop_process)
+            self._died(describe_exit(self.process.exitcode) + why)
+
+    def _died(self, how: str) -> None:
+        self._failure = ExecutionError(
+            f"job {self.job_id}: sub-DAG {self.subdag}'s sandbox worker died ({how}); the job's own graph "
+            "or data caused it, so it is not moved to another compnode"
+        )
+        log.error("%s", self._failure)
+        self._fail_all(self._failure)
+
+    def _fail_all(self, error: Exception) -> None:
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _answer(self, header: dict[str, Any], blobs: list[Any]) -> None:
+        if len(header) > MAX_REPLY_FIELDS:
+            raise IPCError("reply with too many fields")
+        future = self._calls.pop(int_field(header, "id"), None)
+        if future is None or future.done():
+            return
+        if "error" in header:
+            future.set_exception(error_from(header["error"]))
+        else:
+            future.set_result((header, blobs))
+
+    async def _carry(self, header: dict[str, Any], blobs: list[Any]) -> None:
+        """A value the worker sends to a peer: checked like a frame from the network, then sent."""
+        send_id = int_field(header, "id")
+        reply: dict[str, Any] = {"op": "sent", "id": send_id}
+        try:
+            dst = int_field(header, "dst", 0, 1 << 16)
+            frame = frame_of(header, blobs)
+            if frame.job_id != self.job_id:
+                raise IPCError(f"the worker sent a frame of job {frame.job_id!r}")
+            await self._send(dst, frame)
+        except Exception as e:
+            reply["error"] = [type(e).__name__, str(e)[:2000]]
+        if self.channel is not None and not self._closed:
+            with contextlib.suppress(OSError):
+                await self.channel.send(reply)
+
+    async def _call(
+        self,
+        op: str,
+        header: dict[str, Any],
+        blobs: list[Any] = (),  # type: ignore[assignment]
+    ) -> tuple[dict[str, Any], list[Any]]:
+        return await self._queue(op, header, blobs)
+
+    def _queue(
+        self,
+        op: str,
+        header: dict[str, Any],
+        blobs: list[Any] = (),  # type: ignore[assignment]
+    ) -> asyncio.Future[tuple[dict[str, Any], list[Any]]]:
+        """Sends the call now (in order with every call made after it) and returns its answer's future."""
+        future: asyncio.Future[tuple[dict[str, Any], list[Any]]] = asyncio.get_running_loop().create_future()
+        if self._failure is not None or self.channel is None:
+            future.set_exception(self._failure or ExecutionError(f"job {self.job_id}: no sandbox worker"))
+            return future
+        self._next += 1
+        call_id = self._next
+        self._calls[call_id] = future
+        channel = self.channel
+
+        async def send() -> None:
+            try:
+                await channel.send({"op": op, "id": call_id, **header}, blobs)
+            except OSError as e:
+                if not future.done():
+                    future.set_exception(ExecutionError(f"job {self.job_id}: sandbox worker gone ({e})"))
+
+        self._spawn(send())
+        return future
+
+    # ---- Host ------------------------------------------------------------------------------------
+    async def run_step(self, step: int) -> StepOutcome:
+        header, blobs = await self._call("step", {"step": step})
+        outputs = bytes(blob_view(blobs[0])) if header.get("outputs") and blobs else None
+        loss = header.get("loss")
+        if loss is not None and not isinstance(loss, float | int):
+            raise IPCError("step reply: loss is not a number")
+        seconds = [header.get(k) for k in ("fp_seconds", "bp_seconds", "update_seconds")]
+        if not all(isinstance(x, float | int) and not isinstance(x, bool) for x in seconds):
+            raise IPCError("step reply: timings are not numbers")
+        self._refused = int_field(header, "refused")
+        return StepOutcome(loss, *map(float, seconds), outputs=outputs, refused=self._refused)  # type: ignore[arg-type]
+
+    async def drop_inflight(self) -> None:
+        await self._call("drop", {})
+
+    async def serve(self, request: ServeStepRequest) -> ServeStepReply:
+        packed = msgpack.packb(request.model_dump(), use_bin_type=True)
+        _, blobs = await self._call("serve", {}, [packed])
+        return ServeStepReply.model_validate(_unpacked(blobs))
+
+    async def collect(self, part: str, chunk: int) -> CollectReply:
+        _, blobs = await self._call("collect", {"part": part, "chunk": chunk})
+        return CollectReply.model_validate(_unpacked(blobs))
+
+    def snapshot(self) -> Awaitable[tuple[list[Chunk], float]]:
+        queued = self._queue("snapshot", {})
+
+        async def chunks() -> tuple[list[Chunk], float]:
+            header, blobs = await queued
+            parts = header.get("parts")
+            seconds = header.get("seconds")
+            if (
+                not isinstance(parts, list)
+                or len(parts) != len(blobs)
+                or not all(p in ("state", "optim") for p in parts)
+                or not isinstance(seconds, float | int)
+            ):
+                raise IPCError("snapshot reply: parts and blobs disagree")
+            return [(p, bytes(blob_view(b))) for p, b in zip(parts, blobs)], float(seconds)
+
+        return chunks()
+
+    def deliver(self, frame: TensorFrame) -> None:
+        """A peer's value, checked by the data path already; the worker checks it against the IR."""
+        if self.channel is None or self._failure is not None or self._closed:
+            return
+        header, blobs = frame_message(frame)
+        self._spawn(self.channel.send({"op": "frame", **header}, blobs))
+
+    def refused(self) -> int:
+        return self._refused
+
+
+def _unpacked(blobs: list[Any]) -> Any:
+    if len(blobs) != 1:
+        raise IPCError("reply carries no message")
+    try:
+        return msgpack.unpackb(blob_view(blobs[0]), raw=False, strict_map_key=True)
+    except Exception as e:
+        raise IPCError(f"reply is not msgpack ({type(e).__name__})") from None

@@ -1,0 +1,275 @@
+"""A job's sandbox worker: the process where one assignment's IR is decoded, rebuilt and executed.
+
+Forked from the compnode's fork server (``sandbox_client.SandboxPool``, torch already imported), it
+serves the daemon's calls over its socket (``sandbox_ipc``) with a ``job_host.JobHost``: ``assign``
+builds the job, then ``step``, ``serve``, ``collect``, ``snapshot`` and ``drop`` run it, and
+``frame`` hands it a value a peer sent. Values it sends go to the daemon as ``send`` calls, which the
+daemon's data path carries.
+
+Limits, set before any of the job runs: private writable memory (``RLIMIT_DATA``, CPU devices; the
+budget is ``--sandbox-memory-gb``), a lower CPU priority than the daemon (its heartbeats and RPCs win
+a contended core), and death with the fork server (``PR_SET_PDEATHSIG``), which dies with the
+daemon: a compnode killed hard leaves no worker behind, even one stuck in an op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import resource
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from fusionnet.compnode.assignment_intake import build_assignment
+from fusionnet.compnode.compute import compute_pool
+from fusionnet.compnode.faults import FaultPoint, fault_hooks
+from fusionnet.compnode.job_host import JobHost
+from fusionnet.compnode.sandbox_ipc import (
+    Blob,
+    IPCChannel,
+    blob_view,
+    error_from,
+    error_of,
+    frame_message,
+    frame_of,
+    int_field,
+    str_field,
+)
+from fusionnet.compnode.throttle import throttle_hooks
+from fusionnet.errors import ExecutionError, FusionNetError
+from fusionnet.messages.compnode_rpc import AssignRequest
+from fusionnet.messages.serving_rpc import ServeStepRequest
+from fusionnet.wire.frames import TensorFrame
+
+log = logging.getLogger("fusionnet.compnode.sandbox")
+PR_SET_PDEATHSIG = 1
+# What torch and its backends say when an allocation fails (the memory budget is one cause).
+ALLOCATION_FAILED = re.compile(r"alloc|memory|could not create a primitive|MemoryError", re.IGNORECASE)
+NICENESS = 5  # below the daemon, whose loop answers heartbeats while jobs compute
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    peer_id: str
+    job_id: str
+    subdag: int
+    threads: int | None
+    slowdown: float
+    memory_bytes: int | None  # RLIMIT_DATA budget above what the worker uses at start (None: none)
+    daemon_pid: int
+    fault: FaultPoint | None  # test fault injection: its step count is shared with the daemon
+    log_level: int
+
+
+def _die_with_parent() -> None:
+    # Not Linux: no prctl; the socket's end still stops an idle worker.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _data_in_use() -> int:
+    """Bytes of private writable memory this process maps now (``VmData``), what RLIMIT_DATA counts."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def apply_limits(config: WorkerConfig, device: str | None = None) -> None:
+    with contextlib.suppress(OSError):
+        os.nice(NICENESS)
+    if config.memory_bytes is not None and (device is None or device == "cpu"):
+        # CUDA maps its address space as private writable memory: a data limit would break it.
+        limit = _data_in_use() + config.memory_bytes
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+
+def main(sock: socket.socket, config: WorkerConfig) -> None:
+    """The worker process (``multiprocessing`` target)."""
+    _die_with_parent()
+    logging.basicConfig(
+        level=config.log_level,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [worker {config.job_id}/{config.subdag}] %(name)s: %(message)s",
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    asyncio.run(Worker(sock, config).serve())
+
+
+class Worker:
+    def __init__(self, sock: socket.socket, config: WorkerConfig) -> None:
+        self.channel = IPCChannel(sock)
+        self.config = config
+        self.compute = compute_pool(config.threads)
+        self.host: JobHost | None = None
+        self._sends: dict[int, asyncio.Future[None]] = {}
+        self._next_send = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                try:
+                    header, blobs = await self.channel.recv()
+                except EOFError:
+                    return  # the daemon closed our socket: the job is over
+                op = header["op"]
+                if op == "close":
+                    if self.host is not None:
+                        await self.host.close(str(header.get("why", ""))[:200])
+                    return
+                if op == "frame":  # a value from a peer: into the mailbox at once, in arrival order
+                    if self.host is not None:
+                        self.host.deliver(frame_of(header, blobs))
+                elif op == "sent":
+                    self._sent(header)
+                elif op == "snapshot":  # queued on the compute thread now, before any later step
+                    self._spawn(self._reply_snapshot(header))
+                else:
+                    self._spawn(self._call(op, header, blobs))
+        finally:
+            self.compute.shutdown(wait=False, cancel_futures=True)
+            self.channel.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reply(self, call_id: int, header: dict[str, Any], blobs: list[Blob] = ()) -> None:  # type: ignore[assignment]
+        await self.channel.send({"op": "reply", "id": call_id, **header}, blobs)
+
+    async def _call(self, op: str, header: dict[str, Any], blobs: list[torch.Tensor]) -> None:
+        call_id = int_field(header, "id")
+        try:
+            result, out = await self._run(op, header, blobs)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            await self._reply(call_id, {"error": self._error(e)})
+            return
+        await self._reply(call_id, result, out)
+
+    def _error(self, e: BaseException) -> list[str]:
+        """``error_of``, with the memory budget named when an allocation failed under it."""
+        kind, message = error_of(e)
+        budget = self.config.memory_bytes
+        allocation = isinstance(e, MemoryError | RuntimeError | FusionNetError) and ALLOCATION_FAILED.search(
+            message
+        )
+        if budget is not None and allocation:
+            message += (
+                f" [this job's sandbox worker may use {budget / 2**30:.3g} GiB beyond its start "
+                "(--sandbox-memory-gb)]"
+            )
+        return [kind, message]
+
+    async def _run(
+        self, op: str, header: dict[str, Any], blobs: list[torch.Tensor]
+    ) -> tuple[dict[str, Any], list[Blob]]:
+        if op == "assign":
+            return await self._assign(header, blobs), []
+        host = self.host
+        if host is None:
+            raise ExecutionError(f"sandbox worker: {op!r} before the job was assigned")
+        if op == "step":
+            outcome = await host.run_step(int_field(header, "step"))
+            fields = {k: getattr(outcome, k) for k in ("loss", "fp_seconds", "bp_seconds", "update_seconds")}
+            outputs = outcome.outputs
+            fields |= {"refused": outcome.refused, "outputs": outputs is not None}
+            return fields, [outputs] if outputs is not None else []
+        if op == "drop":
+            await host.drop_inflight()
+            return {}, []
+        if op == "serve":
+            doc = msgpack.unpackb(blob_view(blobs[0]), raw=False)
+            reply = await host.serve(ServeStepRequest.model_validate(doc))
+            return {}, [msgpack.packb(reply.model_dump(), use_bin_type=True)]
+        if op == "collect":
+            reply = await host.collect(str_field(header, "part", 16), int_field(header, "chunk"))
+            return {}, [msgpack.packb(reply.model_dump(), use_bin_type=True)]
+        if op == "refused":
+            return {"refused": host.refused()}, []
+        raise ExecutionError(f"sandbox worker: unknown call {op!r}")
+
+    async def _assign(self, header: dict[str, Any], blobs: list[torch.Tensor]) -> dict[str, Any]:
+        if self.host is not None:
+            raise ExecutionError("sandbox worker: a job is assigned already")
+        doc = msgpack.unpackb(blob_view(blobs[0]), raw=False)
+        request = AssignRequest.model_validate(doc)
+        # The slices travel as blobs of their own; the model checked everything else.
+        update: dict[str, Any] = {"state": blob_view(blobs[1])}
+        if len(blobs) > 2:
+            update["optim"] = blob_view(blobs[2])
+        request = request.model_copy(update=update)
+        device = str_field(header, "device", 64)
+        apply_limits(self.config, device)
+
+        def build() -> Any:
+            return build_assignment(
+                request,
+                own_peer_id=self.config.peer_id,
+                broker=str_field(header, "broker", 256),
+                send=self._send,
+                device=torch.device(device),
+            )
+
+        job = await asyncio.get_running_loop().run_in_executor(self.compute, build)
+        for hook in (*fault_hooks(self.config.fault), *throttle_hooks(self.config.slowdown)):
+            job.executor.hooks.add(hook)
+        self.host = JobHost(job, self.compute)
+        return {"nodes": len(job.subdag.nodes), "params": len(job.subdag.params)}
+
+    async def _reply_snapshot(self, header: dict[str, Any]) -> None:
+        call_id = int_field(header, "id")
+        if self.host is None:
+            await self._reply(call_id, {"error": error_of(ExecutionError("no job to snapshot"))})
+            return
+        pending = self.host.snapshot()
+        try:
+            chunks, seconds = await pending
+        except Exception as e:
+            await self._reply(call_id, {"error": error_of(e)})
+            return
+        await self._reply(
+            call_id, {"parts": [p for p, _ in chunks], "seconds": seconds}, [b for _, b in chunks]
+        )
+
+    # ---- values to peers: carried by the daemon --------------------------------------------------
+    async def _send(self, dst: int, frame: TensorFrame) -> None:
+        self._next_send += 1
+        send_id = self._next_send
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._sends[send_id] = done
+        header, blobs = frame_message(frame)
+        try:
+            await self.channel.send({"op": "send", "id": send_id, "dst": dst, **header}, blobs)
+            await done
+        finally:
+            self._sends.pop(send_id, None)
+
+    def _sent(self, header: dict[str, Any]) -> None:
+        done = self._sends.get(int_field(header, "id"))
+        if done is None or done.done():
+            return
+        error = header.get("error")
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(error_from(error))

@@ -1,0 +1,159 @@
+"""Sandboxed execution (issue 12): a compnode's sub-task service running each assignment in a worker
+process of its own. Same results as the in-process executor, to the bit; a worker that crashes, runs
+out of its memory budget or talks nonsense fails its job with a message that says so, and the service
+goes on taking and running jobs; released jobs leave no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from typing import Any
+
+import pytest
+import torch
+
+from fusionnet.compnode.daemon import CompnodeConfig
+from fusionnet.compnode.faults import ENV as FAULT_ENV
+from fusionnet.compnode.sandbox_ipc import IPCChannel, IPCError, frame_message, frame_of
+from fusionnet.compnode.tasks import SubtaskService
+from fusionnet.errors import ExecutionError, JobError
+from fusionnet.messages.blobs import unpack_tensors
+from fusionnet.rpc.server import RPCContext
+from fusionnet.wire.frames import TensorFrame
+from tests.test_subtask_service import BROKER, PEERS, FakeNode, FakePath, figure3_assign_docs
+
+
+@pytest.fixture(scope="module")
+def whole_job() -> dict[str, Any]:
+    """figure3 as one sub-DAG (it runs alone, no peers needed), for compnode ``PEERS[0]``."""
+    return figure3_assign_docs(1)[0]
+
+
+def service(*, sandbox: bool, memory_gb: float | None = None) -> SubtaskService:
+    node = FakeNode()
+    node.peer_id = PEERS[0]
+    node.settings = CompnodeConfig(trusted_brokers=(BROKER,), sandbox=sandbox, sandbox_memory_gb=memory_gb)
+    s = SubtaskService(node)  # type: ignore[arg-type]
+    s.server, s.p2p = FakePath(), FakePath()  # type: ignore[assignment]
+    return s
+
+
+async def call(s: SubtaskService, method: str, payload: dict[str, Any]) -> dict[str, Any]:
+    handler = getattr(s, f"rpc_{method}")
+    return await handler(payload, RPCContext(remote_peer=BROKER, method=method))
+
+
+async def train(
+    s: SubtaskService, doc: dict[str, Any], steps: int
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    await call(s, "assign", doc)
+    losses = [(await call(s, "step", {"job_id": "j1", "step": k}))["loss"] for k in range(steps)]
+    reply = await call(s, "collect", {"job_id": "j1", "part": "all"})
+    return losses, unpack_tensors(reply["state"], "state")
+
+
+@pytest.mark.timeout(120)
+def test_a_sandboxed_job_equals_the_in_process_one_and_its_worker_goes_with_it(whole_job: dict) -> None:
+    async def run() -> None:
+        inline = service(sandbox=False)
+        want_losses, want = await train(inline, whole_job, 3)
+        s = service(sandbox=True)
+        got_losses, got = await train(s, whole_job, 3)
+        assert got_losses == want_losses
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+        host = s.jobs["j1"].host
+        worker = host.process  # type: ignore[attr-defined]
+        assert worker.pid != os.getpid() and worker.is_alive()
+        await call(s, "release", {"job_id": "j1", "reason": "done"})
+        for _ in range(100):  # the release stops the worker (closing is asynchronous)
+            if not worker.is_alive():
+                break
+            await asyncio.sleep(0.05)
+        assert not worker.is_alive() and "j1" not in s.jobs
+
+    asyncio.run(run())
+
+
+@pytest.mark.timeout(120)
+def test_a_crashing_worker_fails_its_job_and_the_service_goes_on(
+    whole_job: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker dies of SIGSEGV in the first step's FP (fault point ``crash``, as an op crashing the
+    interpreter would): the step fails naming the signal and the job as the cause; this process lives,
+    and the next job runs to the same weights as an in-process run."""
+
+    async def run() -> None:
+        _, want = await train(service(sandbox=False), whole_job, 2)
+        monkeypatch.setenv(FAULT_ENV, "crash:0")  # read by the service: only the sandboxed one is armed
+        s = service(sandbox=True)
+        await call(s, "assign", whole_job)
+        with pytest.raises(
+            ExecutionError, match=r"sandbox worker died \(it was killed by SIGSEGV\).*own graph"
+        ):
+            await call(s, "step", {"job_id": "j1", "step": 0})
+        with pytest.raises(ExecutionError, match="SIGSEGV"):  # and every later call of that job
+            await call(s, "collect", {"job_id": "j1", "part": "all"})
+        await call(s, "release", {"job_id": "j1", "reason": "failed"})
+        _, got = await train(s, whole_job, 2)  # the point fired once: this one runs
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        await call(s, "release", {"job_id": "j1", "reason": "done"})
+
+    asyncio.run(run())
+
+
+@pytest.mark.timeout(120)
+def test_a_job_over_its_memory_budget_is_refused_and_the_next_one_runs(whole_job: dict) -> None:
+    """A 1 MiB budget: rebuilding figure3 (a few KB of weights, but torch's allocations) fails inside
+    the worker with an error; the service holds nothing of it. With a sane budget the job runs."""
+
+    async def run() -> None:
+        tight = service(sandbox=True, memory_gb=1 / 1024)
+        doc = {**whole_job}
+        with pytest.raises((ExecutionError, JobError)) as refused:
+            await train(tight, doc, 1)
+        assert "j1" not in tight.jobs or (await _released(tight))
+        assert "--sandbox-memory-gb" in str(refused.value)
+        roomy = service(sandbox=True, memory_gb=2.0)
+        losses, _ = await train(roomy, whole_job, 1)
+        assert losses[0] is not None
+        await call(roomy, "release", {"job_id": "j1", "reason": "done"})
+
+    asyncio.run(run())
+
+
+async def _released(s: SubtaskService) -> bool:
+    await call(s, "release", {"job_id": "j1", "reason": "over budget"})
+    return "j1" not in s.jobs
+
+
+# ---- the socket between daemon and worker ---------------------------------------------------------
+def test_frames_cross_the_socket_as_they_are_and_malformed_ones_are_refused() -> None:
+    async def run() -> None:
+        a, b = socket.socketpair()
+        left, right = IPCChannel(a), IPCChannel(b)
+        t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        frame = TensorFrame("j1", PEERS[0], "act", 2, 1, "linear_1", t)
+        header, blobs = frame_message(frame)
+        await left.send({"op": "frame", **header}, blobs)
+        got_header, got_blobs = await right.recv()
+        back = frame_of(got_header, got_blobs)
+        assert torch.equal(back.tensor, t) and (back.step, back.microbatch, back.name) == (2, 1, "linear_1")
+        for bad, why in (
+            ({**got_header, "shape": [5, 4]}, "does not fill"),
+            ({**got_header, "dtype": "object"}, "unknown"),
+            ({**got_header, "shape": "3x4"}, "list of at most 16"),
+            ({**got_header, "kind": "evil"}, "frame fields"),
+            ({**got_header, "step": -1}, "step"),
+        ):
+            with pytest.raises(IPCError, match=why):
+                frame_of(bad, got_blobs)
+        # a prefix that announces more than the limit is refused before anything is allocated
+        a.setblocking(True)
+        a.sendall((1 << 30).to_bytes(4, "little") + (0).to_bytes(8, "little"))
+        with pytest.raises(IPCError, match="exceeds the limits"):
+            await right.recv()
+        left.close()
+        right.close()
+
+    asyncio.run(run())
