@@ -10,7 +10,9 @@ downloaded; RMSNorm, rotary embeddings, grouped-query attention, untied embeddin
                   time of the state snapshots replicated between compnodes, given apart per step), the
                   broker's one collection of the final state for the results, submission time (trace,
                   pack, send, until the broker accepted the job), exactness against plain PyTorch;
-- memory          peak RSS (``VmHWM``) of every daemon against the state it holds: parameters + gradients
+- memory          peak memory of every daemon against the state it holds (its own ``VmHWM``, or, where
+                  higher, the peak PSS of its process tree: a compnode's sandbox fork server and job
+                  workers, sampled every 0.25 s): parameters + gradients
                   + optimizer state of its sub-DAG (``plan.json``'s parameters per sub-DAG), with the
                   bound of issue 11 (compnode <= 1.5 GB + 2x its state; broker <= 1 GB);
 - recovery        the same job again; once it is past step 1 the compnode of the largest sub-DAG is
@@ -36,6 +38,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +160,61 @@ def vm_kb(pid: int, field_name: str) -> int:
     return 0
 
 
+def tree_pids(root: int) -> list[int]:
+    """``root`` and its descendants now: a compnode's sandbox fork server and job workers."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            stat = (entry / "stat").read_text()
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size: shared pages (torch's libraries in a fork server and its workers)
+    counted once over the processes that share them, so the sum over a tree is what it occupies."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class TreeMemory:
+    """Samples each daemon's process tree (PSS summed) every ``period`` s and keeps the peak: with
+    sandbox workers a compnode is several processes, whose peaks ``VmHWM`` of one cannot show."""
+
+    def __init__(self, pids: dict[str, int], period: float = 0.25) -> None:
+        self.pids = pids
+        self.peak = dict.fromkeys(pids, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> dict[str, int]:
+        return {name: sum(pss_bytes(p) for p in tree_pids(pid)) for name, pid in self.pids.items()}
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            for name, total in self.sample().items():
+                self.peak[name] = max(self.peak[name], total)
+
+    def __enter__(self) -> TreeMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class TimedStream(io.StringIO):
     """Records when ``submit`` printed that the broker accepted the job."""
 
@@ -236,10 +294,13 @@ def held_bytes(run: SwarmRun, sizes: dict[str, int], slots: int) -> dict[str, in
     return held
 
 
-def memory_rows(swarm: ProcessSwarm, held: dict[str, int], baseline: dict[str, int]) -> list[dict[str, Any]]:
+def memory_rows(
+    swarm: ProcessSwarm, held: dict[str, int], baseline: dict[str, int], trees: dict[str, int]
+) -> list[dict[str, Any]]:
     rows = []
     for d in swarm.daemons:
-        peak = vm_kb(d.pid, "VmHWM") * 1024
+        # The daemon's own peak, or its process tree's (sandbox workers) where that is higher.
+        peak = max(vm_kb(d.pid, "VmHWM") * 1024, trees.get(d.name, 0))
         state = 0 if d.kind == "broker" else held.get(d.peer_id, 0)
         bound = 1 * GB if d.kind == "broker" else 1.5 * GB + 2 * state
         rows.append(
@@ -337,10 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     tol = 1e-5 if args.optimizer == "sgd" else OPTIMIZERS["adamw"]["lr"]
     try:
         swarm.start()
-        baseline = {d.name: vm_kb(d.pid, "VmRSS") * 1024 for d in swarm.daemons}
-        run = asyncio.run(submit_job(swarm, job_path, workdir / "out", None, args.timeout))
+        with TreeMemory({d.name: d.pid for d in swarm.daemons}) as trees:
+            baseline = trees.sample()
+            run = asyncio.run(submit_job(swarm, job_path, workdir / "out", None, args.timeout))
         run.max_diff = max_diff(workdir / "out", ref)
-        memory = memory_rows(swarm, held_bytes(run, sizes, SLOTS[args.optimizer]), baseline)
+        memory = memory_rows(swarm, held_bytes(run, sizes, SLOTS[args.optimizer]), baseline, trees.peak)
         print(f"  swarm: {step_ms(run)[0]:.0f} ms/step, max diff {run.max_diff:.1e}", flush=True)
         for m in memory:  # now, so that a failure of the SIGKILL run below still leaves them
             print(f"  {m['daemon']}: peak RSS {m['peak_rss'] / GB:.2f} GB, holds {m['state'] / GB:.2f} GB")

@@ -63,6 +63,14 @@ def test_a_sandboxed_job_equals_the_in_process_one_and_its_worker_goes_with_it(w
         assert got_losses == want_losses
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
         host = s.jobs["j1"].host
+        # Two snapshots queued at once (replication of two steps in flight): each has its own chunks.
+        first, second = host.snapshot(), host.snapshot()
+        want_chunks, _ = await inline.jobs["j1"].host.snapshot()
+        for got_chunks, _ in (await first, await second):
+            assert [p for p, _ in got_chunks] == [p for p, _ in want_chunks]
+            for (_, a), (_, b) in zip(got_chunks, want_chunks):
+                x, y = unpack_tensors(a, "got"), unpack_tensors(b, "want")
+                assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in y)
         worker = host.process  # type: ignore[attr-defined]
         assert worker.pid != os.getpid() and worker.is_alive()
         await call(s, "release", {"job_id": "j1", "reason": "done"})

@@ -257,19 +257,19 @@ class SandboxedJob:
         header: dict[str, Any],
         blobs: list[Any] = (),  # type: ignore[assignment]
     ) -> tuple[dict[str, Any], list[Any]]:
-        return await self._queue(op, header, blobs)
+        return await self._queue(op, header, blobs)[1]
 
     def _queue(
         self,
         op: str,
         header: dict[str, Any],
         blobs: list[Any] = (),  # type: ignore[assignment]
-    ) -> asyncio.Future[tuple[dict[str, Any], list[Any]]]:
-        """Sends the call now (in order with every call made after it) and returns its answer's future."""
+    ) -> tuple[int, asyncio.Future[tuple[dict[str, Any], list[Any]]]]:
+        """Sends the call now (in order with every call made after it): its id, and its answer's future."""
         future: asyncio.Future[tuple[dict[str, Any], list[Any]]] = asyncio.get_running_loop().create_future()
         if self._failure is not None or self.channel is None:
             future.set_exception(self._failure or ExecutionError(f"job {self.job_id}: no sandbox worker"))
-            return future
+            return 0, future
         self._next += 1
         call_id = self._next
         self._calls[call_id] = future
@@ -283,7 +283,7 @@ class SandboxedJob:
                     future.set_exception(ExecutionError(f"job {self.job_id}: sandbox worker gone ({e})"))
 
         self._spawn(send())
-        return future
+        return call_id, future
 
     # ---- Host ------------------------------------------------------------------------------------
     async def run_step(self, step: int) -> StepOutcome:
@@ -311,20 +311,26 @@ class SandboxedJob:
         return CollectReply.model_validate(_unpacked(blobs))
 
     def snapshot(self) -> Awaitable[tuple[list[Chunk], float]]:
-        queued = self._queue("snapshot", {})
+        snapshot_id, queued = self._queue("snapshot", {})
 
         async def chunks() -> tuple[list[Chunk], float]:
-            header, blobs = await queued
+            header, _ = await queued
             parts = header.get("parts")
             seconds = header.get("seconds")
             if (
                 not isinstance(parts, list)
-                or len(parts) != len(blobs)
+                or len(parts) > 1 << 16
                 or not all(p in ("state", "optim") for p in parts)
                 or not isinstance(seconds, float | int)
             ):
-                raise IPCError("snapshot reply: parts and blobs disagree")
-            return [(p, bytes(blob_view(b))) for p, b in zip(parts, blobs)], float(seconds)
+                raise IPCError("snapshot reply: malformed parts")
+            out: list[Chunk] = []
+            for i, part in enumerate(parts):  # one at a time: each is freed in the worker once here
+                _, blobs = await self._call("snapshot_chunk", {"snapshot": snapshot_id, "chunk": i})
+                if len(blobs) != 1:
+                    raise IPCError("snapshot chunk reply carries no blob")
+                out.append((part, bytes(blob_view(blobs.pop()))))
+            return out, float(seconds)
 
         return chunks()
 

@@ -121,6 +121,7 @@ class Worker:
         self._sends: dict[int, asyncio.Future[None]] = {}
         self._next_send = 0
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._snapshots: dict[int, list[bytes | None]] = {}  # packed chunks by snapshot call, until fetched
 
     async def serve(self) -> None:
         try:
@@ -204,6 +205,8 @@ class Worker:
         if op == "collect":
             reply = await host.collect(str_field(header, "part", 16), int_field(header, "chunk"))
             return {}, [msgpack.packb(reply.model_dump(), use_bin_type=True)]
+        if op == "snapshot_chunk":
+            return {}, [self._snapshot_chunk(header)]
         if op == "refused":
             return {"refused": host.refused()}, []
         raise ExecutionError(f"sandbox worker: unknown call {op!r}")
@@ -237,6 +240,8 @@ class Worker:
         return {"nodes": len(job.subdag.nodes), "params": len(job.subdag.params)}
 
     async def _reply_snapshot(self, header: dict[str, Any]) -> None:
+        """Packs the snapshot and answers with its parts; the daemon then fetches the chunks one by one
+        (``snapshot_chunk``), each freed here once sent: the two processes hold one copy between them."""
         call_id = int_field(header, "id")
         if self.host is None:
             await self._reply(call_id, {"error": error_of(ExecutionError("no job to snapshot"))})
@@ -247,9 +252,22 @@ class Worker:
         except Exception as e:
             await self._reply(call_id, {"error": error_of(e)})
             return
-        await self._reply(
-            call_id, {"parts": [p for p, _ in chunks], "seconds": seconds}, [b for _, b in chunks]
-        )
+        if chunks:
+            self._snapshots[call_id] = [b for _, b in chunks]
+        await self._reply(call_id, {"parts": [p for p, _ in chunks], "seconds": seconds})
+
+    def _snapshot_chunk(self, header: dict[str, Any]) -> bytes:
+        snapshot = self._snapshots.get(int_field(header, "snapshot"))
+        if snapshot is None:
+            raise ExecutionError("no such snapshot (fetched already)")
+        i = int_field(header, "chunk", 0, len(snapshot) - 1)
+        blob = snapshot[i]
+        if blob is None:
+            raise ExecutionError(f"snapshot chunk {i} was fetched already")
+        snapshot[i] = None
+        if all(b is None for b in snapshot):
+            del self._snapshots[int_field(header, "snapshot")]
+        return blob
 
     # ---- values to peers: carried by the daemon --------------------------------------------------
     async def _send(self, dst: int, frame: TensorFrame) -> None:

@@ -14,16 +14,24 @@ parameters only: the same ops again, exact, at the price of recomputing the inpu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-try:  # torch's own I/W split; private, so a torch without it gets the plain split below
-    from torch.distributed.pipelining import _backward as _tpb
-except ImportError:  # pragma: no cover - torch 2.13 has it
-    _tpb = None
+
+@functools.cache
+def _torch_split() -> Any:
+    """torch's own I/W split (private, so a torch without it gets the plain split below), imported on
+    first use: ``torch.distributed.pipelining`` takes 1.5-4 s to import, which every compnode and
+    sandbox worker would pay at start for schedules that may never split a BP."""
+    try:
+        from torch.distributed.pipelining import _backward
+    except ImportError:  # pragma: no cover - torch 2.13 has it
+        return None
+    return _backward
 
 
 @dataclass
@@ -42,6 +50,7 @@ Tensors = Sequence[torch.Tensor]
 def _param_groups(roots: Tensors, leaves: Tensors, params: Tensors) -> list[dict[str, Any]] | None:
     """torch's parameter groups (parameters + the nodes where their branches join the inputs' path),
     or None where they would leave a reachable parameter without its gradient."""
+    _tpb = _torch_split()
     if _tpb is None or not leaves or not roots:
         return None
     node_of = _tpb._get_grad_fn_or_grad_acc
@@ -109,7 +118,7 @@ def weight_gradients(work: WeightWork) -> None:
     """W: accumulates the parameters' gradients of one micro-batch into ``.grad``; frees the graph."""
     if work.groups is not None:
         if work.groups:
-            _tpb.stage_backward_weight(iter(work.params), work.groups)
+            _torch_split().stage_backward_weight(iter(work.params), work.groups)
         return
     if work.roots and work.params:
         torch.autograd.backward(work.roots, work.seeds, inputs=work.params)

@@ -14,17 +14,38 @@ Map of the package:
 - ``peerids.py``   the peer ids ``/p2p/<id>`` multiaddrs name (whom a compnode or a submitter pins).
 """
 
-from fusionnet.dht.announce import BROKERS_KEY, COMPNODES_KEY, Announcer, Found
-from fusionnet.dht.node import DHTConfig, SwarmDHT, kill_dht, start_dht, stop_dht
-from fusionnet.dht.records import (
-    BrokerRecord,
-    CompnodeRecord,
-    HardwareInfo,
-    NodeState,
-    Role,
-    decode_record,
-    encode_record,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Names resolved on first use (PEP 562): ``records`` is imported by processes that never touch the DHT
+# (a compnode's sandbox workers, message models), and ``announce``/``node`` import hivemind (1 s).
+_HOME = {
+    "BROKERS_KEY": "announce",
+    "COMPNODES_KEY": "announce",
+    "Announcer": "announce",
+    "Found": "announce",
+    "DHTConfig": "node",
+    "SwarmDHT": "node",
+    "kill_dht": "node",
+    "start_dht": "node",
+    "stop_dht": "node",
+    "BrokerRecord": "records",
+    "CompnodeRecord": "records",
+    "HardwareInfo": "records",
+    "NodeState": "records",
+    "Role": "records",
+    "decode_record": "records",
+    "encode_record": "records",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+
 
 __all__ = [
     "BROKERS_KEY",

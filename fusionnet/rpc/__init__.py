@@ -16,8 +16,26 @@ out, a malformed payload refused with one ``WireError``) and call each other thr
 (``fusionnet.messages``' ``BrokerClient`` / ``CompnodeClient``) built on ``RPCClient.call``.
 """
 
-from fusionnet.rpc.client import RPCClient, as_peer_id
-from fusionnet.rpc.protocol import RPCError
-from fusionnet.rpc.server import RPCContext, RPCServer
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Resolved on first use (PEP 562): ``protocol`` is pure, but ``client``/``server`` import hivemind (1 s),
+# which a compnode's sandbox workers never need.
+_HOME = {
+    "RPCClient": "client",
+    "as_peer_id": "client",
+    "RPCError": "protocol",
+    "RPCContext": "server",
+    "RPCServer": "server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+
 
 __all__ = ["RPCClient", "RPCContext", "RPCError", "RPCServer", "as_peer_id"]
