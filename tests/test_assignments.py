@@ -20,7 +20,7 @@ from fusionnet.runtime.prepare import trace_job
 from tests.jobfiles import REPO
 
 
-def test_each_compnode_gets_its_slice_and_all_share_the_map_peers_and_key() -> None:
+def test_each_compnode_gets_its_slice_and_all_share_the_map_and_peers_and_a_key_per_link() -> None:
     submitted, partition, state = _figure3(3)
     graph = submitted.graph
     optim = {f"opt::{k}::exp_avg": torch.zeros(1) for k in graph.params}
@@ -29,7 +29,7 @@ def test_each_compnode_gets_its_slice_and_all_share_the_map_peers_and_key() -> N
     requests = assignment_payloads(submitted, partition, peers, {"pa": "127.0.0.1:1", "pb": None}, 2, ckpt)
     docs = [r.model_dump() for r in requests]  # what goes on the wire
     assert [d["subdag"] for d in docs] == [0, 1, 2]
-    assert len({d["key"] for d in docs}) == 1 and len(docs[0]["key"]) == 32
+    assert all(len(k) == 32 for d in docs for i, k in enumerate(d["link_keys"]) if i != d["subdag"])
     assert docs[0]["peers"] == [
         {"peer_id": "pa", "data_address": "127.0.0.1:1"},
         {"peer_id": "pb", "data_address": None},
@@ -51,7 +51,13 @@ def test_each_compnode_gets_its_slice_and_all_share_the_map_peers_and_key() -> N
     assert owned == set(graph.params)  # every parameter goes to exactly one compnode
     # a fresh key per placement: frames of an earlier placement no longer authenticate
     again = assignment_payloads(submitted, partition, peers, {}, 3, ckpt)
-    assert again[0].key != docs[0]["key"]
+    assert again[0].link_keys[1] != docs[0]["link_keys"][1]
+    # one key per link, both ends hold it, nobody else does: no member can forge another's frames
+    n = len(docs)
+    links = {(i, j): docs[i]["link_keys"][j] for i in range(n) for j in range(n) if i != j}
+    assert all(links[i, j] == links[j, i] for i, j in links)
+    assert len({links[i, j] for i, j in links if i < j}) == n * (n - 1) // 2
+    assert all(doc["key"] is None and doc["link_keys"][i] == b"" for i, doc in enumerate(docs))
 
 
 def _figure3(pieces: int) -> tuple[SubmittedJob, Partition, dict[str, torch.Tensor]]:

@@ -304,3 +304,36 @@ def test_no_growth_replan_under_the_balanced_policy(submitted: SubmittedJob) -> 
     pool = _candidates()
     current = replanning.next_placement(shape, replanning.FIRST, [], pool, policy=BALANCED, links=None)
     assert replanning.growth_replan("j1", shape, current, _candidates(), 0.1, None) is None
+
+
+def test_overheads_are_priced_only_once_every_candidate_announced_its_own() -> None:
+    """A calibrated compnode must not look slower than an uncalibrated twin whose overheads count as
+    zero: while any candidate lacks them, nobody's are priced; once all have them, all are."""
+    from types import SimpleNamespace
+
+    from fusionnet.perfmodel.types import NO_OVERHEADS, ClassCost, DeviceSpec, Overheads
+
+    calibrated = Overheads(elementwise=ClassCost(fp=2e-5, bp=3e-5))
+
+    def entry(peer: str, overheads: Overheads) -> Any:
+        spec = DeviceSpec(
+            name=peer,
+            kind="cpu",
+            peak_flops=1e11,
+            mem_bandwidth=1e10,
+            d_gpu=0,
+            d_cpu=8 << 30,
+            d_disk=1 << 40,
+            overheads=overheads,
+        )
+        record = SimpleNamespace(data_path_address="127.0.0.1:1", backup=False)
+        return SimpleNamespace(peer_id=peer, record=record, device_spec=lambda: spec)
+
+    def overheads_of(entries: list[Any]) -> list[Overheads]:
+        registry = SimpleNamespace(schedulable=lambda: entries)
+        pool = replanning.candidates(registry, SpeedBook(), excluded=())  # type: ignore[arg-type]
+        return [c.device.overheads for c in pool if c.device is not None]
+
+    assert overheads_of([entry("a", calibrated), entry("b", NO_OVERHEADS)]) == [NO_OVERHEADS] * 2
+    assert overheads_of([entry("a", calibrated), entry("b", calibrated)]) == [calibrated] * 2
+    assert overheads_of([entry("a", NO_OVERHEADS), entry("b", NO_OVERHEADS)]) == [NO_OVERHEADS] * 2

@@ -196,9 +196,11 @@ def _changed(doc: dict[str, Any], **changes: Any) -> dict[str, Any]:
 def test_assignments_that_mean_nothing_are_refused_and_nothing_is_kept(assign_docs: list[dict]) -> None:
     doc = assign_docs[1]
     bad_state = pack_tensors({"not.a.parameter": torch.zeros(1)})
+    link = doc["link_keys"][0]
     cases = [
-        (_changed(doc, subdag=0), JobError, f"sub-DAG 0 is for {PEERS[0]}, not this node"),
-        (_changed(doc, peers=doc["peers"][:2]), JobError, "2 peers for 3 sub-DAGs"),
+        (_changed(doc, subdag=0, link_keys=[b"", link, link]), JobError, f"sub-DAG 0 is for {PEERS[0]}, not"),
+        (_changed(doc, peers=doc["peers"][:2], link_keys=[link, b""]), JobError, "2 peers for 3 sub-DAGs"),
+        (_changed(doc, link_keys=[link, link, link]), WireError, "link_keys: one key"),
         (_changed(doc, ir=b"\x93\x01\x02\x03"), IRError, "IR: top level must be a map"),
         (_changed(doc, assignment={}), PartitionError, "not assigned"),
         (_changed(doc, state=b"not safetensors"), WireError, "assign j1: state: not a valid safetensors"),

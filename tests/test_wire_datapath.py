@@ -347,10 +347,49 @@ def test_a_peer_close_the_event_loop_has_not_seen_yet_does_not_swallow_the_next_
             assert closed.wait(10)  # blocks the loop on purpose: no await between the FIN and the send
             await client.send(addr, frame(torch.arange(3.0), name="second"), KEY)
             await asyncio.to_thread(thread.join, 10)
-        f = await read_frame(await reader_of(got[0]), lambda job: KEY, receiver="S", max_payload=1 << 20)
+        f = await read_frame(
+            await reader_of(got[0]), lambda job, sender: KEY, receiver="S", max_payload=1 << 20
+        )
         assert f.name == "second" and torch.equal(f.tensor, torch.arange(3.0))
 
     try:
         run("asyncio", scenario())
     finally:
         listener.close()
+
+
+@pytest.mark.timeout(60)
+def test_with_link_keys_no_member_can_pass_its_frames_off_as_another_members() -> None:
+    """Three compnodes A, B, S of one job, each pair with its own key (``mac.link_key``). B holds the
+    keys of its links to A and S only: a frame it signs as A (with either) is refused by S as a bad
+    MAC, while A's and B's own frames are accepted; a sender with no link to S is refused outright."""
+    from fusionnet.wire.mac import link_key
+
+    master = os.urandom(32)
+    a_s, b_s, a_b = link_key(master, 0, 2), link_key(master, 1, 2), link_key(master, 0, 1)
+    assert len({a_s, b_s, a_b}) == 3 and link_key(master, 2, 0) == a_s
+
+    async def scenario() -> None:
+        got: list[TensorFrame] = []
+        server = DataPathServer(peer_id="S", max_payload=1 << 20)
+        server.register_job("job1", {"A": a_s, "B": b_s}, {"A", "B"}, got.append)
+        addr = await server.start()
+        a, b = DataPathClient(peer_id="A"), DataPathClient(peer_id="B")
+        try:
+            await a.send(addr, frame(torch.ones(2), sender="A"), a_s)
+            await b.send(addr, frame(torch.full((2,), 2.0), sender="B"), b_s)
+            await until(lambda: len(got) == 2, what="the members' own frames")
+            for key in (b_s, a_b):  # B forging A's frame with what it holds (its client would refuse)
+                await raw_send(addr, frame_bytes(frame(torch.zeros(2), sender="A", step=1), key))
+            await until(lambda: server.stats["job1"].frames_refused.get("bad_mac") == 2, what="forgeries")
+            await a.send(addr, frame(torch.full((2,), 3.0), sender="A", step=2), a_s)
+            await until(lambda: len(got) == 3, what="A's frame after the forgeries")
+            assert [(f.sender, f.tensor[0].item()) for f in got] == [("A", 1.0), ("B", 2.0), ("A", 3.0)]
+        finally:
+            await a.close()
+            await b.close()
+            await server.stop()
+
+    asyncio.run(scenario())
+    with pytest.raises(WireError, match="one link key per allowed sender"):
+        DataPathServer(peer_id="S").register_job("job1", {"A": a_s}, {"A", "B"}, print)

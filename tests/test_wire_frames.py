@@ -176,7 +176,7 @@ def test_oversized_payload_is_refused_before_it_is_read() -> None:
     async def go() -> FrameRefused:
         with pytest.raises(FrameRefused) as info:
             await read_frame(
-                await reader_of(head_only, eof=False), lambda j: KEY, receiver="S", max_payload=399
+                await reader_of(head_only, eof=False), lambda j, s: KEY, receiver="S", max_payload=399
             )
         return info.value
 
@@ -193,7 +193,7 @@ def test_a_header_forged_without_the_key_is_refused_before_any_payload_buffer() 
     async def go() -> FrameRefused:
         with pytest.raises(FrameRefused) as info:
             await read_frame(
-                await reader_of(forged, eof=False), lambda j: KEY, receiver="S", max_payload=1 << 30
+                await reader_of(forged, eof=False), lambda j, s: KEY, receiver="S", max_payload=1 << 30
             )
         return info.value
 
@@ -217,12 +217,14 @@ def test_policy_refusals_keep_the_stream_in_sync(kw: dict, reason: str) -> None:
         with pytest.raises(FrameRefused) as info:
             await read_frame(
                 r,
-                kw.get("keyring", lambda job: KEY),
+                kw.get("keyring", lambda job, sender: KEY),
                 receiver="S",
                 max_payload=1 << 20,
                 **{k: v for k, v in kw.items() if k != "keyring"},
             )
-        nxt = await read_frame(r, lambda job: KEY, receiver="S", max_payload=1 << 20, bound_sender="B")
+        nxt = await read_frame(
+            r, lambda job, sender: KEY, receiver="S", max_payload=1 << 20, bound_sender="B"
+        )
         return info.value, nxt
 
     e, nxt = asyncio.run(go())
@@ -274,7 +276,7 @@ def _only_wire_errors(data: bytes, keyring) -> TensorFrame | None:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.binary(max_size=400), known=st.booleans())
 def test_random_bytes_only_raise_wire_errors(data: bytes, known: bool) -> None:
-    assert _only_wire_errors(data, (lambda job: KEY) if known else (lambda job: None)) is None
+    assert _only_wire_errors(data, (lambda job, sender: KEY) if known else (lambda job, sender: None)) is None
 
 
 @pytest.mark.timeout(120)
@@ -289,7 +291,7 @@ def test_any_change_to_a_valid_frame_is_refused(flips, cut: int | None, prefix_j
     for pos, xor in flips:
         data[pos] ^= xor
     mutated = prefix_junk + bytes(data if cut is None else data[:cut])
-    got = _only_wire_errors(mutated, lambda job: KEY)
+    got = _only_wire_errors(mutated, lambda job, sender: KEY)
     if mutated != VALID:
         assert got is None, "a modified frame was accepted"
     else:
@@ -323,4 +325,4 @@ def test_structured_garbage_headers_only_raise_wire_errors(header: dict, payload
         data = craft(payload, **fields)
     except (TypeError, ValueError, OverflowError):
         return  # msgpack cannot pack that combination; nothing to send
-    _only_wire_errors(data, lambda job: KEY)
+    _only_wire_errors(data, lambda job, sender: KEY)

@@ -83,11 +83,11 @@ def test_frames_survive_any_split_of_the_stream(cuts: list[int]) -> None:
 
         task = asyncio.create_task(producer())
         got = [
-            (await read_frame(source, lambda job: KEY, receiver="S", max_payload=1 << 20)).tensor
+            (await read_frame(source, lambda job, sender: KEY, receiver="S", max_payload=1 << 20)).tensor
             for _ in TENSORS
         ]
         try:
-            await read_frame(source, lambda job: KEY, receiver="S", max_payload=1 << 20)
+            await read_frame(source, lambda job, sender: KEY, receiver="S", max_payload=1 << 20)
             raise AssertionError("expected the end of the stream")
         except StreamEnded:
             pass
@@ -120,7 +120,7 @@ def test_reading_pauses_while_nobody_consumes_and_resumes_when_read() -> None:
         data = frame_bytes(frame(torch.zeros(BufferedSource.PAUSE_ABOVE // 4 + 10)))
         _feed(source, memoryview(data))
         assert transport.paused and transport.pauses == 1
-        f = await read_frame(source, lambda job: KEY, receiver="S", max_payload=1 << 30)
+        f = await read_frame(source, lambda job, sender: KEY, receiver="S", max_payload=1 << 30)
         assert not transport.paused and f.tensor.numel() == BufferedSource.PAUSE_ABOVE // 4 + 10
 
     asyncio.run(go())
@@ -133,7 +133,7 @@ def test_eof_inside_a_payload_is_a_truncation() -> None:
         _feed(source, memoryview(data)[: len(data) // 2])
         source.connection_lost(None)
         try:
-            await read_frame(source, lambda job: KEY, receiver="S", max_payload=1 << 20)
+            await read_frame(source, lambda job, sender: KEY, receiver="S", max_payload=1 << 20)
         except FrameRefused as e:
             return e
         raise AssertionError("a truncated frame was accepted")

@@ -75,7 +75,7 @@ async def reader_of(data: bytes, eof: bool = True) -> asyncio.StreamReader:
 
 
 async def read_bytes(
-    data: bytes, keyring: Callable[[str], bytes | None] = lambda job: KEY, **kw
+    data: bytes, keyring: Callable[[str, str], bytes | None] = lambda job, sender: KEY, **kw
 ) -> TensorFrame:
     kw.setdefault("max_payload", 1 << 30)
     kw.setdefault("receiver", RECEIVER)

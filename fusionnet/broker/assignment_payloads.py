@@ -22,6 +22,7 @@ from fusionnet.dag.partition import Partition
 from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.compnode_rpc import AssignRequest, JobPeer
 from fusionnet.results.slice_stream import PART_BYTES, SliceStream
+from fusionnet.wire.mac import link_key
 
 KEY_BYTES = 32
 
@@ -80,7 +81,7 @@ def iter_assignment_payloads(
     staged part by part (``results.slice_stream``), so the broker holds one part at a time (issue 11);
     ``None`` packs every slice inline."""
     spec = job.spec if schedule is None else job.spec.model_copy(update={"schedule": schedule})
-    key = secrets.token_bytes(KEY_BYTES) if key is None else key
+    key = secrets.token_bytes(KEY_BYTES) if key is None else key  # the round's master: never sent
     peers_doc = [JobPeer(peer_id=p, data_address=data_addresses.get(p)) for p in peers]
     assignment = {n: s.index for s in partition.subdags for n in s.nodes}
     for s in partition.subdags:
@@ -104,7 +105,7 @@ def iter_assignment_payloads(
             assignment=assignment,
             subdag=s.index,
             peers=peers_doc,
-            key=key,
+            link_keys=[b"" if j == s.index else link_key(key, s.index, j) for j in range(len(peers))],
             state=blobs["state"] or b"",
             optim=blobs["optim"],
             staged_state=staged["state"].total if "state" in staged else None,

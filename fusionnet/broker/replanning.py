@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from fusionnet.broker.registry import CompnodeRegistry
 from fusionnet.broker.replicas import PACE
 from fusionnet.errors import FusionNetError
+from fusionnet.perfmodel.types import NO_OVERHEADS
 from fusionnet.planning.placement import (
     SCHEDULER,
     Candidate,
@@ -73,7 +74,12 @@ def hand_over(leaving: Collection[str]) -> Replan:
 
 
 def candidates(registry: CompnodeRegistry, speeds: SpeedBook, excluded: Collection[str]) -> list[Candidate]:
-    """Compnodes a placement may use: schedulable, with a data path, not ``excluded`` (dead or leaving)."""
+    """Compnodes a placement may use: schedulable, with a data path, not ``excluded`` (dead or leaving).
+
+    Per-op overheads are priced only once every candidate has announced its own (a first start's
+    calibration takes seconds after ONLINE): until then a calibrated compnode would look slower than
+    an uncalibrated one of the same kind, whose overheads count as zero, and a plan made in those
+    seconds would load the uncalibrated ones for no reason."""
     out = []
     for e in registry.schedulable():
         if e.record.data_path_address is None or e.peer_id in excluded:
@@ -83,6 +89,12 @@ def candidates(registry: CompnodeRegistry, speeds: SpeedBook, excluded: Collecti
         except FusionNetError:  # no (or unusable) hardware record: the balanced policy places it
             device = None
         out.append(Candidate(e.peer_id, e.record.backup, device))
+    calibrated = [c.device.overheads != NO_OVERHEADS for c in out if c.device is not None]
+    if any(calibrated) and not all(calibrated):
+        out = [
+            c if c.device is None else replace(c, device=replace(c.device, overheads=NO_OVERHEADS))
+            for c in out
+        ]
     return out
 
 

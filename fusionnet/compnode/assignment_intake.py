@@ -53,7 +53,6 @@ class JobAssignment:
     graph: IRGraph
     subdag: SubDag
     peers: list[JobPeer]
-    key: bytes
     fields: dict[str, torch.Tensor]
     executor: SubDagExecutor
     channel: NetChannel
@@ -231,7 +230,6 @@ def build_assignment(
         graph=parts.graph,
         subdag=parts.subdag,
         peers=parts.peers,
-        key=request.key,
         fields=parts.fields,
         executor=_executor(request, parts, channel, device),
         channel=channel,

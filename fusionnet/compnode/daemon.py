@@ -133,6 +133,7 @@ class CompnodeDaemon(Daemon):
         self.load = 0.0
         self.running_tasks = 0
         self._calibrating = False  # a calibration holds the compute thread (``make_way_for_work``)
+        self.calibrated = asyncio.Event()  # set once the per-op overheads are known (measured or cached)
         self.data_path_address: str | None = None
         self.metrics_address: str | None = None
         self._maddrs: list[str] = []
@@ -210,6 +211,8 @@ class CompnodeDaemon(Daemon):
         done, _ = await asyncio.wait({calibration}, timeout=CALIBRATION_WAIT)
         self._set_hardware(calibration.result() if done else hardware)
         self._calibrating = not done
+        if done:
+            self.calibrated.set()
         await self.start_services()
         self.state = NodeState.ONLINE
         await self.announce_now()
@@ -247,6 +250,7 @@ class CompnodeDaemon(Daemon):
                 self._calibrating = False
             if result is not None:
                 self._set_hardware(result)
+                self.calibrated.set()
                 await self.announce_now()
                 return
             log.info("calibration gave way to a job; it runs again once the node is idle")

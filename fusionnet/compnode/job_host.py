@@ -157,7 +157,7 @@ class HeldJob:
     spec: RunSpec
     index: int  # our sub-DAG
     peers: list[JobPeer]
-    key: bytes
+    link_keys: list[bytes]  # per sub-DAG: the key of frames between it and us (``AssignRequest``)
     nodes: int  # IR nodes of our sub-DAG
     params: int  # parameters it owns
     host: Host
@@ -176,7 +176,9 @@ class HeldJob:
             spec=request.spec,
             index=request.subdag,
             peers=list(request.peers),
-            key=request.key,
+            link_keys=[
+                b"" if j == request.subdag else request.key_of_link(j) for j in range(len(request.peers))
+            ],
             nodes=nodes,
             params=params,
             host=host,
@@ -185,6 +187,10 @@ class HeldJob:
 
     def allowed_senders(self) -> list[str]:
         return [p.peer_id for i, p in enumerate(self.peers) if i != self.index]
+
+    def keys_by_sender(self) -> dict[str, bytes]:
+        """What the data path checks each sender's frames with."""
+        return {p.peer_id: self.link_keys[i] for i, p in enumerate(self.peers) if i != self.index}
 
     def subdag_of_peer(self) -> dict[str, int]:
         return {p.peer_id: i for i, p in enumerate(self.peers) if i != self.index}

@@ -39,13 +39,14 @@ from fusionnet.compnode.sandbox_ipc import (
     frame_of,
     int_field,
 )
+from fusionnet.compnode.sandbox_worker import EXIT_NO_ANSWER
 from fusionnet.errors import ExecutionError, FusionNetError
 from fusionnet.messages.compnode_rpc import AssignRequest, CollectReply
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
 from fusionnet.wire.frames import TensorFrame
 
 log = logging.getLogger("fusionnet.compnode.sandbox")
-PRELOAD = ["fusionnet.compnode.sandbox_worker"]
+PRELOAD = ["fusionnet.compnode.sandbox_preload"]  # niced, then the workers' imports
 STOP_GRACE = 2.0  # seconds a worker has to leave after its socket closes, before SIGKILL
 MAX_REPLY_FIELDS = 64
 
@@ -77,14 +78,16 @@ class SandboxPool:
         return cls(settings.threads, settings.slowdown, budget, fault)
 
     def start(self) -> None:
-        """Starts the fork server in the background (it imports torch: seconds)."""
+        """Starts the fork server in the background (it imports torch: seconds), once."""
         from multiprocessing import forkserver
 
-        self._warming = asyncio.ensure_future(asyncio.to_thread(forkserver.ensure_running))
+        if self._warming is None:
+            self._warming = asyncio.ensure_future(asyncio.to_thread(forkserver.ensure_running))
 
     async def spawn(self, peer_id: str, job_id: str, subdag: int) -> tuple[Any, IPCChannel]:
-        if self._warming is not None:
-            await self._warming
+        self.start()
+        assert self._warming is not None
+        await self._warming
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         from fusionnet.compnode.sandbox_worker import WorkerConfig, main
 
@@ -118,6 +121,8 @@ def describe_exit(code: int | None) -> str:
             return f"it was killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"it was killed by signal {-code}"
+    if code == EXIT_NO_ANSWER:
+        return "it could not send an answer: out of memory"
     return f"it exited with status {code}"
 
 
@@ -206,9 +211,11 @@ class SandboxedJob:
             self._died(describe_exit(self.process.exitcode) + why)
 
     def _died(self, how: str) -> None:
+        budget = self.pool.memory_bytes
+        limit = "" if budget is None else f"; it may use {budget / 2**30:.3g} GiB (--sandbox-memory-gb)"
         self._failure = ExecutionError(
-            f"job {self.job_id}: sub-DAG {self.subdag}'s sandbox worker died ({how}); the job's own graph "
-            "or data caused it, so it is not moved to another compnode"
+            f"job {self.job_id}: sub-DAG {self.subdag}'s sandbox worker died ({how}{limit}); the job's own "
+            "graph or data caused it, so it is not moved to another compnode"
         )
         log.error("%s", self._failure)
         self._fail_all(self._failure)

@@ -7,9 +7,10 @@ builds the job, then ``step``, ``serve``, ``collect``, ``snapshot`` and ``drop``
 daemon's data path carries.
 
 Limits, set before any of the job runs: private writable memory (``RLIMIT_DATA``, CPU devices; the
-budget is ``--sandbox-memory-gb``), a lower CPU priority than the daemon (its heartbeats and RPCs win
-a contended core), and death with the fork server (``PR_SET_PDEATHSIG``), which dies with the
-daemon: a compnode killed hard leaves no worker behind, even one stuck in an op.
+budget is ``--sandbox-memory-gb``), a lower CPU priority than the daemon, inherited from the fork server
+(``sandbox_preload``: its heartbeats and RPCs win a contended core), and death with the fork server
+(``PR_SET_PDEATHSIG``), which dies with the daemon: a compnode killed hard leaves no worker behind, even
+one stuck in an op.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ from fusionnet.wire.frames import TensorFrame
 
 log = logging.getLogger("fusionnet.compnode.sandbox")
 PR_SET_PDEATHSIG = 1
+EXIT_NO_ANSWER = 70  # the worker could not answer a call (``sandbox_client.describe_exit``)
 # What torch and its backends say when an allocation fails (the memory budget is one cause).
 ALLOCATION_FAILED = re.compile(r"alloc|memory|could not create a primitive|MemoryError", re.IGNORECASE)
-NICENESS = 5  # below the daemon, whose loop answers heartbeats while jobs compute
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,7 @@ def _data_in_use() -> int:
 
 
 def apply_limits(config: WorkerConfig, device: str | None = None) -> None:
-    with contextlib.suppress(OSError):
-        os.nice(NICENESS)
+    """The memory budget (the lower CPU priority comes from the fork server: ``sandbox_preload``)."""
     if config.memory_bytes is not None and (device is None or device == "cpu"):
         # CUDA maps its address space as private writable memory: a data limit would break it.
         limit = _data_in_use() + config.memory_bytes
@@ -159,13 +159,15 @@ class Worker:
     async def _call(self, op: str, header: dict[str, Any], blobs: list[torch.Tensor]) -> None:
         call_id = int_field(header, "id")
         try:
-            result, out = await self._run(op, header, blobs)
-        except BaseException as e:
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            await self._reply(call_id, {"error": self._error(e)})
-            return
-        await self._reply(call_id, result, out)
+            try:
+                result, out = await self._run(op, header, blobs)
+                await self._reply(call_id, result, out)
+            except Exception as e:
+                await self._reply(call_id, {"error": self._error(e)})
+        except Exception:
+            # No answer can be sent (out of memory even for that): leave, so that the daemon sees a
+            # dead worker instead of waiting for an answer forever.
+            os._exit(EXIT_NO_ANSWER)
 
     def _error(self, e: BaseException) -> list[str]:
         """``error_of``, with the memory budget named when an allocation failed under it."""
@@ -240,6 +242,12 @@ class Worker:
         return {"nodes": len(job.subdag.nodes), "params": len(job.subdag.params)}
 
     async def _reply_snapshot(self, header: dict[str, Any]) -> None:
+        try:
+            await self._snapshot_reply(header)
+        except Exception:
+            os._exit(EXIT_NO_ANSWER)
+
+    async def _snapshot_reply(self, header: dict[str, Any]) -> None:
         """Packs the snapshot and answers with its parts; the daemon then fetches the chunks one by one
         (``snapshot_chunk``), each freed here once sent: the two processes hold one copy between them."""
         call_id = int_field(header, "id")

@@ -3,7 +3,8 @@
 
 The data path is a direct TCP server (``fusionnet.wire.DataPathServer``) announced in the compnode's
 record, with hivemind P2P streams as the fallback when a peer's TCP address cannot be reached. Frames
-are authenticated with the per-job key the broker hands out in ``assign``, and only the job's other
+are authenticated with the keys the broker hands out in ``assign``, one per link between two of the
+job's compnodes (so no member can pass its frames off as another's), and only the job's other
 compnodes may send: anything else is refused and counted, and the job goes on.
 
 Only a broker this compnode trusts may assign a job (``trust.py``: the peers of ``--initial-peers`` and
@@ -108,13 +109,21 @@ class SubtaskService(ReplicaRPC):
         self.p2p = P2PDataPath(self.node.peer.p2p, self.node.peer_id)
         await self.p2p.start()
         if self.sandboxes is not None:
-            self.sandboxes.start()  # the workers' fork server imports torch once, in the background
+            # The workers' fork server imports torch once, in the background, when the node is settled:
+            # not while daemons on this machine measure their hardware (a job's first assign starts it
+            # sooner if need be).
+            self.node.spawn(self._warm_sandboxes(), "sandbox warm-up")
         self.node.set_data_path_address(join_host_port(host, port))
         log.info("data path announced as %s", self.node.data_path_address)
         self.node.ping_listeners.append(self._pinged)
         ttl = settings.assignment_ttl
         self.node.every(min(ttl / 4, 5.0), self._expire, "assignment expiry")
         log.info("taking assignments from: %s", ", ".join(sorted(self.trust.peers)) or "nobody")
+
+    async def _warm_sandboxes(self) -> None:
+        await self.node.calibrated.wait()
+        assert self.sandboxes is not None
+        self.sandboxes.start()
 
     def _pinged(self, peer: str) -> None:
         if peer in self.trust.peers:  # only trusted brokers: a flood of strangers must not grow the map
@@ -170,13 +179,13 @@ class SubtaskService(ReplicaRPC):
         if peer.data_address and peer.peer_id not in self._tcp_down:
             assert self.client is not None
             try:
-                await self.client.send(peer.data_address, frame, job.key, job.spec.wire_encryption)
+                await self.client.send(peer.data_address, frame, job.link_keys[dst], job.spec.wire_encryption)
                 self.node.metrics.count_data("tcp", "sent", nbytes)
                 return
             except PeerUnreachable as e:
                 log.warning("job %s: TCP to %s failed (%s); using P2P streams", job.job_id, peer.peer_id, e)
                 self._tcp_down.add(peer.peer_id)
-        await self.p2p.send(peer.peer_id, frame, job.key)
+        await self.p2p.send(peer.peer_id, frame, job.link_keys[dst])
         self.node.metrics.count_data("p2p", "sent", nbytes)
 
     # ---- helpers ---------------------------------------------------------------------------------
@@ -270,7 +279,8 @@ class SubtaskService(ReplicaRPC):
 
         for path_name, path in (("tcp", self.server), ("p2p", self.p2p)):
             assert path is not None
-            path.register_job(job.job_id, job.key, allowed, router(path_name), job.spec.wire_encryption)
+            keys = job.keys_by_sender()
+            path.register_job(job.job_id, keys, allowed, router(path_name), job.spec.wire_encryption)
         self.jobs[job.job_id] = job
         self._locks[job.job_id] = asyncio.Lock()
         self._heard[job.job_id] = time.monotonic()

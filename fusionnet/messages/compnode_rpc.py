@@ -63,7 +63,11 @@ class AssignRequest(Message):
     assignment: dict[str, NonNegative]  # op name -> sub-DAG index, the whole graph
     subdag: NonNegative  # which of them this compnode runs
     peers: Annotated[list[JobPeer], Field(min_length=1, max_length=MAX_PEERS)]  # per sub-DAG
-    key: Annotated[bytes, Field(min_length=MIN_KEY_BYTES, max_length=1024)]  # data-path key
+    # Data-path keys: per sub-DAG, the key of our link with its compnode (ours: empty), so a member
+    # of the job can forge no frame between two others (``wire.mac.link_key``); or one job-wide
+    # ``key`` (tests, one-process runs).
+    link_keys: Annotated[list[bytes], Field(max_length=MAX_PEERS)] | None = None
+    key: Annotated[bytes, Field(min_length=MIN_KEY_BYTES, max_length=1024)] | None = None
     state: bytes  # safetensors: this sub-DAG's parameters and buffers (empty when staged)
     optim: bytes | None = None  # safetensors: its optimizer state (opt::<key>::<slot>)
     # Set: the state / optimizer slice came ahead in ``stage_state`` calls, this many bytes in all
@@ -89,7 +93,23 @@ class AssignRequest(Message):
             or any(h >= len(self.peers) or h == i for i, h in enumerate(holders))
         ):
             raise ValueError("replica_holders: one other sub-DAG per sub-DAG")
+        if (self.key is None) == (self.link_keys is None):
+            raise ValueError("give either key or link_keys")
+        links = self.link_keys
+        if links is not None and (
+            len(links) != len(self.peers)
+            or links[self.subdag]
+            or any(not MIN_KEY_BYTES <= len(k) <= 1024 for i, k in enumerate(links) if i != self.subdag)
+        ):
+            raise ValueError(f"link_keys: one key of {MIN_KEY_BYTES}..1024 bytes per other sub-DAG")
         return self
+
+    def key_of_link(self, other: int) -> bytes:
+        """The key of frames between our sub-DAG and sub-DAG ``other`` (either direction)."""
+        if self.link_keys is not None:
+            return self.link_keys[other]
+        assert self.key is not None
+        return self.key
 
 
 class StageStateRequest(Message):

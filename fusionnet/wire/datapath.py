@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from fusionnet.errors import WireError
 from fusionnet.wire.crypt import check_policy, encrypt_to
@@ -116,7 +116,7 @@ class DataPathServer:
     def register_job(
         self,
         job_id: str,
-        key: bytes,
+        key: bytes | Mapping[str, bytes],
         allowed_senders: Iterable[str],
         on_frame: FrameHandler,
         encryption: str = "auto",

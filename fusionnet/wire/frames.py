@@ -72,7 +72,7 @@ __all__ = [
 
 _SKIP_CHUNK = 1 << 20
 
-Keyring = Callable[[str], bytes | None]
+Keyring = Callable[[str, str], bytes | None]  # (job, sender) -> key; None: unknown job
 
 
 @dataclass(frozen=True)
@@ -346,14 +346,15 @@ async def read_frame(
 ) -> TensorFrame:
     """Reads and authenticates one frame. Every problem is a ``WireError``.
 
-    ``keyring(job_id)`` gives the job's key or ``None`` (unknown job: refused, out of sync, so the
-    connection closes instead of reading a payload nobody wants, unless ``job_ended(job_id)`` says it
-    is a job that ran here and just ended: then its late frame is skipped); ``receiver`` is our own peer id,
-    which the frame must name; ``replay`` refuses a sequence number already accepted from that
+    ``keyring(job_id, sender)`` gives the key of that sender's frames (``b""``: the job has no link from
+    it, refused like a sender that is not a member), or ``None`` (unknown job: refused, out of sync, so
+    the connection closes instead of reading a payload nobody wants, unless ``job_ended(job_id)`` says
+    it is a job that ran here and just ended: then its late frame is skipped); ``receiver`` is our own
+    peer id, which the frame must name; ``replay`` refuses a sequence number already accepted from that
     sender (checked before the payload is allocated, recorded once the whole frame is authentic);
-    ``accept_sender(job, sender)`` may refuse a sender before its payload is read; ``bound_sender``
-    is the peer id the transport already authenticated (P2P streams), which the frame's sender must
-    equal; ``plaintext_ok(job)`` (if given) refuses an unencrypted frame of a job whose frames must be
+    ``accept_sender(job, sender)`` may refuse a sender before its payload is read; ``bound_sender`` is
+    the peer id the transport already authenticated (P2P streams), which the frame's sender must equal;
+    ``plaintext_ok(job)`` (if given) refuses an unencrypted frame of a job whose frames must be
     encrypted (checked before the payload is allocated). A clean EOF between frames raises
     ``StreamEnded``; a refusal raises ``FrameRefused`` whose ``in_sync`` says whether the stream is
     still at a frame boundary.
@@ -383,12 +384,12 @@ async def read_frame(
     rest = TAG_SIZE + payload_len + TAG_SIZE
     if bound_sender is not None and h.sender != bound_sender:
         raise await _skip(source, rest, refusal(f"stream authenticated as {bound_sender}", R.SENDER_MISMATCH))
-    key = keyring(h.job_id)
+    key = keyring(h.job_id, h.sender)
     if key is None:
         if job_ended is not None and job_ended(h.job_id):  # a late frame of a job we ran: harmless
             raise await _skip(source, rest, refusal("job ended here", R.UNKNOWN_JOB))
         raise refusal("no such job here", R.UNKNOWN_JOB)  # not in sync: we close, nothing is read
-    if accept_sender is not None and not accept_sender(h.job_id, h.sender):
+    if not key or (accept_sender is not None and not accept_sender(h.job_id, h.sender)):
         raise await _skip(source, rest, refusal("sender is not a member of this job", R.SENDER_NOT_ALLOWED))
 
     mac = FrameMac(key, h.nonce)

@@ -50,6 +50,20 @@ THREAD_WINDOW = 4
 SMALL_FRAME = 256 * 1024
 
 
+LINK_DOMAIN = b"fusionnet/wire/v1 link key"
+
+
+def link_key(job_key: bytes, a: int, b: int) -> bytes:
+    """The key of the link between sub-DAGs ``a`` and ``b`` of a job (either direction): the broker
+    hands each compnode only the keys of its own links, so a compnode of the job cannot forge a frame
+    between two others (with one job-wide key any member could claim to be any other)."""
+    low, high = sorted((a, b))
+    if low < 0 or low == high:
+        raise WireError(f"no link between sub-DAGs {a} and {b}")
+    label = LINK_DOMAIN + low.to_bytes(4, "big") + high.to_bytes(4, "big")
+    return hmac.new(check_key(job_key), label, hashlib.sha256).digest()
+
+
 def check_key(key: object, where: str = "job key") -> bytes:
     """Returns ``key`` as bytes, or raises ``WireError`` if it is too short to be a secret."""
     if not isinstance(key, bytes | bytearray):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
@@ -72,7 +72,7 @@ class P2PDataPath:
     def register_job(
         self,
         job_id: str,
-        key: bytes,
+        key: bytes | Mapping[str, bytes],
         allowed_senders: Iterable[str],
         on_frame: FrameHandler,
         encryption: str = "auto",

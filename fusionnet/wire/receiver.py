@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from fusionnet.errors import WireError
@@ -61,7 +61,7 @@ class JobStats:
 
 @dataclass(frozen=True)
 class JobRoute:
-    key: bytes
+    key: bytes | Mapping[str, bytes]  # one job-wide key, or the key of each sender's link to us
     allowed_senders: frozenset[str]
     on_frame: FrameHandler
     encryption: str = "auto"  # ``placement.wire_encryption``: which plaintext frames are refused
@@ -102,24 +102,32 @@ class FrameReceiver:
     def register_job(
         self,
         job_id: str,
-        key: bytes,
+        key: bytes | Mapping[str, bytes],
         allowed_senders: Iterable[str],
         on_frame: FrameHandler,
         encryption: str = "auto",
     ) -> None:
         """Accepts frames of ``job_id`` from ``allowed_senders``; registering again replaces the route.
 
+        ``key``: the job's key, or per allowed sender the key of its link to us (``mac.link_key``: then
+        a member of the job cannot pass its frames off as another member's).
+
         ``encryption`` is the job's ``placement.wire_encryption`` (``crypt.py``): on a connection
         from a remote host (``serve(remote_host=...)``) it decides whether plaintext is refused."""
         check_text(job_id, "job_id", MAX_ID_LEN)
         if job_id == NO_JOB:
             raise WireError(f"job id {NO_JOB!r} is reserved")
-        key = check_key(key, f"key of job {job_id!r}")
         if isinstance(allowed_senders, str):
             raise WireError(
                 f"allowed_senders of job {job_id!r} must be a collection of peer ids, not a string"
             )
         senders = frozenset(check_text(s, "allowed sender", MAX_ID_LEN) for s in allowed_senders)
+        if isinstance(key, Mapping):
+            if set(key) != senders:
+                raise WireError(f"job {job_id!r}: one link key per allowed sender")
+            key = {s: check_key(k, f"link key of job {job_id!r} from {s}") for s, k in key.items()}
+        else:
+            key = check_key(key, f"key of job {job_id!r}")
         if not callable(on_frame):
             raise WireError(f"on_frame of job {job_id!r} must be callable")
         self._routes[job_id] = JobRoute(key, senders, on_frame, check_policy(encryption))
@@ -153,9 +161,15 @@ class FrameReceiver:
     def jobs(self) -> list[str]:
         return sorted(self._routes)
 
-    def keyring(self, job_id: str) -> bytes | None:
+    def keyring(self, job_id: str, sender: str) -> bytes | None:
+        """The key of ``sender``'s frames of ``job_id``; None for an unknown job, ``b""`` for a sender
+        that has no link to us (``read_frame`` refuses it before anything else)."""
         route = self._routes.get(job_id)
-        return route.key if route is not None else None
+        if route is None:
+            return None
+        if isinstance(route.key, bytes):
+            return route.key
+        return route.key.get(sender, b"")
 
     def accept_sender(self, job_id: str, sender: str) -> bool:
         route = self._routes.get(job_id)

@@ -141,7 +141,7 @@ def frame_reader_target() -> Target:
             try:
                 await read_frame(
                     reader,
-                    lambda job: KEY if job == "job1" else None,
+                    lambda job, sender: KEY if job == "job1" else None,
                     max_payload=1 << 20,
                     receiver="S",
                     plaintext_ok=lambda job, k=n: k % 2 == 0,  # alternately refuse plaintext frames
