@@ -219,3 +219,50 @@ def value_structure_target() -> Target:
         msgpack.packb({"tree": {"$seq": [{"$t": 0}, None, 1.5, [1, 2]], "tuple": True}, "count": 1}),
     ]
     return Target("value_structure", call, seeds, (WireError,))
+
+
+def sandbox_ipc_target() -> Target:
+    """What a compnode daemon reads from a job's sandbox worker (``compnode.sandbox_ipc``): a worker
+    the job took over may send anything, so messages are decoded and their frames rebuilt under bounds."""
+    import socket
+
+    from fusionnet.compnode.sandbox_ipc import IPCChannel, IPCError, frame_message, frame_of
+
+    loop = asyncio.new_event_loop()
+
+    async def read_all(data: bytes) -> int:
+        ours, theirs = socket.socketpair()
+        try:
+            theirs.sendall(data)
+            theirs.shutdown(socket.SHUT_WR)
+            channel = IPCChannel(ours, max_message=1 << 20)
+            n = 0
+            while True:
+                try:
+                    header, blobs = await channel.recv()
+                except EOFError:
+                    return n
+                if header["op"] == "send":
+                    frame_of(header, blobs)
+                n += 1
+        finally:
+            ours.close()
+            theirs.close()
+
+    def message(header: dict, blobs: list[bytes]) -> bytes:
+        import struct
+
+        head = msgpack.packb({**header, "blobs": [len(b) for b in blobs]}, use_bin_type=True)
+        return struct.pack("<IQ", len(head), sum(len(b) for b in blobs)) + head + b"".join(blobs)
+
+    seeds = []
+    for i, t in enumerate([torch.arange(6.0).reshape(2, 3), torch.tensor([True, False]), torch.zeros(0)]):
+        f = TensorFrame(job_id="job1", sender="A", kind="act", step=i, microbatch=0, name=f"n{i}", tensor=t)
+        header, views = frame_message(f)
+        seeds.append(message({"op": "send", "id": i, "dst": 1, **header}, [bytes(v) for v in views]))
+    seeds.append(message({"op": "reply", "id": 3, "loss": 0.5, "refused": 0}, [b"abc"]))
+
+    def call(data: bytes) -> object:
+        return loop.run_until_complete(asyncio.wait_for(read_all(data), 10))
+
+    return Target("sandbox_ipc", call, [*seeds, b"".join(seeds)], (IPCError, WireError))

@@ -47,6 +47,7 @@ def _target(name: str) -> T.Target:
         "tensor_blob": T.tensor_blob_target,
         "dht_record": T.dht_record_target,
         "value_structure": T.value_structure_target,
+        "sandbox_ipc": T.sandbox_ipc_target,
         "rpc_request": R.rpc_request_target,
         "rpc_reply": R.rpc_reply_target,
     }[name]()
@@ -61,6 +62,7 @@ NAMES = [
     "dht_record",
     "job_file",
     "value_structure",
+    "sandbox_ipc",
     "rpc_request",
     "rpc_reply",
 ]
