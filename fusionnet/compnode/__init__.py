@@ -8,6 +8,12 @@ Map of the package:
 - ``tasks.py``       the service behind the broker's ``assign``: sub-task execution, step RPCs.
 - ``assignment_intake.py``  one job's sub-DAG here, from a validated ``assign``: checked IR, rebuilt
                      executor, network channel, data.
+- ``job_host.py``    what the service does with a built sub-DAG (steps, batches, collect, snapshots),
+                     in-process or in its sandbox worker; ``HeldJob``, the daemon's record of it.
+- ``sandbox_client.py``  the daemon's side of per-job sandbox workers: fork server, calls, worker death.
+- ``sandbox_worker.py``  a job's worker process: builds and runs the sub-DAG under a memory budget.
+- ``sandbox_ipc.py`` the messages between daemon and worker (msgpack + raw tensor bytes, bounded).
+- ``sandbox_preload.py``  what the fork server imports, at a lower CPU priority.
 - ``trust.py``       which brokers a compnode obeys; assignments whose broker went silent expire.
 - ``compute.py``     the compute thread: FP/BP/Update (and state packing) off the event loop.
 - ``netchannel.py``  the executor's ``Channel`` over the network (authenticated tensor frames).
