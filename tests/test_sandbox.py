@@ -165,3 +165,31 @@ def test_frames_cross_the_socket_as_they_are_and_malformed_ones_are_refused() ->
         right.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.timeout(120)
+def test_releasing_a_job_ends_its_runaway_worker(whole_job: dict) -> None:
+    """A worker stuck in a stretch of compute (a 10^4x ``--slowdown``: a step that would take minutes)
+    does not read its socket; releasing the job (what the broker's step timeout, a cancel or the
+    assignment TTL lead to) kills it within seconds, and its step call fails instead of hanging."""
+
+    async def run() -> None:
+        s = service(sandbox=True)
+        s.node.settings.slowdown = 1e4
+        s.sandboxes.slowdown = 1e4  # type: ignore[union-attr]
+        await call(s, "assign", whole_job)
+        worker = s.jobs["j1"].host.process  # type: ignore[attr-defined]
+        step = asyncio.ensure_future(call(s, "step", {"job_id": "j1", "step": 0}))
+        await asyncio.sleep(1.0)  # well inside the first (slowed) stretch
+        assert not step.done() and worker.is_alive()
+        started = asyncio.get_running_loop().time()
+        await call(s, "release", {"job_id": "j1", "reason": "step timed out"})
+        with pytest.raises(ExecutionError, match="released"):
+            await asyncio.wait_for(step, 15)
+        for _ in range(200):
+            if not worker.is_alive():
+                break
+            await asyncio.sleep(0.05)
+        assert not worker.is_alive() and asyncio.get_running_loop().time() - started < 15
+
+    asyncio.run(run())
