@@ -34,6 +34,7 @@ class Config:
     threads: int
     data_path: str
     schedule: str = "gpipe"  # gpipe | 1f1b: torch ScheduleGPipe / Schedule1F1B, FusionNet placement.schedule
+    sandbox: str = "process"  # the compnodes' --sandbox: per-job worker processes (default) or off
 
     @property
     def model_kwargs(self) -> dict[str, int]:

@@ -148,6 +148,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="pipeline schedule of both pipelines: torch's ScheduleGPipe/Schedule1F1B and FusionNet's "
         "placement.schedule (default gpipe)",
     )
+    ap.add_argument(
+        "--sandbox",
+        choices=("process", "off"),
+        default="process",
+        help="the compnodes' --sandbox: each job in a worker process (default) or in the daemon",
+    )
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="8 steps, 2 of them warm-up")
@@ -219,12 +225,13 @@ def main(argv: list[str] | None = None) -> int:
             dim=args.dim, hidden=args.hidden, layers=args.layers, batch_size=args.batch_size,
             microbatches=args.microbatches, steps=args.steps, warmup=args.warmup, lr=args.lr,
             seed=args.seed, threads=args.threads, data_path=str(workdir / "data.safetensors"),
-            schedule=args.schedule,
+            schedule=args.schedule, sandbox=args.sandbox,
         )  # fmt: skip
         make_data(cfg, samples=4 * cfg.batch_size)
         print(
             f"model: {cfg.layers} blocks, dim {cfg.dim}, hidden {cfg.hidden}; batch {cfg.batch_size} in "
-            f"{cfg.microbatches} micro-batches, {cfg.schedule}; {cfg.steps} steps ({cfg.warmup} warm-up); "
+            f"{cfg.microbatches} micro-batches, {cfg.schedule}; sandbox {cfg.sandbox}; "
+            f"{cfg.steps} steps ({cfg.warmup} warm-up); "
             f"{cfg.threads} thread(s)/process; {os.cpu_count()} CPUs; load {loadavg:.2f}; workdir {workdir}",
             flush=True,
         )
@@ -240,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = report(results, cfg, args.stages, splits)
     summary["schedule"] = cfg.schedule
+    summary["sandbox"] = cfg.sandbox
     summary["loadavg_before"] = round(loadavg, 2)
     summary["loadavg_after"] = round(os.getloadavg()[0], 2)
     summary["wall_s"] = round(time.monotonic() - t_start, 1)
