@@ -193,3 +193,32 @@ def test_releasing_a_job_ends_its_runaway_worker(whole_job: dict) -> None:
         assert not worker.is_alive() and asyncio.get_running_loop().time() - started < 15
 
     asyncio.run(run())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sandbox", [True, False])
+def test_a_step_sent_ahead_waits_for_the_one_before_it_whatever_the_arrival_order(
+    whole_job: dict, sandbox: bool
+) -> None:
+    """The broker sends step k + 1 while step k runs (``after=k``). Arriving first, it must not take
+    the job (its peers still need this compnode's step k: a deadlock): it runs once k is done, and the
+    losses are those of steps run one by one; a job released meanwhile fails it instead."""
+
+    async def run() -> None:
+        want, _ = await train(service(sandbox=False), whole_job, 3)
+        s = service(sandbox=sandbox)
+        await call(s, "assign", whole_job)
+        ahead = asyncio.ensure_future(call(s, "step", {"job_id": "j1", "step": 1, "after": 0}))
+        await asyncio.sleep(0.2)  # it is in and waiting (not a readiness wait: nothing may happen)
+        assert not ahead.done()
+        first = await call(s, "step", {"job_id": "j1", "step": 0})
+        second = await ahead
+        third = await call(s, "step", {"job_id": "j1", "step": 2})
+        assert [first["loss"], second["loss"], third["loss"]] == want
+        stuck = asyncio.ensure_future(call(s, "step", {"job_id": "j1", "step": 4, "after": 3}))
+        await asyncio.sleep(0.2)
+        await call(s, "release", {"job_id": "j1", "reason": "cancelled"})
+        with pytest.raises(JobError, match="released"):
+            await asyncio.wait_for(stuck, 10)
+
+    asyncio.run(run())

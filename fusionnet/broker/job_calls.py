@@ -89,10 +89,14 @@ class JobCalls:
         timeout: float,
         snapshot: bool = False,
         keep_from: int | None = None,
+        after: int | None = None,
     ) -> list[StepReply]:
         """One step on every peer; ``timeout`` scales with the step's expected length (a busy compnode
-        is not a dead one: ``failures.step_timeout``). ``snapshot``/``keep_from``: ``broker.replicas``."""
-        request = StepRequest(job_id=self.job_id, step=step, snapshot=snapshot, keep_from=keep_from)
+        is not a dead one: ``failures.step_timeout``). ``snapshot``/``keep_from``: ``broker.replicas``;
+        ``after``: a step sent ahead runs once that one is done."""
+        request = StepRequest(
+            job_id=self.job_id, step=step, snapshot=snapshot, keep_from=keep_from, after=after
+        )
         return await gather(
             [self._named(p, "step", self.client.call_step(p, request, timeout=timeout)) for p in peers]
         )

@@ -57,6 +57,7 @@ from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.partition import Partition, build_partition
 from fusionnet.errors import ExecutionError, FusionNetError
 from fusionnet.messages.blobs import unpack_tensors
+from fusionnet.messages.compnode_rpc import StepReply
 from fusionnet.planning.misprediction import PredictionWatch
 from fusionnet.planning.optimizers import optimizer_profiles
 from fusionnet.planning.placement import Candidate, JobShape, Placement
@@ -116,6 +117,10 @@ class JobRun(PlacementReview):
         self._probes_contradict = False  # the link probes after the last placement re-priced it by > 25%
         self._telling: set[asyncio.Task[None]] = set()  # releases sent to compnodes declared lost
         self.watch = FailureWatch(context, lambda: self.peers, self.leaving)
+        # The next step's call, sent while this one runs (issue 13: the broker's round trip per step
+        # off the critical path): a compnode starts step k + 1 the moment it finishes step k.
+        self._ahead: tuple[int, float, asyncio.Future[list[StepReply]]] | None = None
+        self._last_reply_at: float | None = None  # when the latest step's last reply came
         self.recoveries = RecoveryLog(context, job.job_id, self.progress.recoveries)
         self.watch.attach()
 
@@ -128,7 +133,7 @@ class JobRun(PlacementReview):
             step = ckpt.step
             recovering: dict[str, Any] | None = None
             while step < job.spec.step_count:
-                if self.pending is not None:
+                if self.pending is not None and self._ahead is None:  # (else: the step sent ahead first)
                     await self._place_and_assign(ckpt, recovering, self.pending)
                     store.update_job(job.job_id, state=JobState.RUNNING, step=step)
                 try:
@@ -141,10 +146,12 @@ class JobRun(PlacementReview):
                     if self._leavers():
                         self._hand_over(ckpt)
                     elif step < job.spec.step_count:
-                        self.pending = await self._grow() or await self._recheck_prediction()
-                        if self.pending is not None and ckpt.step != step:  # the re-plan starts here
+                        self.pending = self.pending or await self._grow() or await self._recheck_prediction()
+                        # The re-plan starts here, once no step sent ahead can change the state.
+                        if self.pending is not None and ckpt.step != step and self._ahead is None:
                             ckpt = await self.watch.guarded(self._sync(step, ckpt))
                 except PeerFailure as failure:
+                    self._drop_ahead()
                     if recovering is not None:  # failed again before the replay was over
                         recovering["superseded"] = True
                     ckpt = await self._replicated_checkpoint(failure, ckpt)
@@ -171,6 +178,7 @@ class JobRun(PlacementReview):
             log.exception("job %s: internal error", job.job_id)
             self._fail(f"internal error: {type(e).__name__}: {e}")
         finally:
+            self._drop_ahead()
             self.watch.detach()
             if self._telling:
                 await asyncio.gather(*self._telling, return_exceptions=True)
@@ -185,18 +193,22 @@ class JobRun(PlacementReview):
         job = self.job
         if job.spec.task != "train":
             return Checkpoint(step, ckpt.state, ckpt.optim, list(self.progress.metrics))
-        every = self.ctx.settings.sync_every
-        leaving = bool(self._leavers())
-        if every or self.replicas.enabled:
-            due = replanning.sync_due(step, job.spec.step_count, every, leaving)
-        else:  # one compnode, no peer to replicate to: the broker collects, paced to a share of the time
-            due = step >= self._next_sync or replanning.sync_due(step, job.spec.step_count, 0, leaving)
-        if not due:
+        due = self._sync_due(step)
+        if not due or self._ahead is not None:  # a step sent ahead runs: synced after it instead
             return ckpt
         ckpt = await self.watch.guarded(self._sync(step, ckpt))
         row = self.progress.metrics[-1] if self.progress.metrics else {}
         self._next_sync = replanning.next_sync(step, row.get("sync_seconds", 0.0), row.get("seconds", 0.0))
         return ckpt
+
+    def _sync_due(self, step: int) -> bool:
+        """Whether the broker collects the state after ``step`` steps (train jobs)."""
+        every = self.ctx.settings.sync_every
+        leaving = bool(self._leavers())
+        if every or self.replicas.enabled:
+            return replanning.sync_due(step, self.job.spec.step_count, every, leaving)
+        # One compnode, no peer to replicate to: the broker collects, paced to a share of the time.
+        return step >= self._next_sync or replanning.sync_due(step, self.job.spec.step_count, 0, leaving)
 
     async def _initial_checkpoint(self) -> Checkpoint:
         base = Checkpoint(0, self.job.state, {}, [])
@@ -371,16 +383,50 @@ class JobRun(PlacementReview):
             del prepared
 
     # ---- steps and syncs -------------------------------------------------------------------------
-    async def _step(self, step: int) -> None:
-        job = self.job
-        started = time.perf_counter()
+    def _send_step(self, step: int, ahead: bool = False) -> asyncio.Future[list[StepReply]]:
+        """``step``'s call to every compnode; ``ahead``: sent while step - 1 runs, which it waits for."""
         last = self.progress.metrics[-1]["seconds"] if self.progress.metrics else None
         predicted = None if self._placement is None else self._placement.predicted_step
         snapshot, keep_from = self.replicas.request(step)
-        replies = await self.calls.step(
-            self.peers, step, timeout=step_timeout(predicted, last), snapshot=snapshot, keep_from=keep_from
+        timeout = (2 if ahead else 1) * step_timeout(predicted, last)
+        after = step - 1 if ahead else None
+        call = self.calls.step(
+            self.peers, step, timeout=timeout, snapshot=snapshot, keep_from=keep_from, after=after
         )
-        seconds = time.perf_counter() - started
+        return asyncio.ensure_future(call)
+
+    def _may_send_ahead(self, step: int) -> bool:
+        """Whether ``step`` may go out before the previous one is answered: not past the end, and not
+        where the broker must look at the state between the two (a sync, a re-plan, a hand-over)."""
+        if step >= self.job.spec.step_count or self.pending is not None or self._leavers():
+            return False
+        return self.job.spec.task != "train" or not self._sync_due(step)
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead[2].cancel()
+            self._ahead[2].add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._ahead = None
+
+    async def _step(self, step: int) -> None:
+        job = self.job
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step:
+            # Sent while the previous step ran: it started when that one's replies came.
+            call, started = ahead[2], max(ahead[1], self._last_reply_at or ahead[1])
+        else:
+            if ahead is not None:
+                ahead[2].cancel()
+            call, started = self._send_step(step), time.perf_counter()
+        if self._may_send_ahead(step + 1):
+            self._ahead = (step + 1, time.perf_counter(), self._send_step(step + 1, ahead=True))
+        try:
+            replies = await call
+        except BaseException:
+            self._drop_ahead()
+            raise
+        self._last_reply_at = time.perf_counter()
+        seconds = self._last_reply_at - started
         self._busy_steps += 1
         samples = sum(job.spec.microbatch_sizes(step))
         row: dict[str, Any] = {"step": step, "seconds": seconds, "samples": samples}

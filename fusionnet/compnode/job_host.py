@@ -166,6 +166,35 @@ class HeldJob:
     steps_done: set[int] = field(default_factory=set)
     last_reply: StepReply | None = None  # answer to the last step, for a repeated request
     created_at: float = field(default_factory=time.time)
+    ended: dict[int, asyncio.Event] = field(default_factory=dict)  # steps a step sent ahead waits for
+    failed: set[int] = field(default_factory=set)
+    released: bool = False
+
+    def step_ended(self, step: int, ok: bool) -> None:
+        if not ok:
+            self.failed.add(step)
+        self.ended.setdefault(step, asyncio.Event()).set()
+
+    def release(self) -> None:
+        self.released = True
+        for event in self.ended.values():
+            event.set()
+
+    async def wait_for_step(self, step: int, timeout: float) -> None:
+        """Until ``step`` has run here (a step sent ahead of it waits so): ``JobError`` if it failed,
+        the job was released, or it did not come within ``timeout``."""
+        if step not in self.steps_done:
+            event = self.ended.setdefault(step, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), timeout)
+            except TimeoutError:
+                raise JobError(
+                    f"job {self.job_id}: step {step} did not run here within {timeout:g} s"
+                ) from None
+        if self.released:
+            raise JobError(f"job {self.job_id} was released")
+        if step in self.failed:
+            raise JobError(f"job {self.job_id}: step {step} failed here; step {step + 1} is not run")
 
     @classmethod
     def of(cls, request: AssignRequest, broker: str, nodes: int, params: int, host: Host) -> HeldJob:

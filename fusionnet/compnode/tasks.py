@@ -71,6 +71,7 @@ log = logging.getLogger("fusionnet.compnode.tasks")
 
 MAX_JOBS = 16  # assignments held at once; a broker gone wild cannot exhaust our memory
 HANDOVER_TIMEOUT = 45.0  # a graceful leave waits this long for the broker to move our sub-DAGs
+AHEAD_WAIT = 3600.0  # a step sent ahead waits at most this long for the step before it to run here
 
 
 class SubtaskService(ReplicaRPC):
@@ -213,6 +214,7 @@ class SubtaskService(ReplicaRPC):
         for path in (self.server, self.p2p):
             if path is not None:
                 path.unregister_job(job_id)
+        job.release()  # a step sent ahead stops waiting
         closing = asyncio.ensure_future(job.host.close(why))  # a sandbox worker is stopped
         closing.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.forget_replicas(job)
@@ -327,6 +329,8 @@ class SubtaskService(ReplicaRPC):
         """Runs one GPipe step (FP of every micro-batch, BP, Update) of the caller's job."""
         job = self._job(request, context)
         step = request.step
+        if request.after is not None:  # sent ahead: after that step, whichever call came first
+            await job.wait_for_step(request.after, AHEAD_WAIT)
         async with self._locks[job.job_id]:
             if step in job.steps_done:
                 if job.last_reply is not None and job.last_reply.step == step:
@@ -335,6 +339,7 @@ class SubtaskService(ReplicaRPC):
             try:
                 outcome = await job.host.run_step(step)
             except Exception as e:
+                job.step_ended(step, ok=False)
                 self.node.metrics.count_subtask("failed")
                 if isinstance(e, DeviceMemoryError):  # the daemon lives on; the broker places again
                     log.warning("job %s: %s", job.job_id, e)
@@ -342,6 +347,7 @@ class SubtaskService(ReplicaRPC):
                 raise
             job.steps_done.add(step)
             self.after_step(job, request)
+            job.step_ended(step, ok=True)
         for phase, seconds in (
             ("fp", outcome.fp_seconds),
             ("bp", outcome.bp_seconds),

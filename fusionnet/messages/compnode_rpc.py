@@ -143,6 +143,9 @@ class AssignReply(Message):
 
 class StepRequest(JobRequest):
     step: NonNegative
+    # Sent ahead (the broker's next step while this one runs): start only once step ``after`` is done
+    # here, whatever order the two calls arrive in.
+    after: NonNegative | None = None
     snapshot: bool = False  # replicate the state after this step to its holder (in the background)
     keep_from: NonNegative | None = None  # snapshots of earlier steps are no longer needed
 
