@@ -144,7 +144,8 @@ class JobRun(PlacementReview):
                         self.recoveries.replayed(recovering)
                         recovering = None
                     if self._leavers():
-                        self._hand_over(ckpt)
+                        if self._ahead is None:  # else after the step sent ahead, synced then
+                            self._hand_over(ckpt)
                     elif step < job.spec.step_count:
                         self.pending = self.pending or await self._grow() or await self._recheck_prediction()
                         # The re-plan starts here, once no step sent ahead can change the state.

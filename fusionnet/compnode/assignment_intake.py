@@ -34,7 +34,7 @@ from fusionnet.dag.precision import FOUND_INF_NODE, compute_dtype
 from fusionnet.errors import JobError, PlanError, WireError
 from fusionnet.job.optim import optimizer_factory
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
-from fusionnet.messages.compnode_rpc import AssignRequest, JobPeer, StepReply
+from fusionnet.messages.compnode_rpc import AssignRequest, JobPeer
 from fusionnet.messages.jobwire import RunSpec, select_fields
 from fusionnet.planning.pipeline_schedule import check_schedule
 from fusionnet.wire.frames import TensorFrame
@@ -61,7 +61,6 @@ class JobAssignment:
     replicator: Replicator | None = None  # our snapshots leaving (``compnode.replicas``)
     steps_done: set[int] = field(default_factory=set)
     last_report: StepReport | None = None
-    last_reply: StepReply | None = None  # answer to the last step, for a repeated request
     created_at: float = field(default_factory=time.time)
 
     @property

@@ -30,6 +30,7 @@ from fusionnet.results.slice_stream import SliceStream
 from fusionnet.wire.frames import TensorFrame
 
 COLLECT_CHUNK_BYTES = 32 << 20  # bytes per ``collect`` answer: a byte range of one safetensors stream
+KEPT_REPLIES = 4  # step answers kept for repeated requests
 
 
 @dataclass
@@ -164,11 +165,18 @@ class HeldJob:
     replica_holders: list[int] | None = None  # per sub-DAG: who keeps its snapshots (None: nobody)
     replicator: Replicator | None = None  # our snapshots leaving (``compnode.replicas``)
     steps_done: set[int] = field(default_factory=set)
-    last_reply: StepReply | None = None  # answer to the last step, for a repeated request
+    # Answers to the latest steps, for a repeated request whose answer was lost on the way (with a
+    # step sent ahead, step k's retry may come after k + 1 ran).
+    replies: dict[int, StepReply] = field(default_factory=dict)
     created_at: float = field(default_factory=time.time)
     ended: dict[int, asyncio.Event] = field(default_factory=dict)  # steps a step sent ahead waits for
     failed: set[int] = field(default_factory=set)
     released: bool = False
+
+    def answered(self, reply: StepReply) -> None:
+        self.replies[reply.step] = reply
+        for old in [k for k in self.replies if k < reply.step - KEPT_REPLIES]:
+            del self.replies[old]
 
     def step_ended(self, step: int, ok: bool) -> None:
         if not ok:

@@ -333,8 +333,8 @@ class SubtaskService(ReplicaRPC):
             await job.wait_for_step(request.after, AHEAD_WAIT)
         async with self._locks[job.job_id]:
             if step in job.steps_done:
-                if job.last_reply is not None and job.last_reply.step == step:
-                    return job.last_reply  # a repeated request whose answer was lost on the way
+                if step in job.replies:
+                    return job.replies[step]  # a repeated request whose answer was lost on the way
                 raise JobError(f"job {job.job_id}: step {step} already ran on sub-DAG {job.index}")
             try:
                 outcome = await job.host.run_step(step)
@@ -367,7 +367,7 @@ class SubtaskService(ReplicaRPC):
             replicated=None if job.replicator is None else job.replicator.confirmed,
             snapshot_seconds=0.0 if job.replicator is None else job.replicator.take_seconds(),
         )
-        job.last_reply = reply
+        job.answered(reply)
         return reply
 
     @handles(ServeStepRequest)
