@@ -101,6 +101,7 @@ def test_the_compnode_calibrates_again_once_idle_after_giving_way(monkeypatch: p
         held = 1  # jobs held
         polls = 0  # how often the idle wait looked
         _calibrating = True
+        calibrated = asyncio.Event()  # what the sandbox warm-up waits for
 
         @property
         def running_tasks(self) -> int:

@@ -307,22 +307,24 @@ def test_no_growth_replan_under_the_balanced_policy(submitted: SubmittedJob) -> 
     assert replanning.growth_replan("j1", shape, current, _candidates(), 0.1, None) is None
 
 
-def test_overheads_are_priced_only_once_every_candidate_announced_its_own() -> None:
-    """A calibrated compnode must not look slower than an uncalibrated twin whose overheads count as
-    zero: while any candidate lacks them, nobody's are priced; once all have them, all are."""
+def test_a_candidate_not_calibrated_yet_is_priced_with_a_calibrated_twins_overheads() -> None:
+    """Overheads counted as zero would make an uncalibrated compnode look faster than its calibrated
+    twin (and every split of a small model pure communication): it borrows those of the calibrated
+    candidate of its kind nearest in peak speed; with nobody calibrated, nobody has any."""
     from types import SimpleNamespace
 
     from fusionnet.perfmodel.types import NO_OVERHEADS, ClassCost, DeviceSpec, Overheads
 
-    calibrated = Overheads(elementwise=ClassCost(fp=2e-5, bp=3e-5))
+    slow = Overheads(elementwise=ClassCost(fp=4e-5, bp=6e-5))
+    fast = Overheads(elementwise=ClassCost(fp=2e-5, bp=3e-5))
 
-    def entry(peer: str, overheads: Overheads) -> Any:
+    def entry(peer: str, overheads: Overheads, flops: float = 1e11, kind: str = "cpu") -> Any:
         spec = DeviceSpec(
             name=peer,
-            kind="cpu",
-            peak_flops=1e11,
+            kind=kind,
+            peak_flops=flops,
             mem_bandwidth=1e10,
-            d_gpu=0,
+            d_gpu=1 << 30 if kind == "gpu" else 0,
             d_cpu=8 << 30,
             d_disk=1 << 40,
             overheads=overheads,
@@ -335,6 +337,7 @@ def test_overheads_are_priced_only_once_every_candidate_announced_its_own() -> N
         pool = replanning.candidates(registry, SpeedBook(), excluded=())  # type: ignore[arg-type]
         return [c.device.overheads for c in pool if c.device is not None]
 
-    assert overheads_of([entry("a", calibrated), entry("b", NO_OVERHEADS)]) == [NO_OVERHEADS] * 2
-    assert overheads_of([entry("a", calibrated), entry("b", calibrated)]) == [calibrated] * 2
+    pool = [entry("a", slow, 1e11), entry("b", fast, 1e12), entry("c", NO_OVERHEADS, 9e11)]
+    assert overheads_of(pool) == [slow, fast, fast]  # c borrows from b, nearest in peak speed
+    assert overheads_of([entry("a", slow), entry("g", NO_OVERHEADS, kind="gpu")]) == [slow, NO_OVERHEADS]
     assert overheads_of([entry("a", NO_OVERHEADS), entry("b", NO_OVERHEADS)]) == [NO_OVERHEADS] * 2

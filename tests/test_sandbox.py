@@ -33,7 +33,13 @@ def whole_job() -> dict[str, Any]:
 def service(*, sandbox: bool, memory_gb: float | None = None) -> SubtaskService:
     node = FakeNode()
     node.peer_id = PEERS[0]
-    node.settings = CompnodeConfig(trusted_brokers=(BROKER,), sandbox=sandbox, sandbox_memory_gb=memory_gb)
+    # The workers compute with this process's torch thread count: then their floats are the inline ones.
+    node.settings = CompnodeConfig(
+        trusted_brokers=(BROKER,),
+        sandbox=sandbox,
+        sandbox_memory_gb=memory_gb,
+        threads=torch.get_num_threads(),
+    )
     s = SubtaskService(node)  # type: ignore[arg-type]
     s.server, s.p2p = FakePath(), FakePath()  # type: ignore[assignment]
     return s

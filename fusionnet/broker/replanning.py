@@ -19,7 +19,7 @@ from typing import Literal
 from fusionnet.broker.registry import CompnodeRegistry
 from fusionnet.broker.replicas import PACE
 from fusionnet.errors import FusionNetError
-from fusionnet.perfmodel.types import NO_OVERHEADS
+from fusionnet.perfmodel.types import NO_OVERHEADS, DeviceSpec
 from fusionnet.planning.placement import (
     SCHEDULER,
     Candidate,
@@ -76,10 +76,11 @@ def hand_over(leaving: Collection[str]) -> Replan:
 def candidates(registry: CompnodeRegistry, speeds: SpeedBook, excluded: Collection[str]) -> list[Candidate]:
     """Compnodes a placement may use: schedulable, with a data path, not ``excluded`` (dead or leaving).
 
-    Per-op overheads are priced only once every candidate has announced its own (a first start's
-    calibration takes seconds after ONLINE): until then a calibrated compnode would look slower than
-    an uncalibrated one of the same kind, whose overheads count as zero, and a plan made in those
-    seconds would load the uncalibrated ones for no reason."""
+    A candidate that has not announced its per-op overheads yet (a first start's calibration takes
+    seconds after ONLINE) is priced with those of a calibrated one of the same kind and nearest peak
+    speed: counted as zero, they would make it look faster than its calibrated twin, and make every
+    split of a small model look like pure communication.
+    """
     out = []
     for e in registry.schedulable():
         if e.record.data_path_address is None or e.peer_id in excluded:
@@ -89,13 +90,21 @@ def candidates(registry: CompnodeRegistry, speeds: SpeedBook, excluded: Collecti
         except FusionNetError:  # no (or unusable) hardware record: the balanced policy places it
             device = None
         out.append(Candidate(e.peer_id, e.record.backup, device))
-    calibrated = [c.device.overheads != NO_OVERHEADS for c in out if c.device is not None]
-    if any(calibrated) and not all(calibrated):
-        out = [
-            c if c.device is None else replace(c, device=replace(c.device, overheads=NO_OVERHEADS))
-            for c in out
-        ]
-    return out
+    return [replace(c, device=_with_overheads(c.device, out)) for c in out]
+
+
+def _with_overheads(device: DeviceSpec | None, pool: Sequence[Candidate]) -> DeviceSpec | None:
+    if device is None or device.overheads != NO_OVERHEADS:
+        return device
+    twins = [
+        c.device
+        for c in pool
+        if c.device is not None and c.device.overheads != NO_OVERHEADS and c.device.kind == device.kind
+    ]
+    if not twins:
+        return device
+    nearest = min(twins, key=lambda d: abs(math.log(d.peak_flops / device.peak_flops)))
+    return replace(device, overheads=nearest.overheads)
 
 
 def next_placement(
