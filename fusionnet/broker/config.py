@@ -27,6 +27,9 @@ class BrokerConfig:
     # A sub-DAG's state or optimizer slice over this size goes to its compnode in parts of this size
     # ahead of the assignment (``results.slice_stream``): what the broker holds at a time.
     stage_part_mb: float = 32.0
+    # Send step k + 1 while step k runs (issue 13), so that compnodes never wait for the broker's round
+    # trip. Off by default: measured slower on a loaded 2-core machine (README, Pipeline benchmark).
+    steps_ahead: bool = False
 
     def __post_init__(self) -> None:
         if not self.heartbeat_period > 0:

@@ -399,7 +399,9 @@ class JobRun(PlacementReview):
     def _may_send_ahead(self, step: int) -> bool:
         """Whether ``step`` may go out before the previous one is answered: not past the end, and not
         where the broker must look at the state between the two (a sync, a re-plan, a hand-over)."""
-        if step >= self.job.spec.step_count or self.pending is not None or self._leavers():
+        if not self.ctx.settings.steps_ahead or step >= self.job.spec.step_count:
+            return False
+        if self.pending is not None or self._leavers():
             return False
         return self.job.spec.task != "train" or not self._sync_due(step)
 
