@@ -39,7 +39,7 @@ from fusionnet.compnode.sandbox_ipc import (
     frame_of,
     int_field,
 )
-from fusionnet.compnode.sandbox_worker import EXIT_NO_ANSWER
+from fusionnet.compnode.sandbox_worker import EXIT_NO_ANSWER, WorkerConfig, main
 from fusionnet.errors import ExecutionError, FusionNetError
 from fusionnet.messages.compnode_rpc import AssignRequest, CollectReply
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
@@ -89,8 +89,6 @@ class SandboxPool:
         assert self._warming is not None
         await self._warming
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        from fusionnet.compnode.sandbox_worker import WorkerConfig, main
-
         config = WorkerConfig(
             peer_id=peer_id,
             job_id=job_id,
@@ -108,9 +106,6 @@ class SandboxPool:
         await asyncio.to_thread(process.start)
         theirs.close()
         return process, IPCChannel(ours)
-
-    def stop(self) -> None:
-        """Nothing to do: the fork server leaves when this process does, and its workers with it."""
 
 
 def describe_exit(code: int | None) -> str:

@@ -56,7 +56,10 @@ log = logging.getLogger("fusionnet.compnode.sandbox")
 PR_SET_PDEATHSIG = 1
 EXIT_NO_ANSWER = 70  # the worker could not answer a call (``sandbox_client.describe_exit``)
 # What torch and its backends say when an allocation fails (the memory budget is one cause).
-ALLOCATION_FAILED = re.compile(r"alloc|memory|could not create a primitive|MemoryError", re.IGNORECASE)
+# A thread's stack is private memory too: under the budget, starting one fails.
+ALLOCATION_FAILED = re.compile(
+    r"alloc|memory|could not create a primitive|MemoryError|start new thread", re.IGNORECASE
+)
 
 
 @dataclass(frozen=True)
@@ -209,8 +212,6 @@ class Worker:
             return {}, [msgpack.packb(reply.model_dump(), use_bin_type=True)]
         if op == "snapshot_chunk":
             return {}, [self._snapshot_chunk(header)]
-        if op == "refused":
-            return {"refused": host.refused()}, []
         raise ExecutionError(f"sandbox worker: unknown call {op!r}")
 
     async def _assign(self, header: dict[str, Any], blobs: list[torch.Tensor]) -> dict[str, Any]:

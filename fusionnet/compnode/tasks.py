@@ -149,8 +149,7 @@ class SubtaskService(ReplicaRPC):
             await self.p2p.stop()
         if self.server is not None:
             await self.server.stop()
-        if self.sandboxes is not None:
-            self.sandboxes.stop()
+        # The sandbox fork server leaves when this process does, and its workers with it.
 
     async def _hand_over(self) -> None:
         """Proactive leave (Confidant's proactive mode): tell each job's broker we are going, keep serving
