@@ -26,7 +26,7 @@ def test_holders_form_a_ring_and_a_single_sub_dag_has_none() -> None:
 
 
 def test_one_round_in_flight_committed_when_every_sub_dag_confirmed() -> None:
-    book = ReplicaBook()
+    book = ReplicaBook(interval=0.0)
     book.reset(3, enabled=True)
     assert book.request(0) == (True, None)  # snapshot after step 0: checkpoint step 1
     assert book.request(1) == (False, None)  # the round is still in flight
@@ -44,7 +44,7 @@ def test_one_round_in_flight_committed_when_every_sub_dag_confirmed() -> None:
 
 
 def test_rounds_on_a_slow_link_are_paced_to_a_share_of_the_steps() -> None:
-    book = ReplicaBook()
+    book = ReplicaBook(interval=0.0)
     book.reset(2, enabled=True)
     assert book.request(0) == (True, None)
     for step in range(1, 3):  # the snapshots take 3 steps to reach their holders
@@ -52,6 +52,22 @@ def test_rounds_on_a_slow_link_are_paced_to_a_share_of_the_steps() -> None:
     assert book.observe([1, 1], step=3) and book.committed == 1
     asked = [step for step in range(4, 20) if book.request(step)[0]]
     assert asked[0] == 3 + (PACE - 1) * 3  # idle twice as long as the round took
+
+
+def test_rounds_of_fast_steps_start_at_most_once_per_interval() -> None:
+    now = [100.0]
+    book = ReplicaBook(interval=2.0, clock=lambda: now[0])
+    book.reset(2, enabled=True)
+    asked = []
+    for step in range(160):  # steps of 62.5 ms (exact in binary); each round completes within its step
+        if book.request(step)[0]:
+            asked.append(step)
+            assert book.observe([step + 1, step + 1], step=step + 1)
+        now[0] += 0.0625
+    # the first round at once, then one every 32 steps (2 s), not every PACE steps
+    assert asked == [0, 32, 64, 96, 128]
+    book.reset(2, enabled=True)  # a new placement (a failover's) has no replica: its first round at once
+    assert book.request(0)[0] is True
 
 
 def test_the_newest_step_every_sub_dag_has_on_a_live_peer_is_chosen() -> None:

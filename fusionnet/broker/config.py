@@ -30,6 +30,9 @@ class BrokerConfig:
     # Send step k + 1 while step k runs (issue 13), so that compnodes never wait for the broker's round
     # trip. Off by default: measured slower on a loaded 2-core machine (README, Pipeline benchmark).
     steps_ahead: bool = False
+    # Train jobs: a round of failover snapshots (``broker.replicas``) starts at most every this many
+    # seconds, so fast steps are not slowed by replication; a failover replays at most this much more.
+    replica_interval: float = 2.0
 
     def __post_init__(self) -> None:
         if not self.heartbeat_period > 0:
@@ -41,6 +44,8 @@ class BrokerConfig:
             )
         if not 0.001 <= self.stage_part_mb <= 1024:
             raise ValueError(f"--stage-part-mb must be in [0.001, 1024] MB, got {self.stage_part_mb}")
+        if not 0.0 <= self.replica_interval <= 86400:
+            raise ValueError(f"--replica-interval must be in [0, 86400] seconds, got {self.replica_interval}")
         if self.sync_every < 0:
             raise ValueError(f"--sync-every must be >= 0 steps, got {self.sync_every}")
         if not 0.0 <= self.replan_gain < 1.0:

@@ -95,7 +95,7 @@ class JobRun(PlacementReview):
         self.dead: set[str] = set()
         self.unfit: set[str] = set()  # alive, but the job's sub-DAG did not fit their device memory
         self.calls = JobCalls(context.compnodes, job.job_id)
-        self.replicas = ReplicaBook()
+        self.replicas = ReplicaBook(context.settings.replica_interval)
         self._outputs: dict[int, dict[str, torch.Tensor]] = {}
         self._busy: dict[int, float] = {}  # sub-DAG -> FP+BP+Update seconds over the steps below
         self._busy_steps = 0

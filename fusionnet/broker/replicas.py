@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -42,6 +43,10 @@ ROUND_RETRY = 4  # steps after which a round that never completed is asked for a
 # at most about 1 / PACE of the steps (every PACE-th step on a fast link; sparser on a slow one) and a
 # failover replays at most a few steps more.
 PACE = 3
+# And a round starts at most every this many seconds (the broker's ``--replica-interval``): with steps
+# of tens of milliseconds, a round every PACE steps made a third of the steps 2-3x slower (measured in
+# ``benchmarks/pipeline_vs_torch.py``); a failover replays at most this long of steps more.
+REPLICA_INTERVAL = 2.0
 
 
 def ring_holders(n: int) -> list[int] | None:
@@ -51,7 +56,10 @@ def ring_holders(n: int) -> list[int] | None:
 
 
 class ReplicaBook:
-    def __init__(self) -> None:
+    def __init__(
+        self, interval: float = REPLICA_INTERVAL, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.interval, self.clock = interval, clock
         self.reset(0, enabled=False)
 
     def reset(self, n: int, *, enabled: bool) -> None:
@@ -62,6 +70,7 @@ class ReplicaBook:
         self.committed: int | None = None
         self.reported: dict[int, int] = {}
         self.next_at = 0  # the first step a new round may be asked at (``PACE``)
+        self.started: float | None = None  # when the last round was asked for (``interval``)
 
     def holders(self) -> list[int] | None:
         return ring_holders(self.n) if self.enabled else None
@@ -70,10 +79,12 @@ class ReplicaBook:
         """(take a snapshot after ``step``, keep_from) for the ``step`` request."""
         if not self.enabled:
             return False, None
-        if (self.round is None and step >= self.next_at) or (
+        now = self.clock()
+        rested = self.started is None or now - self.started >= self.interval
+        if (self.round is None and step >= self.next_at and rested) or (
             self.round is not None and step - self.asked_at >= ROUND_RETRY
         ):
-            self.round, self.asked_at = step + 1, step
+            self.round, self.asked_at, self.started = step + 1, step, now
             return True, self.committed
         return False, self.committed
 

@@ -52,6 +52,15 @@ def add_parser(subparsers: Any) -> None:
         "on a loaded 2-core machine)",
     )
     p.add_argument(
+        "--replica-interval",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="train jobs: start a round of failover snapshots (each sub-DAG's state copied to another "
+        "compnode of the job) at most every SECONDS (default 2; 0 = as often as the links allow). A "
+        "failover replays the steps since the newest complete round",
+    )
+    p.add_argument(
         "--stage-part-mb",
         type=float,
         default=32.0,
@@ -151,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_timeout=args.heartbeat_timeout,
             sync_every=args.sync_every,
             steps_ahead=args.steps_ahead,
+            replica_interval=args.replica_interval,
             stage_part_mb=args.stage_part_mb,
             replan_gain=args.replan_gain,
             placement_policy=BALANCED if args.placement == "balanced" else SCHEDULER,
