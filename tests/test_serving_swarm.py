@@ -177,6 +177,11 @@ def test_greedy_completions_equal_transformers_generate(
     try:
         want = _reference_tokens(path, PROMPTS, 6)
         client = FusionNetClient(url)
+        (described,) = [m for m in client.models() if m["id"] == name]
+        assert described["kv_cache_slots"] == 16 and described["context"] == seq  # KV-cached decoding
+        with pytest.raises(ServingError) as refused:  # rows of a KV deployment address sessions' caches
+            client.infer(torch.zeros(1, 3, dtype=torch.long), model=name)
+        assert refused.value.status == 400 and "KV caches" in refused.value.message
         reply = client.complete(PROMPTS, model=name, max_tokens=6, temperature=0)
         got = [c["token_ids"] for c in sorted(reply["choices"], key=lambda c: c["index"])]
         assert got == want
@@ -244,6 +249,8 @@ def test_generation_survives_a_compnode_sigkill_with_the_same_tokens(tmp_path: P
         died = [d.name for d in sw.compnodes[:2] if d.proc.poll() is not None]
         assert died and logs.count("fault injection: SIGKILL") == len(died)
         assert logs.count("placing it again") >= len(died)
+        # the sessions' KV caches went with the dead compnode: their batch failed and they replayed
+        assert "caches lost" in logs
         deployment = _status(sw)["deployments"][0]
         backup = sw.compnodes[2].peer_id
         assert backup in deployment["peers"]

@@ -38,6 +38,7 @@ from fusionnet.errors import ExecutionError, FusionNetError
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest, ServingClient
 from fusionnet.results.assemble import join_outputs
+from fusionnet.serving.kv_sessions import CacheLost
 
 log = logging.getLogger("fusionnet.broker.deployments")
 
@@ -46,9 +47,21 @@ BATCH_ATTEMPTS = 3  # placements a batch is tried on before its requests get an 
 
 
 class DeploymentRun(JobRun):
-    def __init__(self, context: JobContext, job: SubmittedJob, folder: Path, serving: ServingClient) -> None:
+    def __init__(
+        self,
+        context: JobContext,
+        job: SubmittedJob,
+        folder: Path,
+        serving: ServingClient,
+        *,
+        cached: bool = False,
+    ) -> None:
         super().__init__(context, job, folder)
         self.serving = serving
+        # KV caches on the compnodes (``serving.kv_sessions``): rows carry the placement ("epoch") their
+        # session's cache was built on, and a batch never moves to another placement (its caches are not
+        # there): it fails with ``CacheLost`` and its sessions replay.
+        self.cached = cached
         self.placed = asyncio.Event()  # set while a placement is assigned and takes batches
         self.stopping = asyncio.Event()
         self.failed: str | None = None
@@ -139,10 +152,15 @@ class DeploymentRun(JobRun):
             }
         )
         picks = None if pick is None else [*pick, *[pick[-1]] * (count * self.mb_rows - n)]
+        epochs = None
+        if self.cached:  # the picks are the rows' epochs; the decoder answers one position per row
+            epochs, picks = set(pick or ()), None
         error: Exception | None = None
         for _ in range(BATCH_ATTEMPTS):
             await asyncio.wait_for(self.placed.wait(), BATCH_TIMEOUT)
             attempt, step = self.attempt, self._next_step
+            if epochs is not None and epochs != {attempt}:
+                raise CacheLost(f"deployment {self.job.spec.name}: placed again since the session began")
             started = time.perf_counter()
             self._next_step += 1
             try:
@@ -150,6 +168,10 @@ class DeploymentRun(JobRun):
             except (PeerFailure, FusionNetError, TimeoutError) as e:
                 error = e
                 await self._replace(attempt, e)
+                if self.cached:
+                    raise CacheLost(
+                        f"deployment {self.job.spec.name}: batch failed ({e}); caches lost"
+                    ) from e
                 continue
             self._count(replies, time.perf_counter() - started)
             return self._outputs_of(replies)[:n]

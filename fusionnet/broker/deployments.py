@@ -40,6 +40,7 @@ from fusionnet.rpc.server import RPCContext
 from fusionnet.serving.batching import BatchStats, DynamicBatcher
 from fusionnet.serving.generation import Window
 from fusionnet.serving.http import build_app
+from fusionnet.serving.kv_sessions import SlotPool
 from fusionnet.serving.served import ServedModel, ServingObserver
 from fusionnet.serving.tokenizers import CharTokenizer, load_tokenizer
 
@@ -126,7 +127,8 @@ class DeploymentService:
         def observe(stats: BatchStats) -> None:
             model = self.served.get(name)
             if self.observer is not None and model is not None:
-                self.observer.observe_batch(name, stats.rows, stats.seconds, model.batcher.queued_rows)
+                slots = None if model.kv is None else model.kv.in_use
+                self.observer.observe_batch(name, stats.rows, stats.seconds, model.batcher.queued_rows, slots)
 
         return observe
 
@@ -144,8 +146,12 @@ class DeploymentService:
             raise JobError(f"the broker already serves {MAX_DEPLOYMENTS} deployments")
         job = await self._accept(request, context.remote_peer)
         try:
-            run = DeploymentRun(self.ctx, job, self.folder / job.job_id, self.serving)
-            window = _window(run) if request.kind == "generate" else None
+            run = DeploymentRun(
+                self.ctx, job, self.folder / job.job_id, self.serving, cached=request.kv is not None
+            )
+            window = None
+            if request.kind == "generate":
+                window = _window(run) if request.kv is None else _cached_window(run, request.kv.window)
             tokenizer = None
             if request.tokenizer:
                 tokenizer = await asyncio.to_thread(
@@ -173,6 +179,8 @@ class DeploymentService:
             batcher=batcher,
             window=window,
             tokenizer=tokenizer,
+            kv=None if request.kv is None else SlotPool(request.kv.slots, request.settings.queue_limit),
+            epoch=lambda: run.attempt,
         )
         task = asyncio.get_running_loop().create_task(run.run(), name=f"deployment-{name}")
         self.runs[name], self._tasks[name], self.served[name] = run, task, model
@@ -242,6 +250,19 @@ class DeploymentService:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         self.ctx.refresh_job_metrics()
+
+
+def _cached_window(run: DeploymentRun, context: int) -> Window:
+    """A ``SlotDecoder`` deployment's window: rows (token, position, slot), logits [batch, vocabulary]."""
+    if run.row_shape != (3,) or run.row_dtype != torch.long:
+        raise JobError(
+            f"generate with KV caches: rows must be (token, position, slot), got {list(run.row_shape)}"
+        )
+    graph = run.job.graph
+    meta = graph.node(graph.output.input_names()[0]).meta
+    if not (isinstance(meta, dict) and "shape" in meta and len(meta["shape"]) == 2):
+        raise JobError("generate with KV caches: the decoder's output must be logits [batch, vocabulary]")
+    return Window(context=context, vocab=int(meta["shape"][1]), dtype=torch.long)
 
 
 def _window(run: DeploymentRun) -> Window:

@@ -51,6 +51,15 @@ def add_parser(subparsers: Any) -> None:
         help="rows waiting at most; beyond, requests get 503 (default 1024)",
     )
     p.add_argument(
+        "--kv-slots",
+        type=int,
+        default=16,
+        metavar="N",
+        help="generate, a transformers causal LM: keep the KV caches of up to N sessions on the compnodes "
+        "that hold the layers (more sessions wait for a slot); 0 = no cache, every token recomputes the "
+        "context window (default 16)",
+    )
+    p.add_argument(
         "--wait-compnodes",
         type=float,
         default=60.0,
@@ -73,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
     from fusionnet.messages.serving_rpc import ServingSettings
     from fusionnet.runtime.deploy import deploy
 
-    settings = ServingSettings(max_wait_ms=args.max_wait_ms, queue_limit=args.queue_limit)
+    settings = ServingSettings(
+        max_wait_ms=args.max_wait_ms, queue_limit=args.queue_limit, kv_slots=args.kv_slots
+    )
     reply = asyncio.run(
         deploy(
             args.job,

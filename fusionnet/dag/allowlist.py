@@ -112,6 +112,7 @@ max_pool2d_with_indices __and__ __or__ __xor__ __invert__ __lshift__ __rshift__ 
 multilabel_margin_loss binary_cross_entropy mse_loss l1_loss smooth_l1_loss huber_loss
 soft_margin_loss masked_fill_ fill_ zero_ copy_ index_add index_copy index_fill scatter_reduce
 item _assert_tensor_metadata _assert_scalar
+index index_put index_put_
 """
     )
 )

@@ -27,6 +27,17 @@ class ServingSettings(Message):
     max_wait_ms: Annotated[float, Field(ge=0.0, le=10_000.0)] = 5.0  # a batch waits this long to fill
     queue_limit: Annotated[int, Field(ge=1, le=1 << 20)] = 1024  # rows waiting; beyond: 503
     in_flight: Annotated[int, Field(ge=1, le=2)] = 2  # batches in the pipeline at once
+    # generate, a ``transformers`` causal LM: sessions with a KV cache on the compnodes (0: none, every
+    # token recomputes the window)
+    kv_slots: Annotated[int, Field(ge=0, le=4096)] = 16
+
+
+class KvCache(Message):
+    """A generate deployment traced as a ``job.kv_decode.SlotDecoder``: rows are (token, position,
+    slot), ``slots`` sessions' caches live on the compnodes, positions run below ``window``."""
+
+    slots: Annotated[int, Field(ge=1, le=4096)]
+    window: Annotated[int, Field(ge=1, le=1 << 20)]
 
 
 class DeployRequest(Message):
@@ -37,6 +48,7 @@ class DeployRequest(Message):
     tokenizer: dict[str, bytes] | None = None  # files of the model folder's tokenizer (generate)
     # text data (``data.path: *.txt``): token id -> character, the job's own tokenizer (generate)
     vocab: Annotated[list[Annotated[str, Field(max_length=16)]], Field(max_length=1 << 20)] | None = None
+    kv: KvCache | None = None  # generate: decoding with KV caches on the compnodes
 
 
 class DeployReply(Message):

@@ -65,6 +65,12 @@ class ServingMetrics:
             ["deployment"],
             registry=r,
         )
+        self.kv_slots = Gauge(
+            "fusionnet_serving_kv_cache_slots_in_use",
+            "KV-cache slots held by live generation sessions, by deployment (KV-cached deployments)",
+            ["deployment"],
+            registry=r,
+        )
         self.deployments = Gauge(
             "fusionnet_serving_deployments", "Deployments this broker serves", registry=r
         )
@@ -84,10 +90,14 @@ class ServingMetrics:
     def observe_inter_token(self, deployment: str, seconds: float) -> None:
         self.inter_token.labels(deployment=deployment).observe(max(0.0, seconds))
 
-    def observe_batch(self, deployment: str, rows: int, seconds: float, queued_rows: int) -> None:
+    def observe_batch(
+        self, deployment: str, rows: int, seconds: float, queued_rows: int, kv_slots: int | None = None
+    ) -> None:
         self.batch_rows.labels(deployment=deployment).observe(rows)
         self.batch_duration.labels(deployment=deployment).observe(max(0.0, seconds))
         self.queue_rows.labels(deployment=deployment).set(queued_rows)
+        if kv_slots is not None:
+            self.kv_slots.labels(deployment=deployment).set(kv_slots)
 
     def forget_deployment(self, deployment: str) -> None:
         for metric in (
@@ -96,6 +106,7 @@ class ServingMetrics:
             self.batch_rows,
             self.batch_duration,
             self.queue_rows,
+            self.kv_slots,
         ):
             with contextlib.suppress(KeyError):
                 metric.remove(deployment)

@@ -11,15 +11,21 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
+import torch
+
+from fusionnet.errors import JobError
+from fusionnet.job.kv_decode import SlotDecoder, example_rows, find_causal_lm
 from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.job.parse import load_job_spec
 from fusionnet.messages.broker_rpc import BrokerClient
 from fusionnet.messages.serving_rpc import (
     DeployReply,
     DeployRequest,
+    KvCache,
     ServingClient,
     ServingSettings,
     UndeployReply,
@@ -31,6 +37,23 @@ from fusionnet.serving.tokenizers import tokenizer_files
 
 DEPLOY_TIMEOUT = 300.0  # the broker answers once the sub-DAGs are assigned
 UNDEPLOY_TIMEOUT = 60.0
+
+
+def with_kv_cache(job: LoadedJob, slots: int) -> tuple[LoadedJob, KvCache | None]:
+    """The job with its ``transformers`` causal LM wrapped for KV-cached decoding (``SlotDecoder``):
+    the example's sequence length becomes the context window, the example rows (token, position,
+    slot). A model without exactly one such LM is deployed as it is (every token recomputes the window)."""
+    lm = find_causal_lm(job.model)
+    if lm is None:
+        return job, None
+    if job.inputs.dim() != 2 or job.inputs.dtype not in (torch.long, torch.int32):
+        raise JobError(
+            f"generate: the example data must be token ids [batch, sequence], got {list(job.inputs.shape)}"
+        )
+    window = int(job.inputs.shape[1])
+    decoder = SlotDecoder(lm, slots, window).eval()
+    rows = example_rows(int(job.inputs.shape[0]), job.inputs, slots)
+    return replace(job, model=decoder, inputs=rows), KvCache(slots=slots, window=window)
 
 
 def model_folder(job: LoadedJob) -> Path:
@@ -53,16 +76,21 @@ async def deploy(
     from fusionnet.daemon.observer import SwarmObserver
 
     kind = "generate" if load_job_spec(job_path).task == "generate" else "infer"
+    settings = settings or ServingSettings()
     job = load_job(job_path, allow_outside_paths=allow_outside_paths, deployment=True)
+    kv = None
+    if kind == "generate" and settings.kv_slots:
+        job, kv = with_kv_cache(job, settings.kv_slots)
     submission = await asyncio.to_thread(submission_payload, job)
     tokenizer = await asyncio.to_thread(tokenizer_files, model_folder(job)) if kind == "generate" else None
     request = DeployRequest(
         name=name or job.spec.name,
         kind=kind,
         submission=submission,
-        settings=settings or ServingSettings(),
+        settings=settings,
         tokenizer=tokenizer,
         vocab=job.vocab if kind == "generate" and tokenizer is None else None,
+        kv=kv,
     )
     async with SwarmObserver(initial_peers) as observer:
         broker = await observer.find_broker()

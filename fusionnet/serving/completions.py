@@ -19,6 +19,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from fusionnet.serving.generation import check_prompt, generate
+from fusionnet.serving.kv_sessions import generate_cached
 from fusionnet.serving.sampling import SamplingParams
 from fusionnet.serving.served import ApiError, ServedModel, ServingObserver
 
@@ -100,15 +101,30 @@ class ChoiceRun:
         assert model.window is not None
         started = last = time.monotonic()
         count = 0
-        async for token in generate(
-            model.batcher.submit,
-            model.window,
-            self.prompt,
-            self.req.max_tokens,
-            self.params,
-            self.req.seed,
-            self.index,
-        ):
+        req = self.req
+        tokens = (
+            generate(
+                model.batcher.submit,
+                model.window,
+                self.prompt,
+                req.max_tokens,
+                self.params,
+                req.seed,
+                self.index,
+            )
+            if model.kv is None
+            else generate_cached(
+                model.batcher.submit,
+                model.kv,
+                model.epoch,
+                self.prompt,
+                req.max_tokens,
+                self.params,
+                req.seed,
+                self.index,
+            )
+        )
+        async for token in tokens:
             now = time.monotonic()
             if observer is not None:
                 if count == 0:

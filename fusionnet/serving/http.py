@@ -104,6 +104,10 @@ class _Api:
     async def infer(self, request: web.Request) -> web.Response:
         """Body: safetensors with ``inputs`` (first dim = sample); reply: safetensors with ``outputs``."""
         model = self._lookup(request, request.query.get("model"))
+        if model.kv is not None:  # its rows address other sessions' caches: only the server makes them
+            raise ApiError(
+                400, f"deployment {model.name!r} generates with KV caches: use /v1/completions", param="model"
+            )
         body = await request.read()
         try:
             tensors = unpack_tensors(body, "request body")

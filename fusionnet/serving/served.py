@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -11,6 +12,7 @@ import torch
 
 from fusionnet.serving.batching import DynamicBatcher
 from fusionnet.serving.generation import Window
+from fusionnet.serving.kv_sessions import SlotPool
 
 
 class ApiError(Exception):
@@ -44,6 +46,8 @@ class ServedModel:
     tokenizer: Any = None  # generate: a transformers tokenizer from the model folder, if it had one
     compnodes: int = 0
     created: float = field(default_factory=time.time)
+    kv: SlotPool | None = None  # generate with KV caches on the compnodes: the sessions' cache slots
+    epoch: Callable[[], int] = lambda: 0  # the placement the caches are on now (``kv_sessions``)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -59,6 +63,7 @@ class ServedModel:
             "context": None if self.window is None else self.window.context,
             "tokenizer": self.tokenizer is not None,
             "queued_rows": self.batcher.queued_rows,
+            "kv_cache_slots": None if self.kv is None else self.kv.slots,
         }
 
 
@@ -79,6 +84,8 @@ class ServingObserver(Protocol):
 
     def observe_inter_token(self, deployment: str, seconds: float) -> None: ...
 
-    def observe_batch(self, deployment: str, rows: int, seconds: float, queued_rows: int) -> None: ...
+    def observe_batch(
+        self, deployment: str, rows: int, seconds: float, queued_rows: int, kv_slots: int | None = None
+    ) -> None: ...
 
     def forget_deployment(self, deployment: str) -> None: ...

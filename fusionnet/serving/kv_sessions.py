@@ -1,0 +1,103 @@
+"""Generation with KV caches on the compnodes (issue 14): cache slots and the per-session decode loop.
+
+A deployment traced as ``job.kv_decode.SlotDecoder`` takes rows ``(token, position, slot)`` and answers
+each with the logits of that token, after writing its keys and values at ``(slot, position)`` of the
+caches held by the compnodes of the layers. A session (one choice of a request) holds one slot from
+``SlotPool`` for its lifetime and feeds one token per batch: first its prompt, a token at a time, then
+each token it samples. The rows of all live sessions share the batcher, so every batch carries the
+sessions' next tokens wherever each one is (continuous batching at iteration level).
+
+Placements and caches. Caches live only on the compnodes of the placement that filled them. Every row
+is sent with the placement number ("epoch") its session's cache was built on; a batch carrying a row of
+another placement is refused with ``CacheLost`` before it runs, and so is a batch whose placement fails
+(the deployment places itself again). A session that gets ``CacheLost`` replays its tokens from
+position 0 on the current placement (without sampling again: the tokens are known), then goes on; the
+computation is the same, so the output is the same as without the failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import torch
+
+from fusionnet.errors import ExecutionError
+from fusionnet.serving.batching import Overloaded
+from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
+
+SubmitRows = Callable[[torch.Tensor, list[int] | None], Awaitable[torch.Tensor]]
+REPLAYS = 3  # placements a session may lose its cache on before it fails
+
+
+class CacheLost(ExecutionError):
+    """The session's cache is not on the current placement (a compnode was lost): replay."""
+
+
+class SlotPool:
+    """``slots`` cache slots; a session waits for a free one, at most ``waiting`` sessions wait."""
+
+    def __init__(self, slots: int, waiting: int) -> None:
+        self.slots = slots
+        self.waiting_limit = waiting
+        self._free = list(range(slots))
+        self._changed = asyncio.Condition()
+        self.waiting = 0
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - len(self._free)
+
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[int]:
+        async with self._changed:
+            if not self._free and self.waiting >= self.waiting_limit:
+                raise Overloaded(f"all {self.slots} KV-cache slots are busy and {self.waiting} sessions wait")
+            self.waiting += 1
+            try:
+                await self._changed.wait_for(lambda: bool(self._free))
+            finally:
+                self.waiting -= 1
+            slot = self._free.pop(0)
+        try:
+            yield slot
+        finally:
+            async with self._changed:
+                self._free.append(slot)
+                self._changed.notify()
+
+
+async def generate_cached(
+    submit: SubmitRows,
+    slots: SlotPool,
+    epoch: Callable[[], int],
+    prompt: list[int],
+    max_tokens: int,
+    params: SamplingParams,
+    seed: int | None,
+    choice: int,
+) -> AsyncIterator[int]:
+    """The generated token ids, one at a time (``generation.check_prompt`` must have passed)."""
+    generator = generator_for(seed, choice)
+    tokens = list(prompt)
+    produced = 0
+    async with slots.session() as slot:
+        position, built_on, replays = 0, epoch(), 0
+        while produced < max_tokens:
+            row = torch.tensor([[tokens[position], position, slot]], dtype=torch.long)
+            try:
+                logits = await submit(row, [built_on])
+            except CacheLost:
+                replays += 1
+                if replays > REPLAYS:
+                    raise
+                position, built_on = 0, epoch()  # the cache is gone: fill it again on this placement
+                continue
+            position += 1
+            if position < len(tokens):  # a prompt (or replayed) token: the next one is known already
+                continue
+            token = next_token(logits[0], params, generator)
+            tokens.append(token)
+            produced += 1
+            yield token

@@ -1,0 +1,167 @@
+"""KV-cached generation (issue 14): the ``SlotDecoder`` a generate deployment traces, through FusionNet's
+IR, equals ``transformers``' ``generate()``; cache slots; sessions replay after losing their cache.
+
+The swarm half (the decoder placed over compnodes, a compnode SIGKILLed mid-generation) is in
+``tests/test_serving_swarm.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+import pytest
+import torch
+
+from fusionnet.dag.rebuild import run_whole_graph
+from fusionnet.dag.trace import trace_model
+from fusionnet.job.kv_decode import SlotDecoder, example_rows, find_causal_lm
+from fusionnet.serving.batching import Overloaded
+from fusionnet.serving.kv_sessions import CacheLost, SlotPool, generate_cached
+from fusionnet.serving.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(180)
+
+WINDOW = 32
+PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 11], [4, 4, 4, 4, 4, 4, 4, 4]]
+
+
+def _lm(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(
+            vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=WINDOW,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    cfg = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=WINDOW, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _generate(lm: torch.nn.Module, prompt: list[int], new: int) -> list[int]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = lm.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def _decode(
+    run, prompts: list[list[int]], slots: list[int], new: int, rows_per_batch: int
+) -> list[list[int]]:
+    """Continuous batching as the broker does it: every live session feeds one token per batch (its
+    prompt first), batches padded with copies of their last row."""
+    seqs, pos, outs = [list(p) for p in prompts], [0] * len(prompts), [[] for _ in prompts]
+    while any(len(o) < new for o in outs):
+        live = [i for i in range(len(prompts)) if len(outs[i]) < new]
+        rows = [[seqs[i][pos[i]], pos[i], slots[i]] for i in live]
+        rows += [rows[-1]] * (rows_per_batch - len(rows))
+        logits = run(torch.tensor(rows))
+        for r, i in enumerate(live):
+            pos[i] += 1
+            if pos[i] == len(seqs[i]):
+                token = int(logits[r].argmax())
+                seqs[i].append(token)
+                outs[i].append(token)
+    return outs
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_traced_decoder_equals_generate_with_slots_reused(family: str) -> None:
+    lm = _lm(family)
+    want = [_generate(lm, p, 8) for p in PROMPTS]
+    decoder = SlotDecoder(lm, slots=4, window=WINDOW).eval()
+    assert find_causal_lm(torch.nn.Sequential(lm)) is lm
+    traced = trace_model(decoder, example_rows(4, torch.tensor([5, 6, 7]), 4), None, None, "infer")
+    ops = {n.op for n in traced.graph.nodes}
+    assert any("index_put_" in op for op in ops)  # the cache writes are in-place ops on the state
+    state = {k: v.clone() for k, v in traced.job_state(decoder.state_dict()).items()}
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            (logits,) = run_whole_graph(traced.graph, state, {"inputs": rows})
+        return logits
+
+    assert _decode(run, PROMPTS, [1, 2, 3], 8, rows_per_batch=4) == want
+    # The same slots again, in another order: stale entries of the earlier sessions are masked out.
+    again = [PROMPTS[2], PROMPTS[0], PROMPTS[1]]
+    assert _decode(run, again, [1, 2, 3], 8, rows_per_batch=4) == [want[2], want[0], want[1]]
+
+
+def test_a_model_without_a_single_causal_lm_is_not_wrapped() -> None:
+    assert find_causal_lm(torch.nn.Linear(3, 3)) is None
+    two = torch.nn.ModuleList([_lm("gpt2"), _lm("gpt2")])
+    assert find_causal_lm(two) is None  # ambiguous: deployed as it is
+
+
+def test_sessions_wait_for_a_slot_and_the_queue_is_bounded() -> None:
+    async def scenario() -> None:
+        pool = SlotPool(1, waiting=1)
+        order: list[str] = []
+
+        async def session(name: str, hold: asyncio.Event) -> None:
+            async with pool.session() as slot:
+                order.append(f"{name}:{slot}")
+                await hold.wait()
+
+        first_done, second_done = asyncio.Event(), asyncio.Event()
+        a = asyncio.ensure_future(session("a", first_done))
+        await asyncio.sleep(0)
+        b = asyncio.ensure_future(session("b", second_done))
+        await asyncio.sleep(0)
+        assert pool.in_use == 1 and pool.waiting == 1 and order == ["a:0"]
+        with pytest.raises(Overloaded, match="slots are busy"):
+            async with pool.session():
+                pass
+        first_done.set()
+        await a
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert order == ["a:0", "b:0"]
+        second_done.set()
+        await b
+        assert pool.in_use == 0 and pool.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> None:
+    """A fake deployment: the next token is a function of the cache contents, which a 'placement'
+    loses; the session replays from position 0 and samples nothing twice."""
+    vocab = 50
+
+    class Fake:
+        def __init__(self, lose_at: set[int]) -> None:
+            self.epoch, self.calls, self.lose_at = 0, 0, lose_at
+            self.cache: dict[int, list[int]] = {}
+
+        async def submit(self, rows: torch.Tensor, epochs: list[int] | None) -> torch.Tensor:
+            self.calls += 1
+            if self.calls in self.lose_at:  # the batch failed: placed again, caches gone
+                self.epoch += 1
+                self.cache = {}
+                raise CacheLost("lost")
+            assert epochs is not None
+            if set(epochs) != {self.epoch}:
+                raise CacheLost("stale")
+            token, position, slot = (int(v) for v in rows[0])
+            seen = self.cache.setdefault(slot, [])
+            assert len(seen) == position, "a row must come at the next position of its slot"
+            seen.append(token)
+            logits = torch.zeros(1, vocab)
+            logits[0, (sum(seen) * 7 + position) % vocab] = 1.0
+            return logits
+
+    async def tokens(fake: Fake) -> list[int]:
+        pool = SlotPool(2, waiting=4)
+        gen = generate_cached(
+            fake.submit, pool, lambda: fake.epoch, [3, 1, 4], 6, SamplingParams(0.0), None, 0
+        )
+        return [t async for t in gen]
+
+    want = asyncio.run(tokens(Fake(set())))
+    assert asyncio.run(tokens(Fake({5, 9}))) == want  # lost twice: in the prompt and mid-generation
+    with pytest.raises(CacheLost):
+        asyncio.run(tokens(Fake({2, 3, 4, 5})))  # lost on every placement: the session gives up
