@@ -124,6 +124,17 @@ def test_calls_small_large_and_stashed_answers() -> None:
             big = await client.call(peer, "big", {"n": 5 * 1024 * 1024})
             assert big["blob"] == bytes(range(256)) * (5 * 1024 * 1024 // 256)
             assert server._stash == {}
+            # an answer known to be large: the call goes over a stream at once and the answer comes back
+            # on it, nothing stashed (one round trip)
+            stashed: list[str] = []
+            put_stash = server._put_stash
+            server._put_stash = lambda response, peer, method: (
+                stashed.append(method) or put_stash(response, peer, method)
+            )
+            direct = await client.call(peer, "big", {"n": 1 << 20}, large_answer=True)
+            assert direct["blob"] == bytes(range(256)) * (1 << 12) and stashed == []
+            await client.call(peer, "big", {"n": 1 << 20})
+            assert stashed == ["big"]  # the same call without it: stashed and fetched
 
     run(scenario())
 

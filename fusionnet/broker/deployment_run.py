@@ -189,7 +189,9 @@ class DeploymentRun(JobRun):
                 data=blob if i in self._readers else b"",
                 pick=picks,
             )
-            calls.append(self.serving.call_serve_step(peer, request, timeout=BATCH_TIMEOUT))
+            # the output sub-DAG's answer (logits of every row) is usually over the unary limit
+            big = self.partition is not None and self.partition.subdags[i].holds_output
+            calls.append(self.serving.call_serve_step(peer, request, timeout=BATCH_TIMEOUT, large_answer=big))
         return await asyncio.wait_for(gather(calls), BATCH_TIMEOUT)
 
     def _count(self, replies: list[ServeStepReply], seconds: float) -> None:

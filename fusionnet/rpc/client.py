@@ -75,9 +75,12 @@ class RPCClient:
         *,
         timeout: float | None = None,
         retries: int = 2,
+        large_answer: bool = False,
     ) -> dict[str, Any]:
         """Calls ``rpc_<method>`` on ``peer`` and returns its result dict. ``timeout`` (seconds) bounds
-        each attempt, transfers included.
+        each attempt, transfers included. ``large_answer``: the answer is expected over the unary limit,
+        so the call goes over a stream at once (the answer comes back on it) instead of a unary call
+        whose answer would be stashed and fetched over a stream: one round trip instead of two.
 
         A stream that p2pd closes before the answer arrives (seen now and then on loopback under load)
         is tried again up to ``retries`` times: every FusionNet method is safe to repeat (handlers that
@@ -85,7 +88,7 @@ class RPCClient:
         """
         for attempt in range(retries + 1):
             try:
-                return await self._call_once(peer, method, payload, timeout)
+                return await self._call_once(peer, method, payload, timeout, large_answer)
             except RPCError as e:
                 if attempt == retries or e.kind not in TRANSIENT_KINDS:
                     raise
@@ -94,7 +97,12 @@ class RPCClient:
         raise AssertionError("unreachable")
 
     async def _call_once(
-        self, peer: str | PeerID, method: str, payload: dict[str, Any] | None, timeout: float | None
+        self,
+        peer: str | PeerID,
+        method: str,
+        payload: dict[str, Any] | None,
+        timeout: float | None,
+        large_answer: bool = False,
     ) -> dict[str, Any]:
         peer_id = as_peer_id(peer)
         label = peer_id.to_base58()
@@ -109,7 +117,7 @@ class RPCClient:
             async with asyncio.timeout(timeout):
                 raw = await (
                     self._unary(peer_id, body)
-                    if len(body) <= self.unary_limit
+                    if len(body) <= self.unary_limit and not large_answer
                     else self._stream(peer_id, body, timeout)
                 )
                 self._progressed(label)
