@@ -17,7 +17,8 @@ every request must finish with the tokens of the fault-free run.
 
 Prints a table, then one JSON line.
 
-    python benchmarks/serving.py [--quick] [--requests 4] [--max-tokens 16] [--kv-slots 16] [--workdir DIR]
+    python benchmarks/serving.py [--quick] [--requests 4] [--max-tokens 16] [--kv-slots 16]
+        [--sandbox process|off] [--placement balanced|model] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -244,6 +245,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=8, help="rows per batch (max_batch; default 8)")
     ap.add_argument("--kv-slots", type=int, default=16, help="deploy --kv-slots (0: no KV cache; default 16)")
+    ap.add_argument("--sandbox", choices=("process", "off"), default="process", help="compnode --sandbox")
+    ap.add_argument(
+        "--placement",
+        choices=("balanced", "model"),
+        default="balanced",
+        help="broker --placement (default balanced)",
+    )
     ap.add_argument("--workdir", type=Path)
     args = ap.parse_args()
     shape = QUICK if args.quick else FULL
@@ -251,10 +259,15 @@ def main() -> int:
     job = write_job(work / "job", shape, args.batch)
     reqs = prompts(args.requests, shape[0])
     plain = plain_baselines(job, reqs, args.max_tokens, shape[4])
-    specs = [CompnodeSpec(), CompnodeSpec(), CompnodeSpec(), CompnodeSpec(backup=True)]
+    extra = ("--sandbox", args.sandbox)
+    specs = [CompnodeSpec(extra=extra), CompnodeSpec(extra=extra), CompnodeSpec(extra=extra)]
+    specs.append(CompnodeSpec(backup=True, extra=extra))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
-    argv = broker_args(extra=["--http-port", "0"], stage_part_mb=32.0)  # the daemon's default part size
+    # balanced: the model cut in 3 stages whatever the performance model makes of this machine's load
+    argv = broker_args(
+        extra=["--http-port", "0", "--placement", args.placement], stage_part_mb=32.0
+    )  # the daemon's default part size
     with ProcessSwarm(work / "swarm", specs, argv) as sw:
         settings = ServingSettings(kv_slots=args.kv_slots)
         reply = asyncio.run(deploy(job, sw.initial_peers, name="gpt", settings=settings, wait_compnodes=120))
@@ -306,6 +319,8 @@ def main() -> int:
         "plain_recompute_tokens_per_s": plain["recompute_tokens_per_s"],
         "plain_kv_decode_tokens_per_s": plain["kv_decode_tokens_per_s"],
         "kv_slots": args.kv_slots,
+        "sandbox": args.sandbox,
+        "placement": args.placement,
         "reference": reference,
         **{k: v for k, v in predicted.items()},
         "exact": exact,

@@ -85,6 +85,22 @@ def test_the_traced_decoder_equals_generate_with_slots_reused(family: str) -> No
         return logits
 
     assert _decode(run, PROMPTS, [1, 2, 3], 8, rows_per_batch=4) == want
+
+    # Prefill: a whole prompt as rows of one batch (each layer writes every row before any row reads),
+    # then one row per token; beside a stranger's row and padding, as batches are.
+    def batch(rows: list[list[int]]) -> torch.Tensor:
+        """Micro-batches of the traced 4 rows, in order, the last padded with copies of its last row."""
+        rows = rows + [rows[-1]] * (-len(rows) % 4)
+        return torch.cat([run(torch.tensor(rows[i : i + 4])) for i in range(0, len(rows), 4)])
+
+    for prompt, expected in zip(PROMPTS, want):
+        tokens = [
+            int(batch([[t, p, 0] for p, t in enumerate(prompt)] + [[9, 0, 3]])[len(prompt) - 1].argmax())
+        ]
+        for _ in range(7):
+            position = len(prompt) + len(tokens) - 1
+            tokens.append(int(batch([[tokens[-1], position, 0]])[0].argmax()))
+        assert tokens == expected
     # The same slots again, in another order: stale entries of the earlier sessions are masked out.
     again = [PROMPTS[2], PROMPTS[0], PROMPTS[1]]
     assert _decode(run, again, [1, 2, 3], 8, rows_per_batch=4) == [want[2], want[0], want[1]]
@@ -135,6 +151,7 @@ def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> 
     class Fake:
         def __init__(self, lose_at: set[int]) -> None:
             self.epoch, self.calls, self.lose_at = 0, 0, lose_at
+            self.rows: list[int] = []  # rows of each batch run
             self.cache: dict[int, list[int]] = {}
 
         async def submit(self, rows: torch.Tensor, epochs: list[int] | None) -> torch.Tensor:
@@ -146,12 +163,13 @@ def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> 
             assert epochs is not None
             if set(epochs) != {self.epoch}:
                 raise CacheLost("stale")
-            token, position, slot = (int(v) for v in rows[0])
-            seen = self.cache.setdefault(slot, [])
-            assert len(seen) == position, "a row must come at the next position of its slot"
-            seen.append(token)
-            logits = torch.zeros(1, vocab)
-            logits[0, (sum(seen) * 7 + position) % vocab] = 1.0
+            logits = torch.zeros(len(rows), vocab)
+            for r, (token, position, slot) in enumerate(rows.tolist()):
+                seen = self.cache.setdefault(slot, [])
+                assert len(seen) == position, "a row must come at the next position of its slot"
+                seen.append(token)
+                logits[r, (sum(seen) * 7 + position) % vocab] = 1.0
+            self.rows.append(len(rows))
             return logits
 
     async def tokens(fake: Fake) -> list[int]:
@@ -161,7 +179,11 @@ def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> 
         )
         return [t async for t in gen]
 
-    want = asyncio.run(tokens(Fake(set())))
-    assert asyncio.run(tokens(Fake({5, 9}))) == want  # lost twice: in the prompt and mid-generation
+    clean = Fake(set())
+    want = asyncio.run(tokens(clean))
+    assert clean.rows == [3, 1, 1, 1, 1, 1]  # the prompt in one batch (prefill), then a row per token
+    lost = Fake({1, 4})
+    assert asyncio.run(tokens(lost)) == want  # lost twice: in the prefill and mid-generation
+    assert lost.rows == [3, 1, 5, 1, 1, 1]  # each loss: everything again in one batch, nothing resampled
     with pytest.raises(CacheLost):
         asyncio.run(tokens(Fake({2, 3, 4, 5})))  # lost on every placement: the session gives up

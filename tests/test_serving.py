@@ -294,3 +294,43 @@ def test_text_prompts_with_the_jobs_character_vocabulary() -> None:
     )
     local.served["gpt"].tokenizer = tok
     _run(_with_app(local, body))
+
+
+def test_a_repeated_serve_step_call_gets_the_first_answer_and_runs_once() -> None:
+    """The broker's RPC client repeats a call whose stream closed early: the batch must not run twice
+    (it would be refused as out of order, and write KV caches twice)."""
+    from types import SimpleNamespace
+
+    from fusionnet.compnode.serve_steps import KEPT_ANSWERS, StepOrder, serve_step
+    from fusionnet.errors import JobError
+    from fusionnet.messages.serving_rpc import ServeStepRequest
+
+    runs: list[int] = []
+
+    class Executor:
+        async def run_step(self, step: int, microbatches: list, sizes: list) -> SimpleNamespace:
+            runs.append(step)
+            await asyncio.sleep(0.01)
+            return SimpleNamespace(outputs=None, fp_seconds=0.5 + step)
+
+    job = SimpleNamespace(
+        job_id="j1",
+        subdag=SimpleNamespace(placeholders=[]),
+        executor=Executor(),
+        channel=SimpleNamespace(mailbox=SimpleNamespace(forget_step=lambda step: None)),
+    )
+
+    async def scenario() -> None:
+        order = StepOrder()
+        ask = lambda step: serve_step(job, order, ServeStepRequest(job_id="j1", step=step, sizes=[2]), None)
+        first, again = await asyncio.gather(ask(0), ask(0))  # the repeat comes while the first runs
+        assert first == again and first.fp_seconds == 0.5 and runs == [0]
+        for step in range(1, KEPT_ANSWERS + 2):
+            await ask(step)
+        repeated = await ask(KEPT_ANSWERS + 1)
+        assert repeated.fp_seconds == KEPT_ANSWERS + 1.5 and len(order.answers) == KEPT_ANSWERS
+        assert runs == list(range(KEPT_ANSWERS + 2))
+        with pytest.raises(JobError, match="already ran here"):  # forgotten long ago: refused, not rerun
+            await ask(0)
+
+    asyncio.run(scenario())

@@ -7,6 +7,11 @@ with each call (``ServeStepRequest.data``) instead of from the assigned dataset.
 sub-DAG after it) still computes batch ``k``; batches run here strictly in step order (``StepOrder``),
 because the mailbox forgets a step's messages once a later step finished and a batch run out of order
 would wait forever for them.
+
+A batch's call may come twice: the broker's RPC client repeats a call whose stream p2pd closed before
+the answer came (every method is safe to repeat). The answers of the last ``KEPT_ANSWERS`` batches are
+kept, and a repeated call gets the first one's answer (or waits for it): never a second run, which would
+be refused as out of order and, with KV caches, write a session's cache twice.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
 from fusionnet.results.assemble import output_tensors
 
 ORDER_TIMEOUT = 120.0  # a batch waits this long for the ones before it to arrive
+KEPT_ANSWERS = 8  # more than the batches a deployment keeps in flight
 
 
 class StepOrder:
@@ -31,6 +37,18 @@ class StepOrder:
     def __init__(self) -> None:
         self.next = 0
         self._changed = asyncio.Condition()
+        self.answers: dict[int, asyncio.Future[ServeStepReply]] = {}  # the last batches' answers
+
+    def answer_of(self, step: int) -> asyncio.Future[ServeStepReply] | None:
+        return self.answers.get(step)
+
+    def keep(self, step: int) -> asyncio.Future[ServeStepReply]:
+        future: asyncio.Future[ServeStepReply] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may ask again
+        self.answers[step] = future
+        for old in sorted(self.answers)[:-KEPT_ANSWERS]:
+            del self.answers[old]
+        return future
 
     async def wait_turn(self, step: int) -> None:
         if step < self.next:
@@ -91,6 +109,23 @@ async def serve_step(
 ) -> ServeStepReply:
     """Runs one request batch (FP of each micro-batch) in step order; the output sub-DAG answers with
     the outputs, picked as asked, packed on the compute thread."""
+    step = request.step
+    kept = order.answer_of(step)
+    if kept is not None:  # a repeated call: the first one's answer
+        return await asyncio.shield(kept)
+    answer = order.keep(step)
+    try:
+        reply = await _run_batch(job, order, request, compute)
+    except BaseException as e:
+        answer.set_exception(e if isinstance(e, Exception) else JobError(f"batch {step} was cancelled"))
+        raise
+    answer.set_result(reply)
+    return reply
+
+
+async def _run_batch(
+    job: JobAssignment, order: StepOrder, request: ServeStepRequest, compute: Any
+) -> ServeStepReply:
     step = request.step
     sizes = list(request.sizes)
     microbatches = split_batch(job, request.data, sizes, step)

@@ -8,8 +8,9 @@ row's slot, with an attention mask that lets position ``p`` see positions ``0..p
 ``torch.export``, the writes are in-place ``index_put_`` on the buffers: the IR keeps them as ops on the
 sub-DAG's own state, so each compnode keeps the caches of the layers it holds and nothing but the
 hidden states crosses a cut. One slot per session; rows of different sessions at different positions
-share a batch (continuous batching); the prompt is fed a token per step, exactly as generation goes
-on (so a replay after a lost compnode is the same computation again).
+share a batch (continuous batching). Several rows of one slot in a batch (a prompt: positions 0..n-1)
+are a prefill: in each layer every row's key and value are written before any row reads its slot,
+and a row sees positions up to its own only.
 
 Why the result equals ``generate()``: attention over positions ``0..p`` of a cache that holds exactly
 the keys and values those tokens produced is what the model computes for that prefix; stale values of

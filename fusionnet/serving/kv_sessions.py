@@ -3,9 +3,12 @@
 A deployment traced as ``job.kv_decode.SlotDecoder`` takes rows ``(token, position, slot)`` and answers
 each with the logits of that token, after writing its keys and values at ``(slot, position)`` of the
 caches held by the compnodes of the layers. A session (one choice of a request) holds one slot from
-``SlotPool`` for its lifetime and feeds one token per batch: first its prompt, a token at a time, then
-each token it samples. The rows of all live sessions share the batcher, so every batch carries the
-sessions' next tokens wherever each one is (continuous batching at iteration level).
+``SlotPool`` for its lifetime. Its prompt goes in at once, a row per token in one request (prefill: in
+each layer every row's keys and values are written before any row reads its slot, and each row sees
+positions up to its own, so this is the causal forward pass of the whole prompt; a prompt longer than a
+batch is cut into batches that run in order); then it feeds one row per token it samples. The rows of
+all live sessions share the batcher, so every batch carries the sessions' next tokens wherever each one
+is (continuous batching at iteration level).
 
 Placements and caches. Caches live only on the compnodes of the placement that filled them. Every row
 is sent with the placement number ("epoch") its session's cache was built on; a batch carrying a row of
@@ -85,19 +88,20 @@ async def generate_cached(
     async with slots.session() as slot:
         position, built_on, replays = 0, epoch(), 0
         while produced < max_tokens:
-            row = torch.tensor([[tokens[position], position, slot]], dtype=torch.long)
+            # the tokens the cache lacks: the whole prompt (or everything, after a lost cache), then one
+            rows = torch.tensor(
+                [[tokens[p], p, slot] for p in range(position, len(tokens))], dtype=torch.long
+            )
             try:
-                logits = await submit(row, [built_on])
+                logits = await submit(rows, [built_on] * len(rows))
             except CacheLost:
                 replays += 1
                 if replays > REPLAYS:
                     raise
                 position, built_on = 0, epoch()  # the cache is gone: fill it again on this placement
                 continue
-            position += 1
-            if position < len(tokens):  # a prompt (or replayed) token: the next one is known already
-                continue
-            token = next_token(logits[0], params, generator)
+            position = len(tokens)
+            token = next_token(logits[-1], params, generator)
             tokens.append(token)
             produced += 1
             yield token
