@@ -243,7 +243,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--requests", type=int, default=16, help="requests per client count (default 16)")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=8, help="rows per batch (max_batch; default 8)")
+    ap.add_argument("--batch", type=int, default=16, help="rows per batch (max_batch; default 16)")
     ap.add_argument("--kv-slots", type=int, default=16, help="deploy --kv-slots (0: no KV cache; default 16)")
     ap.add_argument("--sandbox", choices=("process", "off"), default="process", help="compnode --sandbox")
     ap.add_argument(
