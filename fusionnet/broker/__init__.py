@@ -12,7 +12,8 @@ Map of the package:
 - ``admission.py``    who may submit (``--submitters`` / ``--open-submissions``), per-submitter quotas,
                      a job's details and results for its submitter only.
 - ``submission.py``   a job as received, and the checks a submission passes before it is accepted.
-- ``jobrun.py``       one job from plan to results: placement, steps, failover, hand-over.
+- ``jobrun.py``       one job from plan to results: steps, syncs, failover, hand-over.
+- ``job_placement.py``  placing a job: plan, adopt, assign every sub-DAG (a mixin of ``JobRun``).
 - ``placement_review.py``  between steps: elastic growth, re-plans on a misprediction, link probes.
 - ``config.py``       ``BrokerConfig``: the broker's flags, validated.
 - ``context.py``      ``JobContext``: what a job run may use of the broker (store, registry, books, client).

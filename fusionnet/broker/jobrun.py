@@ -22,9 +22,9 @@ and moves its sub-DAG to a replacement, with nothing to replay. Elastic join: at
 boundary a newly joined compnode is taken in when the model predicts a gain above ``replan_gain``.
 
 Whether and how to place the job again is an explicit ``replanning.Replan`` (first placement, failure,
-hand-over, growth, misprediction) pending before the next step, looked for between steps by
-``placement_review.PlacementReview``; the calls to compnodes are ``job_calls.JobCalls``;
-what the run may use of the broker is ``context.JobContext``.
+hand-over, growth, misprediction) pending before the next step, made by ``job_placement.JobPlacement``,
+looked for between steps by ``placement_review.PlacementReview``; the calls to compnodes are
+``job_calls.JobCalls``; what the run may use of the broker is ``context.JobContext``.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from typing import Any
 import torch
 
 from fusionnet.broker import replanning
-from fusionnet.broker.assignment_payloads import iter_assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
 from fusionnet.broker.context import JobContext
-from fusionnet.broker.failures import MAX_RECOVERIES, FailureWatch, PeerFailure, RecoveryLog, step_timeout
+from fusionnet.broker.failures import FailureWatch, PeerFailure, RecoveryLog, step_timeout
 from fusionnet.broker.job_calls import JobCalls
+from fusionnet.broker.job_placement import JobPlacement
 from fusionnet.broker.placement_review import PlacementReview
 from fusionnet.broker.replanning import Replan
 from fusionnet.broker.replicas import (
@@ -54,13 +54,13 @@ from fusionnet.broker.replicas import (
 )
 from fusionnet.broker.store import BrokerStore, JobState
 from fusionnet.broker.submission import SubmittedJob
-from fusionnet.dag.partition import Partition, build_partition
-from fusionnet.errors import ExecutionError, FusionNetError
+from fusionnet.dag.partition import Partition
+from fusionnet.errors import FusionNetError
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.messages.compnode_rpc import StepReply
 from fusionnet.planning.misprediction import PredictionWatch
 from fusionnet.planning.optimizers import optimizer_profiles
-from fusionnet.planning.placement import Candidate, JobShape, Placement
+from fusionnet.planning.placement import JobShape, Placement
 from fusionnet.results.assemble import RunResult, StateView, assemble_result
 from fusionnet.results.files import plan_document, write_results
 
@@ -78,7 +78,7 @@ class JobProgress:
     results: Path | None = None
 
 
-class JobRun(PlacementReview):
+class JobRun(JobPlacement, PlacementReview):
     def __init__(self, context: JobContext, job: SubmittedJob, folder: Path, *, resume: bool = False) -> None:
         self.ctx = context
         self.job = job
@@ -259,129 +259,6 @@ class JobRun(PlacementReview):
         self._outputs = {s: o for s, o in self._outputs.items() if s < ckpt.step}
         self.pending = replanning.failure(failure.dead)
         return info
-
-    # ---- placement (policy: ``placement.py``; decisions: ``replanning.py``) -----------------------
-    def _tell_lost(self, dead: set[str]) -> None:
-        """A compnode declared lost may still be alive (a partition, a link that stalled): tell it, so it
-        drops its sub-DAG at once instead of holding it until it is shut down. In the background (a dead
-        one does not answer; the re-plan must not wait for it), owned and awaited when the job ends."""
-        task = asyncio.ensure_future(self.calls.release(sorted(dead), "declared lost by the broker"))
-        self._telling.add(task)
-        task.add_done_callback(self._telling.discard)
-
-    def _candidates(self) -> list[Candidate]:
-        return replanning.candidates(
-            self.ctx.registry, self.ctx.speeds, self.dead | self.leaving | self.unfit
-        )
-
-    def _exclude(self, failure: PeerFailure) -> None:
-        """The failed compnodes take no further part in this job: dead ones, or (a device OOM) ones too
-        small for it, which are released like survivors."""
-        (self.unfit if failure.unfit else self.dead).update(failure.dead)
-
-    def _leavers(self) -> set[str]:
-        return self.leaving & set(self.peers)
-
-    def _hand_over(self, ckpt: Checkpoint) -> None:
-        """Proactive: the checkpoint was just taken at this boundary; move the leavers' sub-DAGs."""
-        self.pending = replanning.hand_over(self._leavers())
-        self.recoveries.handing_over(set(self.pending.lost), ckpt.step)
-
-    def _plan(self, replan: Replan) -> Placement:
-        return replanning.next_placement(
-            self.shape,
-            replan,
-            self.peers,
-            self._candidates(),
-            policy=self.ctx.settings.placement_policy,
-            links=self.ctx.links.pairs(),
-        )
-
-    async def _place_and_assign(
-        self, ckpt: Checkpoint, recovering: dict[str, Any] | None, replan: Replan
-    ) -> None:
-        started = time.monotonic()
-        lost = set(replan.lost)
-        for _ in range(MAX_RECOVERIES):
-            placement = await asyncio.to_thread(self._plan, replan)
-            old = self.peers
-            if old:
-                # Leavers are released too: that is their signal that the hand-over is done and they
-                # may exit. Dead peers are skipped by ``_release_all``.
-                await self._release_all("re-assigned", only=list(old))
-            self._adopt(placement)
-            try:
-                await self.watch.guarded(self._assign_all(ckpt))
-                break
-            except PeerFailure as failure:  # a chosen compnode died before it got its sub-DAG
-                self._exclude(failure)
-                replan = replanning.failure(failure.dead)
-                lost |= failure.dead
-        else:
-            raise ExecutionError(f"job {self.job.job_id}: could not assign its sub-DAGs")
-        self.recoveries.placed(recovering, time.monotonic() - started, len(self.peers), lost)
-        self.pending = None
-        self._seen_candidates = {c.peer_id for c in self._candidates()}
-        await self._probe_links()
-        self.prediction.placed(None if self._placement is None else self._placement.predicted_step)
-
-    def _adopt(self, placement: Placement) -> None:
-        self._placement = placement
-        self._busy, self._busy_steps = {}, 0  # measured times are per sub-DAG of this placement
-        self.partition = build_partition(self.job.graph, placement.assignment)
-        self.peers = list(placement.peers)
-        self.replicas.reset(len(self.peers), enabled=self.job.spec.task == "train")
-        self._planned_slowness = [self.ctx.speeds.slowness(p) for p in self.peers]
-        self.attempt += 1
-        self.progress.placement = [
-            {
-                "subdag": s.index,
-                "peer_id": self.peers[s.index],
-                "nodes": len(s.nodes),
-                "params": len(s.params),
-                "predicted_seconds": None if placement.predicted is None else placement.predicted[s.index],
-            }
-            for s in self.partition.subdags
-        ]
-        log.info("job %s: attempt %d: %s", self.job.job_id, self.attempt, placement.describe())
-        self.ctx.store.add_job_event(
-            self.job.job_id,
-            "planned",
-            {
-                "compnodes": self.peers,
-                "attempt": self.attempt,
-                "policy": placement.policy,
-                "predicted_step": placement.predicted_step,
-            },
-        )
-
-    async def _assign_all(self, ckpt: Checkpoint) -> None:
-        assert self.partition is not None
-        addresses = {}
-        for peer_id in self.peers:
-            entry = self.ctx.registry.get(peer_id)
-            addresses[peer_id] = None if entry is None else entry.record.data_path_address
-        chosen = None if self._placement is None else self._placement.schedule
-        part_bytes = int(self.ctx.settings.stage_part_mb * 1e6)
-        requests = iter_assignment_payloads(
-            self.job,
-            self.partition,
-            self.peers,
-            addresses,
-            self.attempt,
-            ckpt,
-            schedule=None if chosen is None else chosen.name,
-            replica_holders=self.replicas.holders(),
-            stage_over=part_bytes,
-        )
-        # One compnode at a time, each slice read from disk and packed just before it is sent: the
-        # broker never holds the whole model (issue 11).
-        for peer in self.peers:
-            prepared = await asyncio.to_thread(next, requests)
-            for kind, stream in prepared.staged.items():  # a large slice goes ahead in parts
-                await self.calls.stage(peer, prepared.request, kind, stream, part_bytes)
-            await self.calls.assign([peer], [prepared.request])
-            del prepared
 
     # ---- steps and syncs -------------------------------------------------------------------------
     def _send_step(self, step: int, ahead: bool = False) -> asyncio.Future[list[StepReply]]:
