@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -187,3 +188,35 @@ def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> 
     assert lost.rows == [3, 1, 5, 1, 1, 1]  # each loss: everything again in one batch, nothing resampled
     with pytest.raises(CacheLost):
         asyncio.run(tokens(Fake({2, 3, 4, 5})))  # lost on every placement: the session gives up
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, lm: torch.nn.Module, bias: float = 0.0) -> None:
+        super().__init__()
+        self.lm, self.bias = lm, bias
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=inputs).logits + self.bias
+
+
+def test_deploy_wraps_a_model_only_when_it_answers_its_lms_logits() -> None:
+    import io
+    from pathlib import Path
+
+    from fusionnet.job.loader import LoadedJob
+    from fusionnet.runtime.deploy import with_kv_cache
+
+    inputs = torch.randint(1, 300, (4, 16))
+
+    def job(model: torch.nn.Module) -> LoadedJob:
+        spec: Any = None
+        return LoadedJob(spec, Path("job.yaml"), Path("."), model, inputs, labels=None, loss_fn=None)
+
+    said = io.StringIO()
+    wrapped, kv = with_kv_cache(job(_Logits(_lm("gpt2"))), 8, said)
+    assert isinstance(wrapped.model, SlotDecoder) and kv is not None and (kv.slots, kv.window) == (8, 16)
+    assert wrapped.inputs.shape == (4, 3) and said.getvalue() == ""
+    assert all(float(b.abs().max()) == 0.0 for b in wrapped.model.buffers())  # the check left no trace
+    biased = job(_Logits(_lm("gpt2"), bias=0.5))  # more than its LM's logits: served as it is
+    same, kv = with_kv_cache(biased, 8, said)
+    assert same is biased and kv is None and "differ from its causal LM's logits" in said.getvalue()

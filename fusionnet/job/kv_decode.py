@@ -126,6 +126,32 @@ class SlotDecoder(nn.Module):
         return logits[:, -1]
 
 
+def disagreement(model: nn.Module, decoder: SlotDecoder, sequence: torch.Tensor) -> str | None:
+    """Why ``decoder`` is not a stand-in for ``model`` (None: it is): the model's own forward pass on one
+    example sequence ``[1, window]`` against the decoder's prefill of it, logits at every position. A
+    model that does more than return its LM's logits (a bias, a softmax, another head) must not be
+    served through its LM alone."""
+    window = int(sequence.shape[1])
+    rows = torch.stack(
+        [sequence[0].to(torch.long), torch.arange(window), torch.zeros(window, dtype=torch.long)], dim=1
+    )
+    with torch.no_grad():
+        want = model(sequence)
+        got = decoder(rows)
+        for buffer in decoder.buffers():  # leave the caches as they were: zeros
+            buffer.zero_()
+    want = getattr(want, "logits", want)
+    want = want[0] if isinstance(want, (tuple, list)) else want
+    if not isinstance(want, torch.Tensor) or want.shape != (1, *got.shape):
+        shape = list(want.shape) if isinstance(want, torch.Tensor) else type(want).__name__
+        return f"the model answers {shape}, its causal LM's logits are {[1, *got.shape]}"
+    diff = float((want[0].float() - got.float()).abs().max())
+    scale = float(want.float().abs().max()) or 1.0
+    if diff > 1e-4 * max(1.0, scale):
+        return f"the model's outputs differ from its causal LM's logits by up to {diff:.3g}"
+    return None
+
+
 def example_rows(rows: int, vocab_sample: torch.Tensor, slots: int) -> torch.Tensor:
     """A traceable example batch: tokens from the job's example data, position 0, distinct slots."""
     flat = vocab_sample.reshape(-1)

@@ -18,7 +18,7 @@ from typing import TextIO
 import torch
 
 from fusionnet.errors import JobError
-from fusionnet.job.kv_decode import SlotDecoder, example_rows, find_causal_lm
+from fusionnet.job.kv_decode import SlotDecoder, disagreement, example_rows, find_causal_lm
 from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.job.parse import load_job_spec
 from fusionnet.messages.broker_rpc import BrokerClient
@@ -39,10 +39,13 @@ DEPLOY_TIMEOUT = 300.0  # the broker answers once the sub-DAGs are assigned
 UNDEPLOY_TIMEOUT = 60.0
 
 
-def with_kv_cache(job: LoadedJob, slots: int) -> tuple[LoadedJob, KvCache | None]:
+def with_kv_cache(
+    job: LoadedJob, slots: int, stream: TextIO = sys.stderr
+) -> tuple[LoadedJob, KvCache | None]:
     """The job with its ``transformers`` causal LM wrapped for KV-cached decoding (``SlotDecoder``):
     the example's sequence length becomes the context window, the example rows (token, position,
-    slot). A model without exactly one such LM is deployed as it is (every token recomputes the window)."""
+    slot). A model without exactly one such LM, or whose outputs are not that LM's logits, is deployed
+    as it is (every token recomputes the window; said on ``stream``)."""
     lm = find_causal_lm(job.model)
     if lm is None:
         return job, None
@@ -52,6 +55,10 @@ def with_kv_cache(job: LoadedJob, slots: int) -> tuple[LoadedJob, KvCache | None
         )
     window = int(job.inputs.shape[1])
     decoder = SlotDecoder(lm, slots, window).eval()
+    why = disagreement(job.model.eval(), decoder, job.inputs[:1].to(torch.long))
+    if why is not None:
+        print(f"deploy: no KV caches: {why}; every token recomputes the context window", file=stream)
+        return job, None
     rows = example_rows(int(job.inputs.shape[0]), job.inputs, slots)
     return replace(job, model=decoder, inputs=rows), KvCache(slots=slots, window=window)
 
@@ -80,7 +87,7 @@ async def deploy(
     job = load_job(job_path, allow_outside_paths=allow_outside_paths, deployment=True)
     kv = None
     if kind == "generate" and settings.kv_slots:
-        job, kv = with_kv_cache(job, settings.kv_slots)
+        job, kv = with_kv_cache(job, settings.kv_slots, stream)
     submission = await asyncio.to_thread(submission_payload, job)
     tokenizer = await asyncio.to_thread(tokenizer_files, model_folder(job)) if kind == "generate" else None
     request = DeployRequest(
