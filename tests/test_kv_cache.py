@@ -220,3 +220,28 @@ def test_deploy_wraps_a_model_only_when_it_answers_its_lms_logits() -> None:
     biased = job(_Logits(_lm("gpt2"), bias=0.5))  # more than its LM's logits: served as it is
     same, kv = with_kv_cache(biased, 8, said)
     assert same is biased and kv is None and "differ from its causal LM's logits" in said.getvalue()
+
+
+def test_scoring_a_sequence_is_one_prefill_in_a_slot_of_its_own_retried_on_a_new_placement() -> None:
+    from fusionnet.serving.kv_sessions import score_cached
+
+    calls: list[tuple[list[list[int]], list[int]]] = []
+    epoch = [0]
+
+    async def submit(rows: torch.Tensor, epochs: list[int] | None) -> torch.Tensor:
+        calls.append((rows.tolist(), list(epochs or [])))
+        if len(calls) == 1:  # the first placement fails under it
+            epoch[0] += 1
+            raise CacheLost("lost")
+        return rows[:, :1].float() * 10 + rows[:, 1:2].float()
+
+    async def scenario() -> torch.Tensor:
+        pool = SlotPool(2, waiting=2)
+        async with pool.session() as busy:  # another session holds slot 0
+            assert busy == 0
+            return await score_cached(submit, pool, lambda: epoch[0], [7, 8, 9])
+
+    logits = asyncio.run(scenario())
+    assert logits.tolist() == [[70.0], [81.0], [92.0]]  # one row per position, in order
+    assert calls[0] == ([[7, 0, 1], [8, 1, 1], [9, 2, 1]], [0, 0, 0])  # all rows in one request, slot 1
+    assert calls[1][1] == [1, 1, 1]  # run again on the new placement

@@ -179,9 +179,14 @@ def test_greedy_completions_equal_transformers_generate(
         client = FusionNetClient(url)
         (described,) = [m for m in client.models() if m["id"] == name]
         assert described["kv_cache_slots"] == 16 and described["context"] == seq  # KV-cached decoding
-        with pytest.raises(ServingError) as refused:  # rows of a KV deployment address sessions' caches
-            client.infer(torch.zeros(1, 3, dtype=torch.long), model=name)
-        assert refused.value.status == 400 and "KV caches" in refused.value.message
+        # /v1/infer scores whole sequences (each a prefill in a slot of its own): the model's logits
+        ids = torch.randint(1, 40, (2, seq), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            plain = load_job(path, deployment=True).model.eval()(ids)
+        assert torch.allclose(client.infer(ids, model=name), plain, atol=1e-4, rtol=1e-4)
+        with pytest.raises(ServingError) as refused:  # an id outside the vocabulary would fail a batch
+            client.infer(torch.full((1, seq), 10**6, dtype=torch.long), model=name)
+        assert refused.value.status == 400 and "outside the vocabulary" in refused.value.message
         reply = client.complete(PROMPTS, model=name, max_tokens=6, temperature=0)
         got = [c["token_ids"] for c in sorted(reply["choices"], key=lambda c: c["index"])]
         assert got == want

@@ -174,7 +174,8 @@ class DeploymentService:
             name=name,
             kind=request.kind,
             job_id=job.job_id,
-            row_shape=run.row_shape,
+            # /v1/infer on a KV deployment takes token sequences of the window (scored as prefills)
+            row_shape=run.row_shape if request.kv is None else (request.kv.window,),
             row_dtype=run.row_dtype,
             batcher=batcher,
             window=window,

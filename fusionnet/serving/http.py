@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Any
 
+import torch
 from aiohttp import web
 
 from fusionnet.errors import FusionNetError
@@ -29,6 +30,7 @@ from fusionnet.serving.completions import (
     stream_choices,
     usage,
 )
+from fusionnet.serving.kv_sessions import score_cached
 from fusionnet.serving.sampling import SamplingParams
 from fusionnet.serving.served import ApiError, Deployments, ServedModel, ServingObserver
 
@@ -104,10 +106,6 @@ class _Api:
     async def infer(self, request: web.Request) -> web.Response:
         """Body: safetensors with ``inputs`` (first dim = sample); reply: safetensors with ``outputs``."""
         model = self._lookup(request, request.query.get("model"))
-        if model.kv is not None:  # its rows address other sessions' caches: only the server makes them
-            raise ApiError(
-                400, f"deployment {model.name!r} generates with KV caches: use /v1/completions", param="model"
-            )
         body = await request.read()
         try:
             tensors = unpack_tensors(body, "request body")
@@ -127,7 +125,18 @@ class _Api:
             raise ApiError(
                 400, f"'inputs' is {inputs.dtype}, this deployment takes {model.row_dtype}", param="inputs"
             )
-        outputs = await model.batcher.submit(inputs.contiguous())
+        if model.window is not None:  # token ids: an id outside the vocabulary would fail the whole batch
+            bad = inputs[(inputs < 0) | (inputs >= model.window.vocab)]
+            if bad.numel():
+                why = f"token id {int(bad[0])} is outside the vocabulary (0..{model.window.vocab - 1})"
+                raise ApiError(400, why, param="inputs")
+        if model.kv is None:
+            outputs = await model.batcher.submit(inputs.contiguous())
+        else:  # rows of a KV deployment address caches: each sequence is scored as a prefill of its own
+            submit, kv, epoch = model.batcher.submit, model.kv, model.epoch
+            outputs = torch.stack(
+                await asyncio.gather(*(score_cached(submit, kv, epoch, r.tolist()) for r in inputs))
+            )
         return web.Response(body=pack_tensors({"outputs": outputs.contiguous()}), content_type=SAFETENSORS)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

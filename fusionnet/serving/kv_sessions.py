@@ -71,6 +71,22 @@ class SlotPool:
                 self._changed.notify()
 
 
+async def score_cached(
+    submit: SubmitRows, slots: SlotPool, epoch: Callable[[], int], tokens: list[int]
+) -> torch.Tensor:
+    """The logits at every position of ``tokens`` (``/v1/infer`` on a KV-cached deployment): one prefill
+    in a slot of its own, run again from scratch if the placement changes meanwhile."""
+    async with slots.session() as slot:
+        rows = torch.tensor([[t, p, slot] for p, t in enumerate(tokens)], dtype=torch.long)
+        for attempt in range(REPLAYS + 1):
+            try:
+                return await submit(rows, [epoch()] * len(rows))
+            except CacheLost:
+                if attempt == REPLAYS:
+                    raise
+    raise AssertionError("unreachable")
+
+
 async def generate_cached(
     submit: SubmitRows,
     slots: SlotPool,
