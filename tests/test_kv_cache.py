@@ -213,10 +213,13 @@ def test_deploy_wraps_a_model_only_when_it_answers_its_lms_logits() -> None:
         return LoadedJob(spec, Path("job.yaml"), Path("."), model, inputs, labels=None, loss_fn=None)
 
     said = io.StringIO()
-    wrapped, kv = with_kv_cache(job(_Logits(_lm("gpt2"))), 8, said)
+    llama = _Logits(_lm("llama"))  # its rotary frequencies are a buffer the check must not touch
+    inv_freq = llama.lm.model.rotary_emb.inv_freq.clone()
+    wrapped, kv = with_kv_cache(job(llama), 8, said)
+    assert torch.equal(llama.lm.model.rotary_emb.inv_freq, inv_freq)
     assert isinstance(wrapped.model, SlotDecoder) and kv is not None and (kv.slots, kv.window) == (8, 16)
     assert wrapped.inputs.shape == (4, 3) and said.getvalue() == ""
-    assert all(float(b.abs().max()) == 0.0 for b in wrapped.model.buffers())  # the check left no trace
+    assert all(float(c.abs().max()) == 0.0 for c in wrapped.model.caches())  # the check left no trace
     biased = job(_Logits(_lm("gpt2"), bias=0.5))  # more than its LM's logits: served as it is
     same, kv = with_kv_cache(biased, 8, said)
     assert same is biased and kv is None and "differ from its causal LM's logits" in said.getvalue()

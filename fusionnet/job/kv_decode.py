@@ -114,6 +114,13 @@ class SlotDecoder(nn.Module):
             self.register_buffer(f"kv_k{i}", torch.zeros(slots, heads, window, head_dim, dtype=dtype))
             self.register_buffer(f"kv_v{i}", torch.zeros(slots, heads, window, head_dim, dtype=dtype))
 
+    def caches(self) -> list[torch.Tensor]:
+        return [getattr(self, f"kv_{kv}{i}") for i in range(self.n_layers) for kv in "kv"]
+
+    def clear_caches(self) -> None:
+        for cache in self.caches():
+            cache.zero_()
+
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         tokens, positions, slots = rows[:, 0:1], rows[:, 1:2], rows[:, 2]
         allowed = torch.arange(self.window, device=rows.device)[None, :] <= positions  # [b, window]
@@ -138,8 +145,7 @@ def disagreement(model: nn.Module, decoder: SlotDecoder, sequence: torch.Tensor)
     with torch.no_grad():
         want = model(sequence)
         got = decoder(rows)
-        for buffer in decoder.buffers():  # leave the caches as they were: zeros
-            buffer.zero_()
+        decoder.clear_caches()  # leave them as they were (and nothing else: the LM has buffers too)
     want = getattr(want, "logits", want)
     want = want[0] if isinstance(want, (tuple, list)) else want
     if not isinstance(want, torch.Tensor) or want.shape != (1, *got.shape):
