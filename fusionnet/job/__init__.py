@@ -12,6 +12,8 @@ Map of the package:
 - ``weights.py``    ``model.weights``: a safetensors file or a ``save_pretrained`` folder (shards + index)
 - ``batches.py``    which samples each step uses; micro-batch slicing
 - ``loader.py``     ``load_job``: all of the above in an order where nothing runs before validation
+- ``kv_decode.py``  a ``transformers`` causal LM as a ``SlotDecoder`` (KV caches in its buffers) for
+                    generate deployments
 
 Everything a user can get wrong surfaces as one ``fusionnet.errors.JobError`` whose message starts
 with the job-file key (``data.batch_size: must be > 0``) or the file and line (YAML syntax).

@@ -9,7 +9,9 @@ Map of the package:
 - ``served.py``       ``ServedModel``, the ``Deployments`` lookup, ``ApiError``, ``ServingObserver``.
 - ``batching.py``     ``DynamicBatcher``: bounded wait, max batch, bounded queue, batches in flight.
 - ``sampling.py``     greedy, temperature, top-p, seeded generators.
-- ``generation.py``   one session per choice: a token at a time through the batcher (``Window``).
+- ``generation.py``   one session per choice without KV caches: the padded window per token (``Window``).
+- ``kv_sessions.py``  with KV caches on the compnodes: cache slots, prefill + a row per token, replay
+                      after a lost placement, sequences scored for ``/v1/infer``.
 - ``completions.py``  ``POST /v1/completions``: request model, prompts, choices, server-sent events.
 - ``http.py``         the aiohttp application and its error middleware.
 - ``tokenizers.py``   the model folder's tokenizer files, sent by ``deploy`` and loaded on the broker.
