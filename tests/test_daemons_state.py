@@ -128,12 +128,16 @@ def test_registry_merges_records_and_heartbeats() -> None:
     assert reg.schedulable() == [] and reg.get(PEERS[1]).effective_state == "UNREACHABLE"
     assert [e.kind for e in reg.record_pong(PEERS[0], 0.01, now=16)] == ["reachable"]
 
-    # PEERS[1]'s record vanishes (SIGKILL + expiry); PEERS[0] says goodbye
+    # PEERS[0] says goodbye; PEERS[1] is missing from a lookup while its record (until 31) has not
+    # expired: a short lookup (a frozen DHT peer) must not make it gone
     events = reg.update_records([found(PEERS[0], NodeState.OFFLINE, 20)], now=20)
-    assert {(e.peer_id, e.kind) for e in events} == {(PEERS[0], "state"), (PEERS[1], "left")}
+    assert {(e.peer_id, e.kind) for e in events} == {(PEERS[0], "state")}
+    # still missing once its record expired (SIGKILL + expiry): gone
+    events = reg.update_records([found(PEERS[0], NodeState.OFFLINE, 20)], now=32)
+    assert {(e.peer_id, e.kind) for e in events} == {(PEERS[1], "left")}
     assert reg.to_ping() == [] and {e.effective_state for e in reg.entries()} == {"OFFLINE"}
     # it comes back with the same identity: judged afresh
-    reg.update_records([found(PEERS[1], NodeState.JOINING, 30)], now=30)
+    reg.update_records([found(PEERS[1], NodeState.JOINING, 35)], now=35)
     assert reg.get(PEERS[1]).reachable and not reg.get(PEERS[1]).gone and reg.to_ping() == [PEERS[1]]
     reg.update_records([found(PEERS[1], NodeState.JOINING, 200)], now=200)
     assert [e.peer_id for e in reg.entries()] == [PEERS[1]]  # the departed one is forgotten eventually

@@ -46,8 +46,10 @@ def test_chunks_in_order_repeats_are_harmless_and_everything_else_is_refused(tmp
         uploads.take(UID, "t", tmp_path / "job" / "state")
     uploads.take(UID, "s", tmp_path / "job" / "state")
     assert (tmp_path / "job" / "state").read_bytes() == b"0123456789"
-    with pytest.raises(JobError, match="no such upload"):  # taken: gone
-        uploads.sha256(UID)
+    # taken: gone, but what a repeated submission needs of it is kept (submitter, size, hash)
+    assert uploads.sha256(UID) == (submitter, size, digest)
+    with pytest.raises(JobError, match="no such upload"):
+        uploads.take(UID, "s", tmp_path / "job2" / "state")
     with pytest.raises(
         JobError, match=r"101 bytes of state exceed this broker's limit of 100 \(--max-submission-mb\)"
     ):
@@ -114,9 +116,16 @@ def test_a_job_submitted_on_an_uploaded_state_runs_and_bad_uploads_are_refused(
         await asyncio.gather(*service._tasks.values())
         assert service.ctx.store.get_job(job_id)["state"] == "SUCCEEDED"
         assert (tmp_path / "jobs" / job_id / "submission" / "state.safetensors").read_bytes() == state
-        with pytest.raises(JobError, match="no such upload"):  # taken by the job
+        # The same call again (its answer was lost, the RPC client repeats it): the same job, not an error
+        again = await service.rpc_submit_job(
+            request_.model_copy(update={"state": b"", "state_upload": upload}), ctx("submit_job")
+        )
+        assert again["job_id"] == job_id and len(service.runs) == 1
+        # Another submission naming the upload: it was taken by the job
+        other_request = signed(request_.model_copy(update={"request_id": "f" * 32, "auth": None}), SIGNER)
+        with pytest.raises(JobError, match="no such upload"):
             await service.rpc_submit_job(
-                request_.model_copy(update={"state": b"", "state_upload": upload}), ctx("submit_job")
+                other_request.model_copy(update={"state": b"", "state_upload": upload}), ctx("submit_job")
             )
         unsigned = UploadStateRequest(upload_id=UID, offset=0, total=10, data=b"x")
         with pytest.raises(JobError, match="not signed by a submitter key"):

@@ -166,7 +166,9 @@ class CompnodeRegistry:
 
     # ---- updates ---------------------------------------------------------------------------------
     def update_records(self, found: list[Found[CompnodeRecord]], now: float) -> list[RegistryEvent]:
-        """Merges one full DHT lookup. Peers missing from it whose records were alive are marked gone."""
+        """Merges one full DHT lookup. Peers missing from it are marked gone once their last record has
+        expired: a lookup that came back short (a DHT peer frozen mid-lookup, the DHT's own timeouts)
+        must not make every compnode look gone at once. Assigned compnodes are watched by heartbeats."""
         events: list[RegistryEvent] = []
         seen = set()
         for item in found:
@@ -192,7 +194,12 @@ class CompnodeRegistry:
                     entry.first_seen, entry.reachable, entry.failures = now, True, 0
             entry.record, entry.expires_at, entry.last_seen, entry.gone = record, item.expires_at, now, False
         for peer_id, entry in self._entries.items():
-            if peer_id not in seen and not entry.gone and entry.record.state != NodeState.OFFLINE:
+            if (
+                peer_id not in seen
+                and not entry.gone
+                and entry.record.state != NodeState.OFFLINE
+                and entry.expires_at <= now
+            ):
                 entry.gone = True
                 events.append(
                     RegistryEvent(peer_id, "left", "record expired without an OFFLINE announcement")

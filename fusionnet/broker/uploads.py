@@ -10,6 +10,11 @@ Each upload belongs to the submitter who started it (only that key may add to it
 bounded by ``--max-submission-mb``, and is dropped when untouched for ``UPLOAD_TTL`` seconds; a
 submitter has at most ``MAX_UPLOADS_PER_SUBMITTER`` under way. Uploads live in memory and on disk
 only until the broker restarts: the submitter then starts again.
+
+A submission's call may come twice (the RPC client repeats a call whose stream closed before the
+answer came), after the first one took the upload into its job: the submitter, size and hash of an
+upload taken lately are kept (``TAKEN_KEPT``), so the repeat passes the signature check and gets the
+job the first call made instead of "no such upload".
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 from fusionnet.errors import JobError
 
 UPLOAD_TTL = 3600.0
+TAKEN_KEPT = 64  # uploads taken into jobs whose (submitter, size, hash) a repeated submission may ask for
 MAX_UPLOADS_PER_SUBMITTER = 2
 HASH_BLOCK = 8 << 20
 
@@ -35,6 +41,7 @@ class Upload:
     path: Path
     size: int = 0
     touched: float = field(default_factory=time.monotonic)
+    digest: bytes | None = None  # sha256 of the complete upload, once computed
 
 
 class StateUploads:
@@ -43,6 +50,7 @@ class StateUploads:
         shutil.rmtree(folder, ignore_errors=True)  # a restarted broker's uploads are gone with it
         folder.mkdir(parents=True, exist_ok=True)
         self._uploads: dict[str, Upload] = {}
+        self._taken: dict[str, tuple[str, int, bytes]] = {}  # upload id -> (submitter, size, sha256)
 
     def append(
         self, submitter: str, upload_id: str, offset: int, total: int, data: bytes, max_bytes: int
@@ -84,13 +92,17 @@ class StateUploads:
         return upload.size
 
     def sha256(self, upload_id: str) -> tuple[str, int, bytes]:
-        """The submitter, size and hash of a complete upload (read from disk, a block at a time)."""
+        """The submitter, size and hash of a complete upload (read from disk, a block at a time), or of
+        one taken into a job lately (a repeated submission)."""
+        if upload_id not in self._uploads and upload_id in self._taken:
+            return self._taken[upload_id]
         upload = self._complete(upload_id)
         h = hashlib.sha256()
         with upload.path.open("rb") as f:
             while block := f.read(HASH_BLOCK):
                 h.update(block)
-        return upload.submitter, upload.total, h.digest()
+        upload.digest = h.digest()
+        return upload.submitter, upload.total, upload.digest
 
     def take(self, upload_id: str, submitter: str, dest: Path) -> None:
         """Moves the complete upload to ``dest`` (the job's state file); the upload is gone after."""
@@ -100,6 +112,10 @@ class StateUploads:
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(upload.path, dest)
         del self._uploads[upload_id]
+        if upload.digest is not None:
+            self._taken[upload_id] = (upload.submitter, upload.total, upload.digest)
+            for old in list(self._taken)[:-TAKEN_KEPT]:
+                del self._taken[old]
 
     def drop(self, upload_id: str) -> None:
         upload = self._uploads.pop(upload_id, None)
