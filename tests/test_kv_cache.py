@@ -123,19 +123,23 @@ def test_sessions_wait_for_a_slot_and_the_queue_is_bounded() -> None:
                 order.append(f"{name}:{slot}")
                 await hold.wait()
 
+        async def until(condition: Any) -> None:
+            async with asyncio.timeout(5):
+                while not condition():
+                    await asyncio.sleep(0)
+
         first_done, second_done = asyncio.Event(), asyncio.Event()
         a = asyncio.ensure_future(session("a", first_done))
-        await asyncio.sleep(0)
+        await until(lambda: order == ["a:0"])
         b = asyncio.ensure_future(session("b", second_done))
-        await asyncio.sleep(0)
+        await until(lambda: pool.waiting == 1)
         assert pool.in_use == 1 and pool.waiting == 1 and order == ["a:0"]
         with pytest.raises(Overloaded, match="slots are busy"):
             async with pool.session():
                 pass
         first_done.set()
         await a
-        for _ in range(3):
-            await asyncio.sleep(0)
+        await until(lambda: len(order) == 2)
         assert order == ["a:0", "b:0"]
         second_done.set()
         await b

@@ -22,7 +22,6 @@ takes ``position_ids`` and a 4D additive mask are supported: GPT-2 and the Llama
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
@@ -62,10 +61,8 @@ class _SlotCache:
 
     def __init__(self, owner: SlotDecoder, slots: torch.Tensor, positions: torch.Tensor) -> None:
         self.owner, self.slots, self.positions = owner, slots, positions
-        flags = types.SimpleNamespace(is_sliding=False, is_linear=False, is_dummy=False, is_compileable=False)
-        self.layers = [flags] * owner.n_layers  # read by transformers' mask helpers
 
-    # transformers' Cache API, the parts attention and masking use
+    # transformers' Cache API, the parts attention and masking use (its mask helpers read the flags)
     is_compileable = False
 
     @property

@@ -21,16 +21,16 @@ computation is the same, so the output is the same as without the failure.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import torch
 
 from fusionnet.errors import ExecutionError
 from fusionnet.serving.batching import Overloaded
+from fusionnet.serving.generation import SubmitRows
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
 
-SubmitRows = Callable[[torch.Tensor, list[int] | None], Awaitable[torch.Tensor]]
 REPLAYS = 3  # placements a session may lose its cache on before it fails
 
 
