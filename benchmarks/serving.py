@@ -1,5 +1,6 @@
 """Serving a causal LM from a swarm: a ``transformers`` GPT-2 (random init, nothing downloaded) deployed on a
-broker and 3 compnodes (one thread each), driven over the HTTP API by 1, 4 and 16 concurrent clients.
+broker and 3 compnodes (``--compnodes``; one thread each), driven over the HTTP API by 1, 4 and 16
+concurrent clients.
 
 Per client count: tokens/s and requests/s, time to first token (TTFT) and inter-token latency (ITL)
 percentiles, beside
@@ -17,7 +18,8 @@ every request must finish with the tokens of the fault-free run.
 
 Prints a table, then one JSON line.
 
-    python benchmarks/serving.py [--quick] [--requests 4] [--max-tokens 16] [--kv-slots 16]
+    python benchmarks/serving.py [--size quick|full|realistic] [--compnodes 3] [--requests 4]
+        [--max-tokens 16] [--kv-slots 16]
         [--sandbox process|off] [--placement balanced|model] [--workdir DIR]
 """
 
@@ -53,6 +55,8 @@ from fusionnet.serving.client import FusionNetClient  # noqa: E402
 # (vocab, width, layers, heads, window)
 FULL = (4000, 256, 6, 4, 64)
 QUICK = (1000, 128, 3, 4, 48)
+REALISTIC = (32000, 512, 8, 8, 96)  # 41.7M parameters, a tied 65.5 MB embedding
+SIZES = {"quick": QUICK, "full": FULL, "realistic": REALISTIC}
 PROMPT = 8
 MODEL_PY = """import transformers
 from torch import nn
@@ -75,7 +79,7 @@ def build(**kw):
 """
 
 
-def write_job(folder: Path, shape: tuple[int, ...], batch: int) -> Path:
+def write_job(folder: Path, shape: tuple[int, ...], batch: int, compnodes: int) -> Path:
     vocab, width, layers, heads, window = shape
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "model.py").write_text(MODEL_PY)
@@ -85,7 +89,7 @@ def write_job(folder: Path, shape: tuple[int, ...], batch: int) -> Path:
         "name: bench-gpt\ntask: generate\n"
         f"model: {{entrypoint: model.py:build, kwargs: {json.dumps(kwargs)}}}\n"
         f"data: {{path: data.safetensors, batch_size: {batch}, microbatches: 2}}\n"
-        "seed: 0\nplacement: {compnodes: 3}\n"
+        f"seed: 0\nplacement: {{compnodes: {compnodes}}}\n"
     )
     return folder / "job.yaml"
 
@@ -113,7 +117,9 @@ def run_clients(url: str, clients: int, requests: list[list[int]], max_tokens: i
     def one(i: int) -> None:
         started = last = time.perf_counter()
         got: list[int] = []
-        for chunk in client.stream(requests[i], model="gpt", max_tokens=max_tokens, temperature=0):
+        for chunk in client.stream(
+            requests[i], model="gpt", max_tokens=max_tokens, temperature=0, ignore_eos=True
+        ):
             ids = chunk["choices"][0]["token_ids"]
             if not ids:
                 continue
@@ -240,7 +246,11 @@ def kill_mid_stream(sw: ProcessSwarm, url: str, requests: list[list[int]], max_t
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="the same as --size quick")
+    ap.add_argument(
+        "--size", choices=tuple(SIZES), default="full", help="GPT-2 size (realistic: 41.7M parameters)"
+    )
+    ap.add_argument("--compnodes", type=int, default=3, help="compnodes the deployment asks for (default 3)")
     ap.add_argument("--requests", type=int, default=16, help="requests per client count (default 16)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=16, help="rows per batch (max_batch; default 16)")
@@ -254,13 +264,13 @@ def main() -> int:
     )
     ap.add_argument("--workdir", type=Path)
     args = ap.parse_args()
-    shape = QUICK if args.quick else FULL
+    shape = QUICK if args.quick else SIZES[args.size]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="fusionnet-serving-"))
-    job = write_job(work / "job", shape, args.batch)
+    job = write_job(work / "job", shape, args.batch, args.compnodes)
     reqs = prompts(args.requests, shape[0])
     plain = plain_baselines(job, reqs, args.max_tokens, shape[4])
     extra = ("--sandbox", args.sandbox)
-    specs = [CompnodeSpec(extra=extra), CompnodeSpec(extra=extra), CompnodeSpec(extra=extra)]
+    specs = [CompnodeSpec(extra=extra) for _ in range(args.compnodes)]
     specs.append(CompnodeSpec(backup=True, extra=extra))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
@@ -290,7 +300,8 @@ def main() -> int:
     killed_exact = killed["outputs"] == want
     agree = sum(a == b for a, b in zip(want, plain["outputs"]))
     print(
-        f"GPT-2 {shape}: {args.requests} requests x {args.max_tokens} tokens, prompt {PROMPT}, "
+        f"GPT-2 {shape} on {args.compnodes} compnodes: {args.requests} requests x {args.max_tokens} "
+        f"tokens, prompt {PROMPT}, "
         f"max batch {args.batch}"
     )
     print(f"{'clients':>8} {'tok/s':>8} {'req/s':>7} {'TTFT p50':>9} {'p90':>7} {'ITL p50':>8} {'p90':>7}")
@@ -319,6 +330,7 @@ def main() -> int:
         "plain_recompute_tokens_per_s": plain["recompute_tokens_per_s"],
         "plain_kv_decode_tokens_per_s": plain["kv_decode_tokens_per_s"],
         "kv_slots": args.kv_slots,
+        "compnodes": args.compnodes,
         "sandbox": args.sandbox,
         "placement": args.placement,
         "reference": reference,

@@ -526,3 +526,35 @@ def test_a_tied_weight_across_a_cut_is_timed_once_per_step() -> None:
     # per step the link carries the weight once each way, not once per micro-batch
     m = 4
     assert cost.link_loads[(0, 1)] == pytest.approx(m * transfer.fwd + transfer.fwd_once)
+
+
+def test_an_infer_placement_holds_a_tied_weight_instead_of_timing_it() -> None:
+    """Inference keeps a parameter read across a cut where it went (``SubDagExecutor.resident``): the
+    model still counts the copy's bytes, but no time per step and nothing per micro-batch."""
+    import dataclasses
+
+    from fusionnet.job.loader import load_job
+    from fusionnet.perfmodel.placement_cost import evaluate_assignment
+    from fusionnet.perfmodel.types import Link, Swarm, Workload
+    from fusionnet.planning.costgraph import cost_graph
+    from fusionnet.runtime.prepare import trace_job
+    from tests.jobfiles import REPO
+    from tests.planning_support import device as make_device
+
+    train = trace_job(load_job(REPO / "examples" / "gpt" / "job.yaml")).graph
+    graph = dataclasses.replace(train, task="infer")
+    (var,) = [n for n in graph.nodes if n.kind == "variable"]
+    cg = cost_graph(graph, None, microbatches=4)
+    assert cg.resident_step_edges and not cost_graph(train, "sgd").resident_step_edges
+    step_edges = {(a, b): nbytes for a, b, nbytes in cg.step_edges}
+    assert set(step_edges.values()) == {int(var.cost["activation_bytes"])}
+    edges = {(a, b): nbytes for a, b, nbytes in cg.edges}
+    assert all(edges[pair] == 0 for pair in step_edges)
+    names = [op.name for op in cg.ops]
+    cut = names.index(next(b for a, b in step_edges))
+    assignment = {name: 0 if i < cut else 1 for i, name in enumerate(names)}
+    device = make_device("d", flops=1e10)
+    swarm = Swarm((device, device), {}, Link.from_bandwidth(1e-3, 1.25e8))
+    cost = evaluate_assignment(cg, swarm, Workload(4, "infer", "gpipe"), assignment)
+    (transfer,) = cost.transfers
+    assert transfer.once_bytes == int(var.cost["activation_bytes"]) and transfer.fwd_once == 0.0

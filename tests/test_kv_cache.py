@@ -252,3 +252,28 @@ def test_scoring_a_sequence_is_one_prefill_in_a_slot_of_its_own_retried_on_a_new
     assert logits.tolist() == [[70.0], [81.0], [92.0]]  # one row per position, in order
     assert calls[0] == ([[7, 0, 1], [8, 1, 1], [9, 2, 1]], [0, 0, 0])  # all rows in one request, slot 1
     assert calls[1][1] == [1, 1, 1]  # run again on the new placement
+
+
+def test_end_of_text_ids_come_from_the_causal_lm_and_stay_inside_the_vocabulary() -> None:
+    from fusionnet.broker.deployments import _end_of_text
+    from fusionnet.runtime.deploy import end_of_text_ids
+    from fusionnet.serving.generation import Window
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, lm: torch.nn.Module) -> None:
+            super().__init__()
+            self.lm = lm
+
+    lm = _lm("llama")
+    assert end_of_text_ids(Wrapper(lm)) == [0]
+    lm.generation_config.eos_token_id = [2, 7]
+    assert end_of_text_ids(lm) == [2, 7]
+    assert end_of_text_ids(torch.nn.Linear(2, 2)) == []
+    window = Window(context=WINDOW, vocab=300)
+
+    class Tokenizer:
+        eos_token_id = 5
+
+    # GPT2Config's default 50256 in a toy config of 300 tokens can never come: dropped
+    assert _end_of_text([50256, 7], Tokenizer(), window) == (5, 7)
+    assert _end_of_text([7], None, None) == ()

@@ -260,6 +260,10 @@ def test_greedy_completion_through_padding_equals_generate_and_streams() -> None
         assert r.status == 400 and "vocabulary" in (await r.json())["error"]["message"]
         r = await client.post("/v1/completions", json={"prompt": "text", "max_tokens": 1})
         assert r.status == 400 and "tokenizer" in (await r.json())["error"]["message"]
+        r = await client.post("/v1/completions", json={"prompt": [1], "stop": "x"})
+        assert r.status == 400 and "stop strings need" in (await r.json())["error"]["message"]
+        r = await client.post("/v1/completions", json={"prompt": [1], "stop": ["a", "b", "c", "d", "e"]})
+        assert r.status == 400 and "stop" in (await r.json())["error"]["message"]
 
     local = _Local()
     local.add(
@@ -293,6 +297,58 @@ def test_text_prompts_with_the_jobs_character_vocabulary() -> None:
         "gpt", "generate", lambda rows: lm(rows).logits, (32,), torch.long, Window(context=32, vocab=40)
     )
     local.served["gpt"].tokenizer = tok
+    _run(_with_app(local, body))
+
+
+def test_end_of_text_stop_ids_and_stop_strings_end_a_choice_streamed_or_not() -> None:
+    """Seeded sampling (the tiny random model repeats one token greedily): every variant draws the same
+    tokens as the full run until it stops, so each answer is a prefix of that run."""
+    lm = _gpt2()
+    vocab = [chr(ord("a") + i) for i in range(26)] + [str(d) for d in range(10)] + [" ", ".", ",", "!"]
+    tok = CharTokenizer(vocab)
+    local = _Local()
+    local.add(
+        "gpt", "generate", lambda rows: lm(rows).logits, (32,), torch.long, Window(context=32, vocab=40)
+    )
+    model = local.served["gpt"]
+    model.tokenizer = tok
+    base = {"prompt": "abc", "max_tokens": 12, "temperature": 1.0, "seed": 7}
+
+    async def body(client: TestClient) -> None:
+        async def complete(**extra: Any) -> dict[str, Any]:
+            r = await client.post("/v1/completions", json=base | extra)
+            doc = await r.json()
+            assert r.status == 200, doc
+            return doc["choices"][0]
+
+        async def stream(**extra: Any) -> tuple[str, list[int], str | None]:
+            r = await client.post("/v1/completions", json=base | extra | {"stream": True})
+            events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            choices = [json.loads(e)["choices"][0] for e in events[:-1]]
+            assert all(c["finish_reason"] is None for c in choices[:-1])
+            text = "".join(c["text"] for c in choices)
+            return text, [t for c in choices for t in c["token_ids"]], choices[-1]["finish_reason"]
+
+        first = await complete()
+        want, full = first["token_ids"], first["text"]
+        assert len(want) == 12 and first["finish_reason"] == "length" and full == tok.decode(want)
+        k = next(i for i in range(1, 12) if want[i] not in want[:i])  # a token that first comes at k
+        model.eos_token_ids = (want[k],)  # the model's end-of-text: the choice ends before it
+        got = await complete()
+        assert (got["token_ids"], got["text"], got["finish_reason"]) == (want[:k], full[:k], "stop")
+        assert await stream() == (full[:k], want[:k], "stop")
+        got = await complete(ignore_eos=True)
+        assert (got["token_ids"], got["text"], got["finish_reason"]) == (want, full, "length")
+        got = await complete(ignore_eos=True, stop_token_ids=[want[k]])
+        assert (got["token_ids"], got["finish_reason"]) == (want[:k], "stop")
+        stop = full[k : k + 2]
+        cut = full.find(stop)
+        got = await complete(ignore_eos=True, stop=["never", stop])
+        assert (got["text"], got["finish_reason"]) == (full[:cut], "stop")
+        assert got["token_ids"] == want[: cut + len(stop)]  # a character per token: ids up to the stop
+        assert await stream(ignore_eos=True, stop=stop) == (full[:cut], want[: cut + len(stop)], "stop")
+
     _run(_with_app(local, body))
 
 

@@ -191,6 +191,12 @@ def test_greedy_completions_equal_transformers_generate(
         got = [c["token_ids"] for c in sorted(reply["choices"], key=lambda c: c["index"])]
         assert got == want
         assert reply["usage"]["completion_tokens"] == 18
+        # a stop token ends the session early (its cache slot goes back at once): the last new token's
+        k = max(i for i in range(6) if want[0][i] not in want[0][:i])
+        got = client.complete(
+            PROMPTS[0], model=name, max_tokens=6, temperature=0, stop_token_ids=[want[0][k]]
+        )
+        assert (got["choices"][0]["token_ids"], got["choices"][0]["finish_reason"]) == (want[0][:k], "stop")
         # seeded sampling: the same seed gives the same tokens
         a = client.complete(PROMPTS[0], model=name, max_tokens=5, temperature=0.8, top_p=0.9, seed=3)
         b = client.complete(PROMPTS[0], model=name, max_tokens=5, temperature=0.8, top_p=0.9, seed=3)

@@ -85,3 +85,37 @@ def test_tied_embedding_crosses_once_per_step_with_exact_gradients(
     assert want is not None and set(got) <= set(want)  # the reference names a tied tensor twice
     for k, g in got.items():
         assert (g - want[k]).abs().max().item() <= 1e-5 * max(1.0, want[k].abs().max().item()), k
+
+
+def test_infer_keeps_a_tied_embedding_where_it_went(tmp_path: Path) -> None:
+    """An infer job's parameters never change: the tied embedding crosses at the first step only, the
+    later steps (a deployment's batches) reuse it, and the outputs still equal plain PyTorch's."""
+    pytest.importorskip("transformers")
+    ids, _ = token_data(12, seq=8)
+    folder = write_job(
+        tmp_path / "job", model_class="HFCausalLM", inputs=ids, labels=None, loss=False,
+        batch_size=4, microbatches=2, steps=3, compnodes=2, task="infer",
+    )  # fmt: skip
+    prepared = prepare_job(load_job(folder), 2)
+    tied = {n.name for n in prepared.traced.graph.nodes if n.kind == "variable"}
+    crossing = {n for s in prepared.partition.subdags for n in s.outer_required if n in tied}
+    assert crossing, "the tied embedding's users should sit on both sides of the cut"
+    swarm = InMemorySwarm(prepared, "gpipe")
+    sent: list[MessageKey] = []
+    for ex in swarm.executors:
+        ex.channel = CountingChannel(ex.channel, sent)
+
+    async def run() -> list[torch.Tensor]:
+        outputs = []
+        for data in swarm.steps():
+            for report in await swarm.step(data):
+                outputs.extend(o[0] if isinstance(o, tuple) else o for o in report.outputs)
+        return outputs
+
+    outputs = asyncio.run(run())
+    for name in crossing:
+        assert [k[1] for k in sent if k[0] == "act" and k[3] == name] == [0], name
+    assert {k[1] for k in sent if k[0] == "act" and k[3] not in crossing} == {0, 1, 2}
+    want = run_reference(load_job(folder)).outputs
+    assert want is not None
+    torch.testing.assert_close(torch.cat(outputs), want, rtol=0, atol=1e-5)

@@ -15,6 +15,7 @@ import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from aiohttp import web
@@ -159,6 +160,7 @@ class DeploymentService:
                 )
             elif request.vocab:
                 tokenizer = CharTokenizer(request.vocab)
+            eos = _end_of_text(request.eos_token_ids, tokenizer, window)
         except Exception as e:
             self.ctx.store.update_job(job.job_id, state="FAILED", error=str(e)[:500])
             raise
@@ -180,6 +182,7 @@ class DeploymentService:
             batcher=batcher,
             window=window,
             tokenizer=tokenizer,
+            eos_token_ids=eos,
             kv=None if request.kv is None else SlotPool(request.kv.slots, request.settings.queue_limit),
             epoch=lambda: run.attempt,
         )
@@ -278,3 +281,15 @@ def _window(run: DeploymentRun) -> Window:
     if not (isinstance(meta, dict) and "shape" in meta and len(meta["shape"]) == 3):
         raise JobError("generate: the model's first output must be logits [batch, sequence, vocabulary]")
     return Window(context=run.row_shape[0], vocab=int(meta["shape"][2]), dtype=run.row_dtype)
+
+
+def _end_of_text(ids: list[int], tokenizer: Any, window: Window | None) -> tuple[int, ...]:
+    """The deployment's end-of-text ids: the model's and its tokenizer's, those inside the vocabulary
+    (a toy config may name GPT-2's 50256 for a vocabulary of 1000: it can never come)."""
+    found = set(ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int) and eos >= 0:
+        found.add(eos)
+    if window is None:
+        return ()
+    return tuple(sorted(i for i in found if i < window.vocab))

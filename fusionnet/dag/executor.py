@@ -148,8 +148,14 @@ class SubDagExecutor(BackwardPass):
         self.step_wide = {
             n for n in (*subdag.outer_required, *subdag.outwards) if graph.node(n).kind == "variable"
         }
-        self._step_inputs: dict[str, Any] = {}  # step-wide inputs received and placed this step
-        self._step_sent: set[str] = set()  # step-wide outputs sent this step
+        # An infer sub-DAG's parameters never change, so those read across a cut stay where they went
+        # for the sub-DAGs' whole life: a deployment's batches (each one a step) would otherwise ship a
+        # tied embedding with every batch. Buffers still cross every step: a KV cache is written in place.
+        self.resident = (
+            {n for n in self.step_wide if graph.node(n).target in graph.params} if task == "infer" else set()
+        )
+        self._step_inputs: dict[str, Any] = {}  # step-wide inputs received and placed (this step or resident)
+        self._step_sent: set[str] = set()  # step-wide outputs sent (this step or resident)
 
     async def _run(self, phase: Phase, step: int, mb: int, work: Callable[[], T]) -> T:
         """One compute stretch, between the hooks, on the compute pool (or inline without one)."""
@@ -184,7 +190,7 @@ class SubDagExecutor(BackwardPass):
         """Forgets a failed step's stashed activations and gradients (after a device OOM, the memory
         they hold is what the next attempt needs)."""
         self._stash.clear()
-        self._forget_step_values()
+        self._forget_step_values(keep_resident=False)  # the broker places the job again: all afresh
         self.zero_grad()
         release_cached_memory(self.device)
 
@@ -197,9 +203,10 @@ class SubDagExecutor(BackwardPass):
 
         self.outbox.start(send() if ready is not None else self.channel.send(dst, key, value))
 
-    def _forget_step_values(self) -> None:
-        self._step_inputs.clear()
-        self._step_sent.clear()
+    def _forget_step_values(self, keep_resident: bool = True) -> None:
+        kept = self.resident if keep_resident else set()
+        self._step_inputs = {k: v for k, v in self._step_inputs.items() if k in kept}
+        self._step_sent &= kept
 
     # -- FP ------------------------------------------------------------------------------------
     async def forward(self, step: int, mb: int, data: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -368,7 +375,7 @@ class SubDagExecutor(BackwardPass):
             skip = await self._agree_found_inf(step) if self.scaler is not None else False
             if self.task == "train":
                 await self._run("update", step, 0, partial(self.update, skip))
-        self._step_inputs.clear()  # the step's leaves go with its graphs
+        self._forget_step_values()  # the step's leaves go with its graphs
         if losses:
             report.loss = sum(losses)
         return report

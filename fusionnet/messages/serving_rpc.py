@@ -49,6 +49,9 @@ class DeployRequest(Message):
     # text data (``data.path: *.txt``): token id -> character, the job's own tokenizer (generate)
     vocab: Annotated[list[Annotated[str, Field(max_length=16)]], Field(max_length=1 << 20)] | None = None
     kv: KvCache | None = None  # generate: decoding with KV caches on the compnodes
+    # generate: the ids that end a text (the causal LM's generation config); ids outside the
+    # vocabulary, which a toy config may name, are dropped by the broker
+    eos_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] = []
 
 
 class DeployReply(Message):

@@ -256,6 +256,8 @@ def evaluate_assignment(
         # rides on the first forward's (the last backward's) message; alone, it is a message of its own
         fwd_once = there.beta * ob if nb else there.time(ob)
         bwd_once = (back.beta * ogb if gb else back.time(ogb)) if workload.backward else 0.0
+        if graph.resident_step_edges:
+            fwd_once = bwd_once = 0.0
         transfers.append(Transfer(a, b, nb, gb, fwd, bwd, ob, fwd_once, bwd_once))
         in_b[b] += nb + ob  # staged on both ends (the step-wide value is held the whole step)
         out_b[a] += nb + ob

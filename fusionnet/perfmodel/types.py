@@ -95,6 +95,9 @@ class CostGraph:
     # consumer, bytes per step); ``edges`` lists them with those bytes spread over the micro-batches,
     # which is what the searches price; ``evaluate_assignment`` times them as they run.
     step_edges: tuple[tuple[str, str, int], ...] = ()
+    # Inference: those parameters never change, so they cross once for the placement's life and are
+    # then held where they went: no time per step (and nothing in ``edges``), but memory on both ends.
+    resident_step_edges: bool = False
 
     def __post_init__(self) -> None:
         if not self.ops:

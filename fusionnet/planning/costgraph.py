@@ -112,6 +112,9 @@ def cost_graph(
                 input_grad=any(needs[s] for s in n.input_names() if graph.node(s).kind != "variable"),
             )
         )
+    # an infer sub-DAG keeps the parameters it received (``SubDagExecutor.resident``): they cost
+    # memory, no time per step
+    resident = graph.task == "infer"
     edges: dict[tuple[str, str], int] = {}
     step_edges: dict[tuple[str, str], int] = {}
     per_mb_edges: set[tuple[str, str]] = set()  # edges carrying a per-micro-batch value too
@@ -120,13 +123,16 @@ def cost_graph(
             producer = owner.get(src, src)
             if producer == n.name or graph.node(src).kind == "output":
                 continue
-            nbytes = int(graph.node(src).cost.get("activation_bytes", 0))
-            if graph.node(src).kind != "variable":
+            node = graph.node(src)
+            nbytes = int(node.cost.get("activation_bytes", 0))
+            if node.kind != "variable":
                 nbytes = per_mb(nbytes)
                 per_mb_edges.add((producer, n.name))
+            elif resident and node.target not in graph.params:
+                per_mb_edges.add((producer, n.name))  # an infer buffer (a KV cache) crosses every step
             else:
                 step_edges[(producer, n.name)] = step_edges.get((producer, n.name), 0) + nbytes
-                nbytes = -(-nbytes // max(1, microbatches))
+                nbytes = 0 if resident else -(-nbytes // max(1, microbatches))
             edges[(producer, n.name)] = edges.get((producer, n.name), 0) + nbytes
     # an edge that also carries per-micro-batch values is timed per micro-batch as a whole
     once = {k: v for k, v in step_edges.items() if k not in per_mb_edges}
@@ -134,6 +140,7 @@ def cost_graph(
         tuple(costs),
         tuple((a, b, nbytes) for (a, b), nbytes in edges.items()),
         tuple((a, b, nbytes) for (a, b), nbytes in once.items()),
+        resident_step_edges=resident,
     )
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TextIO
 
 import torch
+from torch import nn
 
 from fusionnet.errors import JobError
 from fusionnet.job.kv_decode import SlotDecoder, disagreement, example_rows, find_causal_lm
@@ -63,6 +64,19 @@ def with_kv_cache(
     return replace(job, model=decoder, inputs=rows), KvCache(slots=slots, window=window)
 
 
+def end_of_text_ids(model: nn.Module) -> list[int]:
+    """The ids that end a text for ``model``'s ``transformers`` causal LM (its generation config's
+    ``eos_token_id``, else its config's): none for other models."""
+    lm = find_causal_lm(model)
+    if lm is None:
+        return []
+    ids = getattr(getattr(lm, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(getattr(lm, "config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    return sorted({i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0})[:64]
+
+
 def model_folder(job: LoadedJob) -> Path:
     weights = job.spec.model.weights
     if weights is not None and (job.base_dir / weights).is_dir():
@@ -86,6 +100,7 @@ async def deploy(
     settings = settings or ServingSettings()
     job = load_job(job_path, allow_outside_paths=allow_outside_paths, deployment=True)
     kv = None
+    eos = end_of_text_ids(job.model) if kind == "generate" else []
     if kind == "generate" and settings.kv_slots:
         job, kv = with_kv_cache(job, settings.kv_slots, stream)
     submission = await asyncio.to_thread(submission_payload, job)
@@ -98,6 +113,7 @@ async def deploy(
         tokenizer=tokenizer,
         vocab=job.vocab if kind == "generate" and tokenizer is None else None,
         kv=kv,
+        eos_token_ids=eos,
     )
     async with SwarmObserver(initial_peers) as observer:
         broker = await observer.find_broker()

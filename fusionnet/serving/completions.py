@@ -2,8 +2,9 @@
 prompt (timed for the metrics), the JSON reply's parts and server-sent events for ``stream``.
 
 Each ``choices[i]`` carries ``token_ids`` (always: the generated ids) and ``text`` (decoded by the model
-folder's tokenizer when the deployment has one, else ""). Generation runs for ``max_tokens`` tokens
-(``finish_reason`` "length"): stop sequences and end-of-text are not looked at yet.
+folder's tokenizer when the deployment has one, else ""). A choice ends at end-of-text, a stop token or a
+stop string (``finish_reason`` "stop", see ``stopping``) or after ``max_tokens`` tokens ("length").
+``stop_token_ids`` and ``ignore_eos`` are vLLM's extensions of the request.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Annotated, Any
 
 from aiohttp import web
@@ -22,9 +24,12 @@ from fusionnet.serving.generation import check_prompt, generate
 from fusionnet.serving.kv_sessions import generate_cached
 from fusionnet.serving.sampling import SamplingParams
 from fusionnet.serving.served import ApiError, ServedModel, ServingObserver
+from fusionnet.serving.stopping import Piece, StopRule, StopTracker
 
 MAX_PROMPTS = 64
 MAX_NEW_TOKENS = 4096
+MAX_STOPS = 4  # stop strings per request, as OpenAI allows
+MAX_STOP_CHARS = 256
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
 
@@ -41,6 +46,16 @@ class CompletionRequest(BaseModel):
     seed: StrictInt | None = None
     stream: StrictBool = False
     n: Annotated[StrictInt, Field(ge=1, le=8)] = 1
+    stop: (
+        Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS)]
+        | Annotated[
+            list[Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+            Field(max_length=MAX_STOPS),
+        ]
+        | None
+    ) = None
+    stop_token_ids: Annotated[TokenIds, Field(max_length=64)] | None = None
+    ignore_eos: StrictBool = False
 
 
 def parse_completion(doc: Any) -> CompletionRequest:
@@ -74,6 +89,8 @@ def encode_prompts(req: CompletionRequest, model: ServedModel) -> list[list[int]
     if not ids or len(ids) * req.n > MAX_PROMPTS:
         raise ApiError(400, f"1..{MAX_PROMPTS} prompts (times n) per request", param="prompt")
     assert model.window is not None
+    if req.stop and model.tokenizer is None:
+        raise ApiError(400, "this deployment has no tokenizer: stop strings need one", param="stop")
     for i, p in enumerate(ids):
         problem = check_prompt(p, req.max_tokens, model.window)
         if problem is not None:
@@ -95,8 +112,12 @@ class ChoiceRun:
     ) -> None:
         self.model, self.prompt, self.req, self.params = model, prompt, req, params
         self.index, self.observer = index, observer
+        rule = StopRule.of(model.eos_token_ids, req.stop_token_ids, req.stop, req.ignore_eos)
+        self.tracker = StopTracker(rule, model.tokenizer)
 
-    async def events(self) -> AsyncIterator[int]:
+    async def events(self) -> AsyncIterator[Piece]:
+        """What each new token adds, until the choice ends (``self.tracker.finish_reason`` set); the
+        last piece is what was held back, when the choice ran out of tokens."""
         model, observer = self.model, self.observer
         assert model.window is not None
         started = last = time.monotonic()
@@ -124,50 +145,58 @@ class ChoiceRun:
                 self.index,
             )
         )
-        async for token in tokens:
-            now = time.monotonic()
-            if observer is not None:
-                if count == 0:
-                    observer.observe_first_token(model.name, now - started)
-                else:
-                    observer.observe_inter_token(model.name, now - last)
-            last, count = now, count + 1
-            yield token
+        tracker = self.tracker
+        async with aclosing(tokens):  # a choice that stops early gives its cache slot back at once
+            async for token in tokens:
+                now = time.monotonic()
+                if observer is not None:
+                    if count == 0:
+                        observer.observe_first_token(model.name, now - started)
+                    else:
+                        observer.observe_inter_token(model.name, now - last)
+                last, count = now, count + 1
+                yield tracker.push(token)
+                if tracker.finish_reason is not None:
+                    break
+        if tracker.finish_reason is None:
+            yield tracker.finish()
         if observer is not None:
             observer.observe_tokens(model.name, len(self.prompt), count)
 
-    async def tokens(self) -> list[int]:
-        return [t async for t in self.events()]
+    async def run(self) -> StopTracker:
+        async for _ in self.events():
+            pass
+        return self.tracker
 
 
 def completion_id() -> str:
     return f"cmpl-{secrets.token_hex(12)}"
 
 
-def choice_doc(model: ServedModel, index: int, tokens: list[int], finish: str | None) -> dict[str, Any]:
-    text = model.tokenizer.decode(tokens) if model.tokenizer is not None else ""
+def choice_doc(index: int, tokens: list[int], text: str, finish: str | None) -> dict[str, Any]:
     return {"index": index, "text": text, "token_ids": tokens, "logprobs": None, "finish_reason": finish}
 
 
-def usage(prompts: list[list[int]], choices: list[list[int]]) -> dict[str, int]:
-    p, c = sum(map(len, prompts)), sum(map(len, choices))
+def usage(prompts: list[list[int]], choices: list[StopTracker]) -> dict[str, int]:
+    p, c = sum(map(len, prompts)), sum(t.generated for t in choices)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 async def stream_choices(
     request: web.Request, model: ServedModel, runs: list[ChoiceRun]
 ) -> web.StreamResponse:
-    """Server-sent events: one ``data:`` chunk per token (any choice, as they come), a last chunk per
-    choice with its ``finish_reason``, then ``data: [DONE]``. A failure mid-stream is sent as an
-    ``error`` chunk (the status line has gone out already)."""
+    """Server-sent events: one ``data:`` chunk per token (any choice, as they come; ``text`` is what
+    became certain with it), a last chunk per choice with its ``finish_reason`` (and any text held back),
+    then ``data: [DONE]``. A failure mid-stream is sent as an ``error`` chunk (the status line has gone
+    out already)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
-    queue: asyncio.Queue[tuple[int, int | BaseException | None]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
 
     async def pump(run: ChoiceRun) -> None:
         try:
-            async for token in run.events():
-                await queue.put((run.index, token))
+            async for piece in run.events():
+                await queue.put((run.index, piece))
             await queue.put((run.index, None))
         except Exception as e:
             await queue.put((run.index, e))
@@ -189,9 +218,13 @@ async def stream_choices(
                 break
             if item is None:
                 live -= 1
-                await send(choice_doc(model, index, [], "length") | {"text": ""})
-            else:
-                await send(choice_doc(model, index, [item], None))
+                continue
+            finish = runs[index].tracker.finish_reason
+            done = finish is not None and not item.tokens  # the ending piece: held-back text, the reason
+            if item.tokens or item.text or done:
+                await send(choice_doc(index, item.tokens, item.text, finish if done else None))
+            if finish is not None and item.tokens:  # ended by this token (a stop string): say so
+                await send(choice_doc(index, [], "", finish))
         else:
             await response.write(b"data: [DONE]\n\n")
     finally:

@@ -153,14 +153,14 @@ class _Api:
         runs = [ChoiceRun(model, prompt, req, params, i, self.observer) for i, prompt in enumerate(prompts)]
         if req.stream:
             return await stream_choices(request, model, runs)
-        choices = await asyncio.gather(*(run.tokens() for run in runs))
+        choices = await asyncio.gather(*(run.run() for run in runs))
         return web.json_response(
             {
                 "id": completion_id(),
                 "object": "text_completion",
                 "created": int(time.time()),
                 "model": model.name,
-                "choices": [choice_doc(model, i, tokens, "length") for i, tokens in enumerate(choices)],
+                "choices": [choice_doc(i, c.tokens, c.text, c.finish_reason) for i, c in enumerate(choices)],
                 "usage": usage(prompts, choices),
             }
         )

@@ -44,6 +44,7 @@ class ServedModel:
     batcher: DynamicBatcher
     window: Window | None = None  # generate: the context window and vocabulary
     tokenizer: Any = None  # generate: a transformers tokenizer from the model folder, if it had one
+    eos_token_ids: tuple[int, ...] = ()  # generate: the ids that end a text (the model's and tokenizer's)
     compnodes: int = 0
     created: float = field(default_factory=time.time)
     kv: SlotPool | None = None  # generate with KV caches on the compnodes: the sessions' cache slots
