@@ -87,7 +87,9 @@ class _SlotCache:
         # [b, heads, 1, d] -> [b, heads, d] at cache[slot, :, position]; the in-place op's result (the
         # buffer itself) is what is read next, so the read depends on the write in the traced graph.
         keys, values = _put(keys, index, key), _put(values, index, value)
-        return keys[self.slots], values[self.slots]
+        # index_select copies whole [heads, window, dim] blocks; ``keys[slots]`` (aten.index) goes
+        # element by element and took twice as long: the largest cost of a decode step on a CPU
+        return keys.index_select(0, self.slots), values.index_select(0, self.slots)
 
 
 def _put(cache: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor], new: torch.Tensor) -> torch.Tensor:
