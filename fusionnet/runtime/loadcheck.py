@@ -47,12 +47,18 @@ class _Server:
     def __init__(self) -> None:
         self.proc: subprocess.Popen[str] | None = None
         self.lock = threading.Lock()
+        self.threads_at_fork: int | None = None  # the server's threads when it forked the last child
 
     def _started(self) -> subprocess.Popen[str]:
         if self.proc is None or self.proc.poll() is not None:
             cmd = [sys.executable, "-m", "fusionnet.runtime.loadcheck", "--serve"]
             self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                env=os.environ | SERVER_ENV,
             )
         return self.proc
 
@@ -84,11 +90,11 @@ class _Server:
             if forked is None or "pid" not in forked:
                 self.stop()
                 return None, False
+            self.threads_at_fork = forked.get("threads")
             done = self._answer(proc, time.monotonic() + timeout)
             if done is not None:
                 return int(done["exit"]), False
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(int(forked["pid"]), signal.SIGKILL)  # the child's session: all it started
+            kill_child(int(forked["pid"]))
             if self._answer(proc, time.monotonic() + SERVER_START_TIMEOUT) is None:
                 self.stop()  # out of step with the server: a fresh one next time
             return None, True
@@ -102,6 +108,25 @@ class _Server:
 
 
 SERVER_START_TIMEOUT = 60.0
+# The server must stay single-threaded to be forked safely. numpy (imported with torch) starts
+# OpenBLAS's thread server at import on a multi-core machine; a fork while that thread holds its lock
+# leaves the child hung before it ran a line of ours (seen once in a CI run: a check that never
+# answered). One BLAS thread means no thread server.
+SERVER_ENV = {"OPENBLAS_NUM_THREADS": "1"}
+
+
+def kill_child(pid: int) -> None:
+    """Kills a check's child and all it started: its session, or the child alone when it never got
+    as far as ``setsid`` (then its pid names no process group)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    except PermissionError:
+        pass
+
+
 _SERVER = _Server()
 
 
@@ -159,14 +184,14 @@ def _serve() -> int:
 
     for line in sys.stdin:
         request = json.loads(line)
+        threads = _thread_count()
         pid = os.fork()
         if pid == 0:
             _check_in_child(request)
-        print(json.dumps({"pid": pid}), flush=True)
+        print(json.dumps({"pid": pid, "threads": threads}), flush=True)
         status = _wait_for_child(pid)
         if status is None:  # the command is gone (stdin closed mid-check): so is its check
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+            kill_child(pid)
             os.waitpid(pid, 0)
             return 0
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
@@ -174,6 +199,14 @@ def _serve() -> int:
             os.killpg(pid, signal.SIGKILL)  # whatever the model code left running in the child's session
         print(json.dumps({"exit": code}), flush=True)
     return 0
+
+
+def _thread_count() -> int | None:
+    """This process's threads (Linux), reported with each fork: anything but 1 is a fork hazard."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
 
 
 def _wait_for_child(pid: int) -> int | None:

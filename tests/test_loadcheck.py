@@ -1,0 +1,73 @@
+"""The load check's fork server (``runtime.loadcheck``): single-threaded so its children cannot inherit a
+held lock, and a hung child is killed whether or not it got as far as its own session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fusionnet.errors import JobError
+from fusionnet.runtime import loadcheck
+from tests.jobfiles import REPO
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_the_fork_server_is_single_threaded_after_a_check() -> None:
+    loadcheck._SERVER.stop()  # a fresh server: its first fork is the one that follows the imports
+    loadcheck.check_job_loads(REPO / "examples" / "mlp" / "job.yaml", allow_outside_paths=False)
+    server = loadcheck._SERVER.proc
+    assert server is not None and server.poll() is None
+    # numpy's OpenBLAS would start a thread server at import (a fork could then inherit its held lock)
+    assert loadcheck._SERVER.threads_at_fork == 1
+    assert _threads(server.pid) == 1
+
+
+def test_a_check_that_runs_past_its_time_is_killed_and_said(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"inputs": torch.zeros(2, 3)}, str(tmp_path / "data.safetensors"))
+    (tmp_path / "model.py").write_text("import time\ntime.sleep(600)\n")
+    (tmp_path / "job.yaml").write_text(
+        "name: slow\ntask: infer\nmodel: {entrypoint: model.py:build}\n"
+        "data: {path: data.safetensors, batch_size: 1}\n"
+    )
+    started = time.monotonic()
+    with pytest.raises(JobError, match="did not finish in 3 s"):
+        loadcheck.check_job_loads(tmp_path / "job.yaml", allow_outside_paths=False, timeout=3)
+    assert time.monotonic() - started < 30  # killed and answered, not the server's own 60-s wait
+    # the server answered the killed check and serves the next one
+    loadcheck.check_job_loads(REPO / "examples" / "mlp" / "job.yaml", allow_outside_paths=False)
+
+
+def test_kill_child_kills_a_session_or_a_child_without_one() -> None:
+    lone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # our process group
+    session = subprocess.Popen(
+        ["bash", "-c", "sleep 120 & echo $!; wait"], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert session.stdout is not None
+        grandchild = int(session.stdout.readline())
+        loadcheck.kill_child(lone.pid)
+        assert lone.wait(timeout=30) == -9
+        loadcheck.kill_child(session.pid)
+        assert session.wait(timeout=30) == -9
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{grandchild}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # reaped by init: polled with a deadline
+        assert not Path(f"/proc/{grandchild}").exists() or "Z" in Path(f"/proc/{grandchild}/stat").read_text()
+    finally:
+        for p in (lone, session):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
