@@ -35,6 +35,13 @@ def _lm(family: str) -> torch.nn.Module:
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
         return transformers.GPT2LMHeadModel(cfg).eval()
+    if family == "mistral":  # every layer attends to the last 4 positions only: prompts + tokens outgrow it
+        cfg = transformers.MistralConfig(
+            vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=WINDOW, sliding_window=4, bos_token_id=0,
+            eos_token_id=0,
+        )  # fmt: skip
+        return transformers.MistralForCausalLM(cfg).eval()
     cfg = transformers.LlamaConfig(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=WINDOW, bos_token_id=0, eos_token_id=0,
@@ -69,7 +76,7 @@ def _decode(
     return outs
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral"])
 def test_the_traced_decoder_equals_generate_with_slots_reused(family: str) -> None:
     lm = _lm(family)
     want = [_generate(lm, p, 8) for p in PROMPTS]
@@ -277,3 +284,17 @@ def test_end_of_text_ids_come_from_the_causal_lm_and_stay_inside_the_vocabulary(
     # GPT2Config's default 50256 in a toy config of 300 tokens can never come: dropped
     assert _end_of_text([50256, 7], Tokenizer(), window) == (5, 7)
     assert _end_of_text([7], None, None) == ()
+
+
+def test_a_sliding_window_goes_into_the_mask_and_mixed_layers_are_refused() -> None:
+    from fusionnet.errors import JobError
+    from fusionnet.job.kv_decode import sliding_span
+
+    lm = _lm("mistral")
+    assert sliding_span(lm, WINDOW) == 4 and sliding_span(lm, 4) is None  # a span covering the window
+    assert sliding_span(_lm("llama"), WINDOW) is None
+    lm.config.layer_types = ["sliding_attention", "full_attention"]
+    with pytest.raises(JobError, match="mix full attention and a sliding window of 4"):
+        sliding_span(lm, WINDOW)
+    lm.config.layer_types = ["full_attention", "full_attention"]
+    assert sliding_span(lm, WINDOW) is None

@@ -17,7 +17,8 @@ the keys and values those tokens produced is what the model computes for that pr
 a slot's earlier session at positions past ``p`` are masked out (weight exactly zero).
 
 Only models whose attention goes through ``transformers``' cache interface (``cache.update``) and
-takes ``position_ids`` and a 4D additive mask are supported: GPT-2 and the Llama family among them.
+takes ``position_ids`` and a 4D additive mask are supported: GPT-2, the Llama family and Mistral (its
+sliding window goes into the mask) among them.
 """
 
 from __future__ import annotations
@@ -53,6 +54,28 @@ def cache_geometry(lm: nn.Module) -> tuple[int, int, int]:
     heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     return layers, heads, head_dim
+
+
+def sliding_span(lm: nn.Module, window: int) -> int | None:
+    """How many positions back every layer attends (Mistral's ``sliding_window``: position ``p`` sees
+    ``p - span + 1 .. p``), or None when every layer sees the whole context window. A model whose layers
+    mix the two is refused: one mask serves every layer here."""
+    cfg = lm.config  # type: ignore[attr-defined]
+    span = getattr(cfg, "sliding_window", None)
+    if not isinstance(span, int) or isinstance(span, bool) or span <= 0 or span >= window:
+        return None  # no sliding window, or one that covers the whole context window anyway
+    kinds = set(getattr(cfg, "layer_types", None) or ())
+    if kinds:
+        if kinds == {"full_attention"}:
+            return None
+        if kinds != {"sliding_attention"}:
+            raise JobError(
+                f"KV cache: the layers mix full attention and a sliding window of {span} positions "
+                "(one mask serves every layer here)"
+            )
+    elif getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    return span
 
 
 class _SlotCache:
@@ -108,6 +131,7 @@ class SlotDecoder(nn.Module):
             raise JobError(f"KV cache: slots ({slots}) and window ({window}) must be >= 1")
         self.lm, self.n_slots, self.window = lm, slots, window
         self.n_layers, heads, head_dim = cache_geometry(lm)
+        self.span = sliding_span(lm, window)
         dtype = next(lm.parameters()).dtype
         for i in range(self.n_layers):
             self.register_buffer(f"kv_k{i}", torch.zeros(slots, heads, window, head_dim, dtype=dtype))
@@ -122,7 +146,10 @@ class SlotDecoder(nn.Module):
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         tokens, positions, slots = rows[:, 0:1], rows[:, 1:2], rows[:, 2]
-        allowed = torch.arange(self.window, device=rows.device)[None, :] <= positions  # [b, window]
+        seen = torch.arange(self.window, device=rows.device)[None, :]
+        allowed = seen <= positions  # [b, window]
+        if self.span is not None:  # transformers' sliding window: key k is seen from p when p - span < k
+            allowed = allowed & (seen > positions - self.span)
         dtype = self.kv_k0.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=rows.device)
         mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None, None, :]

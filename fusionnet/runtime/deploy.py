@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fusionnet.errors import JobError
-from fusionnet.job.kv_decode import SlotDecoder, disagreement, example_rows, find_causal_lm
+from fusionnet.job.kv_decode import SlotDecoder, disagreement, example_rows, find_causal_lm, sliding_span
 from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.job.parse import load_job_spec
 from fusionnet.messages.broker_rpc import BrokerClient
@@ -55,6 +55,11 @@ def with_kv_cache(
             f"generate: the example data must be token ids [batch, sequence], got {list(job.inputs.shape)}"
         )
     window = int(job.inputs.shape[1])
+    try:
+        sliding_span(lm, window)
+    except JobError as e:  # layers of two kinds of attention: served, without caches
+        print(f"deploy: no KV caches: {e}; every token recomputes the context window", file=stream)
+        return job, None
     decoder = SlotDecoder(lm, slots, window).eval()
     why = disagreement(job.model.eval(), decoder, job.inputs[:1].to(torch.long))
     if why is not None:
