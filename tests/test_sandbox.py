@@ -201,6 +201,18 @@ def test_releasing_a_job_ends_its_runaway_worker(whole_job: dict) -> None:
     asyncio.run(run())
 
 
+async def _waiting_for(s: Any, call_: asyncio.Future[Any], step: int, deadline: float = 30.0) -> None:
+    """Until the call sent ahead waits for ``step`` (the job's event for it exists), with a deadline;
+    the call must not have finished meanwhile."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    while step not in s.jobs["j1"].ended:
+        assert not call_.done(), "the step sent ahead ran (or failed) instead of waiting"
+        assert loop.time() < end, f"the step sent ahead did not start waiting for step {step}"
+        await asyncio.sleep(0.01)
+    assert not call_.done()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sandbox", [True, False])
 def test_a_step_sent_ahead_waits_for_the_one_before_it_whatever_the_arrival_order(
@@ -215,14 +227,13 @@ def test_a_step_sent_ahead_waits_for_the_one_before_it_whatever_the_arrival_orde
         s = service(sandbox=sandbox)
         await call(s, "assign", whole_job)
         ahead = asyncio.ensure_future(call(s, "step", {"job_id": "j1", "step": 1, "after": 0}))
-        await asyncio.sleep(0.2)  # it is in and waiting (not a readiness wait: nothing may happen)
-        assert not ahead.done()
+        await _waiting_for(s, ahead, 0)
         first = await call(s, "step", {"job_id": "j1", "step": 0})
         second = await ahead
         third = await call(s, "step", {"job_id": "j1", "step": 2})
         assert [first["loss"], second["loss"], third["loss"]] == want
         stuck = asyncio.ensure_future(call(s, "step", {"job_id": "j1", "step": 4, "after": 3}))
-        await asyncio.sleep(0.2)
+        await _waiting_for(s, stuck, 3)
         await call(s, "release", {"job_id": "j1", "reason": "cancelled"})
         with pytest.raises(JobError, match="released"):
             await asyncio.wait_for(stuck, 10)
