@@ -40,6 +40,12 @@ class ExecutionError(FusionNetError, RuntimeError):
     """A sub-task failed while running (wrong tensor shape from a peer, op failure, ...)."""
 
 
+class ComputeError(ExecutionError):
+    """An op of the model raised while computing a sub-task (an index out of range, mismatched
+    shapes): the same inputs fail the same way on any compnode. A deployment answers the request that
+    brought them with an error instead of failing everyone batched with it."""
+
+
 class DeviceMemoryError(ExecutionError):
     """A sub-task ran out of its device's memory. The compnode survives; the broker places the job again
     without that compnode (``peer`` names it once the broker's call adds it)."""

@@ -17,7 +17,7 @@ from safetensors.torch import load as load_st
 from safetensors.torch import save as save_st
 
 from fusionnet.compnode.serve_steps import picked
-from fusionnet.serving.batching import DynamicBatcher, Overloaded
+from fusionnet.serving.batching import DynamicBatcher, Overloaded, RowsFailed
 from fusionnet.serving.generation import Window
 from fusionnet.serving.http import build_app
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
@@ -99,6 +99,49 @@ def test_batcher_splits_a_request_larger_than_a_batch() -> None:
             await b.close()
 
     assert _run(main()).view(-1).tolist() == [float(i + 1) for i in range(8)]
+
+
+def test_a_batch_that_fails_on_its_rows_fails_only_the_request_that_brought_them() -> None:
+    """The model raises on a negative row (``RowsFailed``, as a deployment reports an op's error): the
+    batch runs again one request at a time, the others get their outputs, the culprit the error."""
+    calls: list[int] = []
+
+    async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+        calls.append(int(rows.shape[0]))
+        if (rows < 0).any():
+            raise RowsFailed("index out of range")
+        return rows * 2
+
+    async def main() -> list[Any]:
+        b = DynamicBatcher(run_batch, max_batch=16, max_wait=0.0, queue_limit=100, in_flight=1)
+        gate = asyncio.Event()
+        inner = b.run_batch
+
+        async def first_waits(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+            await gate.wait()  # the first batch holds the pipeline: the three requests queue behind it
+            b.run_batch = inner
+            return await inner(rows, pick)
+
+        b.run_batch = first_waits
+        b.start()
+        try:
+            first = asyncio.ensure_future(b.submit(torch.tensor([[1.0]])))
+            while not calls and b.running == 0:
+                await asyncio.sleep(0)
+            rows = [torch.tensor([[2.0], [3.0]]), torch.tensor([[-1.0]]), torch.tensor([[4.0]])]
+            queued = [asyncio.ensure_future(b.submit(r)) for r in rows]
+            while b.queued_rows < 4:
+                await asyncio.sleep(0)
+            gate.set()
+            return await asyncio.gather(first, *queued, return_exceptions=True)
+        finally:
+            await b.close()
+
+    first, good, bad, other = _run(main())
+    assert first.view(-1).tolist() == [2.0]
+    assert good.view(-1).tolist() == [4.0, 6.0] and other.view(-1).tolist() == [8.0]
+    assert isinstance(bad, RowsFailed)
+    assert calls == [1, 4, 2, 1, 1]  # the lone first, the batch of three requests, then each alone
 
 
 # ---- sampling ----------------------------------------------------------------------------------------

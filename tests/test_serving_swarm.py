@@ -112,6 +112,47 @@ def test_deploy_infer_examples_equal_plain_pytorch(swarm: ProcessSwarm, tmp_path
     assert FusionNetClient(url).models() == []
 
 
+@pytest.mark.timeout(600)
+def test_a_request_whose_rows_make_the_model_raise_fails_alone(swarm: ProcessSwarm, tmp_path: Path) -> None:
+    """An embedding model deployed for ``infer`` (no vocabulary check before batching): a request with a
+    token id outside its table makes an op raise on a compnode. It gets 400 naming the error; requests
+    sent at the same time get their outputs, and the deployment serves on."""
+    ids, _ = token_data(4, seq=8)
+    path = write_job(
+        tmp_path / "lm", model_class="HFCausalLM", inputs=ids, labels=None, task="infer", loss=False,
+        batch_size=4, microbatches=2, compnodes=2,
+    )  # fmt: skip
+    url = _deploy(swarm, path, "lm")
+    try:
+        model = load_job(path).model.eval()
+        client = FusionNetClient(url)
+        with torch.no_grad():
+            want = model(ids)
+        bad = ids[:1].clone()
+        bad[0, 3] = 10**6
+
+        def infer(rows: torch.Tensor) -> torch.Tensor | ServingError:
+            try:
+                return client.infer(rows, model="lm")
+            except ServingError as e:
+                return e
+
+        async def together() -> list[torch.Tensor | ServingError]:
+            rows = [ids[0:1], bad, ids[1:3], ids[3:4]]
+            return await asyncio.gather(*(asyncio.to_thread(infer, r) for r in rows))
+
+        first, refused, middle, last = asyncio.run(together())
+        assert isinstance(refused, ServingError) and refused.status == 400, refused
+        assert "failed on these inputs" in refused.message and "IndexError" in refused.message
+        for got, rows in ((first, slice(0, 1)), (middle, slice(1, 3)), (last, slice(3, 4))):
+            assert isinstance(got, torch.Tensor), got
+            assert (got - want[rows]).abs().max().item() <= TOL
+        again = client.infer(ids, model="lm")  # serving on, on a fresh placement
+        assert (again - want).abs().max().item() <= TOL
+    finally:
+        asyncio.run(undeploy("lm", swarm.initial_peers))
+
+
 async def _infer_each(client: FusionNetClient, rows: torch.Tensor, name: str) -> list[torch.Tensor]:
     """One request per row, all at once (threads: the client is synchronous)."""
     return await asyncio.gather(

@@ -14,7 +14,9 @@ Failover: a batch that fails because a compnode died (``PeerFailure`` from the `
 any other reason, makes the deployment re-place itself (replacement from the backup pool and the other
 free compnodes, every sub-DAG assigned again) and runs the batch again. Batches are stateless (full
 forward passes), so the retried batch gives the same outputs; a generation session continues with the
-same tokens.
+same tokens. A batch on which an op of the model raised (``ComputeError``: the rows are at fault) is
+not run again as a whole: it fails with ``RowsFailed`` and the batcher runs its requests one by one, so
+only the request that brought the bad rows gets the error.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from fusionnet.broker.job_calls import gather
 from fusionnet.broker.jobrun import JobRun
 from fusionnet.broker.store import JobState
 from fusionnet.broker.submission import SubmittedJob
-from fusionnet.errors import ExecutionError, FusionNetError
+from fusionnet.errors import ComputeError, ExecutionError, FusionNetError
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest, ServingClient
 from fusionnet.results.assemble import join_outputs
+from fusionnet.serving.batching import RowsFailed
 from fusionnet.serving.kv_sessions import CacheLost
 
 log = logging.getLogger("fusionnet.broker.deployments")
@@ -167,11 +170,14 @@ class DeploymentRun(JobRun):
                 replies = await self.watch.guarded(self._serve(step, sizes, blob, picks))
             except (PeerFailure, FusionNetError, TimeoutError) as e:
                 error = e
-                await self._replace(attempt, e)
+                await self._replace(attempt, e)  # also when the rows were at fault: the pipeline
+                # still waits for the failed batch's messages, a fresh placement does not
                 if self.cached:
                     raise CacheLost(
                         f"deployment {self.job.spec.name}: batch failed ({e}); caches lost"
                     ) from e
+                if isinstance(e, ComputeError):  # the same rows fail anywhere: no second attempt
+                    raise RowsFailed(f"the model failed on these inputs: {e}") from e
                 continue
             self._count(replies, time.perf_counter() - started)
             return self._outputs_of(replies)[:n]

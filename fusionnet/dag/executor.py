@@ -63,7 +63,7 @@ from fusionnet.dag.partition import SubDag
 from fusionnet.dag.precision import FOUND_INF_NODE, autocast, make_scaler
 from fusionnet.dag.rebuild import build_subdag_module
 from fusionnet.dag.split_backward import WeightWork
-from fusionnet.errors import DeviceMemoryError, ExecutionError
+from fusionnet.errors import ComputeError, DeviceMemoryError, ExecutionError
 from fusionnet.schedules import Action, Schedule, ScheduleError, make_schedule
 
 T = TypeVar("T")
@@ -181,7 +181,7 @@ class SubDagExecutor(BackwardPass):
     def _failed(self, what: str, step: int, mb: int, e: Exception) -> ExecutionError:
         if is_out_of_memory(e):
             return self._device_error(f"{what} of step {step} micro-batch {mb}", e)
-        return ExecutionError(
+        return ComputeError(
             f"sub-DAG {self.subdag.index}: {what} of step {step} micro-batch {mb} "
             f"failed: {type(e).__name__}: {e}"
         )

@@ -22,6 +22,7 @@ from typing import Any
 import msgpack
 
 from fusionnet.errors import (
+    ComputeError,
     DeviceMemoryError,
     ExecutionError,
     FusionNetError,
@@ -62,6 +63,7 @@ REMOTE_ERROR_CLASSES: dict[str, type[FusionNetError]] = {
         PlanError,
         WireError,
         ExecutionError,
+        ComputeError,
         DeviceMemoryError,
     )
 }

@@ -10,6 +10,10 @@ eq. (4)) rather than the whole pipeline's latency (eq. (3)).
 Overload is answered, never queued without bound: when more than ``queue_limit`` rows wait,
 ``submit`` raises ``Overloaded`` at once (the HTTP layer answers 503). A request larger than
 ``max_batch`` rows is cut into several batches and joined again.
+
+One request's bad rows fail only that request: a batch that fails with ``RowsFailed`` (the model
+itself raised on its rows: an index out of range, say) is run again one request at a time, so the
+requests batched with the culprit get their outputs and the culprit gets the error.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ class Overloaded(Exception):
 
 class Closed(Exception):
     """The deployment is going away: no more requests."""
+
+
+class RowsFailed(Exception):
+    """The model raised on a batch's rows (not a lost compnode, not a timeout): running its requests
+    apart tells which one brought the rows (HTTP 400)."""
 
 
 @dataclass
@@ -184,6 +193,13 @@ class DynamicBatcher:
                 if not item.future.done():
                     item.future.set_exception(Closed("the deployment was undeployed"))
             raise
+        except RowsFailed as e:
+            if len(batch) == 1:
+                if not batch[0].future.done():
+                    batch[0].future.set_exception(e)
+            else:
+                log.info("batch of %d requests failed on its rows (%s): each runs alone", len(batch), e)
+                await self._run_apart(batch)
         except Exception as e:
             log.warning("batch of %d requests failed: %s", len(batch), e)
             for item in batch:
@@ -194,3 +210,20 @@ class DynamicBatcher:
         if self.on_batch is not None:
             waited = started - min(i.queued_at for i in batch)
             self.on_batch(BatchStats(n_rows, waited, time.monotonic() - started))
+
+    async def _run_apart(self, batch: list[_Item]) -> None:
+        """Each request of a batch that failed on its rows, alone (in this batch's pipeline slot)."""
+        for item in batch:
+            if item.future.done():
+                continue
+            try:
+                out = await self.run_batch(item.rows, item.pick)
+            except asyncio.CancelledError:
+                for left in batch:
+                    if not left.future.done():
+                        left.future.set_exception(Closed("the deployment was undeployed"))
+                raise
+            except Exception as e:
+                item.future.set_exception(e)
+            else:
+                item.future.set_result(out)

@@ -1,7 +1,8 @@
 """The broker's HTTP API (aiohttp): ``GET /v1/models``, ``POST /v1/infer``, ``POST /v1/completions``.
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request that is
-wrong (naming the field), 404 for an unknown deployment or route, 405 for a wrong method, 413 for a body
+wrong (naming the field) or whose own rows made the model raise (``RowsFailed``: the requests batched
+with it are served), 404 for an unknown deployment or route, 405 for a wrong method, 413 for a body
 over the limit, 503 when the deployment's queue is full (``Overloaded``) or it is going away, 500 for a
 failure of ours. Nothing a client sends can make a handler wait without bound: the batcher's queue is
 bounded and every batch call to the swarm has a timeout.
@@ -20,7 +21,7 @@ from aiohttp import web
 
 from fusionnet.errors import FusionNetError
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
-from fusionnet.serving.batching import Closed, Overloaded
+from fusionnet.serving.batching import Closed, Overloaded, RowsFailed
 from fusionnet.serving.completions import (
     ChoiceRun,
     choice_doc,
@@ -70,6 +71,8 @@ class _Api:
             response = _error(503, f"the deployment is overloaded: {e}; retry later", "server_overloaded")
         except Closed as e:
             response = _error(503, str(e), "server_error")
+        except RowsFailed as e:  # the model raised on this request's own rows, alone
+            response = _error(400, str(e)[:500], "invalid_request_error")
         except FusionNetError as e:  # the swarm failed the batch (after the failover's retries)
             log.warning("%s %s: %s", request.method, request.path, e)
             response = _error(503, f"the swarm could not run the request: {e}"[:500], "server_error")
