@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -32,15 +32,19 @@ MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 MAX_STOP_CHARS = 256
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+Request = TypeVar("Request", bound=BaseModel)
 
 
-class CompletionRequest(BaseModel):
+MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_NEW_TOKENS)]
+
+
+class GenerationParams(BaseModel):
+    """What ``/v1/completions`` and ``/v1/chat/completions`` share: the deployment, sampling, stopping."""
+
     # Unknown OpenAI fields (user, echo, logprobs, ...) are ignored rather than refused.
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    max_tokens: Annotated[StrictInt, Field(ge=1, le=MAX_NEW_TOKENS)] = 16
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: StrictInt | None = None
@@ -58,11 +62,21 @@ class CompletionRequest(BaseModel):
     ignore_eos: StrictBool = False
 
 
+class CompletionRequest(GenerationParams):
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    max_tokens: MaxTokens = 16
+
+
 def parse_completion(doc: Any) -> CompletionRequest:
+    return parse_body(CompletionRequest, doc)
+
+
+def parse_body(cls: type[Request], doc: Any) -> Request:
+    """A request body as ``cls``, or a 400 that names the first wrong field."""
     if not isinstance(doc, dict):
         raise ApiError(400, "the body must be a JSON object")
     try:
-        return CompletionRequest.model_validate(doc)
+        return cls.model_validate(doc)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err.get("loc", ())[:1]) or "(body)"
@@ -169,8 +183,8 @@ class ChoiceRun:
         return self.tracker
 
 
-def completion_id() -> str:
-    return f"cmpl-{secrets.token_hex(12)}"
+def completion_id(prefix: str = "cmpl") -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
 
 
 def choice_doc(index: int, tokens: list[int], text: str, finish: str | None) -> dict[str, Any]:
@@ -182,8 +196,24 @@ def usage(prompts: list[list[int]], choices: list[StopTracker]) -> dict[str, int
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+class TextChunks:
+    """How ``/v1/completions`` streams a choice: ``text`` and ``token_ids`` per chunk."""
+
+    object = "text_completion"
+    id_prefix = "cmpl"
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        return None
+
+    def chunk(self, index: int, tokens: list[int], text: str, finish: str | None) -> dict[str, Any]:
+        return choice_doc(index, tokens, text, finish)
+
+
+TEXT_CHUNKS = TextChunks()
+
+
 async def stream_choices(
-    request: web.Request, model: ServedModel, runs: list[ChoiceRun]
+    request: web.Request, model: ServedModel, runs: list[ChoiceRun], shape: TextChunks = TEXT_CHUNKS
 ) -> web.StreamResponse:
     """Server-sent events: one ``data:`` chunk per token (any choice, as they come; ``text`` is what
     became certain with it), a last chunk per choice with its ``finish_reason`` (and any text held back),
@@ -202,13 +232,17 @@ async def stream_choices(
             await queue.put((run.index, e))
 
     tasks = [asyncio.ensure_future(pump(run)) for run in runs]
-    cid, created = completion_id(), int(time.time())
+    cid, created = completion_id(shape.id_prefix), int(time.time())
 
     async def send(choice: dict[str, Any]) -> None:
-        chunk = {"id": cid, "object": "text_completion", "created": created, "model": model.name}
+        chunk = {"id": cid, "object": shape.object, "created": created, "model": model.name}
         await response.write(f"data: {json.dumps(chunk | {'choices': [choice]})}\n\n".encode())
 
     try:
+        for run in runs:
+            opening = shape.opening(run.index)
+            if opening is not None:
+                await send(opening)
         live = len(runs)
         while live:
             index, item = await queue.get()
@@ -222,9 +256,9 @@ async def stream_choices(
             finish = runs[index].tracker.finish_reason
             done = finish is not None and not item.tokens  # the ending piece: held-back text, the reason
             if item.tokens or item.text or done:
-                await send(choice_doc(index, item.tokens, item.text, finish if done else None))
+                await send(shape.chunk(index, item.tokens, item.text, finish if done else None))
             if finish is not None and item.tokens:  # ended by this token (a stop string): say so
-                await send(choice_doc(index, [], "", finish))
+                await send(shape.chunk(index, [], "", finish))
         else:
             await response.write(b"data: [DONE]\n\n")
     finally:

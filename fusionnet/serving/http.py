@@ -1,4 +1,5 @@
-"""The broker's HTTP API (aiohttp): ``GET /v1/models``, ``POST /v1/infer``, ``POST /v1/completions``.
+"""The broker's HTTP API (aiohttp): ``GET /v1/models``, ``POST /v1/infer``, ``POST /v1/completions``,
+``POST /v1/chat/completions``.
 
 Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a request that is
 wrong (naming the field) or whose own rows made the model raise (``RowsFailed``: the requests batched
@@ -22,11 +23,13 @@ from aiohttp import web
 from fusionnet.errors import FusionNetError
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
 from fusionnet.serving.batching import Closed, Overloaded, RowsFailed
+from fusionnet.serving.chat import CHAT_CHUNKS, ChatRequest, chat_reply, encode_chat
 from fusionnet.serving.completions import (
     ChoiceRun,
     choice_doc,
     completion_id,
     encode_prompts,
+    parse_body,
     parse_completion,
     stream_choices,
     usage,
@@ -49,6 +52,7 @@ def build_app(deployments: Deployments, observer: ServingObserver | None = None)
     app.router.add_get("/v1/models/{name}", api.model)
     app.router.add_post("/v1/infer", api.infer)
     app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
     return app
 
 
@@ -143,14 +147,8 @@ class _Api:
         return web.Response(body=pack_tensors({"outputs": outputs.contiguous()}), content_type=SAFETENSORS)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            doc = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the body must be a JSON object") from None
-        req = parse_completion(doc)
-        model = self._lookup(request, req.model)
-        if model.kind != "generate" or model.window is None:
-            raise ApiError(400, f"deployment {model.name!r} is not a text generation model", param="model")
+        req = parse_completion(await _json(request))
+        model = self._generator(request, req.model)
         prompts = encode_prompts(req, model)
         params = SamplingParams(temperature=req.temperature, top_p=req.top_p)
         runs = [ChoiceRun(model, prompt, req, params, i, self.observer) for i, prompt in enumerate(prompts)]
@@ -167,6 +165,32 @@ class _Api:
                 "usage": usage(prompts, choices),
             }
         )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_body(ChatRequest, await _json(request))
+        model = self._generator(request, req.model)
+        prompt, as_completion = await encode_chat(req, model)
+        params = SamplingParams(temperature=req.temperature, top_p=req.top_p)
+        runs = [ChoiceRun(model, prompt, as_completion, params, i, self.observer) for i in range(req.n)]
+        if req.stream:
+            return await stream_choices(request, model, runs, CHAT_CHUNKS)
+        choices = await asyncio.gather(*(run.run() for run in runs))
+        return web.json_response(
+            chat_reply(completion_id("chatcmpl"), int(time.time()), model, prompt, list(choices))
+        )
+
+    def _generator(self, request: web.Request, name: str | None) -> ServedModel:
+        model = self._lookup(request, name)
+        if model.kind != "generate" or model.window is None:
+            raise ApiError(400, f"deployment {model.name!r} is not a text generation model", param="model")
+        return model
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "the body must be a JSON object") from None
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:

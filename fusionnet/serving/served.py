@@ -63,6 +63,7 @@ class ServedModel:
             "input_dtype": str(self.row_dtype).removeprefix("torch."),
             "context": None if self.window is None else self.window.context,
             "tokenizer": self.tokenizer is not None,
+            "chat_template": bool(getattr(self.tokenizer, "chat_template", None)),
             "queued_rows": self.batcher.queued_rows,
             "kv_cache_slots": None if self.kv is None else self.kv.slots,
         }

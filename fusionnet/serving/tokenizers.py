@@ -18,6 +18,8 @@ TOKENIZER_FILES = (
     "merges.txt",
     "vocab.txt",
     "added_tokens.json",
+    "chat_template.jinja",  # where transformers 5 saves a chat template
+    "chat_template.json",
 )
 MAX_TOKENIZER_BYTES = 64 << 20
 
