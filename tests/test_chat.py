@@ -145,6 +145,31 @@ def test_chat_errors_say_what_is_wrong(tokenizer: Any) -> None:
     _run(_with_app(local, body))
 
 
+def test_chat_logprobs_in_the_chat_form(tokenizer: Any) -> None:
+    local, _ = _deployment(tokenizer)
+
+    async def body(client: TestClient) -> None:
+        chat = {"messages": MESSAGES, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+        r = await client.post("/v1/chat/completions", json=chat)
+        doc = await r.json()
+        assert r.status == 200, doc
+        choice = doc["choices"][0]
+        content = choice["logprobs"]["content"]
+        assert [c["token"] for c in content] == [tokenizer.decode([t]) for t in choice["token_ids"]]
+        for c in content:  # greedy: each token is its own best alternative
+            assert len(c["top_logprobs"]) == 3 and c["top_logprobs"][0]["token"] == c["token"]
+            assert c["top_logprobs"][0]["logprob"] == c["logprob"] <= 0.0
+            assert c["bytes"] == list(c["token"].encode())
+        r = await client.post("/v1/chat/completions", json=chat | {"stream": True})
+        events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+        streamed = [json.loads(e)["choices"][0]["logprobs"] for e in events[:-1]]
+        assert [x for s in streamed if s for x in s["content"]] == content
+        r = await client.post("/v1/chat/completions", json=chat | {"logprobs": False})
+        assert r.status == 400 and "needs logprobs" in (await r.json())["error"]["message"]
+
+    _run(_with_app(local, body))
+
+
 def test_the_openai_client_chats_unchanged(tokenizer: Any) -> None:
     openai = pytest.importorskip("openai")
     local, _ = _deployment(tokenizer)

@@ -186,10 +186,13 @@ def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> 
 
     async def tokens(fake: Fake) -> list[int]:
         pool = SlotPool(2, waiting=4)
+        seen: list[torch.Tensor] = []  # what each token was sampled from (for its logprob)
         gen = generate_cached(
-            fake.submit, pool, lambda: fake.epoch, [3, 1, 4], 6, SamplingParams(0.0), None, 0
+            fake.submit, pool, lambda: fake.epoch, [3, 1, 4], 6, SamplingParams(0.0), None, 0, seen.append
         )
-        return [t async for t in gen]
+        out = [t async for t in gen]
+        assert [int(row.argmax()) for row in seen] == out  # greedy: each token is its row's best
+        return out
 
     clean = Fake(set())
     want = asyncio.run(tokens(clean))

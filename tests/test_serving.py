@@ -433,3 +433,43 @@ def test_a_repeated_serve_step_call_gets_the_first_answer_and_runs_once() -> Non
             await ask(0)
 
     asyncio.run(scenario())
+
+
+def test_logprobs_are_the_models_own_plain_and_streamed() -> None:
+    """``logprobs: k``: each generated token's log-softmax under the logits it came from (checked against
+    the model run here) and the k best alternatives, in OpenAI's legacy form, plain and streamed."""
+    lm = _gpt2()
+    prompt = [5, 9, 3]
+    local = _Local()
+    local.add(
+        "gpt", "generate", lambda rows: lm(rows).logits, (32,), torch.long, Window(context=32, vocab=40)
+    )
+    base = {"prompt": prompt, "max_tokens": 4, "temperature": 1.0, "seed": 11, "logprobs": 2}
+
+    async def body(client: TestClient) -> None:
+        r = await client.post("/v1/completions", json=base)
+        doc = await r.json()
+        assert r.status == 200, doc
+        choice = doc["choices"][0]
+        tokens, lp = choice["token_ids"], choice["logprobs"]
+        assert lp["tokens"] == [f"token_id:{t}" for t in tokens]  # no tokenizer: vLLM's spelling
+        seq = list(prompt)
+        for i, token in enumerate(tokens):
+            with torch.no_grad():
+                want = torch.log_softmax(lm(torch.tensor([seq])).logits[0, -1], dim=-1)
+            assert abs(lp["token_logprobs"][i] - float(want[token])) <= 1e-5
+            best = torch.topk(want, 2)
+            assert list(lp["top_logprobs"][i]) == [f"token_id:{int(t)}" for t in best.indices]
+            assert list(lp["top_logprobs"][i].values()) == pytest.approx(best.values.tolist(), abs=1e-5)
+            seq.append(token)
+        r = await client.post("/v1/completions", json=base | {"stream": True})
+        events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        streamed = [c["logprobs"] for c in chunks if c["token_ids"]]
+        assert [x for c in streamed for x in c["token_logprobs"]] == lp["token_logprobs"]
+        r = await client.post("/v1/completions", json=base | {"logprobs": None})
+        assert (await r.json())["choices"][0]["logprobs"] is None
+        r = await client.post("/v1/completions", json=base | {"logprobs": 21})
+        assert r.status == 400 and "logprobs" in (await r.json())["error"]["message"]
+
+    _run(_with_app(local, body))

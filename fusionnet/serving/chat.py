@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from fusionnet.serving.completions import (
+    ChoiceRun,
     CompletionRequest,
     GenerationParams,
     MaxTokens,
@@ -25,8 +26,8 @@ from fusionnet.serving.completions import (
     usage,
 )
 from fusionnet.serving.generation import check_prompt
+from fusionnet.serving.logprobs import MAX_TOP, TokenLogprob, chat_logprobs
 from fusionnet.serving.served import ApiError, ServedModel
-from fusionnet.serving.stopping import StopTracker
 
 MAX_MESSAGES = 256
 MAX_MESSAGE_CHARS = 1 << 20
@@ -55,6 +56,8 @@ class ChatRequest(GenerationParams):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP)] | None = None
 
 
 async def encode_chat(req: ChatRequest, model: ServedModel) -> tuple[list[int], CompletionRequest]:
@@ -86,8 +89,11 @@ async def encode_chat(req: ChatRequest, model: ServedModel) -> tuple[list[int], 
     problem = check_prompt(ids, new, window)
     if problem is not None:
         raise ApiError(400, f"messages: {problem}", param="messages")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
     shared = req.model_dump(include=set(GenerationParams.model_fields))
-    return ids, CompletionRequest(**shared, prompt=ids, max_tokens=new)
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    return ids, CompletionRequest(**shared, prompt=ids, max_tokens=new, logprobs=top)
 
 
 class ChatChunks(TextChunks):
@@ -100,23 +106,29 @@ class ChatChunks(TextChunks):
         delta = {"role": "assistant", "content": ""}
         return {"index": index, "delta": delta, "token_ids": [], "logprobs": None, "finish_reason": None}
 
-    def chunk(self, index: int, tokens: list[int], text: str, finish: str | None) -> dict[str, Any]:
+    def chunk(
+        self, index: int, tokens: list[int], text: str, finish: str | None, logprobs: Any = None
+    ) -> dict[str, Any]:
         delta = {"content": text} if text or tokens else {}
         return {
             "index": index,
             "delta": delta,
             "token_ids": tokens,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
         }
+
+    def logprobs(self, run: ChoiceRun, entries: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
+        return None if run.top is None else chat_logprobs(entries, run.model.tokenizer)
 
 
 CHAT_CHUNKS = ChatChunks()
 
 
 def chat_reply(
-    cid: str, created: int, model: ServedModel, prompt: list[int], choices: list[StopTracker]
+    cid: str, created: int, model: ServedModel, prompt: list[int], runs: list[ChoiceRun]
 ) -> dict[str, Any]:
+    choices = [run.tracker for run in runs]
     return {
         "id": cid,
         "object": "chat.completion",
@@ -127,7 +139,7 @@ def chat_reply(
                 "index": i,
                 "message": {"role": "assistant", "content": c.text},
                 "token_ids": c.tokens,
-                "logprobs": None,
+                "logprobs": CHAT_CHUNKS.logprobs(runs[i], runs[i].logprobs, 0),
                 "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(choices)

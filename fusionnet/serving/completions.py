@@ -17,11 +17,13 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Annotated, Any, TypeVar
 
+import torch
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from fusionnet.serving.generation import check_prompt, generate
 from fusionnet.serving.kv_sessions import generate_cached
+from fusionnet.serving.logprobs import MAX_TOP, TokenLogprob, completion_logprobs, logprob_of
 from fusionnet.serving.sampling import SamplingParams
 from fusionnet.serving.served import ApiError, ServedModel, ServingObserver
 from fusionnet.serving.stopping import Piece, StopRule, StopTracker
@@ -65,6 +67,7 @@ class GenerationParams(BaseModel):
 class CompletionRequest(GenerationParams):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
     max_tokens: MaxTokens = 16
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP)] | None = None  # top alternatives per token
 
 
 def parse_completion(doc: Any) -> CompletionRequest:
@@ -128,6 +131,12 @@ class ChoiceRun:
         self.index, self.observer = index, observer
         rule = StopRule.of(model.eos_token_ids, req.stop_token_ids, req.stop, req.ignore_eos)
         self.tracker = StopTracker(rule, model.tokenizer)
+        self.top = req.logprobs  # None: no logprobs
+        self.logprobs: list[TokenLogprob] = []  # one per token of the answer, when asked for
+        self._logits: torch.Tensor | None = None  # what the next token is sampled from
+
+    def _saw(self, logits: torch.Tensor) -> None:
+        self._logits = logits
 
     async def events(self) -> AsyncIterator[Piece]:
         """What each new token adds, until the choice ends (``self.tracker.finish_reason`` set); the
@@ -137,6 +146,7 @@ class ChoiceRun:
         started = last = time.monotonic()
         count = 0
         req = self.req
+        on_logits = self._saw if self.top is not None else None
         tokens = (
             generate(
                 model.batcher.submit,
@@ -146,6 +156,7 @@ class ChoiceRun:
                 self.params,
                 req.seed,
                 self.index,
+                on_logits,
             )
             if model.kv is None
             else generate_cached(
@@ -157,6 +168,7 @@ class ChoiceRun:
                 self.params,
                 req.seed,
                 self.index,
+                on_logits,
             )
         )
         tracker = self.tracker
@@ -169,7 +181,11 @@ class ChoiceRun:
                     else:
                         observer.observe_inter_token(model.name, now - last)
                 last, count = now, count + 1
-                yield tracker.push(token)
+                piece = tracker.push(token)
+                if self.top is not None and piece.tokens and self._logits is not None:
+                    piece.logprobs = [logprob_of(self._logits, token, self.top)]
+                    self.logprobs.extend(piece.logprobs)
+                yield piece
                 if tracker.finish_reason is not None:
                     break
         if tracker.finish_reason is None:
@@ -187,8 +203,10 @@ def completion_id(prefix: str = "cmpl") -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-def choice_doc(index: int, tokens: list[int], text: str, finish: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "token_ids": tokens, "logprobs": None, "finish_reason": finish}
+def choice_doc(
+    index: int, tokens: list[int], text: str, finish: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish}
 
 
 def usage(prompts: list[list[int]], choices: list[StopTracker]) -> dict[str, int]:
@@ -205,8 +223,15 @@ class TextChunks:
     def opening(self, index: int) -> dict[str, Any] | None:
         return None
 
-    def chunk(self, index: int, tokens: list[int], text: str, finish: str | None) -> dict[str, Any]:
-        return choice_doc(index, tokens, text, finish)
+    def chunk(
+        self, index: int, tokens: list[int], text: str, finish: str | None, logprobs: Any = None
+    ) -> dict[str, Any]:
+        return choice_doc(index, tokens, text, finish, logprobs)
+
+    def logprobs(self, run: ChoiceRun, entries: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
+        if run.top is None:
+            return None
+        return completion_logprobs(entries, run.model.tokenizer, run.top, offset)
 
 
 TEXT_CHUNKS = TextChunks()
@@ -244,6 +269,7 @@ async def stream_choices(
             if opening is not None:
                 await send(opening)
         live = len(runs)
+        sent = [0] * len(runs)  # characters of each choice's text sent so far
         while live:
             index, item = await queue.get()
             if isinstance(item, BaseException):
@@ -256,7 +282,9 @@ async def stream_choices(
             finish = runs[index].tracker.finish_reason
             done = finish is not None and not item.tokens  # the ending piece: held-back text, the reason
             if item.tokens or item.text or done:
-                await send(shape.chunk(index, item.tokens, item.text, finish if done else None))
+                logprobs = shape.logprobs(runs[index], item.logprobs, sent[index]) if item.tokens else None
+                sent[index] += len(item.text)
+                await send(shape.chunk(index, item.tokens, item.text, finish if done else None, logprobs))
             if finish is not None and item.tokens:  # ended by this token (a stop string): say so
                 await send(shape.chunk(index, [], "", finish))
         else:

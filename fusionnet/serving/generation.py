@@ -60,14 +60,18 @@ async def generate(
     params: SamplingParams,
     seed: int | None,
     choice: int,
+    on_logits: Callable[[torch.Tensor], None] | None = None,
 ) -> AsyncIterator[int]:
-    """The generated token ids, one at a time (``check_prompt`` must have passed)."""
+    """The generated token ids, one at a time (``check_prompt`` must have passed); ``on_logits`` sees
+    the logits each one was sampled from, just before it comes."""
     generator = generator_for(seed, choice)
     tokens = list(prompt)
     row = torch.full((1, window.context), window.pad_id, dtype=window.dtype)
     row[0, : len(tokens)] = torch.tensor(tokens, dtype=window.dtype)
     for _ in range(max_tokens):
         logits = await submit(row.clone(), [len(tokens) - 1])
+        if on_logits is not None:
+            on_logits(logits[0])
         token = next_token(logits[0], params, generator)
         row[0, len(tokens)] = token
         tokens.append(token)

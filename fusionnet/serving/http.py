@@ -25,6 +25,7 @@ from fusionnet.messages.blobs import pack_tensors, unpack_tensors
 from fusionnet.serving.batching import Closed, Overloaded, RowsFailed
 from fusionnet.serving.chat import CHAT_CHUNKS, ChatRequest, chat_reply, encode_chat
 from fusionnet.serving.completions import (
+    TEXT_CHUNKS,
     ChoiceRun,
     choice_doc,
     completion_id,
@@ -155,13 +156,19 @@ class _Api:
         if req.stream:
             return await stream_choices(request, model, runs)
         choices = await asyncio.gather(*(run.run() for run in runs))
+        docs = [
+            choice_doc(
+                i, c.tokens, c.text, c.finish_reason, TEXT_CHUNKS.logprobs(runs[i], runs[i].logprobs, 0)
+            )
+            for i, c in enumerate(choices)
+        ]
         return web.json_response(
             {
                 "id": completion_id(),
                 "object": "text_completion",
                 "created": int(time.time()),
                 "model": model.name,
-                "choices": [choice_doc(i, c.tokens, c.text, c.finish_reason) for i, c in enumerate(choices)],
+                "choices": docs,
                 "usage": usage(prompts, choices),
             }
         )
@@ -174,10 +181,8 @@ class _Api:
         runs = [ChoiceRun(model, prompt, as_completion, params, i, self.observer) for i in range(req.n)]
         if req.stream:
             return await stream_choices(request, model, runs, CHAT_CHUNKS)
-        choices = await asyncio.gather(*(run.run() for run in runs))
-        return web.json_response(
-            chat_reply(completion_id("chatcmpl"), int(time.time()), model, prompt, list(choices))
-        )
+        await asyncio.gather(*(run.run() for run in runs))
+        return web.json_response(chat_reply(completion_id("chatcmpl"), int(time.time()), model, prompt, runs))
 
     def _generator(self, request: web.Request, name: str | None) -> ServedModel:
         model = self._lookup(request, name)

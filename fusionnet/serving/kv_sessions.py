@@ -96,8 +96,10 @@ async def generate_cached(
     params: SamplingParams,
     seed: int | None,
     choice: int,
+    on_logits: Callable[[torch.Tensor], None] | None = None,
 ) -> AsyncIterator[int]:
-    """The generated token ids, one at a time (``generation.check_prompt`` must have passed)."""
+    """The generated token ids, one at a time (``generation.check_prompt`` must have passed);
+    ``on_logits`` sees the logits each one was sampled from, just before it comes."""
     generator = generator_for(seed, choice)
     tokens = list(prompt)
     produced = 0
@@ -117,6 +119,8 @@ async def generate_cached(
                 position, built_on = 0, epoch()  # the cache is gone: fill it again on this placement
                 continue
             position = len(tokens)
+            if on_logits is not None:
+                on_logits(logits[-1])
             token = next_token(logits[-1], params, generator)
             tokens.append(token)
             produced += 1

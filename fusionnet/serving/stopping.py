@@ -46,10 +46,12 @@ class StopRule:
 
 @dataclass
 class Piece:
-    """What a new token adds to the client's view: its id (none for a stop id) and the text now safe."""
+    """What a new token adds to the client's view: its id (none for a stop id) and the text now safe
+    (and, when asked for, its log probability: ``serving.logprobs``)."""
 
     tokens: list[int]
     text: str
+    logprobs: list[Any] = field(default_factory=list)
 
 
 @dataclass
