@@ -43,7 +43,7 @@ MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_NEW_TOKENS)]
 class GenerationParams(BaseModel):
     """What ``/v1/completions`` and ``/v1/chat/completions`` share: the deployment, sampling, stopping."""
 
-    # Unknown OpenAI fields (user, echo, logprobs, ...) are ignored rather than refused.
+    # Unknown OpenAI fields (user, echo, presence_penalty, ...) are ignored rather than refused.
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
