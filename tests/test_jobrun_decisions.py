@@ -50,6 +50,7 @@ class FakeCompnodes:
         self.dead: set[str] = set()
         self.calls: list[tuple[str, str]] = []
         self.on_step: Callable[[str, int], None] = lambda peer, step: None
+        self.on_collect: Callable[[str], None] = lambda peer: None
         self.snapshots: dict[str, dict[str, list[int]]] = {}  # peer -> sub-DAG -> steps
         self.confirmed: dict[str, int] = {}
 
@@ -66,6 +67,8 @@ class FakeCompnodes:
         self.calls.append((peer, method))
         if method == "step":
             self.on_step(peer, payload["step"])
+        if method == "collect":
+            self.on_collect(peer)
         if peer in self.dead:
             why = f"rpc {method} on peer {peer}: no answer"
             raise RPCError(why, peer=peer, method=method, kind="Timeout")
@@ -156,6 +159,35 @@ def make_run(tmp_path: Path, job: SubmittedJob, fake: FakeCompnodes) -> tuple[Jo
 
 def events(context: JobContext, kind: str) -> list[dict[str, Any]]:
     return [e for e in context.store.job_events("j1") if e["kind"] == kind]
+
+
+@pytest.mark.timeout(120)
+def test_a_compnode_lost_in_the_last_sync_is_a_recovery_that_ends(
+    tmp_path: Path, submitted: SubmittedJob
+) -> None:
+    """A compnode dies while the broker collects the state after the last step: the job recovers (the
+    steps since the newest replica round run again) and the recovery is recorded as over, replay
+    included, instead of staying open because no step after the failed one was left to run."""
+    fake = FakeCompnodes()
+    victim = PEERS[1]
+    last_step = {"n": -1}
+
+    def count(peer: str, step: int) -> None:
+        last_step["n"] = max(last_step["n"], step)
+
+    def die(peer: str) -> None:
+        if peer == victim and last_step["n"] == STEPS - 1:
+            fake.dead.add(victim)
+
+    fake.on_step, fake.on_collect = count, die
+    run, context = make_run(tmp_path, submitted, fake)
+    asyncio.run(run.run())
+    assert context.store.get_job("j1")["state"] == "SUCCEEDED", context.store.get_job("j1")["error"]
+    (recovery,) = run.progress.recoveries
+    assert recovery["lost"] == [victim] and recovery["failed_step"] == STEPS - 1
+    assert "replay" in recovery and "redistribution" in recovery
+    assert [r["step"] for r in run.progress.metrics] == list(range(STEPS))  # each step recorded once
+    assert len(events(context, "recovered")) == 1
 
 
 @pytest.mark.timeout(120)

@@ -136,9 +136,11 @@ class JobRun(JobPlacement, PlacementReview):
                 if self.pending is not None and self._ahead is None:  # (else: the step sent ahead first)
                     await self._place_and_assign(ckpt, recovering, self.pending)
                     store.update_job(job.job_id, state=JobState.RUNNING, step=step)
+                in_step = True  # else in what follows a step (its sync, a re-plan check)
                 try:
                     await self.watch.guarded(self._step(step))
                     step += 1
+                    in_step = False
                     ckpt = await self._after_step(step, ckpt)
                     if recovering is not None and step > recovering["failed_step"]:
                         self.recoveries.replayed(recovering)
@@ -156,9 +158,13 @@ class JobRun(JobPlacement, PlacementReview):
                     if recovering is not None:  # failed again before the replay was over
                         recovering["superseded"] = True
                     ckpt = await self._replicated_checkpoint(failure, ckpt)
-                    recovering = self._on_failure(failure, ckpt, step)
+                    # Recovered once step k has run again, k the step that failed or, for a failure
+                    # after a step (in its sync), that step: ``failed_step`` is k either way.
+                    recovering = self._on_failure(failure, ckpt, step if in_step else step - 1)
                     self._tell_lost(failure.dead)
                     step = ckpt.step
+            if recovering is not None:  # the replicas held the last step: nothing was left to redo
+                self.recoveries.replayed(recovering)
             result = await self._collect_results(ckpt)
             await asyncio.to_thread(write_results, self.out_dir, result, job.spec.task)
             self.progress.results = self.out_dir
