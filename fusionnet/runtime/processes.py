@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from fusionnet.errors import ExecutionError
+from fusionnet.rpc.protocol import RPCError
 
 READY_TIMEOUT = 120.0  # start-up of a daemon: a DHT, p2pd and (compnode) hardware profiling
 STOP_TIMEOUT = 30.0
@@ -31,15 +32,30 @@ LOG_LEVEL_ENV = "FUSIONNET_SWARM_LOG_LEVEL"  # the daemons' --log-level when the
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Polls ``condition`` until it returns something truthy (returned) or ``timeout`` passes (raises)."""
+def wait_until(
+    condition: Callable[[], T],
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    retry_on: tuple[type[BaseException], ...] = (RPCError,),
+) -> T:
+    """Polls ``condition`` until it returns something truthy (returned) or ``timeout`` passes (raises).
+
+    A poll that raises one of ``retry_on`` counts as "not yet": a status call whose stream p2pd closed
+    early on a busy machine says nothing about what is awaited. The last such error is in the timeout's
+    message."""
     deadline = time.monotonic() + timeout
+    last: BaseException | None = None
     while True:
-        value = condition()
+        try:
+            value = condition()
+        except retry_on as e:
+            value, last = None, e
         if value:
             return value
         if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+            why = f" (last poll: {type(last).__name__}: {last})" if last is not None else ""
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}{why}")
         time.sleep(interval)
 
 
