@@ -189,22 +189,17 @@ class DynamicBatcher:
                     item.future.set_result(out[offset : offset + n])
                 offset += n
         except asyncio.CancelledError:
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(Closed("the deployment was undeployed"))
+            _fail(batch, Closed("the deployment was undeployed"))
             raise
         except RowsFailed as e:
             if len(batch) == 1:
-                if not batch[0].future.done():
-                    batch[0].future.set_exception(e)
+                _fail(batch, e)
             else:
                 log.info("batch of %d requests failed on its rows (%s): each runs alone", len(batch), e)
                 await self._run_apart(batch)
         except Exception as e:
             log.warning("batch of %d requests failed: %s", len(batch), e)
-            for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(e)
+            _fail(batch, e)
         finally:
             self._slots.release()
         if self.on_batch is not None:
@@ -219,11 +214,16 @@ class DynamicBatcher:
             try:
                 out = await self.run_batch(item.rows, item.pick)
             except asyncio.CancelledError:
-                for left in batch:
-                    if not left.future.done():
-                        left.future.set_exception(Closed("the deployment was undeployed"))
+                _fail(batch, Closed("the deployment was undeployed"))
                 raise
             except Exception as e:
                 item.future.set_exception(e)
             else:
                 item.future.set_result(out)
+
+
+def _fail(batch: list[_Item], error: BaseException) -> None:
+    """``error`` to every request of ``batch`` still waiting for its answer."""
+    for item in batch:
+        if not item.future.done():
+            item.future.set_exception(error)
