@@ -31,6 +31,15 @@ def _run(coro: Awaitable[Any]) -> Any:
     return asyncio.run(coro)  # type: ignore[arg-type]
 
 
+async def _until(condition: Callable[[], bool], deadline: float = 10.0) -> None:
+    """Yields to the event loop until ``condition`` holds, failing after ``deadline`` seconds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline
+    while not condition():
+        assert loop.time() < end, "condition not reached in time"
+        await asyncio.sleep(0.001)
+
+
 # ---- batching ----------------------------------------------------------------------------------------
 def test_batcher_packs_rows_up_to_max_batch_and_answers_each_request_its_rows() -> None:
     seen: list[int] = []
@@ -126,12 +135,10 @@ def test_a_batch_that_fails_on_its_rows_fails_only_the_request_that_brought_them
         b.start()
         try:
             first = asyncio.ensure_future(b.submit(torch.tensor([[1.0]])))
-            while not calls and b.running == 0:
-                await asyncio.sleep(0)
+            await _until(lambda: bool(calls) or b.running > 0)
             rows = [torch.tensor([[2.0], [3.0]]), torch.tensor([[-1.0]]), torch.tensor([[4.0]])]
             queued = [asyncio.ensure_future(b.submit(r)) for r in rows]
-            while b.queued_rows < 4:
-                await asyncio.sleep(0)
+            await _until(lambda: b.queued_rows >= 4)
             gate.set()
             return await asyncio.gather(first, *queued, return_exceptions=True)
         finally:
