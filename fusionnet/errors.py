@@ -36,6 +36,10 @@ class WireError(FusionNetError, ValueError):
     """A frame or message from a peer is malformed, oversized, unauthenticated or unexpected."""
 
 
+class StoreError(FusionNetError, RuntimeError):
+    """The broker's database refused a write (disk full, read-only file); the message names the file."""
+
+
 class ExecutionError(FusionNetError, RuntimeError):
     """A sub-task failed while running (wrong tensor shape from a peer, op failure, ...)."""
 

@@ -4,6 +4,7 @@ configuration checks, state dir lock, address file, profile cache, and ``Daemon.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sqlite3
@@ -26,7 +27,7 @@ from fusionnet.daemon.files import StateDir, read_address_file, write_address_fi
 from fusionnet.dht.announce import Found
 from fusionnet.dht.node import DHTConfig
 from fusionnet.dht.records import CompnodeRecord, HardwareInfo, NodeState, Role
-from fusionnet.errors import JobError
+from fusionnet.errors import JobError, StoreError
 from fusionnet.metrics import BrokerMetrics
 from fusionnet.rpc.server import RPCContext
 
@@ -74,6 +75,33 @@ def test_store_jobs_events_and_compnodes(tmp_path: Path) -> None:
         HW.model_dump(mode="json"),
     )
     reopened.close()
+
+
+def test_a_full_database_still_ends_the_job_with_its_reason(tmp_path: Path) -> None:
+    """A write the database refuses (here its page limit; on a CI machine once a full disk) raises
+    ``StoreError`` naming the file; a job's end is kept in memory and written once the disk has room."""
+    store = BrokerStore(tmp_path / "b.sqlite3")
+    store.create_job("j1", "full", steps=3)
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages}")
+    for size in (4096, 1024, 256, 64, 16, 1):  # fill every page, down to the last free bytes
+        with contextlib.suppress(StoreError):
+            for _ in range(1000):
+                store.add_job_event("j1", "padding", {"x": "x" * size})
+    refused = r"b\.sqlite3: the broker database refused a write \(database or disk is full\)"
+    with pytest.raises(StoreError, match=refused):
+        store.update_job("j1", state=JobState.RUNNING)
+    assert store.get_job("j1")["state"] == "RUNNING"  # as the run believes it, from memory
+    ended = store.update_job("j1", state=JobState.FAILED, error="the disk is full")  # no raise: it ended
+    assert (ended["state"], ended["error"]) == ("FAILED", "the disk is full")
+    assert store.list_jobs()[0]["state"] == "FAILED"
+    with pytest.raises(JobError, match="already FAILED"):
+        store.update_job("j1", state=JobState.RUNNING)
+    store._db.execute("PRAGMA max_page_count = 1000000")  # room again: the next update writes it all
+    store.update_job("j1", loss=0.25)
+    store.close()
+    job = BrokerStore(tmp_path / "b.sqlite3").get_job("j1")
+    assert (job["state"], job["error"], job["loss"]) == ("FAILED", "the disk is full", 0.25)
 
 
 def test_store_refuses_a_newer_schema(tmp_path: Path) -> None:

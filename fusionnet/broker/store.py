@@ -6,11 +6,18 @@ step, loss, timestamps) and ``job_events`` (an append-only log per job). The sch
 database newer than this code is refused rather than misread.
 
 All calls are synchronous and short (WAL journal, one connection owned by the broker's event loop).
+
+A write the database refuses (a full disk) raises ``StoreError``. A job's fields that could not be
+written are kept in memory and read back over the row, and written with the job's next update that
+succeeds, so a job still ends FAILED with its reason for the submitter who polls it (a CI machine
+whose disk filled once left a job RUNNING until the submitter's timeout).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sqlite3
 import time
 from collections.abc import Iterable
@@ -19,7 +26,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from fusionnet.errors import JobError
+from fusionnet.errors import JobError, StoreError
+
+log = logging.getLogger(__name__)
 
 MIGRATIONS: tuple[str, ...] = (
     # 0 -> 1
@@ -96,6 +105,7 @@ class BrokerStore:
         except sqlite3.Error as e:
             raise ValueError(f"{self.path}: cannot open the broker database ({e})") from e
         self._db.row_factory = sqlite3.Row
+        self._unwritten: dict[str, dict[str, Any]] = {}  # job id -> fields the database refused
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA foreign_keys=ON")
@@ -203,26 +213,34 @@ class BrokerStore:
         for name, value in (("state", state), ("step", step), ("loss", loss), ("error", error)):
             if value is not None:
                 fields[name] = value.value if isinstance(value, JobState) else value
-        with self._transaction():
-            self._db.execute(
-                f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in fields)} WHERE job_id = ?",
-                (*fields.values(), job_id),
-            )
-            if state is not None and state != current["state"]:
-                detail = {"from": current["state"], "to": state.value} | ({"error": error} if error else {})
-                self._add_event(job_id, "state", detail, now)
+        fields = self._unwritten.pop(job_id, {}) | fields  # what an earlier update could not write
+        try:
+            with self._transaction():
+                self._db.execute(
+                    f"UPDATE jobs SET {', '.join(f'{k} = ?' for k in fields)} WHERE job_id = ?",
+                    (*fields.values(), job_id),
+                )
+                if state is not None and state != current["state"]:
+                    detail = {"from": current["state"], "to": state.value}
+                    self._add_event(job_id, "state", detail | ({"error": error} if error else {}), now)
+        except StoreError as e:
+            self._unwritten[job_id] = fields
+            if state is None or not state.terminal:
+                raise  # the job cannot go on without its record: its run fails it (below)
+            # The job ended: nothing better to do than to say so from memory.
+            log.error("job %s: %s kept in memory only (lost if the broker restarts): %s", job_id, state, e)
         return self.get_job(job_id)
 
     def get_job(self, job_id: str) -> dict[str, Any]:
         row = self._db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         if row is None:
             raise JobError(f"no job with id {job_id!r}")
-        return dict(row)
+        return dict(row) | self._unwritten.get(job_id, {})
 
     def list_jobs(self, limit: int = 100) -> list[dict[str, Any]]:
         """Most recently updated first."""
         rows = self._db.execute("SELECT * FROM jobs ORDER BY updated_at DESC, job_id LIMIT ?", (limit,))
-        return [dict(r) for r in rows.fetchall()]
+        return [dict(r) | self._unwritten.get(r["job_id"], {}) for r in rows.fetchall()]
 
     def count_jobs_by_state(self) -> dict[str, int]:
         """state -> number of jobs in it, over all jobs (``list_jobs`` is capped; this is not)."""
@@ -248,18 +266,34 @@ class BrokerStore:
         )
 
     def _transaction(self) -> _Transaction:
-        return _Transaction(self._db)
+        return _Transaction(self._db, self.path)
 
 
 class _Transaction:
     """``with`` block = one IMMEDIATE transaction (the default context manager of sqlite3 does not begin one
-    in autocommit mode)."""
+    in autocommit mode). A write the database refuses leaves it as ``StoreError`` naming the file."""
 
-    def __init__(self, db: sqlite3.Connection):
-        self.db = db
+    def __init__(self, db: sqlite3.Connection, path: Path):
+        self.db, self.path = db, path
 
     def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:
+            raise self._refused(e) from e
 
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        self.db.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> None:
+        if exc_type is None:
+            try:
+                self.db.execute("COMMIT")
+                return
+            except sqlite3.OperationalError as e:
+                exc = e
+        if self.db.in_transaction:  # sqlite may have rolled back already (a full disk does)
+            with contextlib.suppress(sqlite3.Error):  # the error that got here says more
+                self.db.execute("ROLLBACK")
+        if isinstance(exc, sqlite3.OperationalError):
+            raise self._refused(exc) from exc
+
+    def _refused(self, e: sqlite3.OperationalError) -> StoreError:
+        return StoreError(f"{self.path}: the broker database refused a write ({e})")
