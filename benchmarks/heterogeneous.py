@@ -45,7 +45,6 @@ import json
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +53,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from swarm_jobs import run_main, write_gpt_job  # noqa: E402
+from swarm_jobs import WORKDIR_HELP, run_main, work_folder, write_gpt_job  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
 from fusionnet.runtime.process_swarm import CompnodeSpec, ProcessSwarm  # noqa: E402
@@ -268,7 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sync-every", type=int, default=1000, help="broker checkpoint period (default 1000)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one job may take (default 300)")
     p.add_argument("--no-reference", action="store_true", help="skip the plain PyTorch check")
-    p.add_argument("--workdir", type=Path, help="logs and results (default: a temporary folder, kept)")
+    p.add_argument("--workdir", type=Path, help=WORKDIR_HELP)
     p.add_argument("--quick", action="store_true", help="12 steps, 2 warm-up steps")
     args = p.parse_args(argv)
     if args.quick:
@@ -308,7 +307,7 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="fusionnet-heterogeneous-"))).resolve()
+    workdir = work_folder(args.workdir, "fusionnet-heterogeneous-")
     workdir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up like Ctrl-C
     t_start = time.monotonic()

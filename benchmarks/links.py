@@ -33,7 +33,6 @@ import json
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +43,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scale import MODEL_PY  # noqa: E402
-from swarm_jobs import run_main  # noqa: E402
+from swarm_jobs import WORKDIR_HELP, run_main, work_folder  # noqa: E402
 
 from fusionnet.runtime.netns import NetLab, rate_bits, unavailable  # noqa: E402
 from fusionnet.runtime.netns_swarm import NetnsSwarm  # noqa: E402
@@ -201,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         help="steps of a job run first on each swarm (its broker then knows links and speeds; 0: none)",
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help=f"a small model {QUICK} instead of {FULL}")
-    p.add_argument("--workdir", type=Path, help="logs and results (default: a temporary folder, kept)")
+    p.add_argument("--workdir", type=Path, help=WORKDIR_HELP)
     args = p.parse_args(argv)
     why = unavailable()
     if why is not None:
@@ -214,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         rate, _, n = spec.partition(":")
         rate_bits(rate)
         runs.append(LinkRun(rate, int(n or 2)))
-    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="fusionnet-links-"))).resolve()
+    workdir = work_folder(args.workdir, "fusionnet-links-")
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     t0 = time.monotonic()
 

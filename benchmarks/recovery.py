@@ -37,7 +37,6 @@ import random
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -47,7 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from swarm_jobs import run_main, write_gpt_job  # noqa: E402
+from swarm_jobs import WORKDIR_HELP, run_main, work_folder, write_gpt_job  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
 from fusionnet.messages.broker_rpc import BrokerClient  # noqa: E402
@@ -305,14 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="training steps per job (default 30)")
     p.add_argument("--seed", type=int, default=0, help="seed of the fault points (default 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one job may take (default 300)")
-    p.add_argument("--workdir", type=Path, help="logs and results (default: a temporary folder, kept)")
+    p.add_argument("--workdir", type=Path, help=WORKDIR_HELP)
     p.add_argument("--quick", action="store_true", help="1 run per scenario, 12 steps")
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.steps = 1, 12
     if args.runs < 1 or args.steps < 8:
         p.error("--runs must be >= 1 and --steps >= 8")
-    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="fusionnet-recovery-"))).resolve()
+    workdir = work_folder(args.workdir, "fusionnet-recovery-")
     workdir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up like Ctrl-C
     t_start = time.monotonic()

@@ -27,7 +27,6 @@ import json
 import math
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from swarm_jobs import write_gpt_job  # noqa: E402
+from swarm_jobs import WORKDIR_HELP, work_folder, write_gpt_job  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
 from fusionnet.errors import FusionNetError  # noqa: E402
@@ -112,9 +111,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--workdir", type=Path, default=None, help=WORKDIR_HELP)
     args = parser.parse_args()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fusionnet-responsiveness-"))
+    workdir = work_folder(args.workdir, "fusionnet-responsiveness-")
     workdir.mkdir(parents=True, exist_ok=True)
     job_path = write_gpt_job(
         workdir / "job.yaml",

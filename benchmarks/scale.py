@@ -37,7 +37,6 @@ import os
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from swarm_jobs import run_main  # noqa: E402
+from swarm_jobs import WORKDIR_HELP, run_main, work_folder  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
 from fusionnet.messages.broker_rpc import BrokerClient  # noqa: E402
@@ -360,11 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one job may take")
     p.add_argument("--no-kill", action="store_true", help="skip the SIGKILL run")
-    p.add_argument("--workdir", type=Path, help="logs and results (default: a temporary folder, kept)")
+    p.add_argument("--workdir", type=Path, help=WORKDIR_HELP)
     args = p.parse_args(argv)
     if args.steps < 3:
         p.error("--steps must be >= 3 (the SIGKILL lands after step 1)")
-    workdir = (args.workdir or Path(tempfile.mkdtemp(prefix="fusionnet-scale-"))).resolve()
+    workdir = work_folder(args.workdir, "fusionnet-scale-")
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     t0 = time.monotonic()
 

@@ -31,7 +31,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +42,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from swarm_jobs import run_main  # noqa: E402
+from swarm_jobs import WORKDIR_HELP, run_main, work_folder  # noqa: E402
 
 from fusionnet.job.kv_decode import SlotDecoder  # noqa: E402
 from fusionnet.job.loader import load_job  # noqa: E402
@@ -262,10 +261,10 @@ def main() -> int:
         default="balanced",
         help="broker --placement (default balanced)",
     )
-    ap.add_argument("--workdir", type=Path)
+    ap.add_argument("--workdir", type=Path, help=WORKDIR_HELP)
     args = ap.parse_args()
     shape = QUICK if args.quick else SIZES[args.size]
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="fusionnet-serving-"))
+    work = work_folder(args.workdir, "fusionnet-serving-")
     job = write_job(work / "job", shape, args.batch, args.compnodes)
     reqs = prompts(args.requests, shape[0])
     plain = plain_baselines(job, reqs, args.max_tokens, shape[4])
