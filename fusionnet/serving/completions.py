@@ -19,7 +19,16 @@ from typing import Annotated, Any, TypeVar
 
 import torch
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 from fusionnet.serving.generation import check_prompt, generate
 from fusionnet.serving.kv_sessions import generate_cached
@@ -38,12 +47,13 @@ Request = TypeVar("Request", bound=BaseModel)
 
 
 MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_NEW_TOKENS)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]  # added to one token's logit, as OpenAI allows
 
 
 class GenerationParams(BaseModel):
     """What ``/v1/completions`` and ``/v1/chat/completions`` share: the deployment, sampling, stopping."""
 
-    # Unknown OpenAI fields (user, echo, presence_penalty, ...) are ignored rather than refused.
+    # Unknown OpenAI fields (user, suffix, best_of, ...) are ignored rather than refused.
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
@@ -62,6 +72,32 @@ class GenerationParams(BaseModel):
     ) = None
     stop_token_ids: Annotated[TokenIds, Field(max_length=64)] | None = None
     ignore_eos: StrictBool = False
+    # Penalties and biases (``sampling``): OpenAI's, then vLLM's top_k (-1 or 0: off) and
+    # repetition_penalty (``transformers``' semantics).
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: Annotated[dict[StrictStr, Bias], Field(max_length=300)] = {}
+    top_k: Annotated[StrictInt, Field(ge=-1)] = -1
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float]) -> dict[str, float]:
+        bad = next((k for k in bias if not k.isdigit()), None)  # JSON keys are strings: "50256"
+        if bad is not None:
+            raise ValueError(f"keys must be token ids, got {bad!r}")
+        return bias
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()},
+        )
 
 
 class CompletionRequest(GenerationParams):

@@ -72,7 +72,7 @@ async def generate(
         logits = await submit(row.clone(), [len(tokens) - 1])
         if on_logits is not None:
             on_logits(logits[0])
-        token = next_token(logits[0], params, generator)
+        token = next_token(logits[0], params, generator, tokens, len(prompt))
         row[0, len(tokens)] = token
         tokens.append(token)
         yield token

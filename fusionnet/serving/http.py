@@ -36,7 +36,6 @@ from fusionnet.serving.completions import (
     usage,
 )
 from fusionnet.serving.kv_sessions import score_cached
-from fusionnet.serving.sampling import SamplingParams
 from fusionnet.serving.served import ApiError, Deployments, ServedModel, ServingObserver
 
 log = logging.getLogger("fusionnet.serving")
@@ -151,7 +150,7 @@ class _Api:
         req = parse_completion(await _json(request))
         model = self._generator(request, req.model)
         prompts = encode_prompts(req, model)
-        params = SamplingParams(temperature=req.temperature, top_p=req.top_p)
+        params = req.sampling()
         runs = [ChoiceRun(model, prompt, req, params, i, self.observer) for i, prompt in enumerate(prompts)]
         if req.stream:
             return await stream_choices(request, model, runs)
@@ -177,7 +176,7 @@ class _Api:
         req = parse_body(ChatRequest, await _json(request))
         model = self._generator(request, req.model)
         prompt, as_completion = await encode_chat(req, model)
-        params = SamplingParams(temperature=req.temperature, top_p=req.top_p)
+        params = req.sampling()
         runs = [ChoiceRun(model, prompt, as_completion, params, i, self.observer) for i in range(req.n)]
         if req.stream:
             return await stream_choices(request, model, runs, CHAT_CHUNKS)

@@ -121,7 +121,7 @@ async def generate_cached(
             position = len(tokens)
             if on_logits is not None:
                 on_logits(logits[-1])
-            token = next_token(logits[-1], params, generator)
+            token = next_token(logits[-1], params, generator, tokens, len(prompt))
             tokens.append(token)
             produced += 1
             yield token
