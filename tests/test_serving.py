@@ -110,6 +110,37 @@ def test_batcher_splits_a_request_larger_than_a_batch() -> None:
     assert _run(main()).view(-1).tolist() == [float(i + 1) for i in range(8)]
 
 
+def test_requests_for_whole_rows_and_for_picked_positions_never_share_a_batch() -> None:
+    """A whole-row request (``/v1/infer``, an echoed prompt: every position's output) queued among
+    decode rows (one position each) gets its whole output: batches hold one kind, and the other waits
+    its turn (before, it got position 0's output, the shape of a picked row)."""
+    batches: list[tuple[int, bool]] = []
+
+    async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+        batches.append((int(rows.shape[0]), pick is None))
+        await asyncio.sleep(0.01)
+        out = rows.float()[:, :, None] * torch.ones(1, 1, 2)  # [rows, positions, 2]
+        return out if pick is None else out[torch.arange(len(pick)), torch.tensor(pick)]
+
+    async def main() -> None:
+        b = DynamicBatcher(run_batch, max_batch=8, max_wait=0.05, queue_limit=100, in_flight=1)
+        b.start()
+        try:
+            row = torch.arange(5).view(1, 5)
+            asks = [b.submit(row + i, [i % 5]) if i % 3 else b.submit(row + i) for i in range(9)]
+            outs = await asyncio.gather(*asks)
+        finally:
+            await b.close()
+        for i, out in enumerate(outs):
+            if i % 3:
+                assert out.tolist() == [[float(i + i % 5)] * 2]
+            else:
+                assert out.shape == (1, 5, 2) and out[0, :, 0].tolist() == [float(i + p) for p in range(5)]
+        assert sum(n for n, _ in batches) == 9 and len(batches) >= 2
+
+    _run(main())
+
+
 def test_a_batch_that_fails_on_its_rows_fails_only_the_request_that_brought_them() -> None:
     """The model raises on a negative row (``RowsFailed``, as a deployment reports an op's error): the
     batch runs again one request at a time, the others get their outputs, the culprit the error."""
@@ -236,7 +267,7 @@ def test_infer_models_and_errors_over_http() -> None:
             (client.post("/v1/infer", data=b"junk"), 400, "safetensors"),
             (client.post("/v1/infer?model=zzz", data=save_st({"inputs": x})), 404, "zzz"),
             (client.post("/v1/completions", json={"model": "lin", "prompt": [1]}), 400, "not a text"),
-            (client.post("/v1/completions", json={"prompt": [1], "max_tokens": 0}), 400, "max_tokens"),
+            (client.post("/v1/completions", json={"prompt": [1], "max_tokens": -1}), 400, "max_tokens"),
             (client.post("/v1/completions", data=b"{"), 400, "JSON"),
             (client.get("/v1/infer"), 405, ""),
             (client.get("/nothing"), 404, ""),
@@ -319,6 +350,54 @@ def test_greedy_completion_through_padding_equals_generate_and_streams() -> None
     local.add(
         "gpt", "generate", lambda rows: lm(rows).logits, (32,), torch.long, Window(context=32, vocab=40)
     )
+    _run(_with_app(local, body))
+
+
+def test_echo_scores_the_prompt_and_puts_it_before_the_answer() -> None:
+    """``echo``: the prompt's text before the answer, and with ``logprobs`` each prompt token's logprob
+    given the ones before it (None for the first), checked against the model run here; ``max_tokens: 0``
+    scores a prompt without generating (how evaluation harnesses ask for log-likelihoods)."""
+    lm = _gpt2()
+    vocab = [chr(ord("a") + i) for i in range(26)] + [str(d) for d in range(10)] + [" ", ".", ",", "!"]
+    tok = CharTokenizer(vocab)
+    prompt = "hello there"
+    ids = tok.encode(prompt)
+    with torch.no_grad():
+        logp = torch.log_softmax(lm(torch.tensor([ids])).logits[0], dim=-1)
+    want = [None] + [float(logp[i - 1, ids[i]]) for i in range(1, len(ids))]
+
+    async def body(client: TestClient) -> None:
+        base = {"prompt": prompt, "echo": True, "logprobs": 1, "temperature": 0}
+        r = await client.post("/v1/completions", json=base | {"max_tokens": 0})
+        doc = await r.json()
+        assert r.status == 200, doc
+        [choice] = doc["choices"]
+        assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == (prompt, [], "length")
+        lp = choice["logprobs"]
+        assert lp["tokens"] == list(prompt) and lp["text_offset"] == list(range(len(prompt)))
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(want[1:], abs=1e-5)
+        assert doc["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+        r = await client.post("/v1/completions", json=base | {"max_tokens": 3})
+        [choice] = (await r.json())["choices"]
+        answer = choice["token_ids"]
+        assert len(answer) == 3 and choice["text"] == prompt + tok.decode(answer)
+        assert len(choice["logprobs"]["token_logprobs"]) == len(ids) + 3
+        assert choice["logprobs"]["token_logprobs"][1 : len(ids)] == pytest.approx(want[1:], abs=1e-5)
+        r = await client.post("/v1/completions", json=base | {"max_tokens": 3, "stream": True})
+        events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert "".join(c["text"] for c in chunks) == choice["text"]
+        streamed = [x for c in chunks if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+        assert streamed == choice["logprobs"]["token_logprobs"]
+        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+        assert r.status == 400 and (await r.json())["error"]["param"] == "max_tokens"
+
+    local = _Local()
+    local.add(
+        "gpt", "generate", lambda rows: lm(rows).logits, (32,), torch.long, Window(context=32, vocab=40)
+    )
+    local.served["gpt"].tokenizer = tok
     _run(_with_app(local, body))
 
 

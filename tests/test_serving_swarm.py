@@ -228,6 +228,15 @@ def test_greedy_completions_equal_transformers_generate(
         with pytest.raises(ServingError) as refused:  # an id outside the vocabulary would fail a batch
             client.infer(torch.full((1, seq), 10**6, dtype=torch.long), model=name)
         assert refused.value.status == 400 and "outside the vocabulary" in refused.value.message
+        # echo, max_tokens 0: a prompt scored (a prefill in a slot), each token's logprob given those before
+        prompt = PROMPTS[0]
+        scored = client.complete(prompt, model=name, max_tokens=0, echo=True, logprobs=0)["choices"][0]
+        padded = torch.tensor([prompt + [0] * (seq - len(prompt))])
+        with torch.no_grad():
+            logp = torch.log_softmax(load_job(path, deployment=True).model.eval()(padded)[0], dim=-1)
+        want_lp = [float(logp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+        assert scored["token_ids"] == [] and scored["logprobs"]["token_logprobs"][0] is None
+        assert scored["logprobs"]["token_logprobs"][1:] == pytest.approx(want_lp, abs=1e-4)
         reply = client.complete(PROMPTS, model=name, max_tokens=6, temperature=0)
         got = [c["token_ids"] for c in sorted(reply["choices"], key=lambda c: c["index"])]
         assert got == want

@@ -157,20 +157,26 @@ class DynamicBatcher:
         return sum(int(i.rows.shape[0]) for i in self._queue if not i.future.done())
 
     def _take(self) -> list[_Item]:
-        """Whole requests (never split here) up to ``max_batch`` rows, oldest first."""
+        """Whole requests (never split here) up to ``max_batch`` rows, oldest first, all of one kind:
+        rows that pick one position each, or rows that want every position (``pick`` None: ``/v1/infer``,
+        an echoed prompt). Those of the other kind keep their place for the next batch: a batch's output
+        has one shape, and a whole-row request in a picked batch would get one position's output."""
         batch: list[_Item] = []
-        rows = 0
-        while self._queue:
-            item = self._queue[0]
+        rest: list[_Item] = []
+        rows, full = 0, False
+        for item in self._queue:
             n = int(item.rows.shape[0])
-            if batch and rows + n > self.max_batch:
-                break
-            self._queue.pop(0)
-            self._queued_rows -= n
             if item.future.done():  # its client went away
+                self._queued_rows -= n
+                continue
+            full = full or bool(batch and rows + n > self.max_batch)
+            if full or (batch and (item.pick is None) != (batch[0].pick is None)):
+                rest.append(item)
                 continue
             batch.append(item)
             rows += n
+            self._queued_rows -= n
+        self._queue[:] = rest
         return batch
 
     async def _run(self, batch: list[_Item]) -> None:
@@ -178,9 +184,7 @@ class DynamicBatcher:
         n_rows = sum(int(i.rows.shape[0]) for i in batch)
         try:
             rows = torch.cat([i.rows for i in batch])
-            picks = None
-            if any(i.pick is not None for i in batch):
-                picks = [p for i in batch for p in (i.pick or [0] * int(i.rows.shape[0]))]
+            picks = None if batch[0].pick is None else [p for i in batch for p in i.pick or ()]
             out = await self.run_batch(rows, picks)
             offset = 0
             for item in batch:

@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from fusionnet.serving.generation import check_prompt, generate
-from fusionnet.serving.kv_sessions import generate_cached
+from fusionnet.serving.kv_sessions import generate_cached, score_cached
 from fusionnet.serving.logprobs import MAX_TOP, TokenLogprob, completion_logprobs, logprob_of
 from fusionnet.serving.sampling import SamplingParams
 from fusionnet.serving.served import ApiError, ServedModel, ServingObserver
@@ -102,8 +102,9 @@ class GenerationParams(BaseModel):
 
 class CompletionRequest(GenerationParams):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    max_tokens: MaxTokens = 16
+    max_tokens: Annotated[StrictInt, Field(ge=0, le=MAX_NEW_TOKENS)] = 16  # 0: only with echo
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP)] | None = None  # top alternatives per token
+    echo: StrictBool = False  # the prompt before the answer (and, with logprobs, its tokens' logprobs)
 
 
 def parse_completion(doc: Any) -> CompletionRequest:
@@ -139,6 +140,8 @@ def encode_prompts(req: CompletionRequest, model: ServedModel) -> list[list[int]
         ids = [list(p) for p in prompt]  # type: ignore[union-attr]
     else:
         ids = [list(prompt)]  # type: ignore[arg-type]
+    if req.max_tokens == 0 and not req.echo:
+        raise ApiError(400, "max_tokens: 0 is for echo: true (scoring a prompt) only", param="max_tokens")
     if not ids or len(ids) * req.n > MAX_PROMPTS:
         raise ApiError(400, f"1..{MAX_PROMPTS} prompts (times n) per request", param="prompt")
     assert model.window is not None
@@ -168,7 +171,8 @@ class ChoiceRun:
         rule = StopRule.of(model.eos_token_ids, req.stop_token_ids, req.stop, req.ignore_eos)
         self.tracker = StopTracker(rule, model.tokenizer)
         self.top = req.logprobs  # None: no logprobs
-        self.logprobs: list[TokenLogprob] = []  # one per token of the answer, when asked for
+        self.logprobs: list[TokenLogprob] = []  # one per token of the answer (after the echo's), if asked
+        self.echoed = ""  # the prompt's text, with echo
         self._logits: torch.Tensor | None = None  # what the next token is sampled from
 
     def _saw(self, logits: torch.Tensor) -> None:
@@ -179,9 +183,11 @@ class ChoiceRun:
         last piece is what was held back, when the choice ran out of tokens."""
         model, observer = self.model, self.observer
         assert model.window is not None
+        req = self.req
+        if req.echo:
+            yield await self._echo()
         started = last = time.monotonic()
         count = 0
-        req = self.req
         on_logits = self._saw if self.top is not None else None
         tokens = (
             generate(
@@ -228,6 +234,30 @@ class ChoiceRun:
             yield tracker.finish()
         if observer is not None:
             observer.observe_tokens(model.name, len(self.prompt), count)
+
+    async def _echo(self) -> Piece:
+        """The prompt as the choice's first piece: its text (decoded by the tokenizer) and, with logprobs,
+        each prompt token's logprob given the tokens before it (none for the first), from one prefill."""
+        model, prompt = self.model, self.prompt
+        self.echoed = "" if model.tokenizer is None else str(model.tokenizer.decode(prompt))
+        piece = Piece([], self.echoed, echo=True)
+        if self.top is not None:
+            logits = await self._prompt_logits()
+            piece.logprobs = [TokenLogprob(prompt[0], None, None)] + [
+                logprob_of(logits[i - 1], prompt[i], self.top) for i in range(1, len(prompt))
+            ]
+            self.logprobs.extend(piece.logprobs)
+        return piece
+
+    async def _prompt_logits(self) -> torch.Tensor:
+        """The logits at every position of the prompt (``[len(prompt), vocab]``)."""
+        model, prompt, window = self.model, self.prompt, self.model.window
+        assert window is not None
+        if model.kv is not None:
+            return await score_cached(model.batcher.submit, model.kv, model.epoch, prompt)
+        row = torch.full((1, window.context), window.pad_id, dtype=window.dtype)
+        row[0, : len(prompt)] = torch.tensor(prompt, dtype=window.dtype)
+        return (await model.batcher.submit(row, None))[0, : len(prompt)]
 
     async def run(self) -> StopTracker:
         async for _ in self.events():
@@ -317,8 +347,10 @@ async def stream_choices(
                 continue
             finish = runs[index].tracker.finish_reason
             done = finish is not None and not item.tokens  # the ending piece: held-back text, the reason
-            if item.tokens or item.text or done:
-                logprobs = shape.logprobs(runs[index], item.logprobs, sent[index]) if item.tokens else None
+            if item.tokens or item.text or done or item.echo:
+                logprobs = None
+                if item.tokens or item.echo:
+                    logprobs = shape.logprobs(runs[index], item.logprobs, sent[index])
                 sent[index] += len(item.text)
                 await send(shape.chunk(index, item.tokens, item.text, finish if done else None, logprobs))
             if finish is not None and item.tokens:  # ended by this token (a stop string): say so

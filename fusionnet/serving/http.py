@@ -157,7 +157,11 @@ class _Api:
         choices = await asyncio.gather(*(run.run() for run in runs))
         docs = [
             choice_doc(
-                i, c.tokens, c.text, c.finish_reason, TEXT_CHUNKS.logprobs(runs[i], runs[i].logprobs, 0)
+                i,
+                c.tokens,
+                runs[i].echoed + c.text,
+                c.finish_reason,
+                TEXT_CHUNKS.logprobs(runs[i], runs[i].logprobs, 0),
             )
             for i, c in enumerate(choices)
         ]

@@ -23,8 +23,8 @@ MAX_TOP = 20
 @dataclass(frozen=True)
 class TokenLogprob:
     token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # the ``k`` most likely ids and their logprobs, best first
+    logprob: float | None  # None: an echoed prompt's first token (nothing before it to predict it)
+    top: tuple[tuple[int, float], ...] | None  # the ``k`` most likely ids and their logprobs, best first
 
 
 def logprob_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
@@ -56,7 +56,11 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{token_text(tokenizer, i): lp for i, lp in e.top} for e in entries] if top else None,
+        "top_logprobs": [
+            None if e.top is None else {token_text(tokenizer, i): lp for i, lp in e.top} for e in entries
+        ]
+        if top
+        else None,
         "text_offset": offsets,
     }
 
@@ -68,6 +72,7 @@ def chat_logprobs(entries: list[TokenLogprob], tokenizer: Any) -> dict[str, Any]
 
     return {
         "content": [
-            item(e.token, e.logprob) | {"top_logprobs": [item(i, lp) for i, lp in e.top]} for e in entries
+            item(e.token, e.logprob) | {"top_logprobs": [item(i, lp) for i, lp in e.top or ()]}
+            for e in entries
         ]
     }

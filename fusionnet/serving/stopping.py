@@ -52,6 +52,7 @@ class Piece:
     tokens: list[int]
     text: str
     logprobs: list[Any] = field(default_factory=list)
+    echo: bool = False  # the prompt, echoed before the answer (``tokens`` stay the answer's)
 
 
 @dataclass
