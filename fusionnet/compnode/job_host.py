@@ -43,6 +43,7 @@ class StepOutcome:
     update_seconds: float
     outputs: bytes | None
     refused: int  # values refused by the channel's checks so far
+    activation_peak_bytes: int = 0
 
 
 class Host(Protocol):
@@ -83,6 +84,7 @@ class JobHost:
             update_seconds=report.update_seconds,
             outputs=outputs,
             refused=self.refused(),
+            activation_peak_bytes=report.activation_peak_bytes,
         )
 
     async def drop_inflight(self) -> None:

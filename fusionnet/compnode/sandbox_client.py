@@ -298,7 +298,10 @@ class SandboxedJob:
         if not all(isinstance(x, float | int) and not isinstance(x, bool) for x in seconds):
             raise IPCError("step reply: timings are not numbers")
         self._refused = int_field(header, "refused")
-        return StepOutcome(loss, *map(float, seconds), outputs=outputs, refused=self._refused)  # type: ignore[arg-type]
+        peak = int_field(header, "activation_peak_bytes")
+        return StepOutcome(
+            loss, *map(float, seconds), outputs=outputs, refused=self._refused, activation_peak_bytes=peak
+        )  # type: ignore[misc]
 
     async def drop_inflight(self) -> None:
         await self._call("drop", {})

@@ -199,6 +199,7 @@ class Worker:
             fields = {k: getattr(outcome, k) for k in ("loss", "fp_seconds", "bp_seconds", "update_seconds")}
             outputs = outcome.outputs
             fields |= {"refused": outcome.refused, "outputs": outputs is not None}
+            fields["activation_peak_bytes"] = outcome.activation_peak_bytes
             return fields, [outputs] if outputs is not None else []
         if op == "drop":
             await host.drop_inflight()

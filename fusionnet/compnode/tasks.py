@@ -361,6 +361,7 @@ class SubtaskService(ReplicaRPC):
             fp_seconds=outcome.fp_seconds,
             bp_seconds=outcome.bp_seconds,
             update_seconds=outcome.update_seconds,
+            activation_peak_bytes=outcome.activation_peak_bytes,
             refused=self._refused(job.job_id),
             outputs=outcome.outputs,
             replicated=None if job.replicator is None else job.replicator.confirmed,

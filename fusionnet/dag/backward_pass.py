@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._pytree import tree_flatten
 
+from fusionnet.dag.activation_memory import ActivationLedger
 from fusionnet.dag.channel import Channel
 from fusionnet.dag.devices import to_device, to_host
 from fusionnet.dag.hooks import Phase
@@ -48,6 +49,7 @@ class BackwardPass:
     step_wide: set[str]
     _stash: dict[int, tuple[list[Any], tuple[Any, ...]]]
     _weight_work: dict[int, WeightWork]
+    activations: ActivationLedger
     _found_inf: bool
 
     async def _run(self, phase: Phase, step: int, mb: int, work: Callable[[], T]) -> T:
@@ -90,6 +92,7 @@ class BackwardPass:
             return self._input_grads_to_host(inputs, step_wide=last_seeded)
 
         back, ready = await self._run("bp", step, mb, work)
+        self.activations.release(mb)
         self._send_input_grads(step, mb, back, ready)
 
     async def backward_input(
@@ -128,6 +131,7 @@ class BackwardPass:
                 self._unscale()
 
         await self._run("bp", step, mb, work)
+        self.activations.release(mb)  # the weight half read the last of the saved inputs
 
     def _unscale(self) -> None:
         """After the step's last BP the gradients are complete: fp16 unscales them (and notes inf/nan)."""

@@ -39,12 +39,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any, TypeVar
 
 import torch
 from torch.utils._pytree import tree_map
 
+from fusionnet.dag.activation_memory import ActivationLedger, SavedBytes
 from fusionnet.dag.backward_pass import BackwardPass, is_float
 from fusionnet.dag.channel import Channel
 from fusionnet.dag.devices import (
@@ -140,6 +142,7 @@ class SubDagExecutor(BackwardPass):
         self.optimizers = make_optimizers(self.named_params) if (task == "train" and make_optimizers) else []
         self._stash: dict[int, tuple[list[Any], tuple[Any, ...]]] = {}
         self._weight_work: dict[int, WeightWork] = {}  # micro-batches whose I ran and whose W has not
+        self.activations = ActivationLedger()  # bytes held between each micro-batch's F and its B / W
         self.outbox = Outbox()
         self._placeholder_target = {n: graph.node(n).target for n in subdag.placeholders}
         # Parameters read across a cut (a tied embedding, a shared layer) hold one value for the whole
@@ -190,6 +193,7 @@ class SubDagExecutor(BackwardPass):
         """Forgets a failed step's stashed activations and gradients (after a device OOM, the memory
         they hold is what the next attempt needs)."""
         self._stash.clear()
+        self.activations.start_step()
         self._forget_step_values(keep_resident=False)  # the broker places the job again: all afresh
         self.zero_grad()
         release_cached_memory(self.device)
@@ -228,7 +232,7 @@ class SubDagExecutor(BackwardPass):
         first_sends = [n for n in self.step_wide & set(self.subdag.outwards) if n not in self._step_sent]
         self._step_sent.update(first_sends)
 
-        def work() -> tuple[tuple[Any, ...], list[Any], Any]:
+        def work() -> tuple[tuple[Any, ...], list[Any], Any, int | None]:
             try:
                 placed = [
                     v if name in ready_leaves else self._place_input(v, leaf)
@@ -238,10 +242,14 @@ class SubDagExecutor(BackwardPass):
                 with (
                     torch.set_grad_enabled(self.task != "infer"),
                     autocast(self.precision, self._device_type()),
+                    self._counting(placed) as saved,
                 ):
                     outs = self.module(*placed)
             except Exception as e:
                 raise self._failed("FP", step, mb, e) from e
+            if saved is not None:
+                for value in outs:  # kept (in the stash) for the gradients that come back
+                    saved.add(value)
             inputs[:] = placed  # the leaves BP reads the gradients of
             sent = {
                 n: v
@@ -249,9 +257,11 @@ class SubDagExecutor(BackwardPass):
                 if self.subdag.consumers.get(n) and (n not in self.step_wide or n in first_sends)
             }
             host, ready = to_host(sent, self.device)
-            return outs, host, ready
+            return outs, host, ready, None if saved is None else saved.nbytes
 
-        outs, host, ready = await self._run("fp", step, mb, work)
+        outs, host, ready, held = await self._run("fp", step, mb, work)
+        if held is not None:
+            self.activations.hold(mb, held)
         for name, value in zip(self.subdag.outer_required, inputs):
             if name in self.step_wide and name not in ready_leaves:  # placed by this FP: kept for the step
                 self._step_inputs[name] = value
@@ -261,6 +271,14 @@ class SubDagExecutor(BackwardPass):
         if self.task != "infer":
             self._stash[mb] = (inputs, outs)
         return outs
+
+    def _counting(self, placed: Sequence[Any]) -> AbstractContextManager[SavedBytes | None]:
+        """What an FP saves for its BP, counted (training only); the state and step-wide values (a
+        tied weight received) are not activations."""
+        if self.task == "infer":
+            return nullcontext()
+        wide = [v for n, v in zip(self.subdag.outer_required, placed) if n in self.step_wide]
+        return self.activations.saving([*self.named_params.values(), *self.root.buffers(), *wide])
 
     def _place_input(self, value: Any, received: bool) -> Any:
         """An FP input on this sub-DAG's device; received float tensors become leaves so their
@@ -309,6 +327,7 @@ class SubDagExecutor(BackwardPass):
     ) -> StepReport:
         """One step of the schedule: this sub-DAG's FPs and BPs in its program's order, then Update."""
         self.hooks.step_started(step)
+        self.activations.start_step()
         self.outbox.reset()
         self._forget_step_values()
         try:
@@ -317,6 +336,7 @@ class SubDagExecutor(BackwardPass):
         finally:
             self.outbox.cancel()  # a failed step leaves no send behind
         timer = self.hooks.timer.seconds
+        report.activation_peak_bytes = self.activations.peak
         report.fp_seconds, report.bp_seconds, report.update_seconds = (
             timer["fp"],
             timer["bp"],

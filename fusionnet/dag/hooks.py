@@ -39,6 +39,7 @@ class StepReport:
     fp_seconds: float = 0.0
     bp_seconds: float = 0.0
     update_seconds: float = 0.0
+    activation_peak_bytes: int = 0  # train/grad: the most activation bytes held at once in the step
 
 
 class ExecutorHook:

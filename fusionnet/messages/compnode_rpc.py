@@ -156,6 +156,7 @@ class StepReply(Message):
     fp_seconds: Seconds = 0.0
     bp_seconds: Seconds = 0.0
     update_seconds: Seconds = 0.0
+    activation_peak_bytes: NonNegative = 0  # the most activation bytes held at once in the step
     refused: NonNegative = 0  # frames refused so far for this job (bad key, wrong sender, ...)
     outputs: bytes | None = None  # infer: safetensors of "<micro-batch>/<leaf>" outputs
     replicated: NonNegative | None = None  # the latest snapshot step its holder has confirmed

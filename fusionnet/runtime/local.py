@@ -198,6 +198,8 @@ async def _run(
             if r.outputs:
                 outputs.append(output_tensors(r.outputs))
         row: dict[str, Any] = {"step": data.step, "seconds": seconds, "samples": sum(data.sizes)}
+        if spec.task != "infer":  # per sub-DAG: the most activation bytes it held at once in the step
+            row["activation_peak_bytes"] = [r.activation_peak_bytes for r in reports]
         loss = next((r.loss for r in reports if r.loss is not None), None)
         if loss is not None:
             row["loss"] = loss
