@@ -33,7 +33,9 @@ class Config:
     seed: int
     threads: int
     data_path: str
-    schedule: str = "gpipe"  # gpipe | 1f1b: torch ScheduleGPipe / Schedule1F1B, FusionNet placement.schedule
+    # gpipe | 1f1b | zero-bubble: FusionNet's placement.schedule; torch's ScheduleGPipe / Schedule1F1B
+    # (for zero-bubble, Schedule1F1B: torch's zero-bubble schedules need several stages per rank)
+    schedule: str = "gpipe"
     sandbox: str = "process"  # the compnodes' --sandbox: per-job worker processes (default) or off
 
     @property
@@ -48,6 +50,7 @@ class Result:
     losses: list[float] = field(default_factory=list)
     error: str | None = None
     note: str = ""
+    activation_peak: list[int] | None = None  # FusionNet: per stage, the most activation bytes held at once
 
     def median(self, warmup: int) -> float | None:
         timed = self.times[warmup:] or self.times

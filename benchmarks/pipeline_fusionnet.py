@@ -60,10 +60,14 @@ def tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def read_metrics(path: Path) -> tuple[list[float], list[float]]:
+def read_metrics(res: Result, path: Path) -> None:
+    """Step times, losses and the stages' peak activation bytes (the last step's) into ``res``."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows.sort(key=lambda r: r["step"])
-    return [float(r["seconds"]) for r in rows], [float(r["loss"]) for r in rows if "loss" in r]
+    res.times = [float(r["seconds"]) for r in rows]
+    res.losses = [float(r["loss"]) for r in rows if "loss" in r]
+    peaks = [r["activation_peak_bytes"] for r in rows if "activation_peak_bytes" in r]
+    res.activation_peak = [int(b) for b in peaks[-1]] if peaks else None
 
 
 class Daemon:
@@ -221,7 +225,7 @@ def run_fusionnet_swarms(
                         raise
                     print(f"  {res.name}: submit failed, retrying: {first_line}", file=sys.stderr)
                     res.note += f"; retried after: {first_line}"
-            res.times, res.losses = read_metrics(out_dir / "metrics.jsonl")
+            read_metrics(res, out_dir / "metrics.jsonl")
             plan = json.loads((out_dir / "plan.json").read_text())
             used = len(plan["subdags"])
             if used != n:
@@ -258,7 +262,7 @@ def run_fusionnet_local(
         )
         if out.returncode != 0:
             raise RuntimeError(f"exit {out.returncode}: {(out.stderr or out.stdout).strip()[-2000:]}")
-        res.times, res.losses = read_metrics(out_dir / "metrics.jsonl")
+        read_metrics(res, out_dir / "metrics.jsonl")
         return res, json.loads((out_dir / "plan.json").read_text())
     except Exception as e:
         res.error = str(e)

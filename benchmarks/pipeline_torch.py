@@ -61,7 +61,7 @@ def pipe_worker(
         model = build(**cfg.model_kwargs)
         sub = stage_module(model, *split[rank])
         stage = PipelineStage(sub, rank, world, torch.device("cpu"))
-        kind = Schedule1F1B if cfg.schedule == "1f1b" else ScheduleGPipe
+        kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B  # zero-bubble: its nearest
         schedule = kind(stage, cfg.microbatches, loss_fn=F.cross_entropy)  # scale_grads: 1/M
         opt = torch.optim.SGD(sub.parameters(), lr=cfg.lr)
         times, losses = [], []

@@ -4,8 +4,10 @@ All contenders train the same model (``benchmarks/pipeline_model.py``: identical
 cross-entropy on the last block's output), from the same initial weights (built right after
 ``torch.manual_seed(seed)``), on the same batches (batch s = samples [s*B, (s+1)*B) modulo the dataset),
 with the same schedule (``--schedule``: GPipe, each batch split into M micro-batches, all forwards, all
-backwards, one SGD step; or 1F1B), and with the same number of torch threads per process (``--threads``,
-default 1):
+backwards, one SGD step; or 1F1B; or FusionNet's zero-bubble ZB-H1 against torch's 1F1B, since torch's
+zero-bubble schedules need several stages per rank), and with the same number of torch threads per
+process (``--threads``, default 1). FusionNet's rows also give each stage's peak activation bytes
+(metrics.jsonl's ``activation_peak_bytes``):
 
 - ``plain torch``       one process, the M micro-batches one after the other with gradient accumulation.
                         The reference for the ratios.
@@ -79,14 +81,16 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
     low = {r.name: r.minimum(cfg.warmup) for r in results}
     plain = med.get("plain torch")
     rows = [
-        ("contender", "step ms", "min ms", "x plain", "x torch pipe N", "loss first", "loss last", "notes")
-    ]
+        ("contender", "step ms", "min ms", "x plain", "x torch pipe N", "act. MB per stage", "loss first",
+         "loss last", "notes")
+    ]  # fmt: skip
     for r in results:
         n = r.name.rsplit(" ", 1)[-1]
         pipe = med.get(f"torch pipe {n}") if n.isdigit() and r.name.startswith("fusionnet") else None
         rows.append((
             r.name, fmt_ms(med[r.name]), fmt_ms(low[r.name]),
             fmt_ratio(med[r.name], plain), fmt_ratio(med[r.name], pipe) if pipe else "",
+            "/".join(f"{b / 1e6:.2f}" for b in r.activation_peak) if r.activation_peak else "",
             f"{r.losses[0]:.5f}" if r.losses else "-", f"{r.losses[-1]:.5f}" if r.losses else "-",
             "FAILED (see below)" if r.error else r.note,
         ))  # fmt: skip
@@ -114,6 +118,9 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
             summary[f"{k}_over_torchpipe_{n}_min"] = ratio(
                 low.get(f"{prefix} {n}"), low.get(f"torch pipe {n}")
             )
+    for r in results:
+        if r.activation_peak:
+            summary[f"{key_of(r.name)}_activation_peak_bytes"] = r.activation_peak
     summary["splits"] = {str(n): format_split(s) for n, (s, _) in splits.items()}
     summary["split_sources"] = {str(n): src for n, (_, src) in splits.items()}
     cfg_d = asdict(cfg)
@@ -143,10 +150,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process, all contenders")
     ap.add_argument(
         "--schedule",
-        choices=("gpipe", "1f1b"),
+        choices=("gpipe", "1f1b", "zero-bubble"),
         default="gpipe",
         help="pipeline schedule of both pipelines: torch's ScheduleGPipe/Schedule1F1B and FusionNet's "
-        "placement.schedule (default gpipe)",
+        "placement.schedule (default gpipe); zero-bubble is FusionNet's ZB-H1 against torch's 1F1B (its "
+        "zero-bubble schedules need several stages per rank)",
     )
     ap.add_argument(
         "--sandbox",
