@@ -151,6 +151,10 @@ def test_compnode_metrics_count_what_happens() -> None:
     assert value(r, "fusionnet_compnode_speed_factor") == 0.4
     c.set_load(0.5, 2)
     assert value(r, "fusionnet_compnode_running_subtasks") == 2
+    c.set_activation_peak(3 << 20)
+    assert value(r, "fusionnet_compnode_activation_peak_bytes") == 3 << 20
+    with pytest.raises(ValueError):
+        c.set_activation_peak(-1)
     for seconds in (0.002, 0.003):
         c.observe_compute("forward", seconds)
     c.observe_compute("BACKWARD", 0.01)

@@ -354,6 +354,8 @@ class SubtaskService(ReplicaRPC):
         ):
             if job.spec.task != "infer" or phase == "fp":
                 self.node.metrics.observe_compute(phase, seconds)
+        if job.spec.task != "infer":
+            self.node.metrics.set_activation_peak(outcome.activation_peak_bytes)
         self.node.metrics.count_subtask("succeeded")
         reply = StepReply(
             step=step,

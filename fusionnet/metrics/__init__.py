@@ -44,6 +44,7 @@ Compnode (``COMPNODE_REGISTRY``)
     fusionnet_compnode_subtasks_total{outcome}   finished sub-tasks; outcome: succeeded|failed|cancelled
     fusionnet_compnode_speed_factor              fitted lambda_p = measured / peak FLOPS (FusionAI 3.7)
     fusionnet_compnode_peak_flops                nominal peak S*(p), FLOP/s
+    fusionnet_compnode_activation_peak_bytes     most activation bytes held at once in the last train step
     fusionnet_compute_duration_seconds{phase}    histogram per micro-batch; phase: forward|backward|update
     fusionnet_subtask_prediction_error_ratio     histogram: |measured / predicted sub-DAG time - 1|
     fusionnet_data_bytes_total{path,direction}   tensor bytes; path: tcp|p2p, direction: sent|received

@@ -60,6 +60,11 @@ class CompnodeMetrics(BaseMetrics):
         self.peak_flops = Gauge(
             "fusionnet_compnode_peak_flops", "Nominal peak speed S*(p) of the device, FLOP/s", registry=r
         )
+        self.activation_peak = Gauge(
+            "fusionnet_compnode_activation_peak_bytes",
+            "Most activation bytes held at once in the last training step (micro-batches between F and B)",
+            registry=r,
+        )
         self.compute_duration = Histogram(
             "fusionnet_compute_duration_seconds",
             "Time of one micro-batch phase of this compnode's sub-DAG: forward (FP), backward (BP), update",
@@ -127,6 +132,11 @@ class CompnodeMetrics(BaseMetrics):
         if not (seconds >= 0 and math.isfinite(seconds)):
             raise ValueError(f"metrics: {value} duration must be a finite number >= 0, got {seconds}")
         self.compute_duration.labels(phase=value).observe(seconds)
+
+    def set_activation_peak(self, nbytes: int) -> None:
+        if nbytes < 0:
+            raise ValueError(f"metrics: activation bytes must be >= 0, got {nbytes}")
+        self.activation_peak.set(nbytes)
 
     def observe_prediction(self, measured_seconds: float, predicted_seconds: float) -> None:
         """Measured vs predicted time of this compnode's sub-DAG for one step."""
