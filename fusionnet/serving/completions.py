@@ -186,6 +186,9 @@ class ChoiceRun:
         req = self.req
         if req.echo:
             yield await self._echo()
+        if req.max_tokens == 0:  # a prompt scored (echo): no session, no cache slot
+            yield self.tracker.finish()
+            return
         started = last = time.monotonic()
         count = 0
         on_logits = self._saw if self.top is not None else None
