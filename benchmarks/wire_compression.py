@@ -1,14 +1,17 @@
 """Optional wire compression (``placement.wire_compression``) on a real swarm: what each codec saves in
 bytes and step time, and what it costs in exactness and loss.
 
-The job is the bundled GPT example made larger (``--d-model``, ``--layers``; AdamW, ``--steps`` steps,
-4 micro-batches), placed on a real local swarm of processes on loopback: ``fusionnet broker`` and 2
-``fusionnet compnode`` daemons (one thread each, ``--metrics-port 0``), one swarm for every codec in
-turn (``none`` first, the exact baseline), the job handed over as ``fusionnet submit`` does. Per codec:
+The job is the bundled GPT example made larger (``--d-model``, ``--layers``; SGD with momentum, so that
+plain PyTorch is a tight reference; ``--steps`` steps, 4 micro-batches), placed on a real local swarm of
+processes on loopback: ``fusionnet broker --placement balanced`` (the same FLOP-balanced cut for every
+codec: the performance model would learn the compnodes' speeds from one job and cut the next elsewhere,
+and another cut sends other tensors) and 2 ``fusionnet compnode`` daemons (one thread each), one swarm for
+every codec in turn (``none`` first, the exact baseline), the job handed over as ``fusionnet submit``
+does. Per codec:
 
-- ``MB/step``      tensor bytes the compnodes handed to the data path per step (their
-                   ``fusionnet_data_bytes_total{direction="sent"}``, before and after the job), and its
-                   ratio to ``none``'s;
+- ``MB/step``      activation and gradient bytes the sub-DAGs sent each other per step, as on the wire
+                   (metrics.jsonl's ``sent_bytes``, summed; link probes and state transfers are not in
+                   it), and its ratio to ``none``'s;
 - ``ms/step``      median ``seconds`` of ``metrics.jsonl`` after the first step, and its ratio to ``none``'s;
 - ``max |dloss|``  the largest difference between the job's loss and plain PyTorch's at any step
                    (``fusionnet.reference``: the same job in one process), and the last step's losses;
@@ -30,7 +33,6 @@ import json
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -45,19 +47,7 @@ CODECS = ("none", "bf16", "fp16", "int8-ef")
 EXACT = 1e-5
 
 
-def sent_bytes(urls: list[str]) -> float:
-    """The compnodes' ``fusionnet_data_bytes_total{direction="sent"}``, summed over paths and daemons."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for url in urls:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "fusionnet_data_bytes_total" and sample.labels.get("direction") == "sent":
-                    total += sample.value
-    return total
+SGD = {"name": "sgd", "lr": 0.05, "kwargs": {"momentum": 0.9}}
 
 
 def write_job(folder: Path, args: argparse.Namespace, codec: str) -> Path:
@@ -67,6 +57,7 @@ def write_job(folder: Path, args: argparse.Namespace, codec: str) -> Path:
         model={"d_model": args.d_model, "n_layer": args.layers, "n_head": 4, "block_size": args.block},
         data={"block_size": args.block, "batch_size": args.batch, "microbatches": 4},
         steps=args.steps,
+        optimizer=SGD,
         placement={"compnodes": 2, "wire_compression": codec},
     )
 
@@ -78,22 +69,19 @@ def max_weight_diff(out: Path, ref: dict[str, Any]) -> float:
     return max((got[k].double() - ref[k].double()).abs().max().item() for k in ref)
 
 
-async def run_codec(
-    swarm: ProcessSwarm, job: Path, out: Path, urls: list[str], timeout: float
-) -> dict[str, Any]:
+async def run_codec(swarm: ProcessSwarm, job: Path, out: Path, timeout: float) -> dict[str, Any]:
     async with SwarmObserver(swarm.initial_peers) as observer:
         await swarm.wait_members(observer)
-    before = sent_bytes(urls)
     started = time.monotonic()
     await submit_and_wait(job, swarm.initial_peers, out, timeout=timeout)
     wall = time.monotonic() - started
-    sent = sent_bytes(urls) - before
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rows.sort(key=lambda r: r["step"])
     plan = json.loads((out / "plan.json").read_text())
     return {
         "sub_dags": len(plan["subdags"]),
-        "mb_per_step": sent / len(rows) / 1e6,
+        "cut": [sorted(s["nodes"]) for s in plan["subdags"]],
+        "mb_per_step": statistics.mean(sum(r["sent_bytes"]) for r in rows) / 1e6,
         "ms_per_step": statistics.median(float(r["seconds"]) for r in rows[1:] or rows) * 1e3,
         "losses": [float(r["loss"]) for r in rows],
         "wall_s": wall,
@@ -132,11 +120,14 @@ def report(results: dict[str, dict[str, Any]], ref_losses: list[float], plain_ms
             "exact": exact,
         }
     summary["reference_last_loss"] = ref_losses[-1]
+    cuts = [r["cut"] for r in results.values() if "cut" in r]
+    summary["same_cut"] = all(c == cuts[0] for c in cuts)
     widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
     print()
     for row in table:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip())
-    print(f"(last loss: the swarm's, plain PyTorch's in brackets; plain PyTorch {plain_ms:.1f} ms/step)")
+    print(f"(last loss: the swarm's, plain PyTorch's in brackets; plain PyTorch {plain_ms:.1f} ms/step; "
+          f"the same cut for every codec: {'yes' if summary['same_cut'] else 'NO'})")  # fmt: skip
     return summary
 
 
@@ -173,16 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPT d {args.d_model}, {args.layers} layers, {n_params / 1e6:.2f}M parameters, {args.steps} "
           f"steps; plain PyTorch {plain_ms:.1f} ms/step; logs in {workdir}", flush=True)  # fmt: skip
 
-    specs = [CompnodeSpec(extra=["--metrics-port", "0"]) for _ in range(2)]  # one thread each
-    swarm = ProcessSwarm(workdir / "swarm", specs, broker_args(1.0, 1.0, 5.0))
+    specs = [CompnodeSpec(), CompnodeSpec()]  # one thread each
+    swarm = ProcessSwarm(workdir / "swarm", specs, broker_args(1.0, 1.0, 5.0, ["--placement", "balanced"]))
     results: dict[str, dict[str, Any]] = {}
     try:
         swarm.start()
-        urls = [c.metrics_url() for c in swarm.compnodes]
         for codec in codecs:
             path = write_job(workdir / codec, args, codec)
             try:
-                r = asyncio.run(run_codec(swarm, path, workdir / codec / "out", urls, args.timeout))
+                r = asyncio.run(run_codec(swarm, path, workdir / codec / "out", args.timeout))
                 r["max_dw"] = max_weight_diff(workdir / codec / "out", ref.weights)
             except Exception as e:  # one codec's failure is reported; the others still run
                 r = {"error": f"{type(e).__name__}: {e}"}
@@ -194,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = report(results, ref.losses, plain_ms)
     print(json.dumps(summary))
     exact_none = summary.get("none", {}).get("exact", True)
-    return 0 if exact_none and not any("error" in r for r in results.values()) else 1
+    ok = exact_none and summary["same_cut"] and not any("error" in r for r in results.values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

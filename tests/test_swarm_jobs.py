@@ -117,6 +117,7 @@ def test_submitted_job_equals_local_run_and_plain_pytorch(
     # every sub-DAG held activations between its micro-batches' F and B (measured by the compnodes)
     assert all(len(r["activation_peak_bytes"]) == len(plan["subdags"]) for r in rows)
     assert all(b > 0 for r in rows for b in r["activation_peak_bytes"])
+    assert all(len(r["sent_bytes"]) == len(plan["subdags"]) and sum(r["sent_bytes"]) > 0 for r in rows)
     # Placed by the performance model on the compnodes' announced hardware: predicted beside measured.
     assert plan["policy"] == "performance model" and plan["predicted_step_seconds"] > 0
     assert all(s["predicted_seconds"] is not None and s["predicted_seconds"] >= 0 for s in plan["subdags"])

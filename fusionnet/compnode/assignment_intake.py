@@ -73,7 +73,9 @@ class JobAssignment:
     async def run_step(self, step: int) -> StepReport:
         wanted = {self.graph.node(p).target for p in self.subdag.placeholders}
         data = select_fields(self.fields, wanted, self.spec, step)
+        sent = self.channel.bytes_sent
         report = await self.executor.run_step(step, data, self.spec.microbatch_sizes(step))
+        report.sent_bytes = self.channel.bytes_sent - sent  # the step's activations and gradients
         self.channel.mailbox.forget_step(step)
         self.steps_done.add(step)
         self.last_report = report

@@ -44,6 +44,7 @@ class StepOutcome:
     outputs: bytes | None
     refused: int  # values refused by the channel's checks so far
     activation_peak_bytes: int = 0
+    sent_bytes: int = 0
 
 
 class Host(Protocol):
@@ -85,6 +86,7 @@ class JobHost:
             outputs=outputs,
             refused=self.refused(),
             activation_peak_bytes=report.activation_peak_bytes,
+            sent_bytes=report.sent_bytes,
         )
 
     async def drop_inflight(self) -> None:

@@ -298,10 +298,15 @@ class SandboxedJob:
         if not all(isinstance(x, float | int) and not isinstance(x, bool) for x in seconds):
             raise IPCError("step reply: timings are not numbers")
         self._refused = int_field(header, "refused")
-        peak = int_field(header, "activation_peak_bytes")
+        peak, sent = int_field(header, "activation_peak_bytes"), int_field(header, "sent_bytes")
         return StepOutcome(
-            loss, *map(float, seconds), outputs=outputs, refused=self._refused, activation_peak_bytes=peak
-        )  # type: ignore[misc]
+            loss,
+            *map(float, seconds),  # type: ignore[arg-type]
+            outputs=outputs,
+            refused=self._refused,
+            activation_peak_bytes=peak,
+            sent_bytes=sent,
+        )
 
     async def drop_inflight(self) -> None:
         await self._call("drop", {})

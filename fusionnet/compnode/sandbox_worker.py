@@ -200,6 +200,7 @@ class Worker:
             outputs = outcome.outputs
             fields |= {"refused": outcome.refused, "outputs": outputs is not None}
             fields["activation_peak_bytes"] = outcome.activation_peak_bytes
+            fields["sent_bytes"] = outcome.sent_bytes
             return fields, [outputs] if outputs is not None else []
         if op == "drop":
             await host.drop_inflight()

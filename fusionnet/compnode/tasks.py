@@ -364,6 +364,7 @@ class SubtaskService(ReplicaRPC):
             bp_seconds=outcome.bp_seconds,
             update_seconds=outcome.update_seconds,
             activation_peak_bytes=outcome.activation_peak_bytes,
+            sent_bytes=outcome.sent_bytes,
             refused=self._refused(job.job_id),
             outputs=outcome.outputs,
             replicated=None if job.replicator is None else job.replicator.confirmed,

@@ -40,6 +40,7 @@ class StepReport:
     bp_seconds: float = 0.0
     update_seconds: float = 0.0
     activation_peak_bytes: int = 0  # train/grad: the most activation bytes held at once in the step
+    sent_bytes: int = 0  # tensor bytes sent to other sub-DAGs in the step, as on the wire (a compnode's)
 
 
 class ExecutorHook:

@@ -157,6 +157,7 @@ class StepReply(Message):
     bp_seconds: Seconds = 0.0
     update_seconds: Seconds = 0.0
     activation_peak_bytes: NonNegative = 0  # the most activation bytes held at once in the step
+    sent_bytes: NonNegative = 0  # tensor bytes sent to other sub-DAGs in the step (after compression)
     refused: NonNegative = 0  # frames refused so far for this job (bad key, wrong sender, ...)
     outputs: bytes | None = None  # infer: safetensors of "<micro-batch>/<leaf>" outputs
     replicated: NonNegative | None = None  # the latest snapshot step its holder has confirmed
