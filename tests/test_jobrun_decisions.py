@@ -5,6 +5,7 @@ what the multi-process recovery tests reach only through a swarm is checked here
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,7 @@ from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.codec import encode_ir
 from fusionnet.dht.announce import Found
 from fusionnet.dht.records import CompnodeRecord, NodeState
-from fusionnet.errors import DeviceMemoryError, JobError
+from fusionnet.errors import DeviceMemoryError, JobError, StoreError
 from fusionnet.job.loader import load_job
 from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.compnode_rpc import AssignRequest, CompnodeClient
@@ -405,3 +406,40 @@ def test_with_steps_sent_ahead_a_failover_still_replays_each_step_once(
     assert [r["step"] for r in run.progress.metrics] == list(range(STEPS))
     assert afters[:3] == [(0, None), (1, 0), (2, 1)]  # each sent while the one before it ran
     assert [m for p, m in fake.calls if p == victim].count("step") == 4  # 0, 1, the failed 2, and 3
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_fails_the_job_saying_so_and_releases_its_compnodes(
+    tmp_path: Path, submitted: SubmittedJob
+) -> None:
+    """A checkpoint the broker cannot write (ENOSPC) ends the job FAILED with the reason, not as an
+    internal error; a database that refuses the job's step record does the same (a CI machine's disk
+    once filled and left a job RUNNING until its submitter's timeout)."""
+    fake = FakeCompnodes()
+    run, context = make_run(tmp_path, submitted, fake)
+
+    def full(*_: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(run.files.folder / "checkpoint"))
+
+    run.files.save_checkpoint = full  # type: ignore[method-assign]
+    asyncio.run(run.run())
+    row = context.store.get_job("j1")
+    assert row["state"] == "FAILED"
+    assert row["error"].startswith("the broker could not write or read its files: [Errno 28]"), row["error"]
+    assert {p for p, m in fake.calls if m == "release"} == set(run.peers)
+
+    fake = FakeCompnodes()
+    (tmp_path / "second").mkdir()
+    run, context = make_run(tmp_path / "second", submitted, fake)
+    refused = StoreError("b.sqlite3: the broker database refused a write (database or disk is full)")
+    real_update = context.store.update_job
+
+    def update(job_id: str, **fields: Any) -> dict[str, Any]:
+        if "loss" in fields:  # a step's record
+            raise refused
+        return real_update(job_id, **fields)
+
+    context.store.update_job = update  # type: ignore[method-assign]
+    asyncio.run(run.run())
+    row = context.store.get_job("j1")
+    assert (row["state"], row["error"]) == ("FAILED", str(refused))

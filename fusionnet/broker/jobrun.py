@@ -30,6 +30,7 @@ looked for between steps by ``placement_review.PlacementReview``; the calls to c
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -65,6 +66,8 @@ from fusionnet.results.assemble import RunResult, StateView, assemble_result
 from fusionnet.results.files import plan_document, write_results
 
 log = logging.getLogger("fusionnet.broker.jobs")
+# The broker's own files failing (not a network error, which is an OSError too): the job fails saying so.
+FILE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT, errno.EIO})
 
 
 @dataclass
@@ -182,8 +185,12 @@ class JobRun(JobPlacement, PlacementReview):
         except FusionNetError as e:
             self._fail(str(e))
         except Exception as e:  # a bug of ours must still end the job with a reason, not hang it
-            log.exception("job %s: internal error", job.job_id)
-            self._fail(f"internal error: {type(e).__name__}: {e}")
+            if isinstance(e, OSError) and e.errno in FILE_ERRNOS:  # its files: a full disk, a lost dir
+                log.error("job %s: the broker's files: %s", job.job_id, e)
+                self._fail(f"the broker could not write or read its files: {e}")
+            else:
+                log.exception("job %s: internal error", job.job_id)
+                self._fail(f"internal error: {type(e).__name__}: {e}")
         finally:
             self._drop_ahead()
             self.watch.detach()
