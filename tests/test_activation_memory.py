@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusionnet.dag.activation_memory import ActivationLedger
+from fusionnet.dag.activation_memory import ActivationLedger, activation_key
 from fusionnet.job.loader import load_job
 from fusionnet.runtime.local import run_local
 from fusionnet.schedules import NAMES, chain_edges, check, make_schedule
@@ -51,6 +51,11 @@ def test_the_ledger_counts_saved_storages_once_without_parameters_and_changes_no
     assert (ledger.peak, ledger.held) == (150, 120)
     ledger.start_step()
     assert (ledger.peak, ledger.held) == (0, 0)
+    # an FP of a shape already counted is not counted again (the hooks cost a small model's step a few %)
+    key = activation_key(0, [torch.zeros(2, 3), (torch.zeros(4),)])
+    assert key == (0, (2, 3), (4,)) and not ledger.knows(key)
+    assert ledger.learn(key, 96) == 96 and ledger.knows(key) and ledger.learn(key, None) == 96
+    assert ledger.learn(activation_key(1, [torch.zeros(1, 3)]), None) == 0  # never counted: nothing
 
 
 def test_each_schedule_holds_what_its_theory_says_per_stage(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ A micro-batch's activations are the tensors autograd saves for its backward (``s
 sees each one as it is saved) and the outputs kept for the gradients that come back, each storage
 counted once, parameters left out (a stage holds those whatever the schedule). They are held from the
 micro-batch's F until its B, or, for a split backward, until its W (the weight half still reads the
-saved inputs). ``ActivationLedger`` keeps the count per micro-batch and the step's peak of their sum.
+saved inputs). ``ActivationLedger`` keeps the count per micro-batch and the step's peak of their sum,
+and what a micro-batch of a given shape saves: the hooks run once per shape, not on every FP.
 
 The pack hook hands autograd ``t.detach()``: the same storage (nothing is copied, the numbers are the
 same), without the reference cycle a saved output's own ``grad_fn`` would otherwise close.
@@ -13,11 +14,14 @@ same), without the reference cycle a saved output's own ``grad_fn`` would otherw
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
+
+MAX_KEYS = 1024
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
@@ -56,6 +60,7 @@ class ActivationLedger:
     def __init__(self) -> None:
         self._held: dict[int, int] = {}
         self.peak = 0
+        self._bytes_of: dict[Hashable, int] = {}  # an FP's key (its inputs' shapes) -> bytes it saves
 
     def start_step(self) -> None:
         self._held.clear()
@@ -69,6 +74,17 @@ class ActivationLedger:
         with torch.autograd.graph.saved_tensors_hooks(counter._pack, _unpack):
             yield counter
 
+    def knows(self, key: Hashable) -> bool:
+        return key in self._bytes_of
+
+    def learn(self, key: Hashable, nbytes: int | None) -> int:
+        """The bytes an FP of ``key`` saves: ``nbytes`` when it was just counted, else what was."""
+        if nbytes is not None:
+            if len(self._bytes_of) >= MAX_KEYS:  # shapes that keep changing: forget the oldest
+                self._bytes_of.pop(next(iter(self._bytes_of)))
+            self._bytes_of[key] = nbytes
+        return self._bytes_of.get(key, 0)
+
     def hold(self, mb: int, nbytes: int) -> None:
         self._held[mb] = nbytes
         self.peak = max(self.peak, sum(self._held.values()))
@@ -79,6 +95,14 @@ class ActivationLedger:
     @property
     def held(self) -> int:
         return sum(self._held.values())
+
+
+def activation_key(mb: int, inputs: Sequence[Any]) -> tuple[Any, ...]:
+    """What an FP's saved bytes depend on: the micro-batch's place in the step and its inputs' shapes.
+    The same key saves the same bytes, so it is counted once (the hooks cost a few percent of a small
+    model's step)."""
+    leaves, _ = tree_flatten(list(inputs))
+    return (mb, *(tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in leaves))
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

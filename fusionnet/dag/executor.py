@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._pytree import tree_map
 
-from fusionnet.dag.activation_memory import ActivationLedger, SavedBytes
+from fusionnet.dag.activation_memory import ActivationLedger, SavedBytes, activation_key
 from fusionnet.dag.backward_pass import BackwardPass, is_float
 from fusionnet.dag.channel import Channel
 from fusionnet.dag.devices import (
@@ -229,6 +229,7 @@ class SubDagExecutor(BackwardPass):
             inputs.append(value)
         received = [n not in self._placeholder_target for n in self.subdag.outer_required]
         ready_leaves = set(self._step_inputs)  # placed in an earlier micro-batch of this step
+        shapes = None if self.task == "infer" else activation_key(mb, inputs)
         first_sends = [n for n in self.step_wide & set(self.subdag.outwards) if n not in self._step_sent]
         self._step_sent.update(first_sends)
 
@@ -242,7 +243,7 @@ class SubDagExecutor(BackwardPass):
                 with (
                     torch.set_grad_enabled(self.task != "infer"),
                     autocast(self.precision, self._device_type()),
-                    self._counting(placed) as saved,
+                    self._counting(shapes, placed) as saved,
                 ):
                     outs = self.module(*placed)
             except Exception as e:
@@ -260,8 +261,8 @@ class SubDagExecutor(BackwardPass):
             return outs, host, ready, None if saved is None else saved.nbytes
 
         outs, host, ready, held = await self._run("fp", step, mb, work)
-        if held is not None:
-            self.activations.hold(mb, held)
+        if shapes is not None:
+            self.activations.hold(mb, self.activations.learn(shapes, held))
         for name, value in zip(self.subdag.outer_required, inputs):
             if name in self.step_wide and name not in ready_leaves:  # placed by this FP: kept for the step
                 self._step_inputs[name] = value
@@ -272,10 +273,12 @@ class SubDagExecutor(BackwardPass):
             self._stash[mb] = (inputs, outs)
         return outs
 
-    def _counting(self, placed: Sequence[Any]) -> AbstractContextManager[SavedBytes | None]:
-        """What an FP saves for its BP, counted (training only); the state and step-wide values (a
+    def _counting(
+        self, key: tuple[Any, ...] | None, placed: Sequence[Any]
+    ) -> AbstractContextManager[SavedBytes | None]:
+        """What an FP saves for its BP, counted when its key is new; the state and step-wide values (a
         tied weight received) are not activations."""
-        if self.task == "infer":
+        if key is None or self.activations.knows(key):
             return nullcontext()
         wide = [v for n, v in zip(self.subdag.outer_required, placed) if n in self.step_wide]
         return self.activations.saving([*self.named_params.values(), *self.root.buffers(), *wide])
