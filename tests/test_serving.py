@@ -118,7 +118,7 @@ def test_requests_for_whole_rows_and_for_picked_positions_never_share_a_batch() 
 
     async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
         batches.append((int(rows.shape[0]), pick is None))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the batch's compute time: the next requests of both kinds queue meanwhile
         out = rows.float()[:, :, None] * torch.ones(1, 1, 2)  # [rows, positions, 2]
         return out if pick is None else out[torch.arange(len(pick)), torch.tensor(pick)]
 
