@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
+import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +20,7 @@ import torch
 
 from fusionnet.compnode.daemon import CompnodeConfig
 from fusionnet.compnode.faults import ENV as FAULT_ENV
+from fusionnet.compnode.sandbox_client import SandboxedJob, SandboxPool
 from fusionnet.compnode.sandbox_ipc import IPCChannel, IPCError, frame_message, frame_of
 from fusionnet.compnode.tasks import SubtaskService
 from fusionnet.errors import ExecutionError, JobError
@@ -79,6 +85,10 @@ def test_a_sandboxed_job_equals_the_in_process_one_and_its_worker_goes_with_it(w
                 assert sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in y)
         worker = host.process  # type: ignore[attr-defined]
         assert worker.pid != os.getpid() and worker.is_alive()
+        limits = Path(f"/proc/{worker.pid}/limits")
+        if limits.exists():  # Linux: the worker may not dump core (forbid_core_dumps)
+            core = next(line for line in limits.read_text().splitlines() if line.startswith("Max core"))
+            assert core.split()[4:6] == ["0", "0"], core
         await call(s, "release", {"job_id": "j1", "reason": "done"})
         for _ in range(100):  # the release stops the worker (closing is asynchronous)
             if not worker.is_alive():
@@ -239,3 +249,82 @@ def test_a_step_sent_ahead_waits_for_the_one_before_it_whatever_the_arrival_orde
             await asyncio.wait_for(stuck, 10)
 
     asyncio.run(run())
+
+
+CRASH = """
+import os, signal, sys
+if sys.argv[1] == "forbid":
+    from fusionnet.compnode.sandbox_worker import forbid_core_dumps
+    forbid_core_dumps()
+os.kill(os.getpid(), signal.SIGSEGV)
+"""
+
+
+def _crash_in(folder: Path, mode: str) -> list[Path]:
+    """A process that dies of SIGSEGV in ``folder``, core limit as high as allowed: the files it left."""
+    folder.mkdir()
+    _, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    done = subprocess.run(
+        [sys.executable, "-c", CRASH, mode],
+        cwd=folder,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (hard, hard)),
+        timeout=60,
+    )
+    assert done.returncode == -signal.SIGSEGV
+    return list(folder.iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_a_crashing_worker_writes_no_core_dump(tmp_path: Path) -> None:
+    """A job that crashes its worker must not leave the worker's memory on the compnode's disk (nor make the
+    daemon wait while the kernel writes it). Where this machine would write a core file into the crashing
+    process's folder, the same crash without ``forbid_core_dumps`` shows that it does."""
+    assert _crash_in(tmp_path / "forbidden", "forbid") == []
+    pattern = Path("/proc/sys/kernel/core_pattern")
+    plain_files = pattern.exists() and not pattern.read_text().startswith(("|", "/"))
+    if plain_files and resource.getrlimit(resource.RLIMIT_CORE)[1] != 0:
+        assert _crash_in(tmp_path / "allowed", "allow") != []  # the check above can fail here
+
+
+class _DeadWorker:
+    """The ``multiprocessing`` process of a worker that died of SIGSEGV."""
+
+    exitcode = -signal.SIGSEGV
+    pid = 0
+
+    def join(self, timeout: float | None = None) -> None:
+        return None
+
+    def kill(self) -> None:
+        raise AssertionError("a dead worker is not killed")
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_dying_with_our_messages_unread_fails_its_calls() -> None:
+    """A worker that dies with messages of the daemon unread in its socket (a step sent ahead, a peer's
+    activations: timing decides) resets the socket instead of closing it. The daemon must see that death
+    as it sees a clean end: every pending call fails naming the signal, none waits forever (a CI run once
+    waited for the job's whole timeout)."""
+
+    async def run() -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        job = SandboxedJob(SandboxPool(None, 1.0, None, None), PEERS[0], "j1", 1, send=_no_send)
+        job.process, job.channel = _DeadWorker(), IPCChannel(ours)
+        _, pending = job._queue("step", {"step": 0})
+        for _ in range(200):  # the call reached the worker's socket, unread
+            await asyncio.sleep(0.01)
+            if len(theirs.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)) > 0:
+                break
+        theirs.close()  # the worker's end goes with unread data in it: a reset
+        job._reader = asyncio.ensure_future(job._read())
+        with pytest.raises(ExecutionError, match=r"sandbox worker died \(it was killed by SIGSEGV"):
+            await asyncio.wait_for(pending, 10)
+        with pytest.raises(ExecutionError, match="SIGSEGV"):  # and every later call
+            await asyncio.wait_for(job.collect("all", 0), 10)
+
+    asyncio.run(run())
+
+
+async def _no_send(dst: int, frame: TensorFrame) -> None:
+    raise AssertionError("nothing is sent")

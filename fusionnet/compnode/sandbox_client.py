@@ -196,7 +196,10 @@ class SandboxedJob:
                     raise IPCError(f"unknown message {op[:40]!r} from the worker")
         except asyncio.CancelledError:
             raise
-        except EOFError:
+        except (EOFError, ConnectionError):
+            # The worker is gone. A worker that dies with messages of ours unread (a step call sent ahead,
+            # a peer's activations) resets the socket instead of closing it: the same death, not a crash of
+            # this task, which would leave every pending call of the job waiting forever.
             pass
         except (IPCError, FusionNetError) as e:  # a worker that talks nonsense is ended
             why = f"; it sent a malformed message ({e})"

@@ -10,7 +10,9 @@ Limits, set before any of the job runs: private writable memory (``RLIMIT_DATA``
 budget is ``--sandbox-memory-gb``), a lower CPU priority than the daemon, inherited from the fork server
 (``sandbox_preload``: its heartbeats and RPCs win a contended core), and death with the fork server
 (``PR_SET_PDEATHSIG``), which dies with the daemon: a compnode killed hard leaves no worker behind, even
-one stuck in an op.
+one stuck in an op. No core dump: a job that crashes its worker would otherwise write hundreds of MB
+of the worker's memory into the compnode's folder, and the kernel keeps the dying worker's socket open
+until the dump is written, so the daemon would learn of the crash minutes late on a slow disk.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from fusionnet.wire.frames import TensorFrame
 
 log = logging.getLogger("fusionnet.compnode.sandbox")
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 EXIT_NO_ANSWER = 70  # the worker could not answer a call (``sandbox_client.describe_exit``)
 # What torch and its backends say when an allocation fails (the memory budget is one cause).
 # A thread's stack is private memory too: under the budget, starting one fails.
@@ -81,6 +84,13 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def forbid_core_dumps() -> None:
+    """No core file, and (not dumpable) no core piped to a crash handler, which may ignore the limit."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the limit alone
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
 def _data_in_use() -> int:
     """Bytes of private writable memory this process maps now (``VmData``), what RLIMIT_DATA counts."""
     try:
@@ -104,6 +114,7 @@ def apply_limits(config: WorkerConfig, device: str | None = None) -> None:
 def main(sock: socket.socket, config: WorkerConfig) -> None:
     """The worker process (``multiprocessing`` target)."""
     _die_with_parent()
+    forbid_core_dumps()
     logging.basicConfig(
         level=config.log_level,
         stream=sys.stderr,
@@ -131,8 +142,10 @@ class Worker:
             while True:
                 try:
                     header, blobs = await self.channel.recv()
-                except EOFError:
-                    return  # the daemon closed our socket: the job is over
+                except (EOFError, ConnectionError):
+                    # The daemon closed our socket (a reset when it closed with our messages unread): the
+                    # job is over.
+                    return
                 op = header["op"]
                 if op == "close":
                     if self.host is not None:
