@@ -71,3 +71,33 @@ def test_kill_child_kills_a_session_or_a_child_without_one() -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+NO_SUCH_PID = 4_194_305  # above Linux's largest pid: killing it finds no process
+
+
+@pytest.mark.timeout(60)
+def test_a_check_whose_answers_arrive_together_is_not_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a loaded machine the check's child can finish before this process reads the fork's answer;
+    the server's two lines (the child's pid, its exit) then arrive in one read. Both must be taken from
+    it: a CI run once waited 120 + 60 s for a line already read, and called a quick refusal a hang."""
+    server = loadcheck._Server()
+    both = f'{{"pid": {NO_SUCH_PID}, "threads": 1}}\n{{"exit": 1}}\n'
+    fake = [
+        sys.executable,
+        "-c",
+        f"import sys; sys.stdin.readline(); sys.stdout.write({both!r}); sys.stdout.flush(); sys.stdin.read()",
+    ]
+
+    def started() -> subprocess.Popen[str]:
+        if server.proc is None:
+            server.proc = subprocess.Popen(fake, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        return server.proc
+
+    monkeypatch.setattr(server, "_started", started)
+    try:
+        begun = time.monotonic()
+        assert server.run({"job": "x"}, timeout=20) == (1, False)
+        assert time.monotonic() - begun < 15
+    finally:
+        server.stop()

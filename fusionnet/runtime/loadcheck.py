@@ -48,6 +48,7 @@ class _Server:
         self.proc: subprocess.Popen[str] | None = None
         self.lock = threading.Lock()
         self.threads_at_fork: int | None = None  # the server's threads when it forked the last child
+        self._unread = b""  # what was read of the server's output past the last whole line
 
     def _started(self) -> subprocess.Popen[str]:
         if self.proc is None or self.proc.poll() is not None:
@@ -60,19 +61,28 @@ class _Server:
                 text=True,
                 env=os.environ | SERVER_ENV,
             )
+            self._unread = b""
         return self.proc
 
     def _answer(self, proc: subprocess.Popen[str], deadline: float) -> dict[str, Any] | None:
-        """The server's next line, or None at the deadline (or when the server is gone)."""
+        """The server's next line, or None at the deadline (or when the server is gone).
+
+        Read from the pipe's descriptor into our own buffer: ``select`` sees only the descriptor, so a
+        line already pulled into a file object's buffer with the one before it (the child's exit, when
+        the check ended before this process read the fork's answer, as on a loaded machine) would be
+        waited for until the deadline: 120 s, then the check called hung."""
         assert proc.stdout is not None
-        while True:
+        fd = proc.stdout.fileno()
+        while b"\n" not in self._unread:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
                 return None
-            line = proc.stdout.readline()
-            if not line:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
                 return None
-            return json.loads(line)
+            self._unread += chunk
+        line, _, self._unread = self._unread.partition(b"\n")
+        return json.loads(line)
 
     def run(self, request: dict[str, Any], timeout: float) -> tuple[int | None, bool]:
         """Forks a child for ``request``: (its exit code, or -signal; None if the server failed), and
@@ -105,6 +115,7 @@ class _Server:
                 self.proc.kill()
             self.proc.wait()
             self.proc = None
+            self._unread = b""
 
 
 SERVER_START_TIMEOUT = 60.0
