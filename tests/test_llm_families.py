@@ -84,3 +84,51 @@ def test_submission_carries_the_non_persistent_buffers_the_ir_reads(tmp_path: Pa
     without = {k: v for k, v in state.items() if k in job.model.state_dict()}
     with pytest.raises(JobError, match="inv_freq"):
         check_submission(graph, without, unpack_tensors(payload.data, "data"), payload.spec)
+
+
+def _token_job(tmp_path: Path, *, task: str, batch_size: int, microbatches: int, samples: int = 12) -> Path:
+    from tests.dag_models import token_data
+    from tests.jobfiles import write_job
+
+    ids, labels = token_data(samples)
+    return write_job(
+        tmp_path / f"job-{task}-{batch_size}-{microbatches}-{samples}",
+        model_class="HFCausalLM",
+        inputs=ids,
+        labels=None if task == "infer" else labels,
+        task=task,
+        loss=False,  # type: ignore[arg-type]
+        microbatches=microbatches,
+        batch_size=batch_size,
+        steps=2,
+        optimizer=SGD,
+    )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "task,batch_size,microbatches,samples,key,sizes",
+    [
+        ("train", 5, 2, 12, "data.microbatches", "micro-batches of 3 samples and does not run on 2"),
+        ("infer", 5, 1, 12, "data.batch_size", "micro-batches of 5 samples and does not run on 2"),
+    ],
+)
+def test_an_export_graph_is_refused_before_it_runs_a_micro_batch_size_it_cannot(
+    task: str, batch_size: int, microbatches: int, samples: int, key: str, sizes: str, tmp_path: Path
+) -> None:
+    """A ``torch.export`` graph fixes the batch dimension it was traced with. An uneven split (5 samples in
+    2 micro-batches: 3 and 2) or a short last infer batch (12 samples in batches of 5: 5, 5, 2) used to
+    fail in the middle of the run with a reshape error from deep inside torch; now the job is refused
+    before anything runs, naming the key and the fix. The same model with an even split runs exactly."""
+    from fusionnet.errors import JobError
+
+    job = load_job(_token_job(tmp_path, task=task, batch_size=batch_size, microbatches=microbatches))
+    with pytest.raises(JobError, match=rf"^{key}: the model's graph \(torch.export\) was traced on {sizes} "):
+        run_local(job, 2)
+    even = _token_job(tmp_path, task=task, batch_size=4 if task == "train" else 6, microbatches=2)
+    ref, got = run_reference(load_job(even)), run_local(load_job(even), 2)
+    if task == "infer":
+        assert ref.outputs is not None and got.outputs is not None
+        assert (got.outputs - ref.outputs).abs().max().item() <= TOL
+    else:
+        assert _max_diff(got.weights, ref.weights) <= TOL

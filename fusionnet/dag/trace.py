@@ -127,6 +127,36 @@ def trace_model(
     raise TraceError("model cannot be traced: " + "; ".join(errors))
 
 
+def reproduces_on(
+    traced: TracedModel,
+    model: nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor | None,
+    loss_fn: Callable[..., torch.Tensor] | None,
+) -> str | None:
+    """Whether ``traced`` (traced on another example) gives the model's result on this one: None if it
+    does, else what went wrong. A graph traced by ``torch.export`` fixes every shape it saw, the batch's
+    too (a ``view`` to ``[3, 16, 96]``), so it may fail or differ on a micro-batch of another size."""
+    task = traced.graph.task
+    wrapper: nn.Module = _InferWrapper(model) if task == "infer" else _LossWrapper(model, loss_fn)
+    args = (inputs,) if task == "infer" else (inputs, labels)
+    was_training = model.training
+    wrapper.train(task != "infer")
+    try:
+        with torch.no_grad(), torch.random.fork_rng():
+            torch.manual_seed(0)  # the same draws for both runs (dropout)
+            expected = wrapper(*args)
+            torch.manual_seed(0)
+            _check_reproduces(traced, expected, args)
+    except TraceError:
+        return "its output differs from the model's"
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    finally:
+        model.train(was_training)
+    return None
+
+
 def _check_reproduces(traced: TracedModel, expected: Any, args: tuple[Any, ...]) -> None:
     """The traced graph must give the eager result on the example (catches control flow baked in)."""
     from fusionnet.dag.rebuild import run_whole_graph

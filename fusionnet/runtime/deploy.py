@@ -108,7 +108,7 @@ async def deploy(
     eos = end_of_text_ids(job.model) if kind == "generate" else []
     if kind == "generate" and settings.kv_slots:
         job, kv = with_kv_cache(job, settings.kv_slots, stream)
-    submission = await asyncio.to_thread(submission_payload, job)
+    submission = await asyncio.to_thread(submission_payload, job, deployment=True)
     tokenizer = await asyncio.to_thread(tokenizer_files, model_folder(job)) if kind == "generate" else None
     request = DeployRequest(
         name=name or job.spec.name,

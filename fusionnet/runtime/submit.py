@@ -59,9 +59,10 @@ class SubmitOutcome:
     placement: list[dict[str, Any]]
 
 
-def submission_payload(job: LoadedJob) -> SubmitJobRequest:
-    """Traces the job here and packs what the broker needs (unsigned: ``signed`` adds the signature)."""
-    traced = trace_job(job)
+def submission_payload(job: LoadedJob, *, deployment: bool = False) -> SubmitJobRequest:
+    """Traces the job here and packs what the broker needs (unsigned: ``signed`` adds the signature).
+    ``deployment``: the broker pads every micro-batch to the traced size (``trace_job``'s ``every_size``)."""
+    traced = trace_job(job, every_size=not deployment)
     loss_reduction = loss_reduction_of(job)
     data = {"inputs": job.inputs}
     if job.labels is not None:
