@@ -101,3 +101,33 @@ def test_a_check_whose_answers_arrive_together_is_not_waited_for(monkeypatch: py
         assert time.monotonic() - begun < 15
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_model_that_crashes_the_check_leaves_no_core_dump(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check's child runs the job's code; when that crashes the interpreter the child dumps no core
+    into the caller's folder (hundreds of MB with torch loaded), even where the limit would allow one."""
+    import resource
+
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"inputs": torch.zeros(2, 3)}, str(tmp_path / "data.safetensors"))
+    (tmp_path / "model.py").write_text("import ctypes\nctypes.string_at(0)\n")
+    (tmp_path / "job.yaml").write_text(
+        "name: crash\ntask: infer\nmodel: {entrypoint: model.py:build}\n"
+        "data: {path: data.safetensors, batch_size: 1}\n"
+    )
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    loadcheck._SERVER.stop()  # the next server inherits the raised limit
+    resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
+    monkeypatch.chdir(tmp_path)  # where a core file would be written
+    try:
+        with pytest.raises(JobError, match=r"killed the process \(SIGSEGV\)"):
+            loadcheck.check_job_loads(tmp_path / "job.yaml", allow_outside_paths=False)
+    finally:
+        loadcheck._SERVER.stop()
+        resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("core")]

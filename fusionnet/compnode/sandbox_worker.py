@@ -49,6 +49,7 @@ from fusionnet.compnode.sandbox_ipc import (
     str_field,
 )
 from fusionnet.compnode.throttle import throttle_hooks
+from fusionnet.core_dumps import forbid_core_dumps
 from fusionnet.errors import ExecutionError, FusionNetError
 from fusionnet.messages.compnode_rpc import AssignRequest
 from fusionnet.messages.serving_rpc import ServeStepRequest
@@ -56,7 +57,6 @@ from fusionnet.wire.frames import TensorFrame
 
 log = logging.getLogger("fusionnet.compnode.sandbox")
 PR_SET_PDEATHSIG = 1
-PR_SET_DUMPABLE = 4
 EXIT_NO_ANSWER = 70  # the worker could not answer a call (``sandbox_client.describe_exit``)
 # What torch and its backends say when an allocation fails (the memory budget is one cause).
 # A thread's stack is private memory too: under the budget, starting one fails.
@@ -82,13 +82,6 @@ def _die_with_parent() -> None:
     # Not Linux: no prctl; the socket's end still stops an idle worker.
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def forbid_core_dumps() -> None:
-    """No core file, and (not dumpable) no core piped to a crash handler, which may ignore the limit."""
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: the limit alone
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
 def _data_in_use() -> int:

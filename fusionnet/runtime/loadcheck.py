@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fusionnet.core_dumps import forbid_core_dumps
 from fusionnet.errors import JobError
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,7 @@ def _check_in_child(request: dict[str, Any]) -> None:
     code = 1
     try:
         os.setsid()
+        forbid_core_dumps()  # model code that crashes the interpreter leaves no 100s-of-MB core behind
         out = os.open(request["printed"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(out, 1)
         os.dup2(out, 2)
