@@ -192,7 +192,11 @@ def run_fusionnet_swarms(
     broker_error = None
     try:
         broker = Daemon(
-            "broker", "broker", swarm_dir, ["--refresh-period", "1", "--heartbeat-period", "0.5"], cfg.threads
+            "broker",
+            "broker",
+            swarm_dir,
+            ["--refresh-period", "1", "--heartbeat-period", "0.5", "--placement", cfg.placement],
+            cfg.threads,
         )
         daemons.append(broker)
         maddr = broker.wait_ready(90)[0]

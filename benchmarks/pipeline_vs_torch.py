@@ -30,7 +30,8 @@ as a check that they all train the same thing.
 On a 2-core machine, 3 stages (plus the broker and hivemind's p2pd helpers for FusionNet) oversubscribe
 the cores; the ratios then measure that too. Prints a table, then one JSON line.
 
-    python benchmarks/pipeline_vs_torch.py [--steps 20] [--microbatches 4] [--stages 2 3] [--quick]
+    python benchmarks/pipeline_vs_torch.py [--steps 20] [--microbatches 4] [--stages 2 3] [--placement balanced]
+        [--repeat 3] [--quick]
 """
 
 from __future__ import annotations
@@ -162,8 +163,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="process",
         help="the compnodes' --sandbox: each job in a worker process (default) or in the daemon",
     )
+    ap.add_argument(
+        "--placement",
+        choices=("scheduler", "balanced"),
+        default="scheduler",
+        help="the broker's --placement: the performance model's cut (default; where it cuts inside a block "
+        "the torch pipeline cannot mirror it and runs the balanced block split) or the balanced split, the "
+        "same cut for both pipelines where it falls between blocks",
+    )
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every contender this many times, in turn (default 1); each one's median is over the timed "
+        "steps of all its runs, so load that drifts during the run weighs on every contender alike",
+    )
     ap.add_argument("--quick", action="store_true", help="8 steps, 2 of them warm-up")
     ap.add_argument("--no-swarm", action="store_true", help="skip the FusionNet swarm runs (a)")
     ap.add_argument("--no-local", action="store_true", help="skip `fusionnet run --local`")
@@ -180,6 +196,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.steps, args.warmup = 8, 2
     if args.batch_size % args.microbatches:
         ap.error("--batch-size must be a multiple of --microbatches")
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     if args.steps <= args.warmup:
         ap.error("--steps must be larger than --warmup")
     return args
@@ -233,29 +251,44 @@ def main(argv: list[str] | None = None) -> int:
             dim=args.dim, hidden=args.hidden, layers=args.layers, batch_size=args.batch_size,
             microbatches=args.microbatches, steps=args.steps, warmup=args.warmup, lr=args.lr,
             seed=args.seed, threads=args.threads, data_path=str(workdir / "data.safetensors"),
-            schedule=args.schedule, sandbox=args.sandbox,
+            schedule=args.schedule, sandbox=args.sandbox, placement=args.placement,
         )  # fmt: skip
         make_data(cfg, samples=4 * cfg.batch_size)
         print(
             f"model: {cfg.layers} blocks, dim {cfg.dim}, hidden {cfg.hidden}; batch {cfg.batch_size} in "
             f"{cfg.microbatches} micro-batches, {cfg.schedule}; sandbox {cfg.sandbox}; "
+            f"placement {cfg.placement}; "
             f"{cfg.steps} steps ({cfg.warmup} warm-up); "
             f"{cfg.threads} thread(s)/process; {os.cpu_count()} CPUs; load {loadavg:.2f}; workdir {workdir}",
             flush=True,
         )
         results: list[Result] = []
 
+        by_name: dict[str, Result] = {}
+
         def record(res: Result) -> Result:
             status = "failed" if res.error else f"{fmt_ms(res.median(cfg.warmup))} ms/step"
             print(f"  [{time.monotonic() - t_start:5.0f} s] {res.name}: {status}", flush=True)
-            results.append(res)
+            earlier = by_name.get(res.name)
+            if earlier is None:
+                by_name[res.name] = res
+                results.append(res)
+            elif res.error is not None:
+                earlier.error = earlier.error or res.error
+            else:  # a later round: its timed steps join the first round's (one median over all rounds)
+                earlier.times.extend(res.times[cfg.warmup :])
             return res
 
-        splits = run_contenders(cfg, args, workdir, record)
+        for round_ in range(args.repeat):
+            if args.repeat > 1:
+                print(f"round {round_ + 1} of {args.repeat}", flush=True)
+            splits = run_contenders(cfg, args, workdir, record)
 
     summary = report(results, cfg, args.stages, splits)
     summary["schedule"] = cfg.schedule
     summary["sandbox"] = cfg.sandbox
+    summary["placement"] = cfg.placement
+    summary["repeat"] = args.repeat
     summary["loadavg_before"] = round(loadavg, 2)
     summary["loadavg_after"] = round(os.getloadavg()[0], 2)
     summary["wall_s"] = round(time.monotonic() - t_start, 1)

@@ -6,20 +6,23 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
+from fusionnet.errors import PlanError
 from fusionnet.job.loader import load_job
 from fusionnet.reference import run_reference
 from fusionnet.runtime.local import run_local
-from fusionnet.runtime.prepare import microbatch_sizes
+from fusionnet.runtime.microbatch_sizes import microbatch_sizes
 from tests.jobfiles import example_job
 
 
 def _job(task: str, batch_size: int, microbatches: int, samples: int) -> SimpleNamespace:
     data = SimpleNamespace(batch_size=batch_size, microbatches=microbatches)
-    return SimpleNamespace(spec=SimpleNamespace(task=task, data=data), n_samples=samples)
+    spec = SimpleNamespace(task=task, data=data, placement=SimpleNamespace(compnodes=2))
+    return SimpleNamespace(spec=spec, n_samples=samples)
 
 
 @pytest.mark.parametrize(
@@ -55,3 +58,90 @@ def test_a_symbolic_graph_runs_uneven_micro_batches_exactly(task: str, tmp_path:
             assert torch.isfinite(torch.tensor([r["loss"] for r in got.metrics])).all()
     finally:
         path.unlink()
+
+
+# ---- data.microbatches: auto, priced by the performance model (pure: a traced graph and device specs) ----
+BATCH = 32
+
+
+@pytest.fixture(scope="module")
+def two_stages() -> tuple[Any, Any]:
+    """A 4-block MLP traced on a micro-batch of 8 samples (32 in 4), cut in two balanced halves."""
+    from torch import nn
+
+    from fusionnet.dag.partition import balanced_assignment, build_partition
+    from fusionnet.dag.trace import trace_model
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(256, 256), nn.ReLU()]
+    model = nn.Sequential(*layers)
+    x, y = torch.randn(BATCH // 4, 256), torch.randint(0, 256, (BATCH // 4,))
+    traced = trace_model(model, x, y, torch.nn.functional.cross_entropy, "train")
+    return traced.graph, build_partition(traced.graph, balanced_assignment(traced.graph, 2))
+
+
+def _choose(two_stages: tuple[Any, Any], dev: Any, schedule: str = "auto") -> Any:
+    from fusionnet.job.batches import microbatch_candidates
+    from fusionnet.planning.pipeline_schedule import choose_schedule
+
+    graph, partition = two_stages
+    return choose_schedule(
+        schedule,
+        graph,
+        partition,
+        microbatches=4,
+        devices=[dev],
+        batch_size=BATCH,
+        optimizer="sgd",
+        microbatch_choices=microbatch_candidates(BATCH, 2),
+    )
+
+
+def test_auto_takes_more_micro_batches_where_compute_dominates(two_stages: tuple[Any, Any]) -> None:
+    """Without fixed costs (pure eq. (1)) a step is compute over the pipeline's fill: the bubble, (p - 1)
+    micro-batches of p + m - 1, shrinks with m, so the most micro-batches win: 8 of 1, 2, 4, 8."""
+    from tests.planning_support import device
+
+    choice = _choose(two_stages, device(flops=1e9))
+    assert sorted(choice.by_microbatches) == [1, 2, 4, 8]
+    assert choice.microbatches == 8
+    times = [choice.by_microbatches[m] for m in (1, 2, 4, 8)]
+    assert times == sorted(times, reverse=True)  # each doubling shortens the predicted step
+    assert choice.to_dict()["microbatches"] == 8
+
+
+def test_auto_takes_fewer_micro_batches_where_fixed_costs_per_micro_batch_dominate(
+    two_stages: tuple[Any, Any],
+) -> None:
+    """A sub-DAG call that costs 50 ms per micro-batch, against microseconds of arithmetic: every extra
+    micro-batch costs more than the bubble it saves, so one micro-batch wins."""
+    from fusionnet.perfmodel.types import Overheads
+    from tests.planning_support import device
+
+    slow_calls = Overheads(stage_fp=0.05, stage_bp=0.05)
+    choice = _choose(two_stages, device(flops=1e12, overheads=slow_calls))
+    assert choice.microbatches == 1
+    assert choice.by_microbatches[1] < choice.by_microbatches[8]
+
+
+def test_auto_keeps_within_memory(two_stages: tuple[Any, Any]) -> None:
+    """Fixed costs that favour few micro-batches, and a memory that cannot hold the activations of the
+    whole batch under 1F1B: the count chosen is the smallest whose live micro-batches fit, not 1."""
+    from fusionnet.perfmodel.types import Overheads
+    from tests.planning_support import device
+
+    slow_calls = Overheads(stage_fp=0.05, stage_bp=0.05)
+    roomy = _choose(two_stages, device(flops=1e12, overheads=slow_calls), "1f1b")
+    assert roomy.microbatches == 1
+    for memory in range(1 << 20, 1 << 28, 1 << 16):  # the smallest memory that fits any count
+        try:
+            tight = _choose(two_stages, device(flops=1e12, memory=memory, overheads=slow_calls), "1f1b")
+        except PlanError:
+            continue
+        break
+    else:
+        pytest.fail("no memory up to 256 MiB fits the job")
+    assert tight.microbatches is not None and tight.microbatches > 1
+    assert set(tight.by_microbatches) < {1, 2, 4, 8}  # counts that do not fit are not offered

@@ -120,3 +120,31 @@ def test_interleaved_is_refused_clearly(tmp_path: Path) -> None:
     path = _skip_job(tmp_path, "SplitMerge", schedule="interleaved-1f1b")
     with pytest.raises(JobError, match="interleaved-1f1b is not available yet"):
         load_job(path)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("example", ["gpt", "mlp"])
+def test_auto_micro_batches_run_the_count_chosen_exactly(example: str, tmp_path: Path) -> None:
+    """``data.microbatches: auto`` with ``placement.schedule: auto``: on a device without fixed costs
+    (pure eq. (1)) the bubble decides, so the performance model takes the most micro-batches the batch
+    divides into, not the count the job was traced with; every step runs that count, exactly."""
+    from fusionnet.job.batches import microbatch_candidates
+    from fusionnet.runtime.microbatch_sizes import traced_count
+    from tests.planning_support import device
+
+    path = example_job(example, tmp_path, microbatches="auto", schedule="auto", steps=2)
+    try:
+        job = load_job(path)
+        pieces = job.spec.placement.compnodes
+        got = run_local(job, pieces, tmp_path / "out", device=device(flops=1e9))
+        ref = run_reference(load_job(path))
+    finally:
+        path.unlink()
+    chosen = got.plan["schedule"]["microbatches"]
+    assert chosen == max(microbatch_candidates(job.spec.data.batch_size, pieces))
+    assert chosen != traced_count(job.spec)
+    assert [row["microbatches"] for row in got.metrics] == [chosen] * 2
+    assert json.loads((tmp_path / "out" / "plan.json").read_text())["schedule"]["microbatches"] == chosen
+    assert _max_diff(got.weights, ref.weights) <= TOL
+    losses = [row["loss"] for row in got.metrics]
+    assert max(abs(a - b) for a, b in zip(losses, ref.losses, strict=True)) <= 1e-5

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from fusionnet.broker import replanning
@@ -128,6 +129,13 @@ class JobPlacement:
 
     def _adopt(self, placement: Placement) -> None:
         self._placement = placement
+        chosen = placement.schedule
+        if chosen is not None and chosen.microbatches is not None and self.job.spec.microbatch_choices:
+            # data.microbatches auto, settled at the first placement: the compnodes get the count in the
+            # spec, and every later placement (failover, re-plan) keeps it
+            count = chosen.microbatches
+            self.job.spec = self.job.spec.model_copy(update={"microbatches": count, "microbatch_choices": []})
+            self.shape = replace(self.shape, microbatches=count, microbatch_choices=())
         self._busy, self._busy_steps = {}, 0  # measured times are per sub-DAG of this placement
         self.partition = build_partition(self.job.graph, placement.assignment)
         self.peers = list(placement.peers)

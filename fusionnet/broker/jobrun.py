@@ -114,6 +114,7 @@ class JobRun(JobPlacement, PlacementReview):
             if job.spec.task == "train"
             else None,
             schedule=job.spec.schedule,
+            microbatch_choices=tuple(job.spec.microbatch_choices),
         )
         self._planned_slowness: list[float] = []  # per sub-DAG: its compnode's slowness when planned
         self.prediction = PredictionWatch()  # measured steps against the plan (issue 16: re-plan when off)
@@ -321,8 +322,10 @@ class JobRun(JobPlacement, PlacementReview):
         self._last_reply_at = time.perf_counter()
         seconds = self._last_reply_at - started
         self._busy_steps += 1
-        samples = sum(job.spec.microbatch_sizes(step))
+        sizes = job.spec.microbatch_sizes(step)
+        samples = sum(sizes)
         row: dict[str, Any] = {"step": step, "seconds": seconds, "samples": samples}
+        row["microbatches"] = len(sizes)
         loss = None
         for i, r in enumerate(replies):
             self._busy[i] = self._busy.get(i, 0.0) + r.busy_seconds

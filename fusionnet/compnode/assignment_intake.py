@@ -234,7 +234,9 @@ def build_assignment(
         fields=parts.fields,
         executor=_executor(request, parts, channel, device),
         channel=channel,
-        example_batch=request.spec.microbatch_sizes(0)[0],
+        # the batch size of the IR's recorded shapes: the traced micro-batch (data.microbatches auto may
+        # run another count), else the first of step 0
+        example_batch=parts.graph.traced_samples() or request.spec.microbatch_sizes(0)[0],
         replica_holders=request.replica_holders,
     )
     holder["a"] = job

@@ -122,6 +122,15 @@ class IRGraph:
     def output(self) -> IRNode:
         return self.nodes[-1]
 
+    def traced_samples(self) -> int | None:
+        """The samples in the micro-batch the graph was traced on (the ``inputs`` placeholder's first
+        dimension): the batch size its recorded shapes hold, whatever micro-batches the job runs."""
+        for n in self.nodes:
+            meta = n.meta if n.kind == "placeholder" and n.target == "inputs" else None
+            if isinstance(meta, dict) and meta.get("shape"):
+                return int(meta["shape"][0])
+        return None
+
     def loss_node(self) -> IRNode | None:
         return next((n for n in self.nodes if n.kind == "loss"), None)
 

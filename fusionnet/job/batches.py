@@ -49,3 +49,24 @@ def split_microbatches(n: int, microbatches: int) -> list[slice]:
         out.append(slice(start, start + size))
         start += size
     return out
+
+
+AUTO_MICROBATCHES = "auto"
+MICROBATCHES_PER_STAGE = 4  # the most micro-batches per pipeline stage ``auto`` considers
+
+
+def microbatch_candidates(batch_size: int, stages: int) -> list[int]:
+    """The micro-batch counts ``data.microbatches: auto`` chooses among: the divisors of the batch size up
+    to ``MICROBATCHES_PER_STAGE`` per stage. Divisors only: every micro-batch then has the same size, which
+    a graph traced by ``torch.export`` needs, and each count is priced at one size."""
+    top = min(batch_size, MICROBATCHES_PER_STAGE * max(stages, 1))
+    return [m for m in range(1, top + 1) if batch_size % m == 0]
+
+
+def fallback_microbatches(batch_size: int, stages: int) -> int:
+    """``auto`` without a performance model to ask (no device profile): one micro-batch for one stage, else
+    the largest candidate up to two per stage, which keeps 1F1B's bubble, (p - 1) / (m + p - 1), near a
+    third. Also the size the job is traced with before the count is chosen."""
+    if stages <= 1:
+        return 1
+    return max(m for m in microbatch_candidates(batch_size, stages) if m <= 2 * stages)

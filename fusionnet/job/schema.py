@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    field_validator,
+    model_validator,
+)
 
 from fusionnet.job import losses, optim
 
@@ -59,6 +67,22 @@ def _bounded(limit: int) -> Any:
     return Annotated[int, Field(strict=True, gt=0, le=limit)]
 
 
+def _microbatch_count(value: Any) -> int | str:
+    """``data.microbatches``: a count, or ``auto``, with the messages of a plain bounded integer."""
+    if value == "auto" and isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise KeyProblem((), f"must be an integer or 'auto' (got {value!r:.60})")
+    if value <= 0:
+        raise KeyProblem((), f"must be > 0 (got {value})")
+    if value > MAX_MICROBATCHES:
+        raise KeyProblem((), f"must be <= {MAX_MICROBATCHES} (got {value})")
+    return value
+
+
+MicrobatchCount = Annotated[int | Literal["auto"], PlainValidator(_microbatch_count)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -98,12 +122,13 @@ class LossSpec(_Strict):
 class DataSpec(_Strict):
     path: PathStr  # .safetensors ("inputs", "labels") or .txt (char-level text)
     batch_size: _bounded(MAX_BATCH_SIZE)
-    microbatches: _bounded(MAX_MICROBATCHES) = 1
+    # ``auto``: the performance model chooses among divisors of batch_size (``batches.microbatch_candidates``)
+    microbatches: MicrobatchCount = 1
     block_size: _bounded(MAX_BLOCK_SIZE) | None = None  # text data only: tokens per sample
 
     @model_validator(mode="after")
     def _consistent(self) -> DataSpec:
-        if self.microbatches > self.batch_size:
+        if self.microbatches != "auto" and self.microbatches > self.batch_size:
             raise KeyProblem(
                 ("microbatches",),
                 f"must be <= data.batch_size ({self.microbatches} > {self.batch_size}): "

@@ -9,6 +9,7 @@ does).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -24,6 +25,8 @@ from fusionnet.job.schema import (
     MAX_STEPS,
     OptimizerSpec,
 )
+
+MAX_MICROBATCH_CHOICES = 64
 
 
 class RunSpec(BaseModel):
@@ -43,6 +46,9 @@ class RunSpec(BaseModel):
     # Pipeline schedule (``fusionnet.schedules``); older peers omit it: gpipe. The broker turns ``auto``
     # into a name before a compnode sees it.
     schedule: Literal["gpipe", "1f1b", "zero-bubble", "auto"] = "gpipe"
+    # ``data.microbatches: auto``: the counts the submitter found the graph runs; the broker picks one at
+    # its first placement and sends it as ``microbatches`` with none here. Older peers omit it: none.
+    microbatch_choices: list[int] = Field(default_factory=list, max_length=MAX_MICROBATCH_CHOICES)
     # ``placement.wire_compression`` / ``placement.wire_encryption``; older peers omit them: the defaults.
     wire_compression: Literal["none", "bf16", "fp16", "int8-ef"] = "none"
     wire_encryption: Literal["auto", "on", "off"] = "auto"
@@ -56,6 +62,8 @@ class RunSpec(BaseModel):
                 raise ValueError(f"optimizer: {_first_error(e)}") from None
         if self.task == "train" and self.optimizer is None:
             raise ValueError("task train needs an optimizer")
+        if not all(1 <= m <= self.batch_size for m in self.microbatch_choices):
+            raise ValueError(f"microbatch_choices: each must be 1..batch_size ({self.batch_size})")
         return self
 
     def optimizer_spec(self) -> OptimizerSpec | None:
@@ -98,13 +106,18 @@ class RunSpec(BaseModel):
         return spec
 
 
-def run_spec_of(job: LoadedJob, loss_reduction: str) -> RunSpec:
+def run_spec_of(
+    job: LoadedJob, loss_reduction: str, *, microbatches: int | None = None, choices: Sequence[int] = ()
+) -> RunSpec:
+    """``microbatches`` and ``choices``: for ``data.microbatches: auto``, the traced count and the counts
+    the graph runs, which the broker chooses among."""
     spec = job.spec
     return RunSpec(
         name=spec.name,
         task=spec.task,
         batch_size=spec.data.batch_size,
-        microbatches=spec.data.microbatches,
+        microbatches=spec.data.microbatches if microbatches is None else microbatches,
+        microbatch_choices=list(choices),
         steps=spec.steps,
         n_samples=int(job.inputs.shape[0]),
         loss_reduction=loss_reduction,  # type: ignore[arg-type]

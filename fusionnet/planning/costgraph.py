@@ -144,21 +144,9 @@ def cost_graph(
     )
 
 
-def _traced_samples(graph: IRGraph) -> int | None:
-    for n in graph.nodes:
-        if (
-            n.kind == "placeholder"
-            and n.target == "inputs"
-            and isinstance(n.meta, dict)
-            and n.meta.get("shape")
-        ):
-            return int(n.meta["shape"][0])
-    return None
-
-
 def micro_batch_scale(graph: IRGraph, batch_size: int | None, microbatches: int) -> float:
     """Per-micro-batch costs were traced on one example micro-batch; rescale them to ``batch_size``."""
-    traced = _traced_samples(graph)
+    traced = graph.traced_samples()
     if batch_size is None or not traced:
         return 1.0
     return batch_size / microbatches / traced

@@ -9,7 +9,7 @@ in plan.json is for the order that runs.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition
@@ -31,9 +31,23 @@ class ScheduleChoice:
     name: str  # the schedule that runs
     why: str
     predicted: dict[str, float] = field(default_factory=dict)  # schedule -> predicted step seconds
+    # ``data.microbatches: auto``: the count chosen (None: the job's own), and per count priced the
+    # fastest predicted step of any schedule that fits
+    microbatches: int | None = None
+    by_microbatches: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "why": self.why, "predicted_step_seconds": dict(self.predicted)}
+        doc: dict[str, object] = {
+            "name": self.name,
+            "why": self.why,
+            "predicted_step_seconds": dict(self.predicted),
+        }
+        if self.microbatches is not None:
+            doc["microbatches"] = self.microbatches
+            doc["predicted_step_seconds_by_microbatches"] = {
+                str(m): t for m, t in self.by_microbatches.items()
+            }
+        return doc
 
 
 def stage_edges(partition: Partition) -> list[Edge]:
@@ -89,9 +103,62 @@ def choose_schedule(
     batch_size: int | None = None,
     optimizer: str | Mapping[str, str] | None = None,
     links: Links = None,
+    microbatch_choices: Sequence[int] = (),
 ) -> ScheduleChoice:
     """The schedule to run for the job's ``placement.schedule`` ``wanted`` on this cut; ``devices``
-    (one per sub-DAG, or one for all) let ``auto`` price the candidates."""
+    (one per sub-DAG, or one for all) let ``auto`` price the candidates. ``microbatch_choices`` (the job
+    says ``data.microbatches: auto``): the counts the graph runs, priced with every schedule in question;
+    the fastest pair that fits wins, the fewest micro-batches on a near tie (``microbatches`` is the count
+    used without a device to price on)."""
+    counts = sorted(set(microbatch_choices))
+    if not counts:
+        return _choose_name(wanted, graph, partition, microbatches, devices, batch_size, optimizer, links)
+    if not devices:
+        fixed = _choose_name(wanted, graph, partition, microbatches, None, batch_size, optimizer, links)
+        why = f"{fixed.why}; data.microbatches auto: {microbatches}, no device to price on"
+        return replace(fixed, why=why, microbatches=microbatches)
+    names = [wanted] if wanted != AUTO else ["gpipe"] if graph.task == "infer" else list(NAMES)
+    table: dict[tuple[str, int], float] = {}
+    for m in counts:
+        for name in names:
+            try:
+                check_schedule(name, partition, m, graph.task)
+            except PlanError:
+                continue
+            t = _predict(name, graph, partition, devices, m, batch_size, optimizer, links)
+            if t is not None:
+                table[name, m] = t
+    if not table:
+        raise PlanError(
+            f"data.microbatches auto: no micro-batch count of {counts} fits in memory on these devices "
+            f"with placement.schedule {wanted}"
+        )
+    best = min(table.values())
+    rank = {n: i for i, n in enumerate(PREFERENCE)}
+    m, _, name = min((m, rank.get(n, len(rank)), n) for (n, m), t in table.items() if t <= best * (1 + TIE))
+    by_count: dict[int, float] = {}
+    for (_, k), t in table.items():
+        by_count[k] = min(t, by_count.get(k, t))
+    return ScheduleChoice(
+        name,
+        ("placement.schedule; " if wanted != AUTO else "auto: ")
+        + f"data.microbatches auto: {m}, the fastest predicted step that fits (fewest on a near tie)",
+        {n: t for (n, k), t in table.items() if k == m},
+        microbatches=m,
+        by_microbatches=dict(sorted(by_count.items())),
+    )
+
+
+def _choose_name(
+    wanted: str,
+    graph: IRGraph,
+    partition: Partition,
+    microbatches: int,
+    devices: Sequence[DeviceSpec] | None,
+    batch_size: int | None,
+    optimizer: str | Mapping[str, str] | None,
+    links: Links,
+) -> ScheduleChoice:
     if wanted != AUTO:
         check_schedule(wanted, partition, microbatches, graph.task)
         return ScheduleChoice(wanted, "placement.schedule")

@@ -61,6 +61,8 @@ class JobShape:
     batch_size: int
     optimizer: Mapping[str, str] | None  # parameter key -> optimizer profile (train), else None
     schedule: str = "gpipe"  # placement.schedule (``auto``: settled per placement)
+    # data.microbatches auto: the counts to choose among on the placed cut (empty: ``microbatches``)
+    microbatch_choices: tuple[int, ...] = ()
 
     @property
     def priced(self) -> str:
@@ -164,6 +166,7 @@ def plan_placement(
         batch_size=shape.batch_size,
         optimizer=shape.optimizer,
         links=index_links(placement.peers, links),
+        microbatch_choices=shape.microbatch_choices,
     )
     step = choice.predicted.get(choice.name, placement.predicted_step)
     return replace(placement, schedule=choice, predicted_step=step)

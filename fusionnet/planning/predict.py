@@ -25,14 +25,18 @@ def predict_subdags(
     optimizer: str | Mapping[str, str] | None = None,
     links: Links = IN_PROCESS,
     pipeline_schedule: str = "gpipe",
+    batch_size: int | None = None,
 ) -> dict[int, float]:
     """Predicted FP + BP + Update seconds per step of each sub-DAG of ``partition``, sub-DAG ``i`` on
-    ``devices[i]`` (one device for all when a single one is given)."""
+    ``devices[i]`` (one device for all when a single one is given). ``batch_size``: the costs of the
+    traced micro-batch are rescaled to ``batch_size / microbatches`` samples (a count other than the
+    traced one, ``data.microbatches: auto``)."""
     k = len(partition.subdags)
     devs = list(devices) * k if len(devices) == 1 else list(devices)
     if len(devs) != k:
         raise PlanError(f"need one device per sub-DAG: {k} sub-DAGs, {len(devices)} devices")
-    cg = cost_graph(graph, optimizer)
+    scale = micro_batch_scale(graph, batch_size, microbatches)
+    cg = cost_graph(graph, optimizer, scale=scale, microbatches=microbatches)
     plan = plan_for_assignment(
         cg,
         make_swarm(devs, links, None),

@@ -15,6 +15,7 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,8 @@ from fusionnet.planning.predict import predict_subdags
 from fusionnet.results.assemble import RunResult, assemble_result, output_tensors
 from fusionnet.results.files import plan_document, write_results
 from fusionnet.runtime.batches import StepData, iter_steps
-from fusionnet.runtime.prepare import PreparedJob, prepare_job
+from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count, with_microbatches
+from fusionnet.runtime.prepare import PreparedJob, example_microbatch, prepare_job
 
 
 class InMemorySwarm:
@@ -51,7 +53,7 @@ class InMemorySwarm:
                 spec.placement.schedule,
                 prepared.traced.graph,
                 prepared.partition,
-                microbatches=spec.data.microbatches,
+                microbatches=traced_count(spec),
             ).name
         self.schedule = schedule
         self._start(
@@ -118,7 +120,7 @@ class InMemorySwarm:
         they are consumed: a job of millions of steps starts at once and holds one batch."""
         spec, job = self.prepared.job.spec, self.prepared.job
         n = spec.steps if count is None else count
-        return iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, spec.data.microbatches, n)
+        return iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, traced_count(spec), n)
 
     async def step(self, data: StepData) -> list[StepReport]:
         """Runs one batch on every executor; reports in sub-DAG order."""
@@ -143,7 +145,7 @@ def run_local(
     performance model's prediction for each sub-DAG on that device."""
     prepared = prepared or prepare_job(job, pieces)
     predicted = None
-    graph, m = prepared.traced.graph, job.spec.data.microbatches
+    graph, m = prepared.traced.graph, traced_count(job.spec)
     optimizer = job_optimizers(job, graph) if device is not None else None
     choice = choose_schedule(
         job.spec.placement.schedule,
@@ -154,7 +156,11 @@ def run_local(
         batch_size=job.spec.data.batch_size,
         optimizer=optimizer,
         links=IN_PROCESS,
+        microbatch_choices=runnable_counts(job, prepared.traced, len(example_microbatch(job)[0])),
     )
+    if choice.microbatches is not None:  # data.microbatches: auto, settled
+        m = choice.microbatches
+        prepared = replace(prepared, job=with_microbatches(prepared.job, m))
     if device is not None:
         predicted = predict_subdags(
             graph,
@@ -163,6 +169,7 @@ def run_local(
             microbatches=m,
             optimizer=optimizer,
             pipeline_schedule=choice.name,
+            batch_size=job.spec.data.batch_size,
         )
     return asyncio.run(_run(prepared, output_dir, on_step, predicted, device, choice))
 
@@ -197,7 +204,12 @@ async def _run(
             phases[ex.subdag.index].append((r.fp_seconds, r.bp_seconds, r.update_seconds))
             if r.outputs:
                 outputs.append(output_tensors(r.outputs))
-        row: dict[str, Any] = {"step": data.step, "seconds": seconds, "samples": sum(data.sizes)}
+        row: dict[str, Any] = {
+            "step": data.step,
+            "seconds": seconds,
+            "samples": sum(data.sizes),
+            "microbatches": len(data.sizes),
+        }
         if spec.task != "infer":  # per sub-DAG: the most activation bytes it held at once in the step
             row["activation_peak_bytes"] = [r.activation_peak_bytes for r in reports]
         loss = next((r.loss for r in reports if r.loss is not None), None)

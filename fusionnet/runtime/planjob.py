@@ -16,10 +16,12 @@ from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.perfmodel.nodes import load_nodes_file
 from fusionnet.perfmodel.types import DeviceSpec
 from fusionnet.planning.optimizers import job_optimizers
+from fusionnet.planning.pipeline_schedule import choose_schedule
 from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph
 from fusionnet.profiling.calibration import local_device_spec
 from fusionnet.results.files import plan_document
-from fusionnet.runtime.prepare import PreparedJob, prepare_job, trace_job
+from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count, with_microbatches
+from fusionnet.runtime.prepare import PreparedJob, example_microbatch, prepare_job, trace_job
 
 
 @dataclass
@@ -61,19 +63,44 @@ def plan_job(
             f"{local.mem_bandwidth / 1e9:.3g} GB/s), loopback links"
         )
     traced = trace_job(job)
-    planned = plan_graph(
-        traced.graph,
-        devices,
-        microbatches=spec.data.microbatches,
-        batch_size=spec.data.batch_size,
-        optimizer=job_optimizers(job, traced.graph),
-        max_devices=cap,
-        links=links,
-        default_link=default,
-    )
+    optimizer = job_optimizers(job, traced.graph)
+
+    def plan(microbatches: int) -> PlannedJob:
+        return plan_graph(
+            traced.graph,
+            devices,
+            microbatches=microbatches,
+            batch_size=spec.data.batch_size,
+            optimizer=optimizer,
+            max_devices=cap,
+            links=links,
+            default_link=default,
+        )
+
+    m = traced_count(spec)
+    planned = plan(m)
     prepared = prepare_job(job, len(planned.devices), traced=traced, assignment=planned.assignment)
-    explanation = f"planned for {where}\n\n{planned.explanation}"
     used = [devices[d] for d in planned.devices]
+    counts = runnable_counts(job, traced, len(example_microbatch(job)[0]))
+    chosen: dict[str, Any] = {}
+    if counts:  # data.microbatches: auto: priced on the cut planned with the traced count, then re-planned
+        choice = choose_schedule(
+            spec.placement.schedule,
+            traced.graph,
+            prepared.partition,
+            microbatches=m,
+            devices=used,
+            batch_size=spec.data.batch_size,
+            optimizer=optimizer,
+            microbatch_choices=counts,
+        )
+        chosen = {"microbatches": choice.to_dict()}
+        if choice.microbatches is not None and choice.microbatches != m:
+            job = with_microbatches(job, choice.microbatches)
+            planned = plan(choice.microbatches)
+            prepared = prepare_job(job, len(planned.devices), traced=traced, assignment=planned.assignment)
+            used = [devices[d] for d in planned.devices]
+    explanation = f"planned for {where}\n\n{planned.explanation}"
     document = plan_document(
         prepared.partition,
         predicted=planned.predicted_seconds,
@@ -88,6 +115,7 @@ def plan_job(
             ],
             "predicted_step_seconds": planned.predicted_step_seconds,
             "plan": planned.plan.to_dict(),
+            **chosen,
         },
     )
     return JobPlan(prepared, planned, devices, explanation, document)

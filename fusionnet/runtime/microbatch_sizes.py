@@ -1,0 +1,106 @@
+"""Micro-batch sizes: which ones a job runs, whether its traced graph runs them, and what
+``data.microbatches: auto`` may choose.
+
+A graph traced by ``torch.export`` fixes the batch dimension it saw (a ``view`` to ``[3, 16, 96]``), so
+it runs micro-batches of the traced size only; a symbolic trace usually runs any. Both are tried, on
+the job's own samples, against the eager model (``trace.reproduces_on``): a size that fails is refused
+before the job starts (a fixed count) or left out of the counts ``auto`` chooses among.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fusionnet.dag.trace import TracedModel, reproduces_on
+from fusionnet.errors import JobError
+from fusionnet.job.batches import (
+    AUTO_MICROBATCHES,
+    fallback_microbatches,
+    infer_batches,
+    microbatch_candidates,
+    split_microbatches,
+)
+from fusionnet.job.loader import LoadedJob
+from fusionnet.job.schema import JobSpec
+
+
+def traced_count(spec: JobSpec) -> int:
+    """The micro-batch count the job is traced (and run, unless ``auto`` chooses another) with."""
+    m = spec.data.microbatches
+    if m == AUTO_MICROBATCHES:
+        return fallback_microbatches(spec.data.batch_size, spec.placement.compnodes)
+    return int(m)
+
+
+def with_microbatches(job: LoadedJob, count: int) -> LoadedJob:
+    """``job`` with ``data.microbatches`` set to ``count`` (``auto`` resolved)."""
+    data = job.spec.data.model_copy(update={"microbatches": count})
+    return dataclasses.replace(job, spec=job.spec.model_copy(update={"data": data}))
+
+
+def _sizes_of(task: str, n_samples: int, batch_size: int, count: int) -> dict[int, str]:
+    batches = [len(idx) for idx in infer_batches(n_samples, batch_size)] if task == "infer" else [batch_size]
+    sizes: dict[int, str] = {}
+    for i, n in enumerate(batches):
+        for part in split_microbatches(n, min(count, n)):
+            why = (
+                f"the last batch holds the last {n} of the dataset's {n_samples} samples"
+                if i and i == len(batches) - 1 and n != batch_size
+                else f"data.batch_size {batch_size} in data.microbatches {min(count, n)}"
+            )
+            sizes.setdefault(part.stop - part.start, why)
+    return sizes
+
+
+def microbatch_sizes(job: LoadedJob) -> dict[int, str]:
+    """Every micro-batch size the job runs, each with the first reason it occurs (job file terms)."""
+    spec = job.spec
+    return _sizes_of(spec.task, job.n_samples, spec.data.batch_size, traced_count(spec))
+
+
+def check_every_microbatch_size(job: LoadedJob, traced: TracedModel, traced_size: int) -> None:
+    """Raises ``JobError`` when the graph traced on micro-batches of ``traced_size`` samples fails or
+    differs on another size the job runs: a ``torch.export`` graph fixes the batch dimension, so an
+    uneven split (``batch_size: 5`` in 2 micro-batches: 3 and 2) or a short last ``infer`` batch would
+    otherwise fail in the middle of the run."""
+    for size, why in microbatch_sizes(job).items():
+        if size == traced_size:
+            continue
+        problem = _problem_at(job, traced, size)
+        if problem is None:
+            continue
+        fix = (
+            "make the number of samples a multiple of data.batch_size"
+            if why.startswith("the last batch")
+            else "make data.batch_size a multiple of data.microbatches"
+        )
+        key = "data.batch_size" if why.startswith("the last batch") else "data.microbatches"
+        raise JobError(
+            f"{key}: the model's graph ({traced.graph.frontend}) was traced on micro-batches of "
+            f"{traced_size} samples and does not run on {size} ({problem}), which this job needs ({why}): "
+            f"{fix}"
+        )
+
+
+def _problem_at(job: LoadedJob, traced: TracedModel, size: int) -> str | None:
+    labels = None if job.labels is None else job.labels[:size]
+    return reproduces_on(traced, job.model, job.inputs[:size], labels, job.loss_fn)
+
+
+def runnable_counts(job: LoadedJob, traced: TracedModel, traced_size: int) -> list[int]:
+    """``data.microbatches: auto``: the candidate counts (``batches.microbatch_candidates``) at every one
+    of whose sizes the traced graph reproduces the model; the traced count always among them. A fixed
+    count: none (nothing to choose)."""
+    spec = job.spec
+    if spec.data.microbatches != AUTO_MICROBATCHES:
+        return []
+    works: dict[int, bool] = {traced_size: True}
+    counts = []
+    for m in microbatch_candidates(spec.data.batch_size, spec.placement.compnodes):
+        sizes = _sizes_of(spec.task, job.n_samples, spec.data.batch_size, m)
+        for size in sizes:
+            if size not in works:
+                works[size] = _problem_at(job, traced, size) is None
+        if all(works[size] for size in sizes):
+            counts.append(m)
+    return sorted(set(counts) | {traced_count(spec)})
