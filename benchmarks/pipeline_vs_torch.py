@@ -30,8 +30,8 @@ as a check that they all train the same thing.
 On a 2-core machine, 3 stages (plus the broker and hivemind's p2pd helpers for FusionNet) oversubscribe
 the cores; the ratios then measure that too. Prints a table, then one JSON line.
 
-    python benchmarks/pipeline_vs_torch.py [--steps 20] [--microbatches 4] [--stages 2 3] [--placement balanced]
-        [--repeat 3] [--quick]
+    python benchmarks/pipeline_vs_torch.py [--steps 20] [--microbatches 4] [--stages 2 3]
+        [--placement balanced] [--repeat 3] [--quick]
 """
 
 from __future__ import annotations
