@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from fusionnet.dag.trace import TracedModel, reproduces_on
 from fusionnet.errors import JobError
 from fusionnet.job.batches import (
@@ -83,8 +85,9 @@ def check_every_microbatch_size(job: LoadedJob, traced: TracedModel, traced_size
 
 
 def _problem_at(job: LoadedJob, traced: TracedModel, size: int) -> str | None:
-    labels = None if job.labels is None else job.labels[:size]
-    return reproduces_on(traced, job.model, job.inputs[:size], labels, job.loss_fn)
+    idx = torch.arange(size) % job.n_samples  # a batch larger than the dataset repeats samples
+    labels = None if job.labels is None else job.labels[idx]
+    return reproduces_on(traced, job.model, job.inputs[idx], labels, job.loss_fn)
 
 
 def runnable_counts(job: LoadedJob, traced: TracedModel, traced_size: int) -> list[int]:
