@@ -36,7 +36,7 @@ from fusionnet.results.assemble import RunResult, assemble_result, output_tensor
 from fusionnet.results.files import plan_document, write_results
 from fusionnet.runtime.batches import StepData, iter_steps
 from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count, with_microbatches
-from fusionnet.runtime.prepare import PreparedJob, example_microbatch, prepare_job
+from fusionnet.runtime.prepare import PreparedJob, prepare_job
 
 
 class InMemorySwarm:
@@ -156,7 +156,7 @@ def run_local(
         batch_size=job.spec.data.batch_size,
         optimizer=optimizer,
         links=IN_PROCESS,
-        microbatch_choices=runnable_counts(job, prepared.traced, len(example_microbatch(job)[0])),
+        microbatch_choices=runnable_counts(job, prepared.traced),
     )
     if choice.microbatches is not None:  # data.microbatches: auto, settled
         m = choice.microbatches

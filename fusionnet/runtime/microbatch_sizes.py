@@ -90,14 +90,15 @@ def _problem_at(job: LoadedJob, traced: TracedModel, size: int) -> str | None:
     return reproduces_on(traced, job.model, job.inputs[idx], labels, job.loss_fn)
 
 
-def runnable_counts(job: LoadedJob, traced: TracedModel, traced_size: int) -> list[int]:
+def runnable_counts(job: LoadedJob, traced: TracedModel) -> list[int]:
     """``data.microbatches: auto``: the candidate counts (``batches.microbatch_candidates``) at every one
     of whose sizes the traced graph reproduces the model; the traced count always among them. A fixed
     count: none (nothing to choose)."""
     spec = job.spec
     if spec.data.microbatches != AUTO_MICROBATCHES:
         return []
-    works: dict[int, bool] = {traced_size: True}
+    traced_size = traced.graph.traced_samples()
+    works: dict[int, bool] = {} if traced_size is None else {traced_size: True}
     counts = []
     for m in microbatch_candidates(spec.data.batch_size, spec.placement.compnodes):
         sizes = _sizes_of(spec.task, job.n_samples, spec.data.batch_size, m)

@@ -21,7 +21,7 @@ from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph
 from fusionnet.profiling.calibration import local_device_spec
 from fusionnet.results.files import plan_document
 from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count, with_microbatches
-from fusionnet.runtime.prepare import PreparedJob, example_microbatch, prepare_job, trace_job
+from fusionnet.runtime.prepare import PreparedJob, prepare_job, trace_job
 
 
 @dataclass
@@ -81,7 +81,7 @@ def plan_job(
     planned = plan(m)
     prepared = prepare_job(job, len(planned.devices), traced=traced, assignment=planned.assignment)
     used = [devices[d] for d in planned.devices]
-    counts = runnable_counts(job, traced, len(example_microbatch(job)[0]))
+    counts = runnable_counts(job, traced)
     chosen: dict[str, Any] = {}
     if counts:  # data.microbatches: auto: priced on the cut planned with the traced count, then re-planned
         choice = choose_schedule(
