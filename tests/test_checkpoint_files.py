@@ -106,3 +106,17 @@ def test_an_earlier_versions_checkpoint_still_loads_and_is_replaced(tmp_path: Pa
     assert not (files.folder / "ckpt-3.safetensors").exists()
     again = files.load_checkpoint()
     assert again is not None and torch.equal(again[0].optim["opt::a.weight::momentum_buffer"], m)
+
+
+def test_the_settled_spec_replaces_the_submitted_one_and_the_rest_stays(tmp_path: Path) -> None:
+    """``data.microbatches: auto`` settled at the first placement is what a resumed job reads back."""
+    files = _files(tmp_path)
+    files.save_spec({"name": "x", "microbatches": 4, "microbatch_choices": []})
+    spec, ir, state, data = files.load_submission()
+    assert spec == {"name": "x", "microbatches": 4, "microbatch_choices": []}
+    assert (
+        ir == b"ir"
+        and sorted(state) == sorted(_state())
+        and torch.equal(data["inputs"], torch.arange(6).reshape(3, 2))
+    )
+    assert not list(files.submission.glob("*.tmp"))

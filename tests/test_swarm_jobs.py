@@ -77,7 +77,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProcessSwa
         ("gpt", {"steps": 3, "optimizer": {"name": "sgd", "lr": 0.05, "kwargs": {"momentum": 0.9}}}),
         ("figure3", {"task": "grad", "steps": 2}),
         ("mlp", {"task": "infer", "placement": {"compnodes": 3}}),
-        ("gpt", {"steps": 3, "microbatches": "auto", "schedule": "1f1b"}),
+        ("gpt", {"steps": 3, "microbatches": "auto", "schedule": "auto"}),
     ],
 )
 def test_submitted_job_equals_local_run_and_plain_pytorch(
@@ -114,10 +114,10 @@ def test_submitted_job_equals_local_run_and_plain_pytorch(
     assert all(abs(r["loss"] - want) <= 1e-5 for r, want in zip(rows, ref.losses))
     plan = json.loads((out / "plan.json").read_text())
     assert len({s["compnode"] for s in plan["subdags"]}) == len(plan["subdags"])
-    if overrides.get("microbatches") == "auto":  # on a swarm: the count the job was traced with, for now
-        from fusionnet.runtime.microbatch_sizes import traced_count
-
-        assert [r["microbatches"] for r in rows] == [traced_count(job.spec)] * job.spec.steps
+    if overrides.get("microbatches") == "auto":  # the broker chose the count on its placement
+        chosen = plan["schedule"]["microbatches"]
+        assert str(chosen) in plan["schedule"]["predicted_step_seconds_by_microbatches"]
+        assert [r["microbatches"] for r in rows] == [chosen] * job.spec.steps
     assert all(s["measured_seconds"] > 0 for s in plan["subdags"])
     # the sub-DAGs report the activations they held between their micro-batches' F and B (a sub-DAG that
     # only hands on parameters, such as a tied embedding, holds none: parameters are not counted)

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from fusionnet.compnode.netchannel import NetChannel
+from fusionnet.compnode.netchannel import NetChannel, check_against_meta
+from fusionnet.compnode.valuepack import pack_value
 from fusionnet.dag.channel import Mailbox
-from fusionnet.errors import WireError
+from fusionnet.errors import JobError, WireError
 from fusionnet.wire import NO_JOB, DataPathServer, TensorFrame
 from fusionnet.wire.datapath import read_hello
 from fusionnet.wire.receiver import Timeouts
@@ -202,3 +203,63 @@ def test_values_for_steps_nobody_will_take_are_refused_and_parking_is_bounded() 
             _frame(0, "x", torch.ones(1))
         )
     run(scenario())
+
+
+def test_a_members_refused_frame_fails_the_value_it_was_for_at_once() -> None:
+    """A job member's frame that fails the IR's check can never be delivered: the step awaiting it fails
+    with the reason (not the broker's step timeout later); a refused frame of a step nobody takes fails
+    nothing."""
+
+    async def scenario() -> None:
+        def validate(src: int, key: Any, value: Any) -> None:
+            check_against_meta(value, {"shape": [2, 4], "dtype": "float32"}, 2, f"act {key[3]!r}", rows=2)
+
+        channel = NetChannel(
+            job_id="job1",
+            peer_id="B",
+            subdag_of_peer={"A": 0},
+            send_frame=None,
+            validate=validate,  # type: ignore[arg-type]
+        )
+        channel.mailbox.forget_step(0)
+        waiting = asyncio.ensure_future(channel.recv(0, ("act", 0, 0, "x")))
+        await asyncio.sleep(0)
+        channel.on_frame(_frame(0, "x", pack_value({"$t": 0}, [torch.ones(3, 4)], [None])))
+        with pytest.raises(JobError, match=r"refused a frame from sub-DAG 0: act 'x'.*shape \[3, 4\]"):
+            await asyncio.wait_for(waiting, 5)
+        channel.on_frame(_frame(10**6, "x", pack_value({"$t": 0}, [torch.ones(3, 4)], [None])))
+        assert channel.refused == 2 and not channel.mailbox._slots
+        channel.on_frame(_frame(1, "y", pack_value({"$t": 0}, [torch.ones(2, 4)], [None])))  # a good one
+        assert torch.equal(await asyncio.wait_for(channel.recv(0, ("act", 1, 0, "y")), 5), torch.ones(2, 4))
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "shape,rows,ok",
+    [
+        ([4, 32, 8], 4, True),  # the batch dimension at another micro-batch size
+        ([128, 8], 4, True),  # batch x positions, flattened
+        ([128, 8], None, True),  # the size unknown (an infer placement): consistent is enough
+        ([128, 8], 3, False),  # implies 4 samples where the step has 3
+        ([4, 33, 8], 4, False),  # a dimension that does not scale with the batch
+        ([3, 128, 8], None, False),  # two dimensions implying different micro-batch sizes
+        ([2, 32, 8], None, True),  # exactly as traced
+        ([96, 8], None, True),  # 3 samples of 32 positions
+        ([100, 8], None, False),  # not whole samples
+    ],
+)
+def test_a_value_may_differ_from_the_ir_only_by_its_micro_batch_size(
+    shape: list[int], rows: int | None, ok: bool
+) -> None:
+    meta = (
+        {"shape": [2, 32, 8], "dtype": "float32"}
+        if len(shape) == 3
+        else {"shape": [64, 8], "dtype": "float32"}
+    )
+    value = torch.zeros(shape)
+    if ok:
+        check_against_meta(value, meta, 2, "act x", rows=rows)
+    else:
+        with pytest.raises(WireError, match="act x: shape"):
+            check_against_meta(value, meta, 2, "act x", rows=rows)

@@ -85,6 +85,10 @@ class JobFiles:
             self.submission / "spec.json", lambda p: p.write_text(json.dumps(spec))
         )  # last: marks complete
 
+    def save_spec(self, spec: dict[str, Any]) -> None:
+        """The spec as the broker settled it (``data.microbatches: auto`` chosen): a resumed job keeps it."""
+        _atomic(self.submission / "spec.json", lambda p: p.write_text(json.dumps(spec)))
+
     def write_submitted_state(self, blob: bytes) -> TensorFiles:
         """The submitted state's safetensors blob, on disk as it came (refused if not valid)."""
         if len(blob) > MAX_BLOB_BYTES:

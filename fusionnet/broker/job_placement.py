@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusionnet.broker import replanning
 from fusionnet.broker.assignment_payloads import iter_assignment_payloads
+from fusionnet.broker.checkpoints import JobFiles
 from fusionnet.broker.failures import MAX_RECOVERIES, PeerFailure
 from fusionnet.broker.replanning import Replan
 from fusionnet.dag.partition import build_partition
@@ -41,6 +42,7 @@ class JobPlacement:
     job: SubmittedJob
     shape: JobShape
     calls: JobCalls
+    files: JobFiles
     watch: FailureWatch
     recoveries: RecoveryLog
     replicas: ReplicaBook
@@ -136,6 +138,8 @@ class JobPlacement:
             count = chosen.microbatches
             self.job.spec = self.job.spec.model_copy(update={"microbatches": count, "microbatch_choices": []})
             self.shape = replace(self.shape, microbatches=count, microbatch_choices=())
+            if self.files.has_submission():  # a broker restart resumes with this count, not a new choice
+                self.files.save_spec(self.job.spec.model_dump(mode="json"))
         self._busy, self._busy_steps = {}, 0  # measured times are per sub-DAG of this placement
         self.partition = build_partition(self.job.graph, placement.assignment)
         self.peers = list(placement.peers)

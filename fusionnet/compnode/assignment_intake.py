@@ -84,7 +84,7 @@ class JobAssignment:
     def validate(self, src: int, key: MessageKey, value: Any) -> None:
         """Checks a received value against the IR: an activation must look like the producer's output,
         a gradient list like the flattened value it is the gradient of (``None`` allowed per part)."""
-        kind, _step, _mb, node_name = key
+        kind, step, mb, node_name = key
         if node_name == FOUND_INF_NODE:  # fp16's per-step flag, from any sub-DAG of the job
             if kind != "grad" or not isinstance(value, torch.Tensor) or value.numel() != 1:
                 raise WireError(f"sub-DAG {src} sent a malformed found-inf flag")
@@ -98,7 +98,7 @@ class JobAssignment:
         if kind == "act":
             if node_name not in self.subdag.outer_required or self.subdag.sources.get(node_name) != src:
                 raise WireError(f"{where}: this sub-DAG does not read that value from that sub-DAG")
-            check_against_meta(value, node.meta, self.example_batch, where, compute)
+            check_against_meta(value, node.meta, self.example_batch, where, compute, self._rows(step, mb))
             return
         if node_name not in self.subdag.outwards or src not in self.subdag.consumers.get(node_name, ()):
             raise WireError(f"{where}: that sub-DAG does not consume this value")
@@ -108,7 +108,15 @@ class JobAssignment:
             raise WireError(f"{where}: {len(parts)} gradient parts, expected {len(metas)}")
         for i, (g, m) in enumerate(zip(parts, metas)):
             if g is not None:
-                check_against_meta(g, m, self.example_batch, f"{where}[{i}]", compute)
+                check_against_meta(g, m, self.example_batch, f"{where}[{i}]", compute, self._rows(step, mb))
+
+    def _rows(self, step: int, mb: int) -> int | None:
+        """The samples of micro-batch ``mb`` of ``step`` where the spec fixes them (train and grad steps;
+        an infer placement may be a deployment, whose batches the broker sizes per request)."""
+        if self.spec.task == "infer" or not 0 <= step < self.spec.step_count:
+            return None
+        sizes = self.spec.microbatch_sizes(step)
+        return sizes[mb] if 0 <= mb < len(sizes) else None
 
     def state_blob(self) -> bytes:
         """On the compute thread (no Update meanwhile): packing is the only copy."""

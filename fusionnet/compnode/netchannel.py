@@ -33,7 +33,7 @@ import torch
 from fusionnet.compnode.valuepack import PACK_MAX, is_packed, pack_value, unpack_value
 from fusionnet.dag.channel import Channel, Mailbox, MessageKey
 from fusionnet.dag.ir import dtype_name
-from fusionnet.errors import WireError
+from fusionnet.errors import JobError, WireError
 from fusionnet.wire.compression import Compressor, decompress
 from fusionnet.wire.frames import TensorFrame
 
@@ -72,10 +72,20 @@ def decode_structure(doc: Any, tensors: Mapping[int, torch.Tensor], depth: int =
 
 
 def check_against_meta(
-    value: Any, meta: Any, batch: int | None, where: str, compute: torch.dtype = torch.float32
+    value: Any,
+    meta: Any,
+    batch: int | None,
+    where: str,
+    compute: torch.dtype = torch.float32,
+    rows: int | None = None,
 ) -> None:
     """Refuses a received value whose tensors disagree with the IR's shapes/dtypes for that node
-    (``compute``: the job's autocast dtype, which a float32 value of the IR may arrive in)."""
+    (``compute``: the job's autocast dtype, which a float32 value of the IR may arrive in).
+
+    ``batch`` is the micro-batch size the IR was traced on. A dimension may differ from the IR's only
+    where it scales with the micro-batch: the IR's size is a multiple of ``batch`` (the batch itself, or
+    batch x positions after a flatten), and every such dimension of the value implies the same
+    micro-batch size, ``rows`` where the receiver knows it."""
     if meta is None:
         return
     if isinstance(meta, dict) and "shape" in meta:
@@ -85,16 +95,27 @@ def check_against_meta(
         if dtype_name(value.dtype) != meta["dtype"] and not autocast:
             raise WireError(f"{where}: dtype {dtype_name(value.dtype)}, expected {meta['dtype']}")
         want = meta["shape"]
-        if value.dim() != len(want) or any(
-            got != exp and exp != batch for got, exp in zip(value.shape, want)
-        ):
-            raise WireError(f"{where}: shape {list(value.shape)}, expected {want} (any micro-batch size)")
+        if value.dim() != len(want) or not _scales_with_batch(list(value.shape), want, batch, rows):
+            size = "any micro-batch size" if rows is None else f"micro-batches of {rows}"
+            raise WireError(f"{where}: shape {list(value.shape)}, expected {want} traced on {batch} ({size})")
         return
     if isinstance(meta, dict) and "$seq" in meta:
         if not isinstance(value, tuple | list) or len(value) != len(meta["$seq"]):
             raise WireError(f"{where}: expected a sequence of {len(meta['$seq'])} values")
         for i, (v, m) in enumerate(zip(value, meta["$seq"])):
-            check_against_meta(v, m, batch, f"{where}[{i}]", compute)
+            check_against_meta(v, m, batch, f"{where}[{i}]", compute, rows)
+
+
+def _scales_with_batch(got: list[int], want: list[int], batch: int | None, rows: int | None) -> bool:
+    """Whether ``got`` is ``want`` (traced on ``batch`` samples) at one micro-batch size."""
+    implied = {rows} if rows is not None else set()
+    for g, w in zip(got, want):
+        if g == w:
+            continue
+        if not batch or w <= 0 or w % batch or g <= 0 or g % (w // batch):
+            return False
+        implied.add(g // (w // batch))
+    return len(implied) <= 1
 
 
 class NetChannel(Channel):
@@ -176,6 +197,17 @@ class NetChannel(Channel):
                 frame.sender,
                 e,
             )
+            self._fail_awaited(frame, e)
+
+    def _fail_awaited(self, frame: TensorFrame, error: WireError) -> None:
+        """A member's frame for a value this step still awaits was refused: the value can never come, so
+        its step fails now with the reason instead of waiting for the broker's timeout."""
+        src = self.subdag_of_peer.get(frame.sender)
+        key: MessageKey = (frame.kind, frame.step, frame.microbatch, frame.name.partition("/")[0])
+        if src is None or frame.kind not in ("act", "grad") or not self.mailbox.expects(key):
+            return  # not this job's value, or of a step nobody takes: dropping it loses nothing
+        why = f"job {self.job_id}: refused a frame from sub-DAG {src}: {error}"
+        self.mailbox.refuse(src, key, JobError(why))
 
     def _on_frame(self, frame: TensorFrame) -> None:
         src = self.subdag_of_peer.get(frame.sender)

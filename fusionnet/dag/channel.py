@@ -94,6 +94,15 @@ class Mailbox:
         for slot_key in [k for k, f in self._slots.items() if k[1][1] < self.floor and f.done()]:
             del self._slots[slot_key]
 
+    def refuse(self, src: int, key: MessageKey, error: BaseException) -> None:
+        """The value for ``key`` will never come (its frame was refused): whoever takes it gets ``error``."""
+        if (src, key) in self._taken or not self.expects(key):
+            return
+        slot = self._slot(src, key)
+        if not slot.done():
+            slot.set_exception(error)
+            slot.add_done_callback(lambda f: f.exception())  # retrieved even if nobody takes it
+
     def fail_all(self, error: BaseException) -> None:
         for slot in self._slots.values():
             if not slot.done():

@@ -39,7 +39,7 @@ from fusionnet.runtime.jobcontrol import (
     download_results,
     wait_for_compnodes,
 )
-from fusionnet.runtime.microbatch_sizes import traced_count
+from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count
 from fusionnet.runtime.prepare import loss_reduction_of, trace_job
 from fusionnet.runtime.submitter import Signer, load_or_create_key
 
@@ -65,9 +65,8 @@ def submission_payload(job: LoadedJob, *, deployment: bool = False) -> SubmitJob
     ``deployment``: the broker pads every micro-batch to the traced size (``trace_job``'s ``every_size``)."""
     traced = trace_job(job, every_size=not deployment)
     loss_reduction = loss_reduction_of(job)
-    # data.microbatches auto on a swarm runs the traced count for now: with the broker choosing among
-    # the counts the graph runs, a swarm job hung in a test (not yet understood), so none are sent
-    choices: list[int] = []
+    # data.microbatches auto: the counts the graph runs, for the broker to choose from at its placement
+    choices = [] if deployment else runnable_counts(job, traced)
     data = {"inputs": job.inputs}
     if job.labels is not None:
         data["labels"] = job.labels
