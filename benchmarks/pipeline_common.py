@@ -38,6 +38,7 @@ class Config:
     schedule: str = "gpipe"
     sandbox: str = "process"  # the compnodes' --sandbox: per-job worker processes (default) or off
     placement: str = "scheduler"  # the broker's --placement: the performance model, or the balanced split
+    replica_interval: float | None = None  # the broker's --replica-interval (None: its default)
 
     @property
     def model_kwargs(self) -> dict[str, int]:

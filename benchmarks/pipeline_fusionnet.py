@@ -195,7 +195,8 @@ def run_fusionnet_swarms(
             "broker",
             "broker",
             swarm_dir,
-            ["--refresh-period", "1", "--heartbeat-period", "0.5", "--placement", cfg.placement],
+            ["--refresh-period", "1", "--heartbeat-period", "0.5", "--placement", cfg.placement]
+            + ([] if cfg.replica_interval is None else ["--replica-interval", str(cfg.replica_interval)]),
             cfg.threads,
         )
         daemons.append(broker)

@@ -171,6 +171,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "the torch pipeline cannot mirror it and runs the balanced block split) or the balanced split, the "
         "same cut for both pipelines where it falls between blocks",
     )
+    ap.add_argument(
+        "--replica-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the broker's --replica-interval (default: the broker's own, 2 s): how often FusionNet copies "
+        "each stage's state to another compnode for failover, a cost torch's pipeline does not pay",
+    )
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -252,12 +260,13 @@ def main(argv: list[str] | None = None) -> int:
             microbatches=args.microbatches, steps=args.steps, warmup=args.warmup, lr=args.lr,
             seed=args.seed, threads=args.threads, data_path=str(workdir / "data.safetensors"),
             schedule=args.schedule, sandbox=args.sandbox, placement=args.placement,
+            replica_interval=args.replica_interval,
         )  # fmt: skip
         make_data(cfg, samples=4 * cfg.batch_size)
         print(
             f"model: {cfg.layers} blocks, dim {cfg.dim}, hidden {cfg.hidden}; batch {cfg.batch_size} in "
             f"{cfg.microbatches} micro-batches, {cfg.schedule}; sandbox {cfg.sandbox}; "
-            f"placement {cfg.placement}; "
+            f"placement {cfg.placement}; replica interval {cfg.replica_interval or 'default'}; "
             f"{cfg.steps} steps ({cfg.warmup} warm-up); "
             f"{cfg.threads} thread(s)/process; {os.cpu_count()} CPUs; load {loadavg:.2f}; workdir {workdir}",
             flush=True,
@@ -287,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = report(results, cfg, args.stages, splits)
     summary["schedule"] = cfg.schedule
     summary["sandbox"] = cfg.sandbox
+    summary["replica_interval"] = cfg.replica_interval
     summary["placement"] = cfg.placement
     summary["repeat"] = args.repeat
     summary["loadavg_before"] = round(loadavg, 2)

@@ -70,6 +70,24 @@ def test_rounds_of_fast_steps_start_at_most_once_per_interval() -> None:
     assert book.request(0)[0] is True
 
 
+def test_a_slow_round_of_fast_steps_is_asked_again_only_after_a_growing_wait() -> None:
+    """A round still on its way after ``ROUND_RETRY`` steps of 50 ms is not asked for again until the
+    interval has passed, then twice that, and so on: snapshots never queue up behind a slow one."""
+    now = [0.0]
+    book = ReplicaBook(interval=2.0, clock=lambda: now[0])
+    book.reset(2, enabled=True)
+    asked = []
+    for step in range(320):  # 20 s of steps of 62.5 ms (exact in binary); the holders never confirm
+        if book.request(step)[0]:
+            asked.append((step, now[0]))
+        now[0] += 0.0625
+    assert [t for _, t in asked] == [0.0, 2.0, 6.0, 14.0]
+    last = asked[-1][0] + 1  # the checkpoint step of the round asked for last
+    assert book.observe([last, last], step=320) and book.committed == last and book.retries == 3
+    now[0] += 10.0  # paced as usual after a completed round, then a fresh round without backoff
+    assert book.request(320 + 2 * 96)[0] and book.retries == 0
+
+
 def test_the_newest_step_every_sub_dag_has_on_a_live_peer_is_chosen() -> None:
     held = {
         "a": {0: [2, 3]},  # sub-DAG 0's own snapshots

@@ -37,7 +37,11 @@ from fusionnet.messages.blobs import pack_tensors
 
 log = logging.getLogger("fusionnet.broker.jobs")
 
-ROUND_RETRY = 4  # steps after which a round that never completed is asked for again
+# A round that never completed (a snapshot lost on its way) is asked for again after this many steps,
+# and no sooner than ``--replica-interval`` seconds, doubled at each retry of the same round: with
+# steps of tens of milliseconds, a round that merely took longer than 4 steps was asked for again
+# and again, each new snapshot queued behind the last, and replication took the CPU from the steps.
+ROUND_RETRY = 4
 # A round's snapshots share the links with the activations: after a round that took k steps to
 # complete, the next is asked for only (PACE - 1) * k steps later, so replication holds the links for
 # at most about 1 / PACE of the steps (every PACE-th step on a fast link; sparser on a slow one) and a
@@ -71,6 +75,7 @@ class ReplicaBook:
         self.reported: dict[int, int] = {}
         self.next_at = 0  # the first step a new round may be asked at (``PACE``)
         self.started: float | None = None  # when the last round was asked for (``interval``)
+        self.retries = 0  # of the round in flight (``ROUND_RETRY``)
 
     def holders(self) -> list[int] | None:
         return ring_holders(self.n) if self.enabled else None
@@ -80,13 +85,17 @@ class ReplicaBook:
         if not self.enabled:
             return False, None
         now = self.clock()
-        rested = self.started is None or now - self.started >= self.interval
-        if (self.round is None and step >= self.next_at and rested) or (
-            self.round is not None and step - self.asked_at >= ROUND_RETRY
-        ):
-            self.round, self.asked_at, self.started = step + 1, step, now
-            return True, self.committed
-        return False, self.committed
+        waited = None if self.started is None else now - self.started
+        if self.round is None:
+            if step < self.next_at or (waited is not None and waited < self.interval):
+                return False, self.committed
+            self.retries = 0
+        elif step - self.asked_at < ROUND_RETRY or (waited or 0.0) < self.interval * 2**self.retries:
+            return False, self.committed
+        else:
+            self.retries += 1
+        self.round, self.asked_at, self.started = step + 1, step, now
+        return True, self.committed
 
     def observe(self, replicated: Sequence[int | None], step: int | None = None) -> bool:
         """The sub-DAGs' latest confirmed snapshots from the replies of ``step``; True when a round
