@@ -461,11 +461,11 @@ def test_unknown_ops_are_probed_or_defaulted_never_raise() -> None:
 
 
 def test_rule_table_is_consistent() -> None:
-    from fusionnet.dag.costs import _Call
+    from fusionnet.dag.op_call import OpCall
 
     for name, rule in R.RULES.items():
         assert rule.why, name
-        assert hasattr(_Call, f"_flops_{rule.kind}"), (name, rule.kind)
+        assert hasattr(OpCall, f"_flops_{rule.kind}"), (name, rule.kind)
     assert op_name(aten.mm.default) == op_name(aten.mm) == op_name(torch.mm) == "mm"
     assert op_name("method:__rmul__") == op_name(operator.imul) == op_name("method:mul_") == "mul"
     assert op_name(operator.truediv) == "div" and op_name(aten._softmax.default) == "_softmax"

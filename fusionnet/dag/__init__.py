@@ -5,7 +5,8 @@ Map of the package:
 - ``ir.py``          ``IRGraph`` / ``IRNode``: the model as pure data.
 - ``trace.py``       ``nn.Module`` + loss + example inputs -> ``IRGraph`` with shapes and costs (torch.fx).
 - ``registry.py``    the operator registry: how ops are added, and the decoder's allowlist.
-- ``costs.py``       per-op FLOPs and bytes moved; ``flop_rules.py`` the per-operator rules.
+- ``costs.py``       per-op FLOPs and bytes moved (``NodeCost``); ``op_call.py`` prices one call with
+                     the per-operator rules of ``flop_rules.py``.
 - ``codec.py``       IR <-> msgpack bytes, with the checks a compnode applies to IR from a peer.
 - ``partition.py``   an assignment IR node -> sub-DAG turned into sub-DAGs (FusionAI Table 3).
 - ``rebuild.py``     IR nodes -> callables; a sub-DAG -> ``torch.fx.GraphModule``; the one IR interpreter

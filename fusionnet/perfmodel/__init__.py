@@ -2,8 +2,9 @@
 
 Map of the package:
 
-- ``types.py``       the model's inputs: ``OpCost``, ``CostGraph``, ``DeviceSpec``, ``Link``, ``Swarm``,
-                     ``Workload``, a device's fixed costs ``Overheads`` (validated frozen dataclasses).
+- ``graph_types.py`` the graph input: ``OpCost`` and ``CostGraph`` (validated frozen dataclasses).
+- ``types.py``       the other inputs: ``DeviceSpec``, ``Link``, ``Swarm``, ``Workload``, a device's fixed
+                     costs ``Overheads``; re-exports the graph types, so every input imports from here.
 - ``optimizers.py``  per-optimizer state memory, update FLOPs and traffic.
 - ``timing.py``      eq. (1) per op (FP, BP, Update), section 3.7's sub-DAG bounds, eq. (3) latency and
                      eq. (4) pipelined time.

@@ -16,170 +16,37 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
 
-from fusionnet.errors import IRError, PlanError
+from fusionnet.errors import PlanError
+from fusionnet.perfmodel.graph_types import (
+    OP_CLASSES,
+    OP_KINDS,
+    CostGraph,
+    OpCost,
+    is_int,
+    positive_finite,
+)
 from fusionnet.perfmodel.optimizers import optimizer_profile
 
-OP_KINDS = ("placeholder", "variable", "parametric", "non_parametric", "loss", "output")
-# Families of ops with their own fixed costs and efficiency (``Overheads``): views move no data;
-# matmul-like and conv ops run at their own fraction of the FLOP peak; the rest is memory-bound, with
-# per-family fixed costs (a max-pool launches more work than a relu). "other": ops without a rule.
-OP_CLASSES = ("view", "elementwise", "norm", "pool", "loss", "gather", "copy", "matmul", "conv", "other")
+__all__ = [
+    "DEVICE_KINDS",
+    "NO_OVERHEADS",
+    "OP_CLASSES",
+    "OP_KINDS",
+    "SCHEDULES",
+    "TASKS",
+    "ClassCost",
+    "CostGraph",
+    "DeviceSpec",
+    "Link",
+    "OpCost",
+    "Overheads",
+    "Swarm",
+    "Workload",
+]
+
 DEVICE_KINDS = ("gpu", "cpu")
 TASKS = ("train", "grad", "infer")
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble")  # fusionnet.schedules.NAMES
-_INT_FIELDS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "param_bytes", "activation_bytes")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_finite(value: object) -> bool:
-    return (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    )
-
-
-@dataclass(frozen=True)
-class OpCost:
-    """One DAG operator's cost for one micro-batch (FusionAI Table 2 kinds)."""
-
-    name: str
-    kind: str  # placeholder | variable | parametric | non_parametric | loss | output
-    flops_fwd: int
-    flops_bwd: int
-    bytes_read: int
-    bytes_written: int
-    param_bytes: int  # trainable parameters this op owns
-    activation_bytes: int  # output size: what backward keeps and what a user on another device receives
-    optimizer: str | None = None  # torch.optim class name, lower-case, for ops owning params
-    op_class: str = "other"  # one of OP_CLASSES: which fixed overhead and efficiency apply
-    param_tensors: int = 0  # parameter tensors the op owns (0 with param_bytes > 0 counts as one)
-    input_grad: bool = True  # False: its data input needs no gradient (a first layer), a cheaper backward
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise IRError(f"op name must be a non-empty string, got {self.name!r}")
-        if self.kind not in OP_KINDS:
-            raise IRError(f"op {self.name!r}: kind {self.kind!r} is not one of {', '.join(OP_KINDS)}")
-        if self.op_class not in OP_CLASSES:
-            raise IRError(
-                f"op {self.name!r}: op_class {self.op_class!r} is not one of {', '.join(OP_CLASSES)}"
-            )
-        if not _is_int(self.param_tensors) or self.param_tensors < 0:
-            raise IRError(f"op {self.name!r}: param_tensors must be a non-negative integer")
-        for f in _INT_FIELDS:
-            value = getattr(self, f)
-            if not _is_int(value) or value < 0:
-                raise IRError(f"op {self.name!r}: {f} must be a non-negative integer, got {value!r}")
-        if self.optimizer is not None:
-            try:
-                optimizer_profile(self.optimizer)
-            except PlanError as e:
-                raise PlanError(f"op {self.name!r}: {e}") from e
-
-    @property
-    def tensors(self) -> int:
-        """Parameter tensors one optimizer step updates for this op."""
-        return self.param_tensors or (1 if self.param_bytes else 0)
-
-
-@dataclass(frozen=True)
-class CostGraph:
-    """The DAG to place: ops in a topological order and data edges with their size per micro-batch."""
-
-    ops: tuple[OpCost, ...]
-    edges: tuple[tuple[str, str, int], ...]  # (producer, consumer, bytes per micro-batch)
-    # Edges among ``edges`` whose value holds for a whole step (a parameter read across a cut): it
-    # crosses once per step, at the first FP, and its gradient once, at the last BP. (producer,
-    # consumer, bytes per step); ``edges`` lists them with those bytes spread over the micro-batches,
-    # which is what the searches price; ``evaluate_assignment`` times them as they run.
-    step_edges: tuple[tuple[str, str, int], ...] = ()
-    # Inference: those parameters never change, so they cross once for the placement's life and are
-    # then held where they went: no time per step (and nothing in ``edges``), but memory on both ends.
-    resident_step_edges: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.ops:
-            raise IRError("a cost graph needs at least one op")
-        object.__setattr__(self, "ops", tuple(self.ops))
-        object.__setattr__(self, "edges", tuple(tuple(e) for e in self.edges))
-        object.__setattr__(self, "step_edges", tuple(tuple(e) for e in self.step_edges))
-        pairs = {(e[0], e[1]) for e in self.edges}
-        for k, edge in enumerate(self.step_edges):
-            if len(edge) != 3 or (edge[0], edge[1]) not in pairs or not _is_int(edge[2]) or edge[2] < 0:
-                raise IRError(f"step_edges[{k}] must be (producer, consumer, bytes) of one of the edges")
-        index: dict[str, int] = {}
-        for i, op in enumerate(self.ops):
-            if not isinstance(op, OpCost):
-                raise IRError(f"ops[{i}] is a {type(op).__name__}, not an OpCost")
-            if op.name in index:
-                raise IRError(f"op name {op.name!r} appears twice (ops[{index[op.name]}] and ops[{i}])")
-            index[op.name] = i
-        for k, edge in enumerate(self.edges):
-            if len(edge) != 3:
-                raise IRError(f"edges[{k}] must be (producer, consumer, bytes), got {edge!r}")
-            src, dst, nbytes = edge
-            for end in (src, dst):
-                if end not in index:
-                    raise IRError(f"edges[{k}] ({src!r} -> {dst!r}) names unknown op {end!r}")
-            if not _is_int(nbytes) or nbytes < 0:
-                raise IRError(f"edges[{k}] ({src!r} -> {dst!r}): bytes must be a non-negative int")
-            if index[src] >= index[dst]:
-                raise IRError(
-                    f"edges[{k}] ({src!r} -> {dst!r}) goes against the op order: ops must be listed "
-                    "in a topological order (this also rules out cycles)"
-                )
-
-    @cached_property
-    def index(self) -> Mapping[str, int]:
-        """Op name -> position in ``ops``."""
-        return MappingProxyType({op.name: i for i, op in enumerate(self.ops)})
-
-    @cached_property
-    def out_bytes(self) -> tuple[int, ...]:
-        """Bytes one op sends to a consumer on another device (largest edge it feeds; one tensor)."""
-        out = [0] * len(self.ops)
-        for src, _dst, nbytes in self.edges:
-            i = self.index[src]
-            out[i] = max(out[i], nbytes)
-        return tuple(out)
-
-    @cached_property
-    def preds(self) -> tuple[tuple[int, ...], ...]:
-        """Predecessor positions of each op (sorted, deduplicated)."""
-        ps: list[set[int]] = [set() for _ in self.ops]
-        for src, dst, _ in self.edges:
-            ps[self.index[dst]].add(self.index[src])
-        return tuple(tuple(sorted(p)) for p in ps)
-
-    @cached_property
-    def succs(self) -> tuple[tuple[int, ...], ...]:
-        """Successor positions of each op (sorted, deduplicated)."""
-        ss: list[set[int]] = [set() for _ in self.ops]
-        for src, dst, _ in self.edges:
-            ss[self.index[src]].add(self.index[dst])
-        return tuple(tuple(sorted(s)) for s in ss)
-
-    @cached_property
-    def needs_grad(self) -> tuple[bool, ...]:
-        """Whether a gradient flows back into each op's output (it depends on some trainable parameter).
-
-        Ops upstream of every parameter (data placeholders, mask preprocessing) need no backward pass
-        and their outputs' gradients are never sent between devices.
-        """
-        flags = [False] * len(self.ops)
-        for i, op in enumerate(self.ops):
-            flags[i] = op.param_bytes > 0 or any(flags[p] for p in self.preds[i])
-        return tuple(flags)
-
-    @cached_property
-    def is_chain(self) -> bool:
-        """True when every op but the first feeds exactly from its predecessor in ``ops`` (a path)."""
-        n = len(self.ops)
-        return all(self.preds[i] == ((i - 1,) if i else ()) for i in range(n)) and all(
-            self.succs[i] == ((i + 1,) if i + 1 < n else ()) for i in range(n)
-        )
 
 
 def _non_negative_seconds(value: object, what: str) -> None:
@@ -201,7 +68,7 @@ class ClassCost:
         _non_negative_seconds(self.fp, "op class fp overhead")
         _non_negative_seconds(self.bp, "op class bp overhead")
         _non_negative_seconds(self.bp_input, "op class bp_input overhead")
-        if not _positive_finite(self.efficiency):
+        if not positive_finite(self.efficiency):
             raise PlanError(f"op class efficiency must be a positive finite number, got {self.efficiency!r}")
 
 
@@ -256,7 +123,7 @@ class Overheads:
 
     def scaled(self, factor: float) -> Overheads:
         """The same overheads on a machine ``factor`` times as fast (every duration divided by it)."""
-        if not _positive_finite(factor):
+        if not positive_finite(factor):
             raise PlanError(f"scale factor must be a positive finite number, got {factor!r}")
         classes = {
             f: replace(c, fp=c.fp / factor, bp=c.bp / factor, bp_input=c.bp_input / factor)
@@ -326,11 +193,11 @@ class DeviceSpec:
         if self.kind not in DEVICE_KINDS:
             raise PlanError(f"{where}: kind {self.kind!r} must be 'gpu' or 'cpu'")
         for f in ("peak_flops", "speed_factor", "mem_bandwidth"):
-            if not _positive_finite(getattr(self, f)):
+            if not positive_finite(getattr(self, f)):
                 raise PlanError(f"{where}: {f} must be a positive finite number, got {getattr(self, f)!r}")
         for f in ("d_gpu", "d_cpu", "d_disk"):
             value = getattr(self, f)
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise PlanError(f"{where}: {f} must be a non-negative integer of bytes, got {value!r}")
         if self.kind == "gpu" and self.d_gpu == 0:
             raise PlanError(f"{where}: a gpu device needs d_gpu > 0")
@@ -348,7 +215,7 @@ class DeviceSpec:
     def scaled(self, factor: float) -> DeviceSpec:
         """This device running ``factor`` times as fast as profiled: lambda_p, bandwidth and every fixed
         overhead scale together (what one calibration measurement can tell about a busy machine)."""
-        if not _positive_finite(factor):
+        if not positive_finite(factor):
             raise PlanError(f"device {self.name!r}: scale factor must be positive, got {factor!r}")
         return replace(
             self,
@@ -374,7 +241,7 @@ class Link:
 
     @classmethod
     def from_bandwidth(cls, latency_s: float, bandwidth_bytes_per_s: float) -> Link:
-        if not _positive_finite(bandwidth_bytes_per_s):
+        if not positive_finite(bandwidth_bytes_per_s):
             raise PlanError(f"link bandwidth must be positive, got {bandwidth_bytes_per_s!r}")
         return cls(alpha=float(latency_s), beta=1.0 / float(bandwidth_bytes_per_s))
 
@@ -405,7 +272,7 @@ class Swarm:
                 raise PlanError(f"devices[{i}] is a {type(d).__name__}, not a DeviceSpec")
         n = len(self.devices)
         for key, link in self.links.items():
-            ok = isinstance(key, tuple) and len(key) == 2 and all(_is_int(k) and 0 <= k < n for k in key)
+            ok = isinstance(key, tuple) and len(key) == 2 and all(is_int(k) and 0 <= k < n for k in key)
             if not ok or key[0] == key[1]:
                 raise PlanError(f"links key {key!r} must be a pair of distinct device indices in [0, {n})")
             if not isinstance(link, Link):
@@ -437,7 +304,7 @@ class Workload:
     schedule: str = "gpipe"  # gpipe | 1f1b | zero-bubble (fusionnet.schedules)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.microbatches) or self.microbatches < 1:
+        if not is_int(self.microbatches) or self.microbatches < 1:
             raise PlanError(f"workload microbatches must be a positive integer, got {self.microbatches!r}")
         if self.task not in TASKS:
             raise PlanError(f"workload task {self.task!r} must be one of {', '.join(TASKS)}")
