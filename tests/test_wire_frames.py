@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from fusionnet.errors import WireError
 from fusionnet.wire import ALLOWED_DTYPES, FrameRefused, StreamEnded, TensorFrame, encode_frame, read_frame
-from fusionnet.wire.frames import THREAD_MIN, allocate_tensor, prepare_frame
+from fusionnet.wire.frame_reader import allocate_tensor
+from fusionnet.wire.frames import THREAD_MIN, prepare_frame
 from fusionnet.wire.header import MAX_HEADER, PREFIX_SIZE, parse_header, parse_prefix
 from fusionnet.wire.mac import MAC_CHUNK
 from tests.wire_support import KEY, OTHER_KEY, craft, frame, frame_bytes, read_bytes, reader_of

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import msgpack
 import torch
 
-from fusionnet.wire.frames import TensorFrame, encode_frame, read_frame
+from fusionnet.wire.frame_reader import read_frame
+from fusionnet.wire.frames import TensorFrame, encode_frame
 from fusionnet.wire.header import MAGIC, VERSION
 from fusionnet.wire.mac import FrameMac
 

@@ -7,7 +7,8 @@ hivemind P2P stream otherwise.
 
 Map of the package:
 
-- ``frames.py``    ``TensorFrame``, ``encode_frame``, ``read_frame``, ``write_frame``: one frame on a stream.
+- ``frames.py``    ``TensorFrame``, ``encode_frame``, ``write_frame``: one frame onto a stream.
+- ``frame_reader.py`` ``read_frame``: one frame off a stream, every check before anything large is allocated.
 - ``header.py``    frame prefix and msgpack header: layout, field checks, dtype allowlist (pure).
 - ``mac.py``       the frame MAC (HMAC-SHA256 key derivation + chunked AES-GMAC) and key checks (pure).
 - ``replay.py``    sequence numbers (``next_seq``) and the per-(job, sender) ``ReplayWindow``.
@@ -21,7 +22,8 @@ Map of the package:
 """
 
 from fusionnet.wire.datapath import DataPathClient, DataPathServer, parse_address
-from fusionnet.wire.frames import ALLOWED_DTYPES, TensorFrame, encode_frame, read_frame, write_frame
+from fusionnet.wire.frame_reader import read_frame
+from fusionnet.wire.frames import ALLOWED_DTYPES, TensorFrame, encode_frame, write_frame
 from fusionnet.wire.receiver import NO_JOB, JobStats
 from fusionnet.wire.refusal import FrameRefused, PeerUnreachable, StreamEnded
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from fusionnet.errors import WireError
 from fusionnet.wire import refusal as R
 from fusionnet.wire.crypt import check_policy, plaintext_ok
-from fusionnet.wire.frames import TensorFrame, read_frame
+from fusionnet.wire.frame_reader import read_frame
+from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.header import MAX_ID_LEN, check_text
 from fusionnet.wire.mac import check_key
 from fusionnet.wire.refusal import FrameRefused, StreamEnded
@@ -147,7 +148,7 @@ class FrameReceiver:
         """A job that ran here and ended: its late frames are skipped, not a reason to close."""
         return job_id in self._ended
 
-    # -- replay guard (``frames.ReplayGuard``) --
+    # -- replay guard (``frame_reader.ReplayGuard``) --
     def fresh(self, job_id: str, sender: str, seq: int) -> bool:
         window = self._windows.get((job_id, sender))
         return window is None or window.fresh(seq)

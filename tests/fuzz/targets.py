@@ -31,7 +31,8 @@ from fusionnet.dht.records import (
 )
 from fusionnet.errors import FusionNetError, IRError, JobError, WireError
 from fusionnet.job.parse import parse_yaml_text, spec_from_document
-from fusionnet.wire.frames import TensorFrame, encode_frame, read_frame
+from fusionnet.wire.frame_reader import read_frame
+from fusionnet.wire.frames import TensorFrame, encode_frame
 from fusionnet.wire.header import PREFIX_SIZE, parse_header, parse_prefix
 from fusionnet.wire.refusal import FrameRefused, StreamEnded
 from tests.dag_models import SkipEverywhere, SplitMerge, make_data
