@@ -14,6 +14,7 @@ Map of the package:
 - ``submission.py``   a job as received, and the checks a submission passes before it is accepted.
 - ``jobrun.py``       one job from plan to results: steps, syncs, failover, hand-over.
 - ``job_placement.py``  placing a job: plan, adopt, assign every sub-DAG (a mixin of ``JobRun``).
+- ``job_steps.py``  driving steps: the step calls (or sent ahead) and their replies into metrics (a mixin).
 - ``placement_review.py``  between steps: elastic growth, re-plans on a misprediction, link probes.
 - ``config.py``       ``BrokerConfig``: the broker's flags, validated.
 - ``context.py``      ``JobContext``: what a job run may use of the broker (store, registry, books, client).

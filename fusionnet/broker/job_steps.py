@@ -1,0 +1,141 @@
+"""Driving a job's steps on the broker (a mixin of ``jobrun.JobRun``): one ``step`` call to every
+compnode of the placement, or the next step's call sent while this one runs (``--steps-ahead``: the
+broker's round trip per step off the critical path), and each step's replies turned into a
+metrics.jsonl row, the compnodes' refined speeds, the replica books and the Prometheus figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fusionnet.broker import replanning
+from fusionnet.broker.checkpoints import JobFiles
+from fusionnet.broker.context import JobContext
+from fusionnet.broker.failures import step_timeout
+from fusionnet.broker.job_calls import JobCalls
+from fusionnet.broker.replanning import Replan
+from fusionnet.broker.replicas import ReplicaBook
+from fusionnet.broker.submission import SubmittedJob
+from fusionnet.messages.blobs import unpack_tensors
+from fusionnet.messages.compnode_rpc import StepReply
+from fusionnet.planning.placement import Placement
+
+
+class JobSteps:
+    ctx: JobContext
+    job: SubmittedJob
+    calls: JobCalls
+    files: JobFiles
+    replicas: ReplicaBook
+    progress: Any  # ``jobrun.JobProgress``
+    peers: list[str]
+    pending: Replan | None
+    attempt: int
+    _placement: Placement | None
+    _busy: dict[int, float]
+    _busy_steps: int
+    _planned_slowness: list[float]
+    _outputs: dict[int, dict[str, torch.Tensor]]
+    _ahead: tuple[int, float, asyncio.Future[list[StepReply]]] | None
+    _last_reply_at: float | None
+    _next_sync: int  # one compnode: the first step after which the broker collects again
+
+    if TYPE_CHECKING:  # ``job_placement.JobPlacement``, beside this mixin in ``jobrun.JobRun``
+
+        def _leavers(self) -> set[str]: ...
+
+    def _sync_due(self, step: int) -> bool:
+        """Whether the broker collects the state after ``step`` steps (train jobs)."""
+        every = self.ctx.settings.sync_every
+        leaving = bool(self._leavers())
+        if every or self.replicas.enabled:
+            return replanning.sync_due(step, self.job.spec.step_count, every, leaving)
+        # One compnode, no peer to replicate to: the broker collects, paced to a share of the time.
+        return step >= self._next_sync or replanning.sync_due(step, self.job.spec.step_count, 0, leaving)
+
+    def _send_step(self, step: int, ahead: bool = False) -> asyncio.Future[list[StepReply]]:
+        """``step``'s call to every compnode; ``ahead``: sent while step - 1 runs, which it waits for."""
+        last = self.progress.metrics[-1]["seconds"] if self.progress.metrics else None
+        predicted = None if self._placement is None else self._placement.predicted_step
+        snapshot, keep_from = self.replicas.request(step)
+        timeout = (2 if ahead else 1) * step_timeout(predicted, last)
+        after = step - 1 if ahead else None
+        call = self.calls.step(
+            self.peers, step, timeout=timeout, snapshot=snapshot, keep_from=keep_from, after=after
+        )
+        return asyncio.ensure_future(call)
+
+    def _may_send_ahead(self, step: int) -> bool:
+        """Whether ``step`` may go out before the previous one is answered: not past the end, and not
+        where the broker must look at the state between the two (a sync, a re-plan, a hand-over)."""
+        if not self.ctx.settings.steps_ahead or step >= self.job.spec.step_count:
+            return False
+        if self.pending is not None or self._leavers():
+            return False
+        return self.job.spec.task != "train" or not self._sync_due(step)
+
+    def _drop_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead[2].cancel()
+            self._ahead[2].add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._ahead = None
+
+    async def _step(self, step: int) -> None:
+        job = self.job
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step:
+            # Sent while the previous step ran: it started when that one's replies came.
+            call, started = ahead[2], max(ahead[1], self._last_reply_at or ahead[1])
+        else:
+            if ahead is not None:
+                ahead[2].cancel()
+            call, started = self._send_step(step), time.perf_counter()
+        if self._may_send_ahead(step + 1):
+            self._ahead = (step + 1, time.perf_counter(), self._send_step(step + 1, ahead=True))
+        try:
+            replies = await call
+        except BaseException:
+            self._drop_ahead()
+            raise
+        self._last_reply_at = time.perf_counter()
+        seconds = self._last_reply_at - started
+        self._busy_steps += 1
+        sizes = job.spec.microbatch_sizes(step)
+        samples = sum(sizes)
+        row: dict[str, Any] = {"step": step, "seconds": seconds, "samples": samples}
+        row["microbatches"] = len(sizes)
+        loss = None
+        for i, r in enumerate(replies):
+            self._busy[i] = self._busy.get(i, 0.0) + r.busy_seconds
+            predicted = None if self._placement is None else (self._placement.predicted or {}).get(i)
+            if predicted is not None:  # refine the compnode's speed online from this sub-task
+                self.ctx.speeds.observe(self.peers[i], self._planned_slowness[i], predicted, r.busy_seconds)
+            if r.loss is not None:
+                loss = r.loss
+            if r.outputs is not None:
+                self._outputs[step] = unpack_tensors(r.outputs, f"step {step} outputs from {self.peers[i]}")
+        self.progress.refused_frames = sum(r.refused for r in replies)
+        if loss is not None:
+            row["loss"] = loss
+        if job.spec.task != "infer":  # per sub-DAG: the most activation bytes it held at once in the step
+            row["activation_peak_bytes"] = [r.activation_peak_bytes for r in replies]
+        row["sent_bytes"] = [r.sent_bytes for r in replies]  # per sub-DAG, as on the wire
+        if any(r.snapshot_seconds for r in replies):  # compute time of the last snapshot (runs in parallel)
+            row["checkpoint_seconds"] = max(r.snapshot_seconds for r in replies)
+        if self.replicas.observe([r.replicated for r in replies], step):  # for a restarted broker
+            self.replicas.pointer(self.attempt, self.peers, self.progress.metrics).save(self.files.folder)
+        self.progress.metrics.append(row)
+        self.ctx.store.update_job(job.job_id, step=step + 1, loss=loss)
+        self.ctx.metrics.observe_step(
+            job.job_id,
+            step=step + 1,
+            seconds=seconds,
+            samples=samples,
+            loss=loss,
+            compnodes=len(self.peers),
+            predicted_seconds=None if self._placement is None else self._placement.predicted_step,
+        )
