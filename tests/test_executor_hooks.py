@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from fusionnet.dag.channel import Channel, MessageKey
-from fusionnet.dag.executor import StepReport, SubDagExecutor
-from fusionnet.dag.hooks import ExecutorHook, HookChain, Phase
+from fusionnet.dag.executor import SubDagExecutor
+from fusionnet.dag.hooks import ExecutorHook, HookChain, Phase, StepReport
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.dag.trace import trace_model
 from fusionnet.errors import ExecutionError

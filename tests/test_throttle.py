@@ -10,8 +10,7 @@ import pytest
 
 from fusionnet.compnode.daemon import CompnodeConfig
 from fusionnet.compnode.throttle import Throttle, check_slowdown, slowed_hardware, throttle_hooks
-from fusionnet.dag.executor import StepReport
-from fusionnet.dag.hooks import HookChain, Phase
+from fusionnet.dag.hooks import HookChain, Phase, StepReport
 from fusionnet.dht.records import HardwareInfo
 from fusionnet.perfmodel.types import ClassCost, Overheads
 

@@ -27,7 +27,8 @@ from fusionnet.dag.channel import MessageKey
 from fusionnet.dag.checkpoint import load_optimizer_tensors, optimizer_tensors
 from fusionnet.dag.codec import decode_ir
 from fusionnet.dag.devices import HOST
-from fusionnet.dag.executor import StepReport, SubDagExecutor
+from fusionnet.dag.executor import SubDagExecutor
+from fusionnet.dag.hooks import StepReport
 from fusionnet.dag.ir import IRGraph, dtype_name
 from fusionnet.dag.partition import SubDag, build_partition
 from fusionnet.dag.precision import FOUND_INF_NODE, compute_dtype

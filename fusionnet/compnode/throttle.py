@@ -33,7 +33,7 @@ from fusionnet.dag.hooks import ExecutorHook, Phase
 from fusionnet.dht.records import HardwareInfo
 
 if TYPE_CHECKING:  # torch-free at import: the compnode daemon validates --slowdown before torch loads
-    from fusionnet.dag.executor import StepReport
+    from fusionnet.dag.hooks import StepReport
 
 MIN_SLEEP = 1e-4  # smaller debts wait for the next pay: a sleep has a cost of its own
 

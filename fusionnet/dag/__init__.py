@@ -13,6 +13,7 @@ Map of the package:
                      (``run_whole_graph``, with a per-node hook the tracer uses).
 - ``executor.py``    FP, BP and Update of one sub-DAG (``SubDagExecutor``), inline or on a compute thread,
                      in the order of the job's pipeline schedule (``fusionnet.schedules``).
+- ``schedule_loop.py`` one step of the schedule: the sub-DAG's program of actions in order, then Update.
 - ``outbox.py``      the executor's sends in flight during a step.
 - ``split_backward.py`` a backward split into I (input gradients) and W (weight gradients).
 - ``hooks.py``       what runs around each FP, BP and Update (timing, --slowdown, fault injection).

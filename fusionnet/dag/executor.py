@@ -58,24 +58,21 @@ from fusionnet.dag.devices import (
     to_device,
     to_host,
 )
-from fusionnet.dag.hooks import ExecutorHook, HookChain, Phase, StepReport
+from fusionnet.dag.hooks import ExecutorHook, HookChain, Phase
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.outbox import Outbox
 from fusionnet.dag.partition import SubDag
 from fusionnet.dag.precision import FOUND_INF_NODE, autocast, make_scaler
 from fusionnet.dag.rebuild import build_subdag_module
+from fusionnet.dag.schedule_loop import ScheduleLoop
 from fusionnet.dag.split_backward import WeightWork
 from fusionnet.errors import ComputeError, DeviceMemoryError, ExecutionError
-from fusionnet.schedules import Action, Schedule, ScheduleError, make_schedule
+from fusionnet.schedules import Schedule
 
 T = TypeVar("T")
 
 
-def _detach(value: Any) -> Any:
-    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
-
-
-class SubDagExecutor(BackwardPass):
+class SubDagExecutor(BackwardPass, ScheduleLoop):
     """Runs one sub-DAG. ``optimizers`` is a factory ``named_params -> list[Optimizer]`` (train only);
     ``compute`` the pool FP/BP/Update run on (None: inline); ``hooks`` run around each of them;
     ``precision`` the job's autocast (``subdags``, the job's sub-DAG count, is who shares fp16's flag);
@@ -324,89 +321,6 @@ class SubDagExecutor(BackwardPass):
         for p in self.named_params.values():
             p.grad = None
 
-    # -- a whole step --------------------------------------------------------------------------
-    async def run_step(
-        self, step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]
-    ) -> StepReport:
-        """One step of the schedule: this sub-DAG's FPs and BPs in its program's order, then Update."""
-        self.hooks.step_started(step)
-        self.activations.start_step()
-        self.outbox.reset()
-        self._forget_step_values()
-        try:
-            report = await self._step(step, microbatches, sizes)
-            await self.outbox.drain()
-        finally:
-            self.outbox.cancel()  # a failed step leaves no send behind
-        timer = self.hooks.timer.seconds
-        report.activation_peak_bytes = self.activations.peak
-        report.fp_seconds, report.bp_seconds, report.update_seconds = (
-            timer["fp"],
-            timer["bp"],
-            timer["update"],
-        )
-        self.hooks.step_finished(step, report)
-        return report
-
-    def program(self, microbatches: int) -> tuple[Action, ...]:
-        """This sub-DAG's actions for a step of ``microbatches`` micro-batches."""
-        try:
-            if isinstance(self.schedule, Schedule):
-                if (self.schedule.stages, self.schedule.microbatches) != (self.subdags, microbatches):
-                    raise ScheduleError(
-                        f"schedule {self.schedule.name!r} is for {self.schedule.stages} stages x "
-                        f"{self.schedule.microbatches} micro-batches, this step has "
-                        f"{self.subdags} x {microbatches}"
-                    )
-                plan = self.schedule.for_task(self.task)
-            else:
-                plan = make_schedule(self.schedule, self.subdags, microbatches, self.task)
-        except ScheduleError as e:
-            raise ExecutionError(f"sub-DAG {self.subdag.index}: {e}") from None
-        return plan.program(self.subdag.index)
-
-    async def _step(
-        self, step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]
-    ) -> StepReport:
-        """Runs this sub-DAG's program of the schedule; the update (and fp16's found-inf agreement,
-        which grad tasks need too) comes after the last backward."""
-        report = StepReport(step=step)
-        batch = sum(sizes)
-        losses: list[float] = []
-        program = self.program(len(microbatches))
-        last_bp = max((i for i, a in enumerate(program) if a.kind in ("B", "W")), default=-1)
-        last_seeded = max((i for i, a in enumerate(program) if a.kind in ("B", "I")), default=-1)
-        self.zero_grad()
-        for i, action in enumerate(program):
-            mb = action.mb
-            if action.kind == "F":
-                values = dict(zip(self.output_names, await self.forward(step, mb, microbatches[mb])))
-                if self.subdag.holds_loss:
-                    loss = float(values[self.loss_name].detach())
-                    losses.append(loss * self._loss_weight(sizes[mb], batch))
-                if self.task == "infer" and self.subdag.holds_output:
-                    report.outputs.append(_detach(_rebuild_output(self.graph, values)))
-            elif action.kind == "B":
-                weight = self._loss_weight(sizes[mb], batch)
-                await self.backward(step, mb, weight, last=i == last_bp, last_seeded=i == last_seeded)
-            elif action.kind == "I":
-                weight = self._loss_weight(sizes[mb], batch)
-                await self.backward_input(step, mb, weight, last_seeded=i == last_seeded)
-            elif action.kind == "W":
-                await self.backward_weight(step, mb, last=i == last_bp)
-        if self.task != "infer":
-            skip = await self._agree_found_inf(step) if self.scaler is not None else False
-            if self.task == "train":
-                await self._run("update", step, 0, partial(self.update, skip))
-        self._forget_step_values()  # the step's leaves go with its graphs
-        if losses:
-            report.loss = sum(losses)
-        return report
-
-    def _loss_weight(self, size: int, batch: int) -> float:
-        # A "mean" loss over the whole batch is the size-weighted sum of micro-batch means.
-        return size / batch if self.loss_reduction == "mean" else 1.0
-
     def state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """Current parameters and buffers of this sub-DAG by state key, as CPU copies (``copy=False``:
         on the CPU the live tensors, detached, for a caller that copies them before the next Update,
@@ -415,10 +329,3 @@ class SubDagExecutor(BackwardPass):
         for k in self.subdag.buffers:
             out[k] = getattr(self.root, self.root.attr_of[k])
         return host_copy(out) if copy else {k: v.detach().to(HOST) for k, v in out.items()}
-
-
-def _rebuild_output(graph: IRGraph, values: Mapping[str, Any]) -> Any:
-    """The job's output from a micro-batch's values, on the CPU (results travel and are kept there)."""
-    from fusionnet.dag.rebuild import output_value
-
-    return tree_map(lambda v: v.to(HOST) if isinstance(v, torch.Tensor) else v, output_value(graph, values))

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from fusionnet.dag.channel import LocalHub
-from fusionnet.dag.executor import StepReport, SubDagExecutor
+from fusionnet.dag.executor import SubDagExecutor
+from fusionnet.dag.hooks import StepReport
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition
 from fusionnet.job.loader import LoadedJob
