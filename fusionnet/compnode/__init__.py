@@ -5,7 +5,8 @@ Measuring the hardware is ``fusionnet.profiling.node``'s job; the daemon only an
 Map of the package:
 
 - ``daemon.py``      ``Compnode``: DHT join, start-up profiling, hardware record, RPC services, shutdown.
-- ``tasks.py``       the service behind the broker's ``assign``: sub-task execution, step RPCs.
+- ``tasks.py``       the service behind the broker's ``assign``: holding jobs, their RPCs, hand-over.
+- ``step_rpc.py``    its ``step`` and ``serve_step`` calls (a mixin).
 - ``assignment_intake.py``  one job's sub-DAG here, from a validated ``assign``: checked IR, rebuilt
                      executor, network channel, data.
 - ``job_host.py``    what the service does with a built sub-DAG (steps, batches, collect, snapshots),

@@ -38,11 +38,12 @@ from fusionnet.compnode.replica_rpc import ReplicaRPC
 from fusionnet.compnode.replicas import ReplicaStore
 from fusionnet.compnode.sandbox_client import SandboxedJob, SandboxPool
 from fusionnet.compnode.staging import StateStaging
+from fusionnet.compnode.step_rpc import StepRPC
 from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
 from fusionnet.daemon.addresses import announced_host
 from fusionnet.dht.records import join_host_port
-from fusionnet.errors import DeviceMemoryError, JobError
+from fusionnet.errors import JobError
 from fusionnet.messages.base import handles
 from fusionnet.messages.broker_rpc import BrokerClient
 from fusionnet.messages.broker_rpc import JobRequest as BrokerJobRequest
@@ -58,10 +59,7 @@ from fusionnet.messages.compnode_rpc import (
     ReleaseRequest,
     StageStateReply,
     StageStateRequest,
-    StepReply,
-    StepRequest,
 )
-from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
 from fusionnet.rpc.server import RPCContext
 from fusionnet.wire.datapath import DataPathClient, DataPathServer
 from fusionnet.wire.frames import TensorFrame
@@ -71,10 +69,9 @@ log = logging.getLogger("fusionnet.compnode.tasks")
 
 MAX_JOBS = 16  # assignments held at once; a broker gone wild cannot exhaust our memory
 HANDOVER_TIMEOUT = 45.0  # a graceful leave waits this long for the broker to move our sub-DAGs
-AHEAD_WAIT = 3600.0  # a step sent ahead waits at most this long for the step before it to run here
 
 
-class SubtaskService(ReplicaRPC):
+class SubtaskService(ReplicaRPC, StepRPC):
     name = "subtasks"
 
     def __init__(self, compnode: CompnodeDaemon) -> None:
@@ -322,71 +319,6 @@ class SubtaskService(ReplicaRPC):
             built.executor.hooks.add(hook)
         host = JobHost(built, self.node.compute)
         return HeldJob.of(request, broker, len(built.subdag.nodes), len(built.subdag.params), host)
-
-    @handles(StepRequest)
-    async def rpc_step(self, request: StepRequest, context: RPCContext) -> StepReply:
-        """Runs one GPipe step (FP of every micro-batch, BP, Update) of the caller's job."""
-        job = self._job(request, context)
-        step = request.step
-        if request.after is not None:  # sent ahead: after that step, whichever call came first
-            await job.wait_for_step(request.after, AHEAD_WAIT)
-        async with self._locks[job.job_id]:
-            if step in job.steps_done:
-                if step in job.replies:
-                    return job.replies[step]  # a repeated request whose answer was lost on the way
-                raise JobError(f"job {job.job_id}: step {step} already ran on sub-DAG {job.index}")
-            try:
-                outcome = await job.host.run_step(step)
-            except Exception as e:
-                job.step_ended(step, ok=False)
-                self.node.metrics.count_subtask("failed")
-                if isinstance(e, DeviceMemoryError):  # the daemon lives on; the broker places again
-                    log.warning("job %s: %s", job.job_id, e)
-                    await job.host.drop_inflight()
-                raise
-            job.steps_done.add(step)
-            self.after_step(job, request)
-            job.step_ended(step, ok=True)
-        for phase, seconds in (
-            ("fp", outcome.fp_seconds),
-            ("bp", outcome.bp_seconds),
-            ("update", outcome.update_seconds),
-        ):
-            if job.spec.task != "infer" or phase == "fp":
-                self.node.metrics.observe_compute(phase, seconds)
-        if job.spec.task != "infer":
-            self.node.metrics.set_activation_peak(outcome.activation_peak_bytes)
-        self.node.metrics.count_subtask("succeeded")
-        reply = StepReply(
-            step=step,
-            loss=outcome.loss,
-            fp_seconds=outcome.fp_seconds,
-            bp_seconds=outcome.bp_seconds,
-            update_seconds=outcome.update_seconds,
-            activation_peak_bytes=outcome.activation_peak_bytes,
-            sent_bytes=outcome.sent_bytes,
-            refused=self._refused(job.job_id),
-            outputs=outcome.outputs,
-            replicated=None if job.replicator is None else job.replicator.confirmed,
-            snapshot_seconds=0.0 if job.replicator is None else job.replicator.take_seconds(),
-        )
-        job.answered(reply)
-        return reply
-
-    @handles(ServeStepRequest)
-    async def rpc_serve_step(self, request: ServeStepRequest, context: RPCContext) -> ServeStepReply:
-        """One request batch of a deployment (``serve_steps``): FP only, data from the call."""
-        job = self._job(request, context)  # type: ignore[arg-type]  # it names a job like a JobRequest
-        if job.spec.task != "infer":
-            raise JobError(f"job {job.job_id} is a {job.spec.task} job, not a deployment")
-        try:
-            reply = await job.host.serve(request)
-        except Exception:
-            self.node.metrics.count_subtask("failed")
-            raise
-        self.node.metrics.observe_compute("fp", reply.fp_seconds)
-        self.node.metrics.count_subtask("succeeded")
-        return reply
 
     @handles(ProbeLinksRequest)
     async def rpc_probe_links(self, request: ProbeLinksRequest, context: RPCContext) -> ProbeLinksReply:
