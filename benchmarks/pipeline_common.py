@@ -53,9 +53,16 @@ class Result:
     error: str | None = None
     note: str = ""
     activation_peak: list[int] | None = None  # FusionNet: per stage, the most activation bytes held at once
+    # FusionNet: per step (aligned with ``times``), the share of the step its stages did not compute,
+    # averaged over the stages (metrics.jsonl's ``compute_seconds`` against ``seconds``)
+    bubbles: list[float] = field(default_factory=list)
 
     def median(self, warmup: int) -> float | None:
         timed = self.times[warmup:] or self.times
+        return statistics.median(timed) if timed and self.error is None else None
+
+    def bubble(self, warmup: int) -> float | None:
+        timed = self.bubbles[warmup:] or self.bubbles
         return statistics.median(timed) if timed and self.error is None else None
 
     def minimum(self, warmup: int) -> float | None:

@@ -65,6 +65,11 @@ def read_metrics(res: Result, path: Path) -> None:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows.sort(key=lambda r: r["step"])
     res.times = [float(r["seconds"]) for r in rows]
+    res.bubbles = [
+        max(0.0, 1.0 - sum(r["compute_seconds"]) / len(r["compute_seconds"]) / r["seconds"])
+        for r in rows
+        if r.get("compute_seconds") and r["seconds"] > 0
+    ]
     res.losses = [float(r["loss"]) for r in rows if "loss" in r]
     peaks = [r["activation_peak_bytes"] for r in rows if "activation_peak_bytes" in r]
     res.activation_peak = [int(b) for b in peaks[-1]] if peaks else None

@@ -7,7 +7,9 @@ with the same schedule (``--schedule``: GPipe, each batch split into M micro-bat
 backwards, one SGD step; or 1F1B; or FusionNet's zero-bubble ZB-H1 against torch's 1F1B, since torch's
 zero-bubble schedules need several stages per rank), and with the same number of torch threads per
 process (``--threads``, default 1). FusionNet's rows also give each stage's peak activation bytes
-(metrics.jsonl's ``activation_peak_bytes``):
+(metrics.jsonl's ``activation_peak_bytes``) and the bubble: the share of the step its stages did not
+compute, averaged over the stages (1 - ``compute_seconds`` / ``seconds``; it includes waiting for the
+network and the broker's call, which the schedule's own bubble, (p - 1) / (m + p - 1), does not):
 
 - ``plain torch``       one process, the M micro-batches one after the other with gradient accumulation.
                         The reference for the ratios.
@@ -82,8 +84,8 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
     low = {r.name: r.minimum(cfg.warmup) for r in results}
     plain = med.get("plain torch")
     rows = [
-        ("contender", "step ms", "min ms", "x plain", "x torch pipe N", "act. MB per stage", "loss first",
-         "loss last", "notes")
+        ("contender", "step ms", "min ms", "x plain", "x torch pipe N", "act. MB per stage", "bubble",
+         "loss first", "loss last", "notes")
     ]  # fmt: skip
     for r in results:
         n = r.name.rsplit(" ", 1)[-1]
@@ -92,6 +94,7 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
             r.name, fmt_ms(med[r.name]), fmt_ms(low[r.name]),
             fmt_ratio(med[r.name], plain), fmt_ratio(med[r.name], pipe) if pipe else "",
             "/".join(f"{b / 1e6:.2f}" for b in r.activation_peak) if r.activation_peak else "",
+            "" if r.bubble(cfg.warmup) is None else f"{r.bubble(cfg.warmup):.2f}",
             f"{r.losses[0]:.5f}" if r.losses else "-", f"{r.losses[-1]:.5f}" if r.losses else "-",
             "FAILED (see below)" if r.error else r.note,
         ))  # fmt: skip
@@ -122,6 +125,8 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
     for r in results:
         if r.activation_peak:
             summary[f"{key_of(r.name)}_activation_peak_bytes"] = r.activation_peak
+        if r.bubble(cfg.warmup) is not None:
+            summary[f"{key_of(r.name)}_bubble"] = round(r.bubble(cfg.warmup), 4)
     summary["splits"] = {str(n): format_split(s) for n, (s, _) in splits.items()}
     summary["split_sources"] = {str(n): src for n, (_, src) in splits.items()}
     cfg_d = asdict(cfg)
@@ -286,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 earlier.error = earlier.error or res.error
             else:  # a later round: its timed steps join the first round's (one median over all rounds)
                 earlier.times.extend(res.times[cfg.warmup :])
+                earlier.bubbles.extend(res.bubbles[cfg.warmup :])
             return res
 
         for round_ in range(args.repeat):

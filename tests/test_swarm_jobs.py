@@ -124,6 +124,8 @@ def test_submitted_job_equals_local_run_and_plain_pytorch(
     assert all(len(r["activation_peak_bytes"]) == len(plan["subdags"]) for r in rows)
     assert all(min(r["activation_peak_bytes"]) >= 0 and max(r["activation_peak_bytes"]) > 0 for r in rows)
     assert all(len(r["sent_bytes"]) == len(plan["subdags"]) and sum(r["sent_bytes"]) > 0 for r in rows)
+    computed = [r["compute_seconds"] for r in rows]  # per sub-DAG: FP + BP + Update of the step
+    assert all(len(c) == len(plan["subdags"]) and min(c) >= 0 and sum(c) > 0 for c in computed)
     # Placed by the performance model on the compnodes' announced hardware: predicted beside measured.
     assert plan["policy"] == "performance model" and plan["predicted_step_seconds"] > 0
     assert all(s["predicted_seconds"] is not None and s["predicted_seconds"] >= 0 for s in plan["subdags"])

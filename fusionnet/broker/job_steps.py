@@ -124,6 +124,9 @@ class JobSteps:
         if job.spec.task != "infer":  # per sub-DAG: the most activation bytes it held at once in the step
             row["activation_peak_bytes"] = [r.activation_peak_bytes for r in replies]
         row["sent_bytes"] = [r.sent_bytes for r in replies]  # per sub-DAG, as on the wire
+        # per sub-DAG: the seconds its compnode computed (FP, BP, Update); the rest of ``seconds`` it
+        # waited (the schedule's bubble, the network, the broker's call)
+        row["compute_seconds"] = [r.fp_seconds + r.bp_seconds + r.update_seconds for r in replies]
         if any(r.snapshot_seconds for r in replies):  # compute time of the last snapshot (runs in parallel)
             row["checkpoint_seconds"] = max(r.snapshot_seconds for r in replies)
         if self.replicas.observe([r.replicated for r in replies], step):  # for a restarted broker
