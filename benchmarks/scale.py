@@ -37,7 +37,6 @@ import os
 import signal
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +45,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from daemon_memory import TreeMemory, vm_kb  # noqa: E402
 from swarm_jobs import WORKDIR_HELP, run_main, work_folder  # noqa: E402
 
 from fusionnet.daemon.observer import SwarmObserver  # noqa: E402
@@ -59,6 +59,8 @@ GB = 1e9
 # (vocab, hidden, layers, heads, kv heads, intermediate): the full model has ~125M parameters.
 FULL = (32000, 768, 12, 12, 4, 2048)
 QUICK = (4000, 384, 4, 6, 2, 1024)  # ~8M parameters
+# --billion: TinyLlama-1.1B's shape (22 layers of width 2048, 4 KV heads): for a GPU swarm (issue 11)
+BILLION = (32000, 2048, 22, 32, 4, 5632)
 # --family gpt2: issue 11's GPT-2 job, 12 layers of width 768 with tied embeddings: 97M parameters
 GPT2_FULL = (16000, 768, 12, 12, 12, 3072)
 GPT2_QUICK = (4000, 384, 4, 6, 6, 1536)
@@ -150,70 +152,6 @@ def write_job(
     return path
 
 
-def vm_kb(pid: int, field_name: str) -> int:
-    """A ``/proc/<pid>/status`` memory field in kB (0 once the process is gone)."""
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def tree_pids(root: int) -> list[int]:
-    """``root`` and its descendants now: a compnode's sandbox fork server and job workers."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = (entry / "stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
-def pss_bytes(pid: int) -> int:
-    """Proportional set size: shared pages (torch's libraries in a fork server and its workers)
-    counted once over the processes that share them, so the sum over a tree is what it occupies."""
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class TreeMemory:
-    """Samples each daemon's process tree (PSS summed) every ``period`` s and keeps the peak: with
-    sandbox workers a compnode is several processes, whose peaks ``VmHWM`` of one cannot show."""
-
-    def __init__(self, pids: dict[str, int], period: float = 0.25) -> None:
-        self.pids = pids
-        self.peak = dict.fromkeys(pids, 0)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def sample(self) -> dict[str, int]:
-        return {name: sum(pss_bytes(p) for p in tree_pids(pid)) for name, pid in self.pids.items()}
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.25):
-            for name, total in self.sample().items():
-                self.peak[name] = max(self.peak[name], total)
-
-    def __enter__(self) -> TreeMemory:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 class TimedStream(io.StringIO):
     """Records when ``submit`` printed that the broker accepted the job."""
 
@@ -294,7 +232,11 @@ def held_bytes(run: SwarmRun, sizes: dict[str, int], slots: int) -> dict[str, in
 
 
 def memory_rows(
-    swarm: ProcessSwarm, held: dict[str, int], baseline: dict[str, int], trees: dict[str, int]
+    swarm: ProcessSwarm,
+    held: dict[str, int],
+    baseline: dict[str, int],
+    trees: dict[str, int],
+    gpu: dict[str, int],
 ) -> list[dict[str, Any]]:
     rows = []
     for d in swarm.daemons:
@@ -313,6 +255,7 @@ def memory_rows(
                 "pid": d.pid,
                 "idle_rss": baseline.get(d.name, 0),
                 "peak_rss": peak,
+                "peak_gpu": gpu.get(d.name, 0),  # device memory of its process tree (--device cuda)
                 "state": state,
                 "bound": bound,
                 "within": peak == 0 or peak <= bound,  # 0: SIGKILLed, nothing to read
@@ -357,6 +300,21 @@ def main(argv: list[str] | None = None) -> int:
         default="llama",
         help=f"llama (default; {FULL}) or gpt2 (issue 11's 97M GPT-2, tied embeddings; {GPT2_FULL})",
     )
+    p.add_argument(
+        "--billion", action="store_true", help=f"a 1.1B-parameter Llama {BILLION} (meant for --device cuda)"
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where the compnodes compute (their --device) and plain PyTorch runs: cpu (default) or cuda",
+    )
+    p.add_argument(
+        "--placement",
+        choices=("model", "balanced"),
+        default="model",
+        help="the broker's --placement: the performance model's plan (default) or FLOP-balanced pieces on "
+        "all 3 compnodes (on one GPU shared by the 3, the model rightly keeps the whole job on one of them)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one job may take")
     p.add_argument("--no-kill", action="store_true", help="skip the SIGKILL run")
     p.add_argument("--workdir", type=Path, help=WORKDIR_HELP)
@@ -372,39 +330,50 @@ def main(argv: list[str] | None = None) -> int:
     from fusionnet.job.loader import load_job
     from fusionnet.reference import run_reference
 
-    torch.set_num_threads(1)  # plain PyTorch on one thread, like each compnode
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # plain PyTorch on one thread, like each compnode
+    if args.billion and (args.quick or args.family != "llama"):
+        p.error("--billion is a Llama shape: leave out --quick and --family gpt2")
     if args.family == "gpt2":
         dims = GPT2_QUICK if args.quick else GPT2_FULL
     else:
-        dims = QUICK if args.quick else FULL
+        dims = BILLION if args.billion else QUICK if args.quick else FULL
     job_path = write_job(workdir / "job", args.family, dims, args.steps, args.optimizer, args.batch)
     job = load_job(job_path)
     sizes = {k: v.numel() * v.element_size() for k, v in job.model.named_parameters()}
     n_params = sum(v.numel() for v in job.model.parameters())
-    print(f"{args.family} {dims}: {n_params / 1e6:.1f}M parameters, {args.steps} steps, {args.optimizer}; "
-          f"logs in {workdir}", flush=True)  # fmt: skip
-    started = time.perf_counter()
-    ref = run_reference(job).weights
-    torch_ms = (time.perf_counter() - started) / args.steps * 1e3
+    print(f"{args.family} {dims}: {n_params / 1e6:.1f}M parameters, {args.steps} steps, {args.optimizer}, "
+          f"on {args.device}; logs in {workdir}", flush=True)  # fmt: skip
+    reference = run_reference(job, args.device)
+    ref = reference.weights
+    # The median step after the first (warm-up), as the swarm's figure is taken.
+    torch_ms = median(reference.step_seconds[1:]) * 1e3
     del job
     print(f"  plain PyTorch: {torch_ms:.0f} ms/step", flush=True)
 
-    specs = [CompnodeSpec(refresh_period=2.0) for _ in range(3)] + [
-        CompnodeSpec(refresh_period=2.0, backup=True)
+    device = ("--device", args.device)
+    specs = [CompnodeSpec(refresh_period=2.0, extra=device) for _ in range(3)] + [
+        CompnodeSpec(refresh_period=2.0, backup=True, extra=device)
     ]
-    argv = broker_args(1.0, 1.0, HEARTBEAT_TIMEOUT, stage_part_mb=32.0)  # the daemon's default part size
+    state_mb = sum(sizes.values()) / 2**20
+    extra = ["--placement", args.placement, "--max-submission-mb", str(max(1024, round(1.5 * state_mb)))]
+    # stage_part_mb: the daemon's default part size
+    argv = broker_args(1.0, 1.0, HEARTBEAT_TIMEOUT, extra=extra, stage_part_mb=32.0)
     swarm = ProcessSwarm(workdir / "swarm", specs, argv)
     tol = 1e-5 if args.optimizer == "sgd" else OPTIMIZERS["adamw"]["lr"]
     try:
         swarm.start()
-        with TreeMemory({d.name: d.pid for d in swarm.daemons}) as trees:
+        with TreeMemory({d.name: d.pid for d in swarm.daemons}, gpu=args.device != "cpu") as trees:
             baseline = trees.sample()
             run = asyncio.run(submit_job(swarm, job_path, workdir / "out", None, args.timeout))
         run.max_diff = max_diff(workdir / "out", ref)
-        memory = memory_rows(swarm, held_bytes(run, sizes, SLOTS[args.optimizer]), baseline, trees.peak)
+        held = held_bytes(run, sizes, SLOTS[args.optimizer])
+        memory = memory_rows(swarm, held, baseline, trees.peak, trees.gpu_peak)
         print(f"  swarm: {step_ms(run)[0]:.0f} ms/step, max diff {run.max_diff:.1e}", flush=True)
         for m in memory:  # now, so that a failure of the SIGKILL run below still leaves them
-            print(f"  {m['daemon']}: peak RSS {m['peak_rss'] / GB:.2f} GB, holds {m['state'] / GB:.2f} GB")
+            gpu = f", device {m['peak_gpu'] / GB:.2f} GB" if m["peak_gpu"] else ""
+            held_gb = m["state"] / GB
+            print(f"  {m['daemon']}: peak RSS {m['peak_rss'] / GB:.2f} GB{gpu}, holds {held_gb:.2f} GB")
         kill = None
         if not args.no_kill:
             kill = asyncio.run(submit_job(swarm, job_path, workdir / "out-kill", 1, args.timeout))
@@ -427,8 +396,9 @@ def report(
     wall: float,
 ) -> int:
     swarm_ms, ckpt_ms, sync_ms = step_ms(run)
+    where = "1 thread" if args.device == "cpu" else args.device
     rows = [
-        ("what", "plain PyTorch (1 thread)", "FusionNet: broker + 3 compnodes (1 thread each)"),
+        ("what", f"plain PyTorch ({where})", f"FusionNet: broker + 3 compnodes ({where} each)"),
         ("model", f"{args.family} {n_params / 1e6:.1f}M params", f"{len(run.placement)} sub-DAGs"),
         ("ms/step", f"{torch_ms:.0f}", f"{swarm_ms:.0f} (of which state snapshots {ckpt_ms:.0f})"),
         ("results collection", "-", f"{sync_ms:.0f} ms once (final state to the broker)"),
@@ -441,7 +411,8 @@ def report(
                 f"peak RSS {m['daemon']}",
                 "-",
                 f"{m['peak_rss'] / GB:.2f} GB (idle {m['idle_rss'] / GB:.2f}; "
-                f"holds {m['state'] / GB:.2f} GB; "
+                + (f"device {m['peak_gpu'] / GB:.2f} GB; " if m["peak_gpu"] else "")
+                + f"holds {m['state'] / GB:.2f} GB; "
                 f"bound {m['bound'] / GB:.2f}){'' if m['within'] else ' OVER'}",
             )
         )
@@ -464,6 +435,8 @@ def report(
             **dict(zip(("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate"), dims)),
         },
         "params": n_params,
+        "device": args.device,
+        "placement": args.placement,
         "optimizer": args.optimizer,
         "steps": args.steps,
         "torch_ms_per_step": round(torch_ms, 1),

@@ -15,7 +15,8 @@ with the one documented difference that an inf/nan skips every optimizer of the 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,12 +33,17 @@ class ReferenceResult:
     grads: dict[str, torch.Tensor] | None  # grad task: last batch's gradients, keyed like state_dict
     outputs: torch.Tensor | None  # infer task: one row per sample, in order
     losses: list[float]  # one per step (train/grad)
+    # Wall seconds of each step (forward, backward, update; the device synchronised at its end): the
+    # benchmarks' plain-PyTorch figure, without the model copy and device placement before step 0.
+    step_seconds: list[float] = field(default_factory=list)
 
 
-def _batch_loss(job: LoadedJob, model: torch.nn.Module, idx: torch.Tensor, step: int) -> torch.Tensor:
+def _batch_loss(
+    job: LoadedJob, model: torch.nn.Module, idx: torch.Tensor, step: int, device: torch.device
+) -> torch.Tensor:
     assert job.labels is not None
-    x, y = job.inputs[idx], job.labels[idx]
-    with autocast(job.spec.precision):
+    x, y = job.inputs[idx].to(device), job.labels[idx].to(device)
+    with autocast(job.spec.precision, device.type):
         loss = job.loss_fn(model(x), y) if job.loss_fn is not None else model(x, y)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"shape {tuple(loss.shape)}"
@@ -46,26 +52,29 @@ def _batch_loss(job: LoadedJob, model: torch.nn.Module, idx: torch.Tensor, step:
     return loss
 
 
-def _infer(job: LoadedJob, model: torch.nn.Module) -> ReferenceResult:
+def _infer(job: LoadedJob, model: torch.nn.Module, device: torch.device) -> ReferenceResult:
     model.eval()
     outputs = []
-    with torch.no_grad(), autocast(job.spec.precision):
+    with torch.no_grad(), autocast(job.spec.precision, device.type):
         for i, idx in enumerate(infer_batches(job.n_samples, job.spec.data.batch_size)):
-            out = model(job.inputs[idx])
+            out = model(job.inputs[idx].to(device))
             if not isinstance(out, torch.Tensor):
                 raise ExecutionError(f"infer batch {i}: model returned {type(out).__name__}, not a Tensor")
-            outputs.append(out)
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            outputs.append(out.cpu())
+    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return ReferenceResult(weights=weights, grads=None, outputs=torch.cat(outputs), losses=[])
 
 
-def run_reference(job: LoadedJob) -> ReferenceResult:
-    """Runs ``job`` on a private copy of its model (``job.model`` is left as loaded)."""
+def run_reference(job: LoadedJob, device: str | torch.device = "cpu") -> ReferenceResult:
+    """Runs ``job`` on a private copy of its model (``job.model`` is left as loaded) on ``device``
+    (the comparison for ``compnode --device cuda`` swarms); results come back on the CPU."""
     spec = job.spec
+    device = torch.device(device)
     model = copy.deepcopy(job.model)  # deepcopy keeps tied parameters tied
+    model.to(device)  # in place: tied parameters stay tied
     torch.manual_seed(spec.seed)
     if spec.task == "infer":
-        return _infer(job, model)
+        return _infer(job, model, device)
     if job.labels is None:
         raise ExecutionError(f"task {spec.task} needs labels, the loaded job has none")
     model.train()
@@ -75,9 +84,11 @@ def run_reference(job: LoadedJob) -> ReferenceResult:
         optimizers = make_optimizers(spec.optimizer, dict(model.named_parameters()))
     losses: list[float] = []
     scaler = make_scaler(spec.precision)
+    step_seconds: list[float] = []
     for step in range(spec.steps):
+        started = time.perf_counter()
         idx = batch_indices(step, spec.data.batch_size, job.n_samples)
-        loss = _batch_loss(job, model, idx, step)
+        loss = _batch_loss(job, model, idx, step, device)
         model.zero_grad(set_to_none=True)
         (loss if scaler is None else loss * scaler.scale).backward()
         losses.append(float(loss.detach()))
@@ -87,13 +98,18 @@ def run_reference(job: LoadedJob) -> ReferenceResult:
             scaler.update(skip)
         for opt in optimizers if not skip else ():
             opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_seconds.append(time.perf_counter() - started)
     state = model.state_dict(keep_vars=True)
     grads = None
     if spec.task == "grad":
         grads = {
-            k: v.grad.detach().clone()
+            k: v.grad.detach().cpu().clone()
             for k, v in state.items()
             if isinstance(v, torch.nn.Parameter) and v.grad is not None
         }
-    weights = {k: v.detach().clone() for k, v in state.items()}
-    return ReferenceResult(weights=weights, grads=grads, outputs=None, losses=losses)
+    weights = {k: v.detach().cpu().clone() for k, v in state.items()}
+    return ReferenceResult(
+        weights=weights, grads=grads, outputs=None, losses=losses, step_seconds=step_seconds
+    )

@@ -6,6 +6,7 @@ compnode, the start-up error without CUDA, and D_gpu as the memory the planner c
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,6 +75,42 @@ def test_out_of_memory_errors_are_told_apart() -> None:
     assert is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA error: out of memory"))
     assert not is_out_of_memory(RuntimeError("shape mismatch"))
     assert not is_out_of_memory(ValueError("out of memory"))  # only torch's RuntimeErrors
+
+
+@pytest.mark.timeout(120)
+def test_the_irs_devices_become_the_executors(tmp_path: Path) -> None:
+    """Export graphs carry the tracer's device as constants (rotary's ``arange(..., device=cpu)``,
+    ``_assert_tensor_metadata(..., device=cpu)``): a compnode elsewhere must make those tensors where it
+    computes. A Llama on CUDA compnodes failed "Tensor device mismatch! Expected: cpu, Got: cuda:0"."""
+    from fusionnet.dag.ir import decode_kwargs, decode_value
+    from fusionnet.dag.rebuild import build_subdag_module
+    from fusionnet.job.loader import load_job
+    from fusionnet.runtime.prepare import trace_job
+    from tests.jobfiles import write_token_job
+
+    cuda = torch.device("cuda", 0)  # a device object needs no CUDA
+    assert decode_value({"$device": "cpu"}, None) == HOST
+    assert decode_value([{"$tuple": [{"$device": "cpu"}, 3]}], None, cuda) == [(cuda, 3)]
+    assert decode_kwargs({"device": {"$device": "cuda:1"}}, None, cuda) == {"device": cuda}
+    traced = trace_job(load_job(write_token_job(tmp_path / "job", "HFDecoder", family="llama")))
+    meta = torch.device("meta")
+    found: list[torch.device] = []
+    for sd in build_partition(traced.graph, balanced_assignment(traced.graph, 2)).subdags:
+        state = traced.state
+        gm, _ = build_subdag_module(
+            traced.graph,
+            sd.nodes,
+            sd.outer_required,
+            list(sd.outwards),
+            {k: state[k] for k in sd.params},
+            {k: state[k] for k in sd.buffers},
+            meta,
+        )
+        for node in gm.graph.nodes:
+            torch.fx.node.map_aggregate(
+                (node.args, node.kwargs), lambda a: found.append(a) if isinstance(a, torch.device) else a
+            )
+    assert found and set(found) == {meta}, found[:5]
 
 
 # ---- the executor on an explicit device --------------------------------------------------------------

@@ -248,6 +248,8 @@ class Worker:
         for hook in (*fault_hooks(self.config.fault), *throttle_hooks(self.config.slowdown)):
             job.executor.hooks.add(hook)
         self.host = JobHost(job, self.compute)
+        # Where the state went is the first thing to check when a --device cuda node seems slow.
+        log.info("%d nodes, %d parameters on %s", len(job.subdag.nodes), len(job.subdag.params), device)
         return {"nodes": len(job.subdag.nodes), "params": len(job.subdag.params)}
 
     async def _reply_snapshot(self, header: dict[str, Any]) -> None:

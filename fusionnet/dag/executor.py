@@ -128,6 +128,7 @@ class SubDagExecutor(BackwardPass, ScheduleLoop):
             outputs,
             {k: state[k] for k in subdag.params},
             {k: state[k] for k in subdag.buffers},
+            self.device,
         )
         self.module.train(task != "infer")
         try:  # built on the CPU (cloned from the state), then moved: the device holds one copy

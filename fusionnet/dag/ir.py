@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+_HOST = torch.device("cpu")  # where a decoded IR device points unless told otherwise
+
 NODE_KINDS = ("placeholder", "variable", "parametric", "non_parametric", "loss", "output")
 IR_VERSION = 1
 
@@ -214,24 +216,26 @@ def encode_value(value: Any) -> Any:
     raise TypeError(f"constant of type {type(value).__name__} cannot be expressed in the IR")
 
 
-def decode_value(tree: Any, resolve: Any) -> Any:
-    """IR argument tree -> Python value. ``resolve(tag, name)`` supplies node/param/buffer values."""
+def decode_value(tree: Any, resolve: Any, device: torch.device = _HOST) -> Any:
+    """IR argument tree -> Python value. ``resolve(tag, name)`` supplies node/param/buffer values.
+
+    Compnodes run where they run: every device in the IR (the tracer's, ``arange(..., device=cpu)``,
+    ``_assert_tensor_metadata(..., device=cpu)`` in export graphs) becomes ``device``, the executor's."""
     if isinstance(tree, list):
-        return [decode_value(v, resolve) for v in tree]
+        return [decode_value(v, resolve, device) for v in tree]
     if not isinstance(tree, dict):
         return tree
     ((tag, body),) = tree.items()
     if tag in ("$node", "$param", "$buffer"):
         return resolve(tag, body)
     if tag == "$tuple":
-        return tuple(decode_value(v, resolve) for v in body)
+        return tuple(decode_value(v, resolve, device) for v in body)
     if tag == "$slice":
-        return slice(*(decode_value(v, resolve) for v in body))
+        return slice(*(decode_value(v, resolve, device) for v in body))
     if tag == "$dtype":
         return dtype_from_name(body)
     if tag == "$device":
-        # Compnodes run where they run: a device in the IR is always mapped to the executor's device.
-        return torch.device("cpu")
+        return device
     if tag == "$memory_format":
         return _MEMORY_FORMATS[body]
     if tag == "$layout":
@@ -239,13 +243,13 @@ def decode_value(tree: Any, resolve: Any) -> Any:
     if tag == "$ellipsis":
         return Ellipsis
     if tag == "$dict":
-        return {decode_value(k, resolve): decode_value(v, resolve) for k, v in body}
+        return {decode_value(k, resolve, device): decode_value(v, resolve, device) for k, v in body}
     raise ValueError(f"unknown tag {tag!r}")
 
 
-def decode_kwargs(kwargs: dict[str, Any], resolve: Any) -> dict[str, Any]:
+def decode_kwargs(kwargs: dict[str, Any], resolve: Any, device: torch.device = _HOST) -> dict[str, Any]:
     """Keyword arguments are a plain map of name -> argument tree (never a tagged value)."""
-    return {k: decode_value(v, resolve) for k, v in kwargs.items()}
+    return {k: decode_value(v, resolve, device) for k, v in kwargs.items()}
 
 
 def tensor_meta(value: Any) -> Any:

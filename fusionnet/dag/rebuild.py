@@ -100,13 +100,16 @@ def build_subdag_module(
     output_names: Sequence[str],
     params: Mapping[str, torch.Tensor],
     buffers: Mapping[str, torch.Tensor],
+    device: torch.device | None = None,
 ) -> tuple[fx.GraphModule, SubDagModule]:
-    """Rebuilds the sub-DAG ``node_names`` as a GraphModule.
+    """Rebuilds the sub-DAG ``node_names`` as a GraphModule whose constant devices are ``device`` (the
+    executor's; default the CPU): the IR's ``device=cpu`` arguments were the tracer's, not the model's.
 
     Its positional inputs are ``input_names`` (outer required data, in that order) and it returns a
     tuple with the values of ``output_names`` (outwards data, plus the loss/output if held here).
     """
     root = SubDagModule(params, buffers)
+    where = device if device is not None else torch.device("cpu")
     g = fx.Graph()
     env: dict[str, fx.Node] = {}
     for name in input_names:
@@ -136,8 +139,8 @@ def build_subdag_module(
             continue
         if n.kind == "output":
             continue
-        args = decode_value(n.args, resolve)
-        kwargs = decode_kwargs(n.kwargs, resolve)
+        args = decode_value(n.args, resolve, where)
+        kwargs = decode_kwargs(n.kwargs, resolve, where)
         fn = REGISTRY.executable(n.op)  # the op behind its argument checks
         if fn is None:
             env[n.name] = g.call_method(n.op[len("method:") :], tuple(args), kwargs)
