@@ -126,10 +126,13 @@ class JobAssignment:
     def grads_blob(self) -> bytes:
         return pack_tensors(self.executor.gradients())
 
-    def optim_tensors(self) -> dict[str, torch.Tensor]:
-        """Optimizer state (and fp16's loss scale) as CPU tensors."""
-        tensors = optimizer_tensors(self.executor.optimizers, self.executor.named_params)  # copies
-        tensors = {k: v.to(HOST) for k, v in tensors.items()}
+    def optim_tensors(self, live: bool = False) -> dict[str, torch.Tensor]:
+        """Optimizer state (and fp16's loss scale) as CPU copies, or (``live``) the optimizer's own
+        tensors where they live, for a snapshot that copies them before the next Update."""
+        executor = self.executor
+        tensors = optimizer_tensors(executor.optimizers, executor.named_params, copy=not live)
+        if not live:
+            tensors = {k: v.to(HOST) for k, v in tensors.items()}
         if self.executor.scaler is not None:
             tensors |= self.executor.scaler.state()
         return tensors

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fusionnet.compnode.assignment_intake import JobAssignment
-from fusionnet.compnode.replicas import Chunk, Replicator, pack_chunks
+from fusionnet.compnode.replicas import Chunk, Replicator
 from fusionnet.compnode.serve_steps import StepOrder, serve_step
+from fusionnet.compnode.snapshots import Snapshotter
 from fusionnet.errors import JobError
 from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.compnode_rpc import AssignRequest, CollectReply, JobPeer, StepReply
@@ -67,6 +68,7 @@ class JobHost:
         self.job = job
         self.compute = compute
         job.executor.compute = compute
+        self.snapshots = Snapshotter(job)
         self._order = StepOrder()  # deployments: request batches run in step order
         self._collected: tuple[tuple[str, int], SliceStream] | None = None
 
@@ -130,9 +132,16 @@ class JobHost:
         return self._collected[1]
 
     def snapshot(self) -> asyncio.Future[tuple[list[Chunk], float]]:
-        """The state and optimizer state in chunks, queued on the compute thread *now*: no Update that
-        is queued later can run before it (``compnode.replicas``)."""
-        return self._on_compute(_pack, self.job)
+        """The state and optimizer state in chunks, and the compute-thread seconds they cost. Started
+        on the compute thread *now*, so after the Update it is of; no later Update runs before the copy
+        is done (``compnode.snapshots``)."""
+        started = self._on_compute(self.snapshots.start)
+
+        async def chunks() -> tuple[list[Chunk], float]:
+            copy, seconds = await started
+            return await asyncio.wrap_future(copy), seconds
+
+        return asyncio.ensure_future(chunks())
 
     def deliver(self, frame: TensorFrame) -> None:
         self.job.channel.on_frame(frame)
@@ -142,14 +151,7 @@ class JobHost:
 
     async def close(self, why: str) -> None:
         self.job.channel.mailbox.fail_all(JobError(f"job {self.job.job_id} was released: {why}"))
-
-
-def _pack(job: JobAssignment) -> tuple[list[Chunk], float]:
-    """The sub-DAG's state and optimizer state in chunks (the packing is the copy), on the compute
-    thread: no Update runs meanwhile."""
-    started = time.perf_counter()
-    state = pack_chunks("state", job.executor.state(copy=False))
-    return state + pack_chunks("optim", job.optim_tensors()), time.perf_counter() - started
+        self.snapshots.close()
 
 
 @dataclass

@@ -2,11 +2,12 @@
 (FusionAI 3.2: supernodes keep parameter copies; issue 11: the broker's memory and traffic stay
 independent of the model's size).
 
-When the broker asks for a snapshot in a ``step`` request, the compnode packs its sub-DAG's state and
-optimizer state right after that step, on the compute thread (so before any later Update can change
-them; the step's reply does not wait for it), keeps the blobs on its own disk and sends them in the
-background to the compnode the assignment names as the sub-DAG's replica holder (``replicate``). The
-holder keeps them on its disk. A snapshot is named by the checkpoint step it is: the step to run next.
+When the broker asks for a snapshot in a ``step`` request, the compnode copies its sub-DAG's state
+and optimizer state as that step left them (``compnode.snapshots``: started on the compute thread right
+after the step, copied while the next step's FP and BP run, and the next Update waits for the copy; the
+step's reply does not wait for it), keeps the blobs on its own disk and sends them in the background
+to the compnode the assignment names as the sub-DAG's replica holder (``replicate``). The holder keeps
+them on its disk. A snapshot is named by the checkpoint step it is: the step to run next.
 The owner reports the latest snapshot its holder confirmed in its next step replies; the broker asks
 for a new one only when every sub-DAG confirmed the last (``broker.replicas``), and says in
 ``keep_from`` which older ones may go.
@@ -34,19 +35,20 @@ from pathlib import Path
 import torch
 
 from fusionnet.errors import JobError
-from fusionnet.messages.blobs import pack_tensors
+from fusionnet.results.slice_stream import SliceStream
 
 log = logging.getLogger("fusionnet.compnode.replicas")
 
 PARTS = ("state", "optim")
 CHUNK_BYTES = 64 << 20  # tensors per ``replicate`` message (one bigger tensor goes alone)
 FETCH_BYTES = 32 << 20  # what one ``fetch_replica`` answer carries at most (a byte range of a chunk)
-Chunk = tuple[str, bytes]  # (part, safetensors blob)
+Chunk = tuple[str, bytes | bytearray]  # (part, safetensors blob)
 _NAME = re.compile(r"^a(\d+)-s(\d+)-(\d+)\.(\d+)of(\d+)\.(state|optim)\.safetensors$")
 
 
 def pack_chunks(part: str, tensors: Mapping[str, torch.Tensor], limit: int = CHUNK_BYTES) -> list[Chunk]:
-    """``tensors`` as safetensors blobs of at most ``limit`` bytes of tensors each (in key order)."""
+    """``tensors`` as safetensors blobs of at most ``limit`` bytes of tensors each (in key order), each
+    tensor copied once (``SliceStream.packed``)."""
     groups: list[list[str]] = [[]]
     size = 0
     for k in sorted(tensors):
@@ -56,7 +58,7 @@ def pack_chunks(part: str, tensors: Mapping[str, torch.Tensor], limit: int = CHU
             size = 0
         groups[-1].append(k)
         size += n
-    return [(part, pack_tensors({k: tensors[k] for k in g})) for g in groups if g or part == "state"]
+    return [(part, SliceStream(tensors, g).packed()) for g in groups if g or part == "state"]
 
 
 class ReplicaStore:

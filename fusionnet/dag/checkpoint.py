@@ -33,9 +33,11 @@ def _param_keys(optimizer: torch.optim.Optimizer, named: Mapping[str, torch.nn.P
 
 
 def optimizer_tensors(
-    optimizers: Sequence[torch.optim.Optimizer], named: Mapping[str, torch.nn.Parameter]
+    optimizers: Sequence[torch.optim.Optimizer], named: Mapping[str, torch.nn.Parameter], copy: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Every optimizer's per-parameter state as ``{opt::<key>::<slot>: tensor}`` (copies)."""
+    """Every optimizer's per-parameter state as ``{opt::<key>::<slot>: tensor}``: copies, or with
+    ``copy=False`` the live tensors (detached, where they live) for a caller that copies them before
+    the next Update."""
     out: dict[str, torch.Tensor] = {}
     for optimizer in optimizers:
         keys = _param_keys(optimizer, named)
@@ -44,7 +46,7 @@ def optimizer_tensors(
             for slot, value in slots.items():
                 name = f"{PREFIX}{keys[index]}::{slot}"
                 if isinstance(value, torch.Tensor):
-                    out[name] = value.detach().clone()
+                    out[name] = value.detach().clone() if copy else value.detach()
                 elif isinstance(value, bool | int | float):
                     out[name + NUMBER_MARK] = torch.tensor(float(value), dtype=torch.float64)
                 else:

@@ -322,6 +322,13 @@ class SubDagExecutor(BackwardPass, ScheduleLoop):
         for p in self.named_params.values():
             p.grad = None
 
+    def live_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(parameters, buffers) by state key, detached, where they live: only an Update changes the
+        parameters, while buffers (BatchNorm's statistics) change in FP too."""
+        params = {k: self.root.param(k).detach() for k in self.subdag.params}
+        buffers = {k: getattr(self.root, self.root.attr_of[k]).detach() for k in self.subdag.buffers}
+        return params, buffers
+
     def state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """Current parameters and buffers of this sub-DAG by state key, as CPU copies (``copy=False``:
         on the CPU the live tensors, detached, for a caller that copies them before the next Update,

@@ -111,6 +111,22 @@ class SliceStream:
         """How many parts of ``part_bytes`` the stream takes (at least one)."""
         return max(1, -(-self.total // part_bytes))
 
+    def packed(self) -> bytearray:
+        """The whole stream in one buffer, each tensor's bytes copied once, straight from where it
+        lives: a CUDA tensor goes device -> buffer on the caller's stream, no host copy between (how a
+        failover snapshot is packed: safetensors' ``save`` copied each tensor two or three times)."""
+        if self._on_disk:
+            raise ValueError("packed() is for tensors in memory")
+        buf = bytearray(self.total)
+        buf[: len(self._head)] = self._head
+        for index, key in enumerate(self.keys, start=1):
+            t = self._tensors[key].detach()
+            n = t.numel() * t.element_size()
+            if n:
+                into = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=self._starts[index])
+                into.copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        return buf
+
     def parts(self, part_bytes: int = PART_BYTES) -> Iterator[bytes]:
         """The stream in consecutive parts of ``part_bytes`` (the last one shorter)."""
         if part_bytes < 1:
