@@ -105,7 +105,7 @@ def test_fp_and_bp_run_during_the_copy_and_the_update_waits_for_it(slow_copy: th
     job.weight.fill_(1.0)
     job.momentum.fill_(0.5)
     job.running_mean.fill_(3.0)
-    snap = Snapshotter(job)  # type: ignore[arg-type]
+    snap = Snapshotter(job, overlap=True)  # type: ignore[arg-type]
     try:
         copy, seconds = snap.start()
         assert seconds < 0.2 and not copy.done()  # the compute thread did not copy the state
@@ -141,6 +141,18 @@ def test_fp_and_bp_run_during_the_copy_and_the_update_waits_for_it(slow_copy: th
         snap.close()
 
 
+def test_on_a_cpu_compnode_the_copy_is_done_when_start_returns() -> None:
+    job = _FakeJob()
+    job.weight.fill_(1.0)
+    snap = Snapshotter(job)  # type: ignore[arg-type]
+    assert not snap.overlap  # the executor's device is the CPU
+    copy, _ = snap.start()
+    assert copy.done()
+    job.run("update", lambda: job.weight.add_(1.0))
+    assert torch.equal(_chunks_as_tensors(copy.result())["w"], torch.ones(64))
+    snap.close()
+
+
 def test_a_failed_copy_fails_its_snapshot_and_not_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(part: str, tensors: dict[str, torch.Tensor]) -> Any:
         time.sleep(0.1)
@@ -148,7 +160,7 @@ def test_a_failed_copy_fails_its_snapshot_and_not_the_step(monkeypatch: pytest.M
 
     monkeypatch.setattr(snapshots, "pack_chunks", broken)
     job = _FakeJob()
-    snap = Snapshotter(job)  # type: ignore[arg-type]
+    snap = Snapshotter(job, overlap=True)  # type: ignore[arg-type]
     try:
         copy, _ = snap.start()
         job.run("update", lambda: job.weight.add_(1.0))  # waits, then runs
