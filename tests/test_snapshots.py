@@ -107,8 +107,8 @@ def test_fp_and_bp_run_during_the_copy_and_the_update_waits_for_it(slow_copy: th
     job.running_mean.fill_(3.0)
     snap = Snapshotter(job, overlap=True)  # type: ignore[arg-type]
     try:
-        copy, seconds = snap.start()
-        assert seconds < 0.2 and not copy.done()  # the compute thread did not copy the state
+        copy, _ = snap.start()
+        assert not copy.done()  # the copy waits for the release: the compute thread did not copy
         # FP changes a buffer in place while the copy waits: the snapshot keeps the value it started on.
         job.run("fp", lambda: job.running_mean.add_(1.0))
         job.run("bp", lambda: None)
@@ -130,12 +130,13 @@ def test_fp_and_bp_run_during_the_copy_and_the_update_waits_for_it(slow_copy: th
         # The next snapshot reports the wait the Update had: the step paid it.
         slow_copy.set()
         copy2, seconds2 = snap.start()
-        assert seconds2 >= 0.25
+        assert seconds2 >= 0.15
         assert torch.equal(_chunks_as_tensors(copy2.result())["w"], torch.full((64,), 2.0))
-        # An Update with no copy in flight does not wait.
-        started = time.perf_counter()
+        # An Update whose snapshot's copy is done does not wait.
+        copy3, _ = snap.start()
+        copy3.result()
         job.run("update", lambda: None)
-        assert time.perf_counter() - started < 0.1 and snap.start()[1] < 0.1
+        assert snap.gate.take_waited() == 0.0
     finally:
         slow_copy.set()
         snap.close()
