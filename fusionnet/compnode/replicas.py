@@ -3,9 +3,9 @@
 independent of the model's size).
 
 When the broker asks for a snapshot in a ``step`` request, the compnode copies its sub-DAG's state
-and optimizer state as that step left them (``compnode.snapshots``: started on the compute thread right
-after the step, copied while the next step's FP and BP run, and the next Update waits for the copy; the
-step's reply does not wait for it), keeps the blobs on its own disk and sends them in the background
+and optimizer state as that step left them (``compnode.snapshots``: on the compute thread right after
+the step, before any later Update can change them; on CUDA the copy runs beside the next step's FP and
+BP; the step's reply does not wait for it), keeps the blobs on its own disk and sends them in the background
 to the compnode the assignment names as the sub-DAG's replica holder (``replicate``). The holder keeps
 them on its disk. A snapshot is named by the checkpoint step it is: the step to run next.
 The owner reports the latest snapshot its holder confirmed in its next step replies; the broker asks
