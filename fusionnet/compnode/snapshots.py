@@ -74,13 +74,12 @@ class Snapshotter:
         started = time.perf_counter()
         executor = self.job.executor
         params, buffers = executor.live_tensors()
+        optim = self.job.optim_tensors(live=True)
         if self._copier is None:
             done: Future[list[Chunk]] = Future()
-            optim = self.job.optim_tensors(live=True)
-            done.set_result(pack_chunks("state", params | buffers) + pack_chunks("optim", optim))
+            done.set_result(_pack(params | buffers, optim))
             return done, time.perf_counter() - started
         state = params | {k: v.clone() for k, v in buffers.items()}
-        optim = self.job.optim_tensors(live=True)
         event = None
         if executor.device.type == "cuda":
             event = torch.cuda.Event()
@@ -101,8 +100,12 @@ def _copy_out(
     event: torch.cuda.Event | None,
 ) -> list[Chunk]:
     if event is None:
-        return pack_chunks("state", state) + pack_chunks("optim", optim)
+        return _pack(state, optim)
     side = torch.cuda.Stream(device)
     side.wait_event(event)  # the Update it snapshots is done on the device before any byte is read
     with torch.cuda.stream(side):
-        return pack_chunks("state", state) + pack_chunks("optim", optim)
+        return _pack(state, optim)
+
+
+def _pack(state: dict[str, torch.Tensor], optim: dict[str, torch.Tensor]) -> list[Chunk]:
+    return pack_chunks("state", state) + pack_chunks("optim", optim)
