@@ -43,10 +43,12 @@ class FakePath:
 
     def __init__(self) -> None:
         self.jobs: dict[str, list[str]] = {}
+        self.routes: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
 
     def register_job(self, job_id: str, key: bytes, allowed: list[str], route: Any, encryption: str) -> None:
         self.jobs[job_id] = allowed
+        self.routes[job_id] = route
         self.encryption = encryption
 
     def unregister_job(self, job_id: str) -> None:
@@ -56,8 +58,8 @@ class FakePath:
 class FakeNode:
     """What the service uses of its compnode daemon."""
 
-    def __init__(self) -> None:
-        self.peer_id = ME
+    def __init__(self, peer_id: str = ME) -> None:
+        self.peer_id = peer_id
         self.settings = CompnodeConfig(trusted_brokers=(BROKER,), sandbox=False)
         self.metrics = CompnodeMetrics(process=False)
         self.load = (0.0, 0)

@@ -5,16 +5,26 @@ the broker names, the ``replicate`` calls between a job's compnodes, and the bro
 Who may call: ``replicate`` only the job's compnode of that sub-DAG, and only to the compnode the
 assignment names as its holder, for the current attempt; ``replicas`` and ``fetch_replica`` only the
 broker that assigned the job (``SubtaskService._job``).
+
+A chunk goes over the direct data path when the holder has one (``compnode.replica_frames``), and in
+the ``replicate`` call itself (a P2P stream) otherwise.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from fusionnet.compnode.replica_frames import (
+    MAX_CHUNK_BYTES,
+    Landings,
+    check_replica_frame,
+    replica_frame,
+)
 from fusionnet.compnode.replicas import Chunk, ReplicaStore, Replicator
-from fusionnet.errors import JobError
+from fusionnet.errors import JobError, WireError
 from fusionnet.messages.base import handles
 from fusionnet.messages.compnode_rpc import (
     CompnodeClient,
@@ -27,9 +37,14 @@ from fusionnet.messages.compnode_rpc import (
     StepRequest,
 )
 from fusionnet.rpc.server import RPCContext
+from fusionnet.wire.frames import TensorFrame
+from fusionnet.wire.refusal import PeerUnreachable
 
 if TYPE_CHECKING:
     from fusionnet.compnode.job_host import HeldJob
+    from fusionnet.wire.datapath import DataPathClient
+
+log = logging.getLogger("fusionnet.compnode.replicas")
 
 REPLICATE_TIMEOUT = 600.0  # one part of a snapshot (hundreds of MB on a slow link)
 
@@ -39,6 +54,10 @@ class ReplicaRPC:
     node: Any  # CompnodeDaemon
     fault: Any  # FaultPoint | None
     replicas: ReplicaStore
+    landings: Landings
+    bulk: DataPathClient | None  # a connection of its own per holder, beside the activations'
+    _tcp_down: set[str]
+    replica_refused: dict[str, int]  # job id -> replica frames refused
 
     def _job(self, request: JobRequest, context: RPCContext) -> HeldJob:
         raise NotImplementedError  # SubtaskService's
@@ -48,10 +67,13 @@ class ReplicaRPC:
         if holders is None or job.spec.task != "train":
             return None
         if job.replicator is None:
-            holder = job.peers[holders[job.index]].peer_id
+            holder_index = holders[job.index]
+            holder = job.peers[holder_index].peer_id
             client = CompnodeClient(self.node.call)
 
             async def send(step: int, index: int, count: int, chunk: Chunk) -> bool:
+                where = (index, count, chunk[0])
+                landed = await self._send_chunk_frame(job, holder_index, step, where, chunk[1])
                 request = ReplicateRequest(
                     job_id=job.job_id,
                     attempt=job.attempt,
@@ -60,7 +82,8 @@ class ReplicaRPC:
                     chunk=index,
                     chunks=count,
                     part=chunk[0],
-                    blob=chunk[1],
+                    blob=b"" if landed else bytes(chunk[1]),
+                    landed=landed,
                 )
                 reply = await client.call_replicate(holder, request, timeout=REPLICATE_TIMEOUT)
                 return reply.complete
@@ -71,6 +94,46 @@ class ReplicaRPC:
 
             job.replicator = Replicator(self.replicas, job.job_id, job.attempt, job.index, send, fault)
         return job.replicator
+
+    async def _send_chunk_frame(
+        self, job: HeldJob, holder: int, step: int, chunk: tuple[int, int, str], blob: object
+    ) -> bool:
+        """Sends a chunk to its holder over the data path; False when it must go in the RPC instead
+        (no data path address, the path is down, or the chunk is bigger than a frame may be)."""
+        peer = job.peers[holder]
+        size = len(memoryview(blob))  # type: ignore[arg-type]
+        reachable = peer.data_address and peer.peer_id not in self._tcp_down
+        if self.bulk is None or not reachable or size > MAX_CHUNK_BYTES:
+            return False
+        frame = replica_frame(job.job_id, self.node.peer_id, job.attempt, step, chunk, blob)
+        try:
+            await self.bulk.send(peer.data_address, frame, job.link_keys[holder], job.spec.wire_encryption)
+        except PeerUnreachable as e:
+            log.warning("job %s: TCP to %s failed (%s); snapshots go by RPC", job.job_id, peer.peer_id, e)
+            self._tcp_down.add(peer.peer_id)
+            return False
+        self.node.metrics.count_data("tcp", "sent", size)
+        return True
+
+    async def on_replica_frame(self, job: HeldJob, frame: TensorFrame) -> None:
+        """A snapshot chunk a peer sent us over the data path: checked, then kept on disk."""
+        try:
+            peers, holders = job.subdag_of_peer(), job.replica_holders
+            got = check_replica_frame(frame, job.attempt, job.index, peers, holders)
+        except WireError as e:
+            self.replica_refused[job.job_id] = self.replica_refused.get(job.job_id, 0) + 1
+            name, sender = frame.name[:80], frame.sender
+            log.warning("job %s: refused replica frame %r from %s: %s", job.job_id, name, sender, e)
+            return
+        put = partial(self.replicas.put, job.job_id, got.attempt, got.subdag, got.step, got.chunk, got.blob)
+        key = (job.job_id, got.attempt, got.subdag, got.step, got.chunk[0])
+        try:
+            await asyncio.to_thread(put)
+        except Exception as e:  # a full disk: the owner's confirming call fails with the reason
+            log.warning("job %s: could not keep a replica chunk of sub-DAG %d: %s", job.job_id, got.subdag, e)
+            self.landings.landed(key, JobError(f"job {job.job_id}: the replica chunk was not stored: {e}"))
+            return
+        self.landings.landed(key)
 
     def after_step(self, job: HeldJob, request: StepRequest) -> None:
         """Called with the job's lock held, right after the step ran: queues the snapshot on the compute
@@ -87,6 +150,8 @@ class ReplicaRPC:
         if job.replicator is not None:
             job.replicator.cancel()
         self.replicas.drop(job.job_id)
+        self.landings.forget(job.job_id)
+        self.replica_refused.pop(job.job_id, None)
 
     # ---- RPC -------------------------------------------------------------------------------------
     @handles(ReplicateRequest)
@@ -104,6 +169,10 @@ class ReplicaRPC:
         if request.part not in ("state", "optim"):
             raise JobError(f"replicate: part must be 'state' or 'optim', got {request.part!r}")
         chunk = (request.chunk, request.chunks, request.part)
+        if request.landed:  # the bytes came over the data path: confirm once they are on disk
+            await self.landings.wait((job.job_id, job.attempt, i, request.step, request.chunk))
+            held = await asyncio.to_thread(self.replicas.held, job.job_id, job.attempt)
+            return ReplicateReply(complete=request.step in held.get(i, []))
         put = partial(self.replicas.put, job.job_id, job.attempt, i, request.step, chunk, request.blob)
         return ReplicateReply(complete=await asyncio.to_thread(put))
 

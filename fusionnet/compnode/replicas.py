@@ -42,7 +42,7 @@ log = logging.getLogger("fusionnet.compnode.replicas")
 PARTS = ("state", "optim")
 CHUNK_BYTES = 64 << 20  # tensors per ``replicate`` message (one bigger tensor goes alone)
 FETCH_BYTES = 32 << 20  # what one ``fetch_replica`` answer carries at most (a byte range of a chunk)
-Chunk = tuple[str, bytes | bytearray]  # (part, safetensors blob)
+Chunk = tuple[str, bytes | bytearray | memoryview]  # (part, safetensors blob)
 _NAME = re.compile(r"^a(\d+)-s(\d+)-(\d+)\.(\d+)of(\d+)\.(state|optim)\.safetensors$")
 
 
@@ -80,7 +80,13 @@ class ReplicaStore:
         return out
 
     def put(
-        self, job_id: str, attempt: int, subdag: int, step: int, chunk: tuple[int, int, str], blob: bytes
+        self,
+        job_id: str,
+        attempt: int,
+        subdag: int,
+        step: int,
+        chunk: tuple[int, int, str],
+        blob: bytes | bytearray | memoryview,
     ) -> bool:
         """Writes chunk ``(index, count, part)`` (atomically); True when the snapshot is complete."""
         index, count, part = chunk

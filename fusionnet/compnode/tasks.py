@@ -34,6 +34,7 @@ from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint, fault_hooks
 from fusionnet.compnode.job_host import HeldJob, JobHost
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
+from fusionnet.compnode.replica_frames import Landings
 from fusionnet.compnode.replica_rpc import ReplicaRPC
 from fusionnet.compnode.replicas import ReplicaStore
 from fusionnet.compnode.sandbox_client import SandboxedJob, SandboxPool
@@ -81,6 +82,9 @@ class SubtaskService(ReplicaRPC, StepRPC):
         self._locks: dict[str, asyncio.Lock] = {}
         self.server: DataPathServer | None = None
         self.client: DataPathClient | None = None
+        self.bulk: DataPathClient | None = None  # snapshot chunks: their own connections (``replica_frames``)
+        self.landings = Landings()
+        self.replica_refused: dict[str, int] = {}
         self.p2p: Any = None  # P2PDataPath, imported lazily (hivemind import cost)
         self._tcp_down: set[str] = set()  # peers whose TCP address failed: use P2P for them
         self._released: dict[str, asyncio.Event] = {}
@@ -103,6 +107,7 @@ class SubtaskService(ReplicaRPC, StepRPC):
         assert self.node.peer is not None
         host = announced_host(settings.data_address, await self.node.peer.visible_maddrs())
         self.client = DataPathClient(peer_id=self.node.peer_id)
+        self.bulk = DataPathClient(peer_id=self.node.peer_id)
         assert self.node.peer is not None
         self.p2p = P2PDataPath(self.node.peer.p2p, self.node.peer_id)
         await self.p2p.start()
@@ -140,8 +145,9 @@ class SubtaskService(ReplicaRPC, StepRPC):
         await self._hand_over()
         for job_id in list(self.jobs):
             self._release(job_id, "the compnode is shutting down")
-        if self.client is not None:
-            await self.client.close()
+        for client in (self.client, self.bulk):
+            if client is not None:
+                await client.close()
         if self.p2p is not None:
             await self.p2p.stop()
         if self.server is not None:
@@ -229,6 +235,7 @@ class SubtaskService(ReplicaRPC, StepRPC):
             total += 0 if stats is None else stats.refused_total
         job = self.jobs.get(job_id)
         prober = self._probers.get(job_id)
+        total += self.replica_refused.get(job_id, 0)
         return total + (job.host.refused() if job else 0) + (prober.refused if prober else 0)
 
     # ---- RPC -------------------------------------------------------------------------------------
@@ -268,10 +275,14 @@ class SubtaskService(ReplicaRPC, StepRPC):
         self._probers[job.job_id] = prober
 
         def router(path_name: str) -> Any:
-            def route(frame: TensorFrame) -> Any:  # link probes to the prober, values to the executor
+            def route(frame: TensorFrame) -> Any:  # probes: prober; snapshots: disk; values: executor
                 nbytes = frame.tensor.numel() * frame.tensor.element_size()
                 self.node.metrics.count_data(path_name, "received", nbytes)  # as ``_send`` counts: probes too
-                return prober.on_frame(frame) if frame.kind == "ctrl" else job.host.deliver(frame)
+                if frame.kind == "ctrl":
+                    return prober.on_frame(frame)
+                if frame.kind == "param":
+                    return self.on_replica_frame(job, frame)
+                return job.host.deliver(frame)
 
             return route
 

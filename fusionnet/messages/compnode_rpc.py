@@ -235,11 +235,14 @@ class ReplicateRequest(JobRequest):
     chunk: NonNegative = 0
     chunks: Annotated[int, Field(ge=1, le=1 << 16)] = 1
     blob: bytes  # safetensors; ``part`` says which ("state" or "optim")
+    landed: bool = False  # ``blob`` is empty: the chunk went over the data path, confirm it once stored
 
     @model_validator(mode="after")
     def _chunk_in_range(self) -> ReplicateRequest:
         if self.chunk >= self.chunks:
             raise ValueError(f"chunk {self.chunk} of {self.chunks}")
+        if self.landed == bool(self.blob):
+            raise ValueError("a chunk comes either in 'blob' or, with 'landed', over the data path")
         return self
 
 
