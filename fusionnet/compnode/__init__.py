@@ -7,6 +7,13 @@ Map of the package:
 - ``daemon.py``      ``Compnode``: DHT join, start-up profiling, hardware record, RPC services, shutdown.
 - ``tasks.py``       the service behind the broker's ``assign``: holding jobs, their RPCs, hand-over.
 - ``step_rpc.py``    its ``step`` and ``serve_step`` calls (a mixin).
+- ``serve_steps.py`` a deployment's batches through a resident sub-DAG (inference and generation).
+- ``staging.py``     a slice's state sent ahead of its ``assign``, held until the assignment names it.
+- ``replicas.py``    failover snapshots: packed in chunks, kept on disk, sent to the holder in step order.
+- ``replica_rpc.py`` the ``replicate`` / ``replicas`` / ``fetch_replica`` calls (a mixin).
+- ``replica_frames.py``  snapshot chunks as frames over the direct data path, and their confirmation.
+- ``snapshots.py``   a snapshot's copy beside the next step on CUDA (side stream), gated before Update.
+- ``valuepack.py``   small values packed into one frame (tensors and their structure).
 - ``assignment_intake.py``  one job's sub-DAG here, from a validated ``assign``: checked IR, rebuilt
                      executor, network channel, data.
 - ``job_host.py``    what the service does with a built sub-DAG (steps, batches, collect, snapshots),

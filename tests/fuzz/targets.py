@@ -222,6 +222,26 @@ def value_structure_target() -> Target:
     return Target("value_structure", call, seeds, (WireError,))
 
 
+def replica_frame_target() -> Target:
+    """A snapshot chunk frame as a holder checks it (``compnode.replica_frames``): the name, the chunk
+    index and the payload's shape all come from the input."""
+    from fusionnet.compnode.replica_frames import check_replica_frame
+
+    def call(data: bytes) -> object:
+        index, rows, name = data[0] if data else 0, data[1] if len(data) > 1 else 1, data[2:]
+        tensor = torch.zeros(max(rows, 1), dtype=torch.uint8)
+        if rows % 3 == 1:
+            tensor = tensor.view(1, -1)
+        elif rows % 3 == 2:
+            tensor = tensor.float()
+        frame = TensorFrame(job_id="j", sender="A", kind="param", step=3, microbatch=index,
+                            name=name.decode("utf-8", "replace"), tensor=tensor)  # fmt: skip
+        return check_replica_frame(frame, 1, 1, {"A": 0, "C": 2}, [1, 2, 0])
+
+    seeds = [b"\x00\x03replica/1/state/2", b"\x01\x00replica/1/optim/2", b"\x05\x09replica/0/state/9"]
+    return Target("replica_frame", call, seeds, (WireError,))
+
+
 def sandbox_ipc_target() -> Target:
     """What a compnode daemon reads from a job's sandbox worker (``compnode.sandbox_ipc``): a worker
     the job took over may send anything, so messages are decoded and their frames rebuilt under bounds."""
