@@ -2,7 +2,7 @@
 its holder over a real TCP data path and is confirmed by a ``replicate`` call that carries no bytes; a
 holder without a data path gets the bytes in the call; frames that are not the holder's to keep are
 refused, counted and leave nothing on disk; a confirmation for a chunk that never came fails with the
-reason instead of hanging."""
+reason instead of hanging; a chunk that would fill the disk is refused."""
 
 from __future__ import annotations
 
@@ -177,3 +177,21 @@ def test_a_store_keeps_a_chunk_given_as_a_view_without_copying_it_first(tmp_path
     data = bytearray(b"abcdef")
     ReplicaStore(tmp_path).put("j", 1, 0, 2, (0, 1, "state"), memoryview(data))
     assert ReplicaStore(tmp_path).read("j", 1, 0, 2, 0)[2] == b"abcdef"
+
+
+def test_a_chunk_that_would_fill_the_disk_is_refused_and_nothing_is_written(tmp_path, monkeypatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    from fusionnet.compnode import replicas
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(100 << 30, 0, (1 << 30) + 5))
+    store = ReplicaStore(tmp_path)
+    store.put("j", 1, 0, 2, (0, 1, "state"), b"12345")  # leaves exactly the 1 GiB reserve
+    with pytest.raises(JobError, match=r"would leave 1073741823 bytes free .* under the 1073741824"):
+        store.put("j", 1, 0, 3, (0, 1, "state"), b"123456")
+    assert store.held("j", 1) == {0: [2]} and len(list((tmp_path / "j").iterdir())) == 1
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 << 20, 0, (1 << 19) + 6))  # a 10 MiB disk
+    store.put("j", 1, 0, 4, (0, 1, "state"), b"123456")  # 5 % of it, 512 KiB, stays free
+    assert replicas.DISK_RESERVE_SHARE == 0.05 and store.held("j", 1) == {0: [2, 4]}

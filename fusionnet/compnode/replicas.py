@@ -40,6 +40,10 @@ from fusionnet.results.slice_stream import SliceStream
 log = logging.getLogger("fusionnet.compnode.replicas")
 
 PARTS = ("state", "optim")
+# Free disk a chunk must leave (the smaller of 1 GiB and 5 % of the disk): the owner of a sub-DAG may send
+# any number of chunks, and a full disk would take the daemon's state, logs and other jobs with it.
+DISK_RESERVE_BYTES = 1 << 30
+DISK_RESERVE_SHARE = 0.05
 CHUNK_BYTES = 64 << 20  # tensors per ``replicate`` message (one bigger tensor goes alone)
 FETCH_BYTES = 32 << 20  # what one ``fetch_replica`` answer carries at most (a byte range of a chunk)
 Chunk = tuple[str, bytes | bytearray | memoryview]  # (part, safetensors blob)
@@ -94,6 +98,14 @@ class ReplicaStore:
             raise JobError(f"replica chunk {index} of {count} ({part!r}) is not one")
         folder = self._job(job_id)
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        disk = shutil.disk_usage(folder)
+        reserve = min(DISK_RESERVE_BYTES, int(disk.total * DISK_RESERVE_SHARE))
+        size = len(memoryview(blob))
+        if disk.free - size < reserve:
+            raise JobError(
+                f"job {job_id}: a replica chunk of {size} bytes would leave {max(disk.free - size, 0)} bytes "
+                f"free on the disk of {self.folder}, under the {reserve} kept free"
+            )
         path = folder / f"a{attempt}-s{subdag}-{step}.{index:05d}of{count:05d}.{part}.safetensors"
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "wb", opener=lambda p, f: os.open(p, f, 0o600)) as f:
