@@ -8,6 +8,8 @@ hivemind P2P stream otherwise.
 Map of the package:
 
 - ``frames.py``    ``TensorFrame``, ``encode_frame``, ``write_frame``: one frame onto a stream.
+- ``gather.py``    ``write_buffers``: a large frame's buffers onto a socket with one ``writev``, not joined.
+- ``crypt.py``     payload encryption (AES-CTR under the frame MAC) and which frames must be encrypted.
 - ``frame_reader.py`` ``read_frame``: one frame off a stream, every check before anything large is allocated.
 - ``header.py``    frame prefix and msgpack header: layout, field checks, dtype allowlist (pure).
 - ``mac.py``       the frame MAC (HMAC-SHA256 key derivation + chunked AES-GMAC) and key checks (pure).

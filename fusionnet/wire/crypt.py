@@ -33,6 +33,7 @@ from collections import deque
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fusionnet.errors import WireError
+from fusionnet.wire.gather import write_buffers
 from fusionnet.wire.mac import (
     MAC_CHUNK,
     NONCE_SIZE,
@@ -147,7 +148,7 @@ async def write_sealed(
             tags += window_tags
             for start in range(0, len(sealed), WRITE_CHUNK):
                 chunk = sealed[start : start + WRITE_CHUNK]
-                writer.writelines((head, chunk) if i == 0 and start == 0 else (chunk,))
+                write_buffers(writer, (head, chunk) if i == 0 and start == 0 else (chunk,))
                 await writer.drain()
         writer.write(mac.finish(plain_head, tags))
         await writer.drain()

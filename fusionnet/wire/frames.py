@@ -26,6 +26,7 @@ import torch
 
 from fusionnet.errors import WireError
 from fusionnet.wire.crypt import PayloadCipher, write_sealed
+from fusionnet.wire.gather import write_buffers
 from fusionnet.wire.header import (
     ALLOWED_DTYPES,
     MAX_ID_LEN,
@@ -206,7 +207,7 @@ async def write_prepared(
     try:
         for start in range(0, len(p.payload), WRITE_CHUNK):
             chunk = p.payload[start : start + WRITE_CHUNK]
-            writer.writelines((head, chunk) if start == 0 else (chunk,))  # head rides with chunk 0
+            write_buffers(writer, (head, chunk) if start == 0 else (chunk,))  # head rides with chunk 0
             await writer.drain()
         # Inline, the tags are computed only now: the receiver is still reading the payload's tail.
         tags = await tags_future if tags_future is not None else p.mac.chunk_tags(p.payload)
