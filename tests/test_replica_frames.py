@@ -154,9 +154,8 @@ def test_a_confirmation_for_a_chunk_that_never_came_fails_with_the_reason(monkey
             await landings.wait(key)
         landings.landed(key)  # a resent chunk that was stored: confirmed, before or after the call
         await landings.wait(key)
-        waiting = asyncio.ensure_future(landings.wait(key))
-        await asyncio.sleep(0)
-        landings.landed(key)
+        waiting = asyncio.ensure_future(landings.wait(key))  # its first step runs before the landing
+        asyncio.get_running_loop().call_soon(landings.landed, key)
         await waiting
         landings.forget("j1")
         assert not landings._waits
