@@ -127,7 +127,9 @@ def _run_job(tmp_path: Path, rate: str, job: Path, compnodes: int = 2, **kw: Any
             done = swarm.submit(job, tmp_path / "out", timeout=400)
             logs = swarm.dump_logs()
             assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}\n{logs[-6000:]}"
-            _scrape_data_bytes(lab, swarm)
+            # any placement of the job (a re-plan may end on one compnode) that used several compnodes
+            split = any(int(n) > 1 for n in re.findall(r"attempt \d+: (\d+) sub-DAG", logs))
+            _scrape_data_bytes(lab, swarm, split)
         finally:
             swarm.stop()
         logs = swarm.dump_logs()
@@ -138,9 +140,10 @@ def _run_job(tmp_path: Path, rate: str, job: Path, compnodes: int = 2, **kw: Any
 SCRAPE = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())"
 
 
-def _scrape_data_bytes(lab: NetLab, swarm: NetnsSwarm) -> None:
+def _scrape_data_bytes(lab: NetLab, swarm: NetnsSwarm, split: bool) -> None:
     """Every tensor byte one compnode sent over TCP, another counted as received (issue 16: the received
-    counter was never incremented)."""
+    counter was never incremented). ``split``: a placement used more than one compnode, so bytes moved; on
+    a slow link the performance model may rightly keep a small model on one compnode, and none move."""
     sent = received = 0.0
     for host in lab.hosts[1:]:
         url = f"http://{host.ip}:{COMPNODE_METRICS_PORT}/metrics"
@@ -152,7 +155,7 @@ def _scrape_data_bytes(lab: NetLab, swarm: NetnsSwarm) -> None:
                     sent += value
                 else:
                     received += value
-    assert sent > 0 and received == sent, (sent, received)
+    assert (sent > 0) == split and received == sent, (split, sent, received)
 
 
 def _check_exact(job_path: Path, out: Path) -> None:
