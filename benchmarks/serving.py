@@ -208,6 +208,7 @@ def predictions(status: dict[str, Any]) -> dict[str, Any]:
     per = [p.get("predicted_seconds") for p in d.get("placement") or []]
     measured = {
         "batch_seconds_mean": d.get("batch_seconds_mean"),
+        "batch_rows_mean": d.get("batch_rows_mean"),
         "stage_fp_seconds_mean": d.get("stage_fp_seconds_mean"),
         "heartbeat_rtt_ms": [c.get("rtt_ms") for c in status["compnodes"]],
     }
@@ -220,6 +221,16 @@ def predictions(status: dict[str, Any]) -> dict[str, Any]:
         "stage_seconds_predicted": per,
         **measured,
     }
+
+
+def batch_totals(initial_peers: list[str]) -> tuple[int, float]:
+    """The deployment's batches so far and the rows they carried (the broker's status)."""
+    observer = BlockingObserver(initial_peers)
+    try:
+        d = observer.broker_status()["deployments"][0]
+    finally:
+        observer.close()
+    return int(d["batches"]), float(d.get("batch_rows_mean") or 0.0) * int(d["batches"])
 
 
 def kill_mid_stream(sw: ProcessSwarm, url: str, requests: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -282,7 +293,12 @@ def main() -> int:
         reply = asyncio.run(deploy(job, sw.initial_peers, name="gpt", settings=settings, wait_compnodes=120))
         assert reply.url is not None
         for clients in (1, 4, 16):
+            before = batch_totals(sw.initial_peers)
             rows.append(run_clients(reply.url, clients, reqs, args.max_tokens))
+            after = batch_totals(sw.initial_peers)
+            batches = after[0] - before[0]
+            rows[-1]["batches"] = batches
+            rows[-1]["rows_per_batch"] = (after[1] - before[1]) / batches if batches else None
         observer = BlockingObserver(sw.initial_peers)
         try:
             predicted = predictions(observer.broker_status())
@@ -303,10 +319,12 @@ def main() -> int:
         f"tokens, prompt {PROMPT}, "
         f"max batch {args.batch}"
     )
-    print(f"{'clients':>8} {'tok/s':>8} {'req/s':>7} {'TTFT p50':>9} {'p90':>7} {'ITL p50':>8} {'p90':>7}")
+    print(f"{'clients':>8} {'tok/s':>8} {'req/s':>7} {'TTFT p50':>9} {'p90':>7} {'ITL p50':>8} {'p90':>7} "
+          f"{'rows/batch':>10}")  # fmt: skip
     for r in [*rows, killed | {"clients": "4+kill"}]:
+        fill = "-" if r.get("rows_per_batch") is None else f"{r['rows_per_batch']:.1f}"
         print(f"{r['clients']!s:>8} {r['tokens_per_s']:8.1f} {r['requests_per_s']:7.2f} {r['ttft_p50']:9.3f} "
-              f"{r['ttft_p90']:7.3f} {r['itl_p50']:8.3f} {r['itl_p90']:7.3f}")  # fmt: skip
+              f"{r['ttft_p90']:7.3f} {r['itl_p50']:8.3f} {r['itl_p90']:7.3f} {fill:>10}")  # fmt: skip
     print(f"plain generate() (KV cache), one request at a time: {plain['generate_tokens_per_s']:.1f} tok/s")
     print(f"plain KV decode, a token per pass (one process): {plain['kv_decode_tokens_per_s']:.1f} tok/s")
     print(f"plain recompute of the window (one process): {plain['recompute_tokens_per_s']:.1f} tok/s")
@@ -315,7 +333,8 @@ def main() -> int:
               f"eq. (4) {predicted['eq4_tokens_per_s']:.1f} tok/s")  # fmt: skip
     stages = ", ".join(f"{s * 1e3:.1f}" for s in predicted["stage_fp_seconds_mean"] or [])
     print(
-        f"per batch: {predicted['batch_seconds_mean'] * 1e3:.1f} ms wall at the broker; "
+        f"per batch: {predicted['batch_seconds_mean'] * 1e3:.1f} ms wall at the broker, "
+        f"{predicted['batch_rows_mean'] or 0:.1f} rows on average (all client counts); "
         f"FP per sub-DAG {stages} ms"
     )
     print(f"greedy outputs equal the plain {reference}: {exact}; after the SIGKILL: {killed_exact}")

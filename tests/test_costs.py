@@ -499,10 +499,11 @@ def test_op_cost_rejects_bad_calls() -> None:
 
 
 def test_a_tied_weight_across_a_cut_is_timed_once_per_step() -> None:
+    from fusionnet.dag.row_lookup import row_lookups
     from fusionnet.job.loader import load_job
     from fusionnet.perfmodel.placement_cost import evaluate_assignment
     from fusionnet.perfmodel.types import Link, Swarm, Workload
-    from fusionnet.planning.costgraph import cost_graph
+    from fusionnet.planning.costgraph import cost_graph, traded_bytes
     from fusionnet.runtime.prepare import trace_job
     from tests.jobfiles import REPO
     from tests.planning_support import device as make_device
@@ -511,7 +512,9 @@ def test_a_tied_weight_across_a_cut_is_timed_once_per_step() -> None:
     (var,) = [n for n in graph.nodes if n.kind == "variable"]
     cg = cost_graph(graph, "sgd", microbatches=4)
     step_edges = {(a, b): nbytes for a, b, nbytes in cg.step_edges}
-    assert step_edges and set(step_edges.values()) == {int(var.cost["activation_bytes"])}
+    # the lookup's side gets the rows of the step's tokens (``dag.row_lookup``), at most the whole matrix
+    rows = traded_bytes(graph, row_lookups(graph)[var.name], 1.0, 4)
+    assert step_edges and set(step_edges.values()) == {min(int(var.cost["activation_bytes"]), rows)}
     # cut right after the embedding: the head on the other device reads the tied weight
     names = [op.name for op in cg.ops]
     consumer = next(b for a, b in step_edges)
@@ -521,7 +524,7 @@ def test_a_tied_weight_across_a_cut_is_timed_once_per_step() -> None:
     swarm = Swarm((device, device), {}, Link.from_bandwidth(1e-3, 1.25e8))
     cost = evaluate_assignment(cg, swarm, Workload(4, "train", "gpipe"), assignment)
     (transfer,) = cost.transfers
-    assert transfer.once_bytes == int(var.cost["activation_bytes"])
+    assert transfer.once_bytes == min(int(var.cost["activation_bytes"]), rows)
     assert transfer.fwd_once == pytest.approx(transfer.once_bytes / 1.25e8)
     # per step the link carries the weight once each way, not once per micro-batch
     m = 4

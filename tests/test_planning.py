@@ -34,11 +34,13 @@ def test_cost_graph_folds_placeholders_and_variables_into_their_first_user(trace
     kinds = {n.name: n.kind for n in graph.nodes}
     assert all(kinds[op.name] in ("parametric", "non_parametric", "loss") for op in cg.ops)
     assert len(cg.ops) == sum(k in ("parametric", "non_parametric", "loss") for k in kinds.values())
-    # every parameter byte is owned by exactly one op (the tied embedding variable by its first user)
+    # every parameter byte is owned by exactly one op: the tied embedding, traded as rows to its lookup
+    # (``dag.row_lookup``), by its dense user (the LM head), where the partition keeps it
     assert sum(op.param_bytes for op in cg.ops) == sum(int(n.cost.get("param_bytes", 0)) for n in graph.nodes)
     assert {op.optimizer for op in cg.ops if op.param_bytes} == {"adamw"}
-    first_user = next(u for u in graph.node("var_wte_weight").users)
-    assert cg.ops[cg.index[first_user]].param_bytes >= graph.node("var_wte_weight").cost["param_bytes"]
+    lookup, head = graph.node("var_wte_weight").users
+    assert cg.ops[cg.index[head]].param_bytes >= graph.node("var_wte_weight").cost["param_bytes"]
+    assert cg.ops[cg.index[lookup]].param_bytes == 0
     # the first layer's data input needs no gradient; later ops' do
     assert not cg.ops[cg.index["embedding"]].input_grad and cg.ops[cg.index["linear"]].input_grad
 

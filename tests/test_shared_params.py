@@ -1,8 +1,11 @@
-"""A parameter read on both sides of a cut (a tied embedding) crosses once per step each way (issue 16).
+"""A parameter read on both sides of a cut (a tied embedding) crosses once per step each way (issue 16),
+and only as the rows the step looks up (``dag.row_lookup``).
 
-Before, the tied GPT-2 embedding travelled with every micro-batch (92% of the bytes across the cut);
-now its value goes once per step and its far side's gradient comes back once, summed over the step's
-micro-batches, for every schedule; the gradients still equal plain PyTorch's to float rounding.
+Before, the tied GPT-2 embedding travelled with every micro-batch (92% of the bytes across the cut), then
+whole once per step each way; now the lookup's side sends the step's distinct token ids, the owner (the
+output projection's side) answers with those rows, and their gradient comes back once, summed over the
+step's micro-batches, for every schedule; gradients and trained weights still equal plain PyTorch's to
+float rounding.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pytest
 import torch
 
 from fusionnet.dag.channel import Channel, MessageKey
+from fusionnet.job.batches import batch_indices
 from fusionnet.job.loader import load_job
 from fusionnet.reference import run_reference
 from fusionnet.runtime.local import InMemorySwarm
@@ -25,16 +29,19 @@ from tests.jobfiles import write_job
 
 pytestmark = pytest.mark.timeout(300)
 MICROBATCHES = 4
+VOCAB = 400
 
 
 class CountingChannel(Channel):
-    """Passes everything through and notes each send's key."""
+    """Passes everything through and notes each send's key (and, in ``values``, what it carried)."""
 
-    def __init__(self, inner: Channel, sent: list[MessageKey]) -> None:
-        self.inner, self.sent = inner, sent
+    def __init__(self, inner: Channel, sent: list[MessageKey], values: list[Any] | None = None) -> None:
+        self.inner, self.sent, self.values = inner, sent, values
 
     async def send(self, dst: int, key: MessageKey, value: Any) -> None:
         self.sent.append(key)
+        if self.values is not None:
+            self.values.append((key, value))
         await self.inner.send(dst, key, value)
 
     async def recv(self, src: int, key: MessageKey) -> Any:
@@ -44,10 +51,11 @@ class CountingChannel(Channel):
 @pytest.fixture(scope="module")
 def tied_gpt2_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("transformers")
-    ids, labels = token_data(16, seq=8)
+    ids, labels = token_data(16, seq=8, vocab=VOCAB)  # 128 tokens a step: fewer distinct ones than rows
     return write_job(
         tmp_path_factory.mktemp("tied") / "job", model_class="HFCausalLM", inputs=ids, labels=labels,
         loss=False, batch_size=16, microbatches=MICROBATCHES, steps=2, compnodes=2, task="grad",
+        model_kwargs={"vocab": VOCAB},
     )  # fmt: skip
 
 
@@ -63,8 +71,9 @@ def test_tied_embedding_crosses_once_per_step_with_exact_gradients(
     assert crossing, "the tied embedding's users should sit on both sides of the cut"
     swarm = InMemorySwarm(prepared, schedule)
     sent: list[MessageKey] = []
+    values: list[Any] = []
     for ex in swarm.executors:
-        ex.channel = CountingChannel(ex.channel, sent)
+        ex.channel = CountingChannel(ex.channel, sent, values)
 
     async def run() -> None:
         for data in swarm.steps():
@@ -72,9 +81,17 @@ def test_tied_embedding_crosses_once_per_step_with_exact_gradients(
 
     asyncio.run(run())
     for name in crossing:
-        for kind in ("act", "grad"):
-            keys = [k for k in sent if k[0] == kind and k[3] == name]
-            assert sorted(k[1] for k in keys) == [0, 1], f"{kind} of {name}: {keys} (once per step)"
+        acts = [(k, v) for k, v in values if k[0] == "act" and k[3] == name]
+        assert sorted(k[1] for k, _ in acts) == [0, 0, 1, 1], f"act of {name}: {[k for k, _ in acts]}"
+        grads = [(k, v) for k, v in values if k[0] == "grad" and k[3] == name]
+        assert sorted(k[1] for k, _ in grads) == [0, 1], f"grad of {name}: once per step"
+        for step in (0, 1):
+            ids = next(v for k, v in acts if k[1] == step and v.dtype == torch.long)
+            rows = next(v for k, v in acts if k[1] == step and v.is_floating_point())
+            back = next(v for k, v in grads if k[1] == step)[0]
+            want_ids = torch.unique(job.inputs[batch_indices(step, 16, job.n_samples)])
+            assert torch.equal(ids, want_ids)  # the step's distinct tokens, no more
+            assert rows.shape == back.shape == (len(want_ids), 32) and len(want_ids) < VOCAB
     # Ordinary activations still travel per micro-batch.
     per_mb = {k[2] for k in sent if k[0] == "act" and k[3] not in crossing}
     assert per_mb == set(range(MICROBATCHES))

@@ -70,6 +70,7 @@ class DeploymentRun(JobRun):
         self.failed: str | None = None
         self.batches = 0
         self.batch_seconds = 0.0  # wall time of the batches served, summed
+        self.batch_rows = 0  # rows of the batches served (before padding to micro-batches), summed
         self.stage_seconds: list[float] = []  # per sub-DAG: FP seconds of the batches served, summed
         self._next_step = 0  # per placement: compnodes run batches in this order
         self._replacing = asyncio.Lock()
@@ -179,7 +180,7 @@ class DeploymentRun(JobRun):
                 if isinstance(e, ComputeError):  # the same rows fail anywhere: no second attempt
                     raise RowsFailed(f"the model failed on these inputs: {e}") from e
                 continue
-            self._count(replies, time.perf_counter() - started)
+            self._count(replies, time.perf_counter() - started, n)
             return self._outputs_of(replies)[:n]
         raise ExecutionError(f"deployment {self.job.spec.name}: batch failed {BATCH_ATTEMPTS} times: {error}")
 
@@ -200,19 +201,21 @@ class DeploymentRun(JobRun):
             calls.append(self.serving.call_serve_step(peer, request, timeout=BATCH_TIMEOUT, large_answer=big))
         return await asyncio.wait_for(gather(calls), BATCH_TIMEOUT)
 
-    def _count(self, replies: list[ServeStepReply], seconds: float) -> None:
+    def _count(self, replies: list[ServeStepReply], seconds: float, rows: int) -> None:
         if len(self.stage_seconds) != len(replies):
             self.stage_seconds = [0.0] * len(replies)
         self.batches += 1
         self.batch_seconds += seconds
+        self.batch_rows += rows
         for i, r in enumerate(replies):
             self.stage_seconds[i] += r.fp_seconds
 
     def timing(self) -> dict[str, object]:
-        """Mean wall seconds per batch, and per sub-DAG the mean FP seconds (for ``status``)."""
+        """Mean wall seconds and rows per batch, and per sub-DAG the mean FP seconds (for ``status``)."""
         n = max(self.batches, 1)
         return {
             "batch_seconds_mean": self.batch_seconds / n,
+            "batch_rows_mean": self.batch_rows / n,
             "stage_fp_seconds_mean": [s / n for s in self.stage_seconds],
         }
 

@@ -32,6 +32,7 @@ from fusionnet.dag.hooks import StepReport
 from fusionnet.dag.ir import IRGraph, dtype_name
 from fusionnet.dag.partition import SubDag, build_partition
 from fusionnet.dag.precision import FOUND_INF_NODE, compute_dtype
+from fusionnet.dag.row_trade import check_traded
 from fusionnet.errors import JobError, PlanError, WireError
 from fusionnet.job.optim import optimizer_factory
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
@@ -96,6 +97,11 @@ class JobAssignment:
         except KeyError:
             raise WireError(f"sub-DAG {src} sent a value for unknown node {node_name!r}") from None
         where = f"{kind} {node_name!r} from sub-DAG {src}"
+        try:  # rows of a tied weight and their ids (``dag.row_trade``) have shapes of their own
+            if check_traded(self.graph, self.subdag, src, kind, node_name, value):
+                return
+        except ValueError as e:
+            raise WireError(f"{where}: {e}") from None
         if kind == "act":
             if node_name not in self.subdag.outer_required or self.subdag.sources.get(node_name) != src:
                 raise WireError(f"{where}: this sub-DAG does not read that value from that sub-DAG")

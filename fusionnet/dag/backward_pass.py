@@ -10,9 +10,9 @@ at the step's last seeding BP. Every stretch runs on the compute pool through ``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -47,6 +47,12 @@ class BackwardPass:
     output_names: list[str]
     named_params: dict[str, torch.nn.Parameter]
     step_wide: set[str]
+    row_serves: Mapping[str, Any]  # ``row_trade``: tied weights whose lookups get rows
+
+    if TYPE_CHECKING:  # ``row_trade.RowTrade``, after this class in ``SubDagExecutor``'s bases
+
+        def rows_of_grads(self, name: str, grads: list[Any]) -> list[Any]: ...
+
     _stash: dict[int, tuple[list[Any], tuple[Any, ...]]]
     _weight_work: dict[int, WeightWork]
     activations: ActivationLedger
@@ -145,8 +151,8 @@ class BackwardPass:
         also the step's summed gradients of the step-wide outputs (which no other BP waits for)."""
         received: list[tuple[str, Any, list[tuple[int, Any]]]] = []
         for name, value in zip(self.output_names, outs):
-            if name in self.step_wide and not step_wide:
-                continue
+            if (name in self.step_wide and not step_wide) or name in self.row_serves:
+                continue  # a traded weight's row gradients are added before Update (``row_trade``)
             # Consumers return gradients exactly for values with a float part (see the send below).
             consumers = self.subdag.consumers.get(name, ()) if self.expects_grad(value) else ()
             key = ("grad", step, 0 if name in self.step_wide else mb, name)
@@ -179,7 +185,9 @@ class BackwardPass:
                 continue
             if not self.expects_grad(value):
                 continue  # nothing differentiable was received, so the producer expects nothing
-            back[name] = [v.grad if is_float(v) else None for v in tree_flatten(value)[0]]
+            back[name] = self.rows_of_grads(
+                name, [v.grad if is_float(v) else None for v in tree_flatten(value)[0]]
+            )
         return to_host(back, self.device)
 
     def _send_input_grads(self, step: int, mb: int, back: dict[str, list[Any]], ready: Any) -> None:

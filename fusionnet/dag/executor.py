@@ -64,6 +64,7 @@ from fusionnet.dag.outbox import Outbox
 from fusionnet.dag.partition import SubDag
 from fusionnet.dag.precision import FOUND_INF_NODE, autocast, make_scaler
 from fusionnet.dag.rebuild import build_subdag_module
+from fusionnet.dag.row_trade import RowTrade
 from fusionnet.dag.schedule_loop import ScheduleLoop
 from fusionnet.dag.split_backward import WeightWork
 from fusionnet.errors import ComputeError, DeviceMemoryError, ExecutionError
@@ -72,7 +73,7 @@ from fusionnet.schedules import Schedule
 T = TypeVar("T")
 
 
-class SubDagExecutor(BackwardPass, ScheduleLoop):
+class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
     """Runs one sub-DAG. ``optimizers`` is a factory ``named_params -> list[Optimizer]`` (train only);
     ``compute`` the pool FP/BP/Update run on (None: inline); ``hooks`` run around each of them;
     ``precision`` the job's autocast (``subdags``, the job's sub-DAG count, is who shares fp16's flag);
@@ -157,6 +158,7 @@ class SubDagExecutor(BackwardPass, ScheduleLoop):
         )
         self._step_inputs: dict[str, Any] = {}  # step-wide inputs received and placed (this step or resident)
         self._step_sent: set[str] = set()  # step-wide outputs sent (this step or resident)
+        self._init_row_trade()  # tied weights whose far side gets rows only (``row_trade``)
 
     async def _run(self, phase: Phase, step: int, mb: int, work: Callable[[], T]) -> T:
         """One compute stretch, between the hooks, on the compute pool (or inline without one)."""
@@ -228,7 +230,11 @@ class SubDagExecutor(BackwardPass, ScheduleLoop):
         received = [n not in self._placeholder_target for n in self.subdag.outer_required]
         ready_leaves = set(self._step_inputs)  # placed in an earlier micro-batch of this step
         shapes = None if self.task == "infer" else activation_key(mb, inputs)
-        first_sends = [n for n in self.step_wide & set(self.subdag.outwards) if n not in self._step_sent]
+        first_sends = [
+            n
+            for n in self.step_wide & set(self.subdag.outwards)
+            if n not in self._step_sent and n not in self.row_serves  # rows went at the step's start
+        ]
         self._step_sent.update(first_sends)
 
         def work() -> tuple[tuple[Any, ...], list[Any], Any, int | None]:

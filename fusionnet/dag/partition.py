@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fusionnet.dag.ir import IRGraph
+from fusionnet.dag.row_lookup import rehome_row_weights, row_lookups, row_trades
 from fusionnet.errors import PartitionError
 
 COST_FIELDS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "param_bytes", "activation_bytes")
@@ -39,6 +40,10 @@ class SubDag:
     holds_loss: bool = False
     holds_output: bool = False
     cost: dict[str, int] = field(default_factory=dict)
+    # tied weights traded as rows (``row_lookup``): those this sub-DAG owns and serves rows of, and those
+    # it looks rows up in
+    row_serves: list[str] = field(default_factory=list)
+    row_reads: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,18 +97,24 @@ def build_partition(graph: IRGraph, assignment: Mapping[str, int]) -> Partition:
     the caller's label. A pure analysis: ``graph`` is left as it is (``Partition.annotated`` stamps
     Table 2's compnode location/users onto a copy).
     """
-    label = _labels(graph, assignment)
+    # A tied weight traded as rows lives with its dense user (``row_lookup``); its edge to the lookup is a
+    # step-start exchange, not an FP dependency, so it orders nothing.
+    label = rehome_row_weights(graph, _labels(graph, assignment))
+    traded = {(v, r.lookup) for v, r in row_lookups(graph).items() if label[v] != label[r.lookup]}
     # Quotient graph over labels.
     edges: dict[tuple[int, int], list[tuple[str, str]]] = {}
     for n in graph.nodes:
         for src in n.input_names():
             a, b = label[src], label[n.name]
-            if a != b:
+            if a != b and (src, n.name) not in traded:
                 edges.setdefault((a, b), []).append((src, n.name))
     order = _topological_labels(sorted(set(label.values())), edges)
     index_of = {lab: i for i, lab in enumerate(order)}
     node_index = {n.name: index_of[label[n.name]] for n in graph.nodes}
     subdags = _subdags(graph, order, node_index)
+    for v, r in row_trades(graph, node_index).items():
+        subdags[node_index[v]].row_serves.append(v)
+        subdags[node_index[r.lookup]].row_reads.append(v)
     node_users = {n.name: sorted({node_index[u] for u in n.users}) for n in graph.nodes}
     return Partition(subdags=subdags, assignment=node_index, node_users=node_users)
 

@@ -79,6 +79,12 @@ class ScheduleLoop:
     def zero_grad(self) -> None:
         raise NotImplementedError
 
+    async def trade_rows(self, step: int, microbatches: Sequence[Mapping[str, Any]]) -> None:
+        raise NotImplementedError
+
+    async def add_traded_grads(self, step: int) -> None:
+        raise NotImplementedError
+
     # -- a whole step --------------------------------------------------------------------------
     async def run_step(
         self, step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]
@@ -132,6 +138,8 @@ class ScheduleLoop:
         last_bp = max((i for i, a in enumerate(program) if a.kind in ("B", "W")), default=-1)
         last_seeded = max((i for i, a in enumerate(program) if a.kind in ("B", "I")), default=-1)
         self.zero_grad()
+        if self.task != "infer":
+            await self.trade_rows(step, microbatches)  # tied weights' rows, before any FP (``row_trade``)
         for i, action in enumerate(program):
             mb = action.mb
             if action.kind == "F":
@@ -150,6 +158,7 @@ class ScheduleLoop:
             elif action.kind == "W":
                 await self.backward_weight(step, mb, last=i == last_bp)
         if self.task != "infer":
+            await self.add_traded_grads(step)
             skip = await self._agree_found_inf(step) if self.scaler is not None else False
             if self.task == "train":
                 await self._run("update", step, 0, partial(self.update, skip))

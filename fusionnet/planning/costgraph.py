@@ -4,11 +4,14 @@ Only operators become ops; data placeholders and variables are folded into their
 Table 3 (labels are fed where the loss is computed; a variable lives with the op that first reads it),
 so the scheduler cannot separate a placeholder from its user and every plan maps back onto IR nodes
 (``ir_assignment``). Costs were traced on one example micro-batch; ``micro_batch_scale`` rescales them
-to the job's micro-batch.
+to the job's micro-batch. A tied weight traded as rows (``dag.row_lookup``: its lookup's side gets only
+the rows of the step's tokens) keeps its edge from the lookup, priced at those rows (``traded_bytes``),
+while its bytes, optimizer and Update count with its dense user, where ``build_partition`` puts it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +19,7 @@ from fusionnet.dag.costs import op_name
 from fusionnet.dag.flop_rules import RULES
 from fusionnet.dag.ir import IRGraph, IRNode
 from fusionnet.dag.registry import REGISTRY
+from fusionnet.dag.row_lookup import RowLookup, row_lookups
 from fusionnet.errors import FusionNetError, PlanError
 from fusionnet.perfmodel.types import CostGraph, OpCost
 
@@ -73,9 +77,12 @@ def cost_graph(
     if not ops:
         raise PlanError("the graph has no operators to place")
     owner = owners(graph)
+    # A tied weight traded as rows (``dag.row_lookup``) lives, with its optimizer state and Update, with
+    # its dense user; its edge keeps the lookup -> dense user direction (the op order) but carries rows.
+    lookups = row_lookups(graph)
     folded: dict[str, list[IRNode]] = {}
     for name, op in owner.items():
-        folded.setdefault(op, []).append(graph.node(name))
+        folded.setdefault(lookups[name].dense_user if name in lookups else op, []).append(graph.node(name))
 
     def per_mb(value: Any) -> int:
         return round(int(value or 0) * scale)
@@ -131,6 +138,8 @@ def cost_graph(
             elif resident and node.target not in graph.params:
                 per_mb_edges.add((producer, n.name))  # an infer buffer (a KV cache) crosses every step
             else:
+                if src in lookups:
+                    nbytes = min(nbytes, traded_bytes(graph, lookups[src], scale, microbatches))
                 step_edges[(producer, n.name)] = step_edges.get((producer, n.name), 0) + nbytes
                 nbytes = 0 if resident else -(-nbytes // max(1, microbatches))
             edges[(producer, n.name)] = edges.get((producer, n.name), 0) + nbytes
@@ -142,6 +151,23 @@ def cost_graph(
         tuple((a, b, nbytes) for (a, b), nbytes in once.items()),
         resident_step_edges=resident,
     )
+
+
+def traded_bytes(graph: IRGraph, lookup: RowLookup, scale: float, microbatches: int) -> int:
+    """Bytes of a row trade per step and direction: as many rows (and their int64 ids) as the step has
+    index values, at most every row of the weight."""
+    target = graph.node(lookup.variable).target
+    assert target is not None
+    shape = [int(d) for d in graph.params[target]["shape"]]
+    meta = graph.node(lookup.placeholder).meta
+    traced = math.prod(int(d) for d in meta["shape"]) if isinstance(meta, dict) and "shape" in meta else 0
+    rows = min(shape[0], math.ceil(traced * scale) * max(1, microbatches))
+    row_bytes = math.prod(shape[1:]) * _itemsize(graph.params[target].get("dtype", "float32"))
+    return rows * (row_bytes + 8)
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int8": 1, "uint8": 1}.get(dtype, 4)
 
 
 def micro_batch_scale(graph: IRGraph, batch_size: int | None, microbatches: int) -> float:

@@ -51,9 +51,17 @@ class ScheduleChoice:
 
 
 def stage_edges(partition: Partition) -> list[Edge]:
-    """(producer, consumer) sub-DAG pairs of the cut: every edge the data crosses."""
+    """(producer, consumer) sub-DAG pairs of the cut: every edge an FP waits on (rows of a tied weight
+    are traded at the step's start, ``dag.row_lookup``, and wait on no FP)."""
     return sorted(
-        {(s.index, d) for s in partition.subdags for ds in s.consumers.values() for d in ds if d != s.index}
+        {
+            (s.index, d)
+            for s in partition.subdags
+            for name, ds in s.consumers.items()
+            if name not in s.row_serves
+            for d in ds
+            if d != s.index
+        }
     )
 
 

@@ -56,6 +56,8 @@ def plan_document(
                 "outwards_data": s.outwards,
                 "compnode_users": s.compnode_users,
                 "params": s.params,
+                "rows_served": s.row_serves,  # tied weights whose lookup's side gets rows only
+                "rows_read": s.row_reads,
                 "cost": s.cost,
                 "predicted_seconds": None if predicted is None else predicted.get(s.index),
                 "measured_seconds": None if measured is None else measured.get(s.index),
