@@ -116,6 +116,20 @@ def test_the_partition_keeps_the_weight_with_its_dense_user_and_orders_nothing_b
         check_schedule(schedule, partition, 4, "train")
 
 
+def test_no_trade_when_the_ids_data_sits_on_another_sub_dag() -> None:
+    """The lookup's sub-DAG asks for the step's rows before its first FP, from the data it holds: with the
+    ids on another sub-DAG the weight goes the ordinary way, once per step, whole."""
+    graph = _graph()
+    ((v, lookup),) = row_lookups(graph).items()
+    label = {name: piece + 1 for name, piece in _two_pieces(graph).items()}
+    label[lookup.placeholder] = 0
+    label.update({n: 0 for n in graph.node(lookup.lookup).input_names() if n != v})  # the ids' reshape
+    label[v] = label[lookup.lookup]
+    partition = build_partition(graph, label)
+    assert all(not s.row_reads and not s.row_serves for s in partition.subdags)
+    assert v in partition.subdags[1].nodes  # where the caller put it, with the lookup
+
+
 def test_the_cost_model_charges_rows_not_the_matrix() -> None:
     graph = _graph()
     ((_, lookup),) = row_lookups(graph).items()

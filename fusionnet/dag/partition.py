@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fusionnet.dag.ir import IRGraph
-from fusionnet.dag.row_lookup import rehome_row_weights, row_lookups, row_trades
+from fusionnet.dag.row_lookup import rehome_row_weights, row_lookups, row_trades, traded
 from fusionnet.errors import PartitionError
 
 COST_FIELDS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "param_bytes", "activation_bytes")
@@ -100,13 +100,13 @@ def build_partition(graph: IRGraph, assignment: Mapping[str, int]) -> Partition:
     # A tied weight traded as rows lives with its dense user (``row_lookup``); its edge to the lookup is a
     # step-start exchange, not an FP dependency, so it orders nothing.
     label = rehome_row_weights(graph, _labels(graph, assignment))
-    traded = {(v, r.lookup) for v, r in row_lookups(graph).items() if label[v] != label[r.lookup]}
+    exchanged = {(v, r.lookup) for v, r in row_lookups(graph).items() if traded(r, label)}
     # Quotient graph over labels.
     edges: dict[tuple[int, int], list[tuple[str, str]]] = {}
     for n in graph.nodes:
         for src in n.input_names():
             a, b = label[src], label[n.name]
-            if a != b and (src, n.name) not in traded:
+            if a != b and (src, n.name) not in exchanged:
                 edges.setdefault((a, b), []).append((src, n.name))
     order = _topological_labels(sorted(set(label.values())), edges)
     index_of = {lab: i for i, lab in enumerate(order)}

@@ -136,11 +136,19 @@ def rehome_row_weights(graph: IRGraph, label: Mapping[str, int]) -> dict[str, in
     dense user are apart (``build_partition``): the owner must be the side that reads it whole."""
     out = dict(label)
     for v, r in row_lookups(graph).items():
-        if label[r.lookup] != label[r.dense_user]:
+        if label[r.lookup] != label[r.dense_user] and label[r.placeholder] == label[r.lookup]:
             out[v] = label[r.dense_user]
     return out
 
 
+def traded(lookup: RowLookup, label: Mapping[str, int]) -> bool:
+    """Whether ``lookup``'s weight is traded as rows under ``label`` (node -> sub-DAG or label): the weight
+    and its lookup apart, and the ids' data with the lookup, which asks for the step's rows with it
+    before its first FP."""
+    r = lookup
+    return label[r.variable] != label[r.lookup] and label[r.placeholder] == label[r.lookup]
+
+
 def row_trades(graph: IRGraph, node_index: Mapping[str, int]) -> dict[str, RowLookup]:
     """The row-served weights whose lookup sits on another sub-DAG than the weight (after rehoming)."""
-    return {v: r for v, r in row_lookups(graph).items() if node_index[r.lookup] != node_index[v]}
+    return {v: r for v, r in row_lookups(graph).items() if traded(r, node_index)}
