@@ -10,10 +10,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusionnet.broker.replicas import PACE, ROUND_RETRY, ReplicaBook, ReplicaPointer, best_step, ring_holders
+from fusionnet.broker.replicas import (
+    PACE,
+    REPLICA_LINK_SHARE,
+    ROUND_RETRY,
+    ReplicaBook,
+    ReplicaPointer,
+    best_step,
+    ring_holders,
+)
 from fusionnet.compnode.replicas import ReplicaStore, Replicator, pack_chunks
 from fusionnet.errors import JobError
 from fusionnet.messages.blobs import unpack_tensors
+from fusionnet.messages.compnode_rpc import StepReply
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,6 +95,44 @@ def test_a_slow_round_of_fast_steps_is_asked_again_only_after_a_growing_wait() -
     assert book.observe([last, last], step=320) and book.committed == last and book.retries == 3
     now[0] += 10.0  # paced as usual after a completed round, then a fresh round without backoff
     assert book.request(320 + 2 * 96)[0] and book.retries == 0
+
+
+def test_each_snapshot_is_paced_to_a_share_of_its_holder_link_as_measured() -> None:
+    """The broker's ``replica_pace`` per sub-DAG: ``REPLICA_LINK_SHARE`` of the measured bandwidth of the
+    link to its holder (a reverse measurement stands in), none where nothing was measured; the step
+    calls carry each its own."""
+    from types import SimpleNamespace
+
+    from fusionnet.broker.job_calls import JobCalls
+    from fusionnet.broker.job_steps import JobSteps
+    from fusionnet.perfmodel.types import Link
+    from fusionnet.planning.links import LinkBook
+
+    links = LinkBook()
+    links.record("a", "b", Link.from_bandwidth(1e-3, 12.5e6))  # 100 Mbit/s
+    links.record("a", "c", Link.from_bandwidth(1e-3, 125e6))  # measured a -> c: stands in for c -> a
+    book = ReplicaBook()
+    book.reset(3, enabled=True)
+    fake = SimpleNamespace(replicas=book, ctx=SimpleNamespace(links=links), peers=["a", "b", "c"])
+    paces = JobSteps._replica_paces(fake)  # type: ignore[arg-type]
+    assert paces == [
+        pytest.approx(REPLICA_LINK_SHARE * 12.5e6),
+        None,
+        pytest.approx(REPLICA_LINK_SHARE * 125e6),
+    ]
+
+    sent = {}
+
+    class Client:
+        async def call_step(self, peer, request, timeout):
+            sent[peer] = request
+            return StepReply(step=request.step)
+
+    calls = JobCalls.__new__(JobCalls)
+    calls.job_id, calls.client = "j", Client()
+    calls._named = lambda peer, what, call: call
+    asyncio.run(calls.step(["a", "b", "c"], 4, timeout=5.0, snapshot=True, paces=paces))
+    assert [sent[p].replica_pace for p in "abc"] == paces and all(sent[p].snapshot for p in "abc")
 
 
 def test_the_newest_step_every_sub_dag_has_on_a_live_peer_is_chosen() -> None:

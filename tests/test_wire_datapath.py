@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 import threading
 from collections.abc import Callable, Coroutine
 
@@ -393,3 +394,40 @@ def test_with_link_keys_no_member_can_pass_its_frames_off_as_another_members() -
     asyncio.run(scenario())
     with pytest.raises(WireError, match="one link key per allowed sender"):
         DataPathServer(peer_id="S").register_job("job1", {"A": a_s}, {"A", "B"}, print)
+
+
+@pytest.mark.timeout(60)
+def test_pace_caps_the_connection_s_tcp_rate_now_and_after_a_reconnection() -> None:
+    """``DataPathClient.pace``: the kernel's SO_MAX_PACING_RATE on the open connection, again on the next
+    one (a snapshot connection survives its holder's restart), and lifted with None."""
+    from fusionnet.wire.datapath import NO_PACING, SO_MAX_PACING_RATE
+
+    def rate_of(client: DataPathClient, addr: tuple[str, int]) -> int:
+        writer = client._pool.writer_of(parse_address(addr))
+        assert writer is not None
+        raw = writer.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, 4)
+        return int.from_bytes(raw, sys.byteorder)
+
+    async def scenario() -> None:
+        got: list[str] = []
+        async with DataPathClient(peer_id="A") as client:
+            async with DataPathServer(peer_id="S") as server:
+                server.register_job("job1", KEY, ["A"], lambda f: got.append(f.name))
+                addr = await server.start()
+                await client.send(addr, frame(torch.ones(4), name="before"), KEY)
+                client.pace(addr, 3_125_000.7)  # a quarter of 100 Mbit/s
+                assert rate_of(client, addr) == 3_125_000
+                await client.send(addr, frame(torch.ones(4), name="paced"), KEY)
+                await until(lambda: got == ["before", "paced"])
+            async with DataPathServer(peer_id="S") as again:
+                again.register_job("job1", KEY, ["A"], lambda f: got.append(f.name))
+                await again.start(port=addr[1])
+                await client.send(addr, frame(torch.ones(4), name="reconnected"), KEY)
+                await until(lambda: got[-1] == "reconnected")
+                assert rate_of(client, addr) == 3_125_000  # the cap went with the address
+                client.pace(addr, None)
+                assert rate_of(client, addr) == NO_PACING
+
+    if sys.platform != "linux":
+        pytest.skip("SO_MAX_PACING_RATE is Linux's")
+    run("asyncio", scenario())

@@ -90,15 +90,26 @@ class JobCalls:
         snapshot: bool = False,
         keep_from: int | None = None,
         after: int | None = None,
+        paces: Sequence[float | None] | None = None,
     ) -> list[StepReply]:
         """One step on every peer; ``timeout`` scales with the step's expected length (a busy compnode
-        is not a dead one: ``failures.step_timeout``). ``snapshot``/``keep_from``: ``broker.replicas``;
-        ``after``: a step sent ahead runs once that one is done."""
+        is not a dead one: ``failures.step_timeout``). ``snapshot``/``keep_from``/``paces`` (per peer,
+        its snapshot's bytes/s): ``broker.replicas``; ``after``: a step sent ahead runs once that one is
+        done."""
         request = StepRequest(
             job_id=self.job_id, step=step, snapshot=snapshot, keep_from=keep_from, after=after
         )
+        requests = [
+            request
+            if paces is None or paces[i] is None
+            else request.model_copy(update={"replica_pace": paces[i]})
+            for i in range(len(peers))
+        ]
         return await gather(
-            [self._named(p, "step", self.client.call_step(p, request, timeout=timeout)) for p in peers]
+            [
+                self._named(p, "step", self.client.call_step(p, r, timeout=timeout))
+                for p, r in zip(peers, requests)
+            ]
         )
 
     async def collect(self, peers: Sequence[str], part: str = "all", chunk: int = 0) -> list[CollectReply]:

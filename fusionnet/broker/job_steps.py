@@ -18,7 +18,7 @@ from fusionnet.broker.context import JobContext
 from fusionnet.broker.failures import step_timeout
 from fusionnet.broker.job_calls import JobCalls
 from fusionnet.broker.replanning import Replan
-from fusionnet.broker.replicas import ReplicaBook
+from fusionnet.broker.replicas import REPLICA_LINK_SHARE, ReplicaBook
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.messages.compnode_rpc import StepReply
@@ -64,10 +64,28 @@ class JobSteps:
         snapshot, keep_from = self.replicas.request(step)
         timeout = (2 if ahead else 1) * step_timeout(predicted, last)
         after = step - 1 if ahead else None
+        paces = self._replica_paces() if snapshot else None
         call = self.calls.step(
-            self.peers, step, timeout=timeout, snapshot=snapshot, keep_from=keep_from, after=after
+            self.peers,
+            step,
+            timeout=timeout,
+            snapshot=snapshot,
+            keep_from=keep_from,
+            after=after,
+            paces=paces,
         )
         return asyncio.ensure_future(call)
+
+    def _replica_paces(self) -> list[float | None]:
+        """Per sub-DAG, the bytes/s its snapshot may take towards its holder: ``REPLICA_LINK_SHARE`` of
+        the link's measured bandwidth (None where the link was never measured)."""
+        holders = self.replicas.holders() or []
+        paces: list[float | None] = []
+        for i, h in enumerate(holders):
+            link = self.ctx.links.get(self.peers[i], self.peers[h])
+            fast = link is None or link.beta <= 0
+            paces.append(None if fast else min(REPLICA_LINK_SHARE / link.beta, 1e12))
+        return paces
 
     def _may_send_ahead(self, step: int) -> bool:
         """Whether ``step`` may go out before the previous one is answered: not past the end, and not

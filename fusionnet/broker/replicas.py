@@ -51,6 +51,10 @@ PACE = 3
 # of tens of milliseconds, a round every PACE steps made a third of the steps 2-3x slower (measured in
 # ``benchmarks/pipeline_vs_torch.py``); a failover replays at most this long of steps more.
 REPLICA_INTERVAL = 2.0
+# And a snapshot may take at most this share of its link's measured bandwidth (``StepRequest.replica_pace``,
+# paced by TCP on the compnode): at full rate, a round filled a shaped link's queue, and every activation
+# frame of the steps it spanned waited behind it (100 Mbit/s: +60 % step time in ``benchmarks/links.py``).
+REPLICA_LINK_SHARE = 0.25
 
 
 def ring_holders(n: int) -> list[int] | None:

@@ -38,7 +38,6 @@ from fusionnet.messages.compnode_rpc import (
 )
 from fusionnet.rpc.server import RPCContext
 from fusionnet.wire.frames import TensorFrame
-from fusionnet.wire.refusal import PeerUnreachable
 
 if TYPE_CHECKING:
     from fusionnet.compnode.job_host import HeldJob
@@ -60,6 +59,11 @@ class ReplicaRPC:
     replica_refused: dict[str, int]  # job id -> replica frames refused
 
     def _job(self, request: JobRequest, context: RPCContext) -> HeldJob:
+        raise NotImplementedError  # SubtaskService's
+
+    async def send_direct(
+        self, client: DataPathClient, job: HeldJob, dst: int, frame: TensorFrame, otherwise: str
+    ) -> bool:
         raise NotImplementedError  # SubtaskService's
 
     def _replicator(self, job: HeldJob) -> Replicator | None:
@@ -100,20 +104,10 @@ class ReplicaRPC:
     ) -> bool:
         """Sends a chunk to its holder over the data path; False when it must go in the RPC instead
         (no data path address, the path is down, or the chunk is bigger than a frame may be)."""
-        peer = job.peers[holder]
-        size = len(memoryview(blob))  # type: ignore[arg-type]
-        reachable = peer.data_address and peer.peer_id not in self._tcp_down
-        if self.bulk is None or not reachable or size > MAX_CHUNK_BYTES:
+        if self.bulk is None or len(memoryview(blob)) > MAX_CHUNK_BYTES:  # type: ignore[arg-type]
             return False
         frame = replica_frame(job.job_id, self.node.peer_id, job.attempt, step, chunk, blob)
-        try:
-            await self.bulk.send(peer.data_address, frame, job.link_keys[holder], job.spec.wire_encryption)
-        except PeerUnreachable as e:
-            log.warning("job %s: TCP to %s failed (%s); snapshots go by RPC", job.job_id, peer.peer_id, e)
-            self._tcp_down.add(peer.peer_id)
-            return False
-        self.node.metrics.count_data("tcp", "sent", size)
-        return True
+        return await self.send_direct(self.bulk, job, holder, frame, "snapshots go by RPC")
 
     async def on_replica_frame(self, job: HeldJob, frame: TensorFrame) -> None:
         """A snapshot chunk a peer sent us over the data path: checked, then kept on disk."""
@@ -144,7 +138,17 @@ class ReplicaRPC:
         if request.keep_from is not None:
             self.replicas.prune(job.job_id, request.keep_from)
         if request.snapshot:
+            self._pace_snapshots(job, request.replica_pace)
             replicator.start(request.step + 1, job.host.snapshot())
+
+    def _pace_snapshots(self, job: HeldJob, pace: float | None) -> None:
+        """Caps the snapshot connection to this sub-DAG's holder at the broker's ``pace`` (bytes/s)."""
+        holders = job.replica_holders
+        if self.bulk is None or holders is None:
+            return
+        holder = job.peers[holders[job.index]]
+        if holder.data_address:
+            self.bulk.pace(holder.data_address, pace)
 
     def forget_replicas(self, job: HeldJob) -> None:
         if job.replicator is not None:

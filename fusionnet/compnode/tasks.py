@@ -177,19 +177,29 @@ class SubtaskService(ReplicaRPC, StepRPC):
 
     # ---- transport -------------------------------------------------------------------------------
     async def _send(self, job: HeldJob, dst: int, frame: TensorFrame) -> None:
+        assert self.client is not None
+        if await self.send_direct(self.client, job, dst, frame, "using P2P streams"):
+            return
+        await self.p2p.send(job.peers[dst].peer_id, frame, job.link_keys[dst])
+        self.node.metrics.count_data("p2p", "sent", frame.tensor.numel() * frame.tensor.element_size())
+
+    async def send_direct(
+        self, client: DataPathClient, job: HeldJob, dst: int, frame: TensorFrame, otherwise: str
+    ) -> bool:
+        """``frame`` to sub-DAG ``dst``'s compnode over the direct data path; False when that compnode has
+        no data path address or its TCP path is down (a failure marks it down for every later frame, and
+        the caller falls back: ``otherwise`` says how, in the log)."""
         peer = job.peers[dst]
-        nbytes = frame.tensor.numel() * frame.tensor.element_size()
-        if peer.data_address and peer.peer_id not in self._tcp_down:
-            assert self.client is not None
-            try:
-                await self.client.send(peer.data_address, frame, job.link_keys[dst], job.spec.wire_encryption)
-                self.node.metrics.count_data("tcp", "sent", nbytes)
-                return
-            except PeerUnreachable as e:
-                log.warning("job %s: TCP to %s failed (%s); using P2P streams", job.job_id, peer.peer_id, e)
-                self._tcp_down.add(peer.peer_id)
-        await self.p2p.send(peer.peer_id, frame, job.link_keys[dst])
-        self.node.metrics.count_data("p2p", "sent", nbytes)
+        if not peer.data_address or peer.peer_id in self._tcp_down:
+            return False
+        try:
+            await client.send(peer.data_address, frame, job.link_keys[dst], job.spec.wire_encryption)
+        except PeerUnreachable as e:
+            log.warning("job %s: TCP to %s failed (%s); %s", job.job_id, peer.peer_id, e, otherwise)
+            self._tcp_down.add(peer.peer_id)
+            return False
+        self.node.metrics.count_data("tcp", "sent", frame.tensor.numel() * frame.tensor.element_size())
+        return True
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _job(self, request: JobRequest, context: RPCContext) -> HeldJob:

@@ -148,6 +148,9 @@ class StepRequest(JobRequest):
     after: NonNegative | None = None
     snapshot: bool = False  # replicate the state after this step to its holder (in the background)
     keep_from: NonNegative | None = None  # snapshots of earlier steps are no longer needed
+    # bytes/s the snapshot may take on the link to its holder (a share of the measured bandwidth, so the
+    # activations on that link never queue behind it); None: unpaced
+    replica_pace: Annotated[float, Field(gt=0.0, le=1e12)] | None = None
 
 
 class StepReply(Message):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 from collections.abc import Iterable, Mapping
 
 from fusionnet.errors import WireError
@@ -204,6 +206,26 @@ class DataPathServer:
         await self.stop()
 
 
+# Linux's SO_MAX_PACING_RATE (bytes/s; ~0 is no cap): TCP then paces itself, whatever the qdisc.
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+NO_PACING = 0xFFFFFFFF
+
+
+def set_pacing(writer: asyncio.StreamWriter, rate: int | None) -> bool:
+    """Caps ``writer``'s TCP send rate at ``rate`` bytes/s (None: lifts the cap); False where the system
+    has no such option (the flow then goes unpaced: slower links may queue behind it, nothing breaks)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return False
+    value = NO_PACING if rate is None else min(rate, NO_PACING - 1)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, struct.pack("=I", value))  # a u32
+    except OSError as e:
+        log.debug("no TCP pacing on this system (%s)", e)
+        return False
+    return True
+
+
 class DataPathClient:
     """Sends frames to data path servers over pooled TCP connections (one per address)."""
 
@@ -211,10 +233,24 @@ class DataPathClient:
         self.peer_id = check_text(peer_id, "peer_id", MAX_ID_LEN)
         self.connect_timeout = connect_timeout
         self._pool = StreamPool(self._open, describe=lambda dest: "%s:%d" % dest)  # noqa: UP031
+        self._pacing: dict[Address, int | None] = {}  # bytes/s caps per address (``pace``)
+
+    def pace(self, address: tuple[str, int] | str, bytes_per_second: float | None) -> None:
+        """Caps the rate of this client's connection to ``address`` (None: no cap), now and on any later
+        reconnection. The kernel paces the TCP flow (``SO_MAX_PACING_RATE``), so a bulk transfer on a
+        slow link leaves the bottleneck's queue short: frames of other connections (activations, RPCs)
+        do not wait behind seconds of it."""
+        dest = parse_address(address)
+        rate = None if bytes_per_second is None else max(1, int(bytes_per_second))
+        self._pacing[dest] = rate
+        writer = self._pool.writer_of(dest)
+        if writer is not None:
+            set_pacing(writer, rate)
 
     async def _open(self, dest: Address) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
         async with asyncio.timeout(self.connect_timeout):
             reader, writer = await asyncio.open_connection(*dest)
+            set_pacing(writer, self._pacing.get(dest))
             try:
                 receiver = await read_hello(reader)
             except BaseException as e:

@@ -118,6 +118,11 @@ class StreamPool:
                 await self._drop(dest)
                 raise
 
+    def writer_of(self, dest: Hashable) -> asyncio.StreamWriter | None:
+        """The open stream's writer to ``dest``, if one is open (to set socket options on it)."""
+        stream = self._streams.get(dest)
+        return None if stream is None else stream.writer
+
     async def close(self) -> None:
         """Closes every stream; later sends raise ``PeerUnreachable``."""
         self._closed = True
