@@ -76,8 +76,7 @@ async def _replicate(
     pack: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     pack.set_result(([(p, bytearray(b)) for p, b in chunks], 0.1))
     replicator.start(4, pack)
-    assert replicator._task is not None
-    await replicator._task
+    await replicator.wait()
     await owner.bulk.close()
     await server.stop()
     return holder, calls, chunks, replicator.confirmed

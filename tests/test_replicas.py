@@ -202,14 +202,45 @@ def test_an_owner_sends_its_snapshots_in_step_order_and_counts_the_confirmed(tmp
             pack = loop.create_future()
             pack.set_result(([("state", b"s"), ("optim", b"o")], 0.25))
             r.start(step, pack)
-        assert r._task is not None
-        await r._task
+        await r.wait()
         return r
 
     r = asyncio.run(run())
     assert sent == [(2, 0, 2, "state"), (2, 1, 2, "optim"), (3, 0, 2, "state"), (3, 1, 2, "optim")]
     assert r.confirmed == 3 and r.take_seconds() == 0.25 and r.take_seconds() == 0.0
     assert ReplicaStore(tmp_path).held("j", 1) == {0: [2, 3]}  # the owner keeps its own copies
+
+
+def test_a_snapshot_still_waiting_behind_a_slow_one_gives_way_to_a_newer_one(tmp_path: Path) -> None:
+    """On a slow (paced) link the broker asks again before a round is through: the snapshots asked for
+    meanwhile do not queue up (each a full copy of the state); only the newest waits, then leaves."""
+    sent: list[int] = []
+
+    async def run() -> Replicator:
+        loop = asyncio.get_running_loop()
+        first_left, release = asyncio.Event(), asyncio.Event()
+
+        async def send(step: int, index: int, count: int, chunk: tuple[str, bytes]) -> bool:
+            if step == 2:
+                first_left.set()
+                await release.wait()  # the first snapshot is on a slow link
+            sent.append(step)
+            return True
+
+        r = Replicator(ReplicaStore(tmp_path), "j", 1, 0, send, lambda: None)
+        for step in (2, 3, 4, 5):
+            pack = loop.create_future()
+            pack.set_result(([("state", b"s")], 0.1))
+            r.start(step, pack)
+            if step == 2:
+                await first_left.wait()
+        release.set()
+        await r.wait()
+        return r
+
+    r = asyncio.run(run())
+    assert sent == [2, 5] and r.superseded == 2 and r.confirmed == 5
+    assert ReplicaStore(tmp_path).held("j", 1) == {0: [2, 5]}
 
 
 def test_a_snapshot_chunk_bigger_than_an_answer_is_read_in_bounded_ranges(

@@ -184,13 +184,33 @@ class Replicator:
         self._send, self._fault = send, fault
         self.confirmed: int | None = None  # the latest step the holder has complete
         self.seconds = 0.0  # compute-thread time of the latest snapshot
-        self._task: asyncio.Task[None] | None = None
+        self.superseded = 0  # snapshots dropped before they left: a newer one took their place
+        self._head: asyncio.Task[None] | None = None  # the snapshot on its way (packed, stored, sent)
+        self._next: asyncio.Task[None] | None = None  # at most one waiting behind it
 
     def start(self, step: int, pack: Pack) -> None:
         """Snapshot before ``step`` (the state after ``step - 1``): ``pack`` was queued on the compute
-        thread by the caller before it answered the step, so no later Update can run before it."""
-        previous = self._task
-        self._task = asyncio.ensure_future(self._replicate(step, pack, previous))
+        thread by the caller before it answered the step, so no later Update can run before it.
+
+        Snapshots leave in step order, one at a time; one asked for while another is on its way waits
+        behind it, and replaces any that was still waiting there: on a slow (or paced) link a round can
+        take longer than the broker waits before asking again, and a queue of full-state copies would
+        hold memory and the link for states nobody needs any more (the holder wants the newest)."""
+        if self._head is None or self._head.done():
+            self._head, self._next = self._next, None
+        if self._head is None or self._head.done():
+            self._head = asyncio.ensure_future(self._replicate(step, pack, None))
+            return
+        if self._next is not None and not self._next.done():
+            self._next.cancel()
+            self.superseded += 1
+        self._next = asyncio.ensure_future(self._replicate(step, pack, self._head))
+
+    async def wait(self) -> None:
+        """Until the snapshots started so far have left (or failed, or were superseded)."""
+        for task in (self._head, self._next):
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
 
     async def _replicate(self, step: int, pack: Pack, previous: asyncio.Task[None] | None) -> None:
         try:
@@ -226,5 +246,6 @@ class Replicator:
         return seconds
 
     def cancel(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._head, self._next):
+            if task is not None:
+                task.cancel()
