@@ -65,6 +65,7 @@ class LinkRun:
     measured_ms: float = float("nan")
     predicted_ms: float = float("nan")
     split: list[float] = field(default_factory=list)  # share of forward FLOPs per sub-DAG
+    schedule: str = ""  # the pipeline schedule that ran (``auto`` settled by the broker)
     cut_mb: float = 0.0  # MB per step and direction across the busiest cut
     bound_ms: float = float("nan")
     max_diff: float = float("nan")
@@ -79,7 +80,9 @@ class LinkRun:
         return (self.predicted_ms - self.measured_ms) / self.measured_ms
 
 
-def write_job(folder: Path, dims: tuple[int, ...], steps: int, compnodes: int) -> Path:
+def write_job(
+    folder: Path, dims: tuple[int, ...], steps: int, compnodes: int, schedule: str = "gpipe"
+) -> Path:
     import torch
     import yaml
     from safetensors.torch import save_file
@@ -101,7 +104,7 @@ def write_job(folder: Path, dims: tuple[int, ...], steps: int, compnodes: int) -
         "optimizer": SGD,
         "steps": steps,
         "seed": 0,
-        "placement": {"compnodes": compnodes},
+        "placement": {"compnodes": compnodes, "schedule": schedule},
     }
     path = folder / "job.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -186,6 +189,7 @@ def run_swarm(
     else:
         run.measured_ms = rows_ms(rows[1:])
     run.predicted_ms = float(plan["predicted_step_seconds"] or float("nan")) * 1e3
+    run.schedule = str((plan.get("schedule") or {}).get("name", ""))
     flops = [float(s["cost"].get("flops_fwd", 0)) for s in plan["subdags"]]
     run.split = [round(f / max(sum(flops), 1.0), 3) for f in flops]
     run.cut_mb = cut_bytes(graph, plan, scale) / 1e6
@@ -207,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         "--warmup", type=int, default=10,
         help="steps of a job run first on each swarm (its broker then knows links and speeds; 0: none)",
     )  # fmt: skip
+    p.add_argument(
+        "--schedule",
+        default="gpipe",
+        choices=["gpipe", "1f1b", "zero-bubble", "auto"],
+        help="the jobs' placement.schedule (default gpipe; auto: the broker's performance model picks)",
+    )
     p.add_argument("--quick", action="store_true", help=f"a small model {QUICK} instead of {FULL}")
     p.add_argument("--workdir", type=Path, help=WORKDIR_HELP)
     args = p.parse_args(argv)
@@ -247,8 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpt2 {dims}: {n_params / 1e6:.1f}M parameters; plain PyTorch {plain_ms:.0f} ms/step; "
           f"logs in {workdir}", flush=True)  # fmt: skip
     for i, run in enumerate(runs):
-        path = write_job(workdir / f"job{i}", dims, args.steps, run.compnodes)
-        warmup = write_job(workdir / f"warmup{i}", dims, args.warmup, run.compnodes) if args.warmup else None
+        path = write_job(workdir / f"job{i}", dims, args.steps, run.compnodes, args.schedule)
+        warmup = (
+            write_job(workdir / f"warmup{i}", dims, args.warmup, run.compnodes, args.schedule)
+            if args.warmup
+            else None
+        )
         folder = workdir / f"run{i}-{run.rate}-{run.compnodes}"
         run_swarm(folder, path, run, ref, plain_ms, graph, scale, warmup=warmup, repeat=args.repeat)
         print(f"  {run.rate} x{run.compnodes}: {run.measured_ms:.0f} ms/step "
@@ -257,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     failover = None
     if not args.no_failover:
         failover = LinkRun("100mbit", 2)
-        path = write_job(workdir / "job-failover", dims, args.steps, 2)
+        path = write_job(workdir / "job-failover", dims, args.steps, 2, args.schedule)
         run_swarm(workdir / "failover", path, failover, ref, plain_ms, graph, scale, backups=1, fault="fp:3")
         print(f"  failover: before {failover.before_ms} after {failover.after_ms} ms/step, "
               f"error {failover.error}", flush=True)  # fmt: skip
@@ -273,16 +287,17 @@ def report(
     wall: float,
 ) -> int:
     header = ("link", "compnodes", "measured ms/step", "predicted", "error", "/ plain", "GPipe bound",
-              "cut MB/step", "split (FLOPs)", "falsely lost", "max diff")  # fmt: skip
-    table = [header, ("none (plain PyTorch, 1 thread)", "-", f"{plain_ms:.0f}", *["-"] * 8)]
+              "cut MB/step", "split (FLOPs)", "schedule", "falsely lost", "max diff")  # fmt: skip
+    table = [header, ("none (plain PyTorch, 1 thread)", "-", f"{plain_ms:.0f}", *["-"] * 9)]
     for r in runs:
         if r.error:
-            table.append((r.rate, str(r.compnodes), "FAILED", r.error[:60], *["-"] * 7))
+            table.append((r.rate, str(r.compnodes), "FAILED", r.error[:60], *["-"] * 8))
             continue
         table.append((
             r.rate, str(r.compnodes), f"{r.measured_ms:.0f}", f"{r.predicted_ms:.0f}",
             f"{r.prediction_error:+.0%}", f"{r.measured_ms / plain_ms:.2f}", f"{r.bound_ms:.0f}",
-            f"{r.cut_mb:.2f}", "/".join(f"{s:.0%}" for s in r.split), f"{r.falsely_lost} in {r.jobs} job(s)",
+            f"{r.cut_mb:.2f}", "/".join(f"{s:.0%}" for s in r.split), r.schedule or "-",
+            f"{r.falsely_lost} in {r.jobs} job(s)",
             f"{r.max_diff:.1e}",
         ))  # fmt: skip
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
@@ -312,6 +327,7 @@ def report(
             {"rate": r.rate, "compnodes": r.compnodes, "measured_ms": round(r.measured_ms, 1),
              "predicted_ms": round(r.predicted_ms, 1), "vs_plain": round(r.measured_ms / plain_ms, 3),
              "gpipe_bound_ms": round(r.bound_ms, 1), "cut_mb_per_step": round(r.cut_mb, 3), "split": r.split,
+             "schedule": r.schedule,
              "falsely_lost": r.falsely_lost, "jobs": r.jobs, "max_diff": r.max_diff, "error": r.error}
             for r in runs
         ],
