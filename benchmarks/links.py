@@ -5,7 +5,9 @@ link limited with ``tbf`` to the given rate in both directions (``fusionnet.runt
 iproute2 needed), daemons started with the README's "Running a real swarm" commands
 (``fusionnet.runtime.netns_swarm``). The job: a GPT-2 built from a ``transformers`` config (random
 init, nothing downloaded; tied input/output embeddings), 12.4M parameters, seq 128, batch 8 in 4
-micro-batches, SGD with momentum, compnodes with ``--threads 1``. Beside it, in this process:
+micro-batches, SGD with momentum, ``placement.schedule`` from ``--schedule`` (default ``auto``: the
+broker's performance model picks the schedule), compnodes with ``--threads 1``. Beside it, in this
+process:
 
 - plain PyTorch  ``fusionnet.reference`` on one thread: median ms/step after the first step, and the
                  final weights (exactness);
@@ -14,7 +16,8 @@ micro-batches, SGD with momentum, compnodes with ``--threads 1``. Beside it, in 
                  a broker in service has): median ms/step after the first step (``metrics.jsonl``),
                  the broker's prediction (``plan.json``), the work split (forward FLOPs per sub-DAG),
                  bytes across the busiest cut per step and direction (from the IR: activations per
-                 micro-batch, shared parameters once per step), compnodes falsely declared lost;
+                 micro-batch, shared parameters once per step, a tied embedding as the rows of the
+                 step's tokens), the schedule that ran, compnodes falsely declared lost;
 - GPipe bound    what a perfect GPipe pipeline of the same compute over the same link could do:
                  max(plain x (m + k - 1) / (m k), cut bytes / rate);
 - failover       at 100 Mbit/s, 2 working compnodes + 1 ``--backup``: a working compnode SIGKILLs
@@ -24,7 +27,7 @@ micro-batches, SGD with momentum, compnodes with ``--threads 1``. Beside it, in 
 Prints a table, then one JSON line.
 
     python benchmarks/links.py [--steps 8] [--runs 1gbit:2 1gbit:3 100mbit:2 100mbit:3 20mbit:3]
-                               [--warmup 10] [--no-failover] [--quick] [--workdir DIR]
+                               [--warmup 10] [--schedule auto] [--no-failover] [--quick] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ class LinkRun:
 
 
 def write_job(
-    folder: Path, dims: tuple[int, ...], steps: int, compnodes: int, schedule: str = "gpipe"
+    folder: Path, dims: tuple[int, ...], steps: int, compnodes: int, schedule: str = "auto"
 ) -> Path:
     import torch
     import yaml
@@ -213,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument(
         "--schedule",
-        default="gpipe",
+        default="auto",
         choices=["gpipe", "1f1b", "zero-bubble", "auto"],
-        help="the jobs' placement.schedule (default gpipe; auto: the broker's performance model picks)",
+        help="the jobs' placement.schedule (default auto: the broker's performance model picks)",
     )
     p.add_argument("--quick", action="store_true", help=f"a small model {QUICK} instead of {FULL}")
     p.add_argument("--workdir", type=Path, help=WORKDIR_HELP)
