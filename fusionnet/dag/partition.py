@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fusionnet.dag.ir import IRGraph
-from fusionnet.dag.row_lookup import rehome_row_weights, row_lookups, row_trades, traded
+from fusionnet.dag.row_lookup import rehome_row_weights, row_lookups, traded
 from fusionnet.errors import PartitionError
 
 COST_FIELDS = ("flops_fwd", "flops_bwd", "bytes_read", "bytes_written", "param_bytes", "activation_bytes")
@@ -99,8 +99,9 @@ def build_partition(graph: IRGraph, assignment: Mapping[str, int]) -> Partition:
     """
     # A tied weight traded as rows lives with its dense user (``row_lookup``); its edge to the lookup is a
     # step-start exchange, not an FP dependency, so it orders nothing.
-    label = rehome_row_weights(graph, _labels(graph, assignment))
-    exchanged = {(v, r.lookup) for v, r in row_lookups(graph).items() if traded(r, label)}
+    lookups = row_lookups(graph)
+    label = rehome_row_weights(lookups, _labels(graph, assignment))
+    exchanged = {(v, r.lookup) for v, r in lookups.items() if traded(r, label)}
     # Quotient graph over labels.
     edges: dict[tuple[int, int], list[tuple[str, str]]] = {}
     for n in graph.nodes:
@@ -112,9 +113,10 @@ def build_partition(graph: IRGraph, assignment: Mapping[str, int]) -> Partition:
     index_of = {lab: i for i, lab in enumerate(order)}
     node_index = {n.name: index_of[label[n.name]] for n in graph.nodes}
     subdags = _subdags(graph, order, node_index)
-    for v, r in row_trades(graph, node_index).items():
-        subdags[node_index[v]].row_serves.append(v)
-        subdags[node_index[r.lookup]].row_reads.append(v)
+    for v, r in lookups.items():
+        if traded(r, node_index):
+            subdags[node_index[v]].row_serves.append(v)
+            subdags[node_index[r.lookup]].row_reads.append(v)
     node_users = {n.name: sorted({node_index[u] for u in n.users}) for n in graph.nodes}
     return Partition(subdags=subdags, assignment=node_index, node_users=node_users)
 

@@ -131,11 +131,11 @@ def row_lookups(graph: IRGraph) -> dict[str, RowLookup]:
     return found
 
 
-def rehome_row_weights(graph: IRGraph, label: Mapping[str, int]) -> dict[str, int]:
-    """``label`` with each row-served weight moved to its dense user's label, where the lookup and the
-    dense user are apart (``build_partition``): the owner must be the side that reads it whole."""
+def rehome_row_weights(lookups: Mapping[str, RowLookup], label: Mapping[str, int]) -> dict[str, int]:
+    """``label`` with each weight of ``lookups`` moved to its dense user's label where it will be traded
+    (``build_partition``): the owner must be the side that reads it whole."""
     out = dict(label)
-    for v, r in row_lookups(graph).items():
+    for v, r in lookups.items():
         if label[r.lookup] != label[r.dense_user] and label[r.placeholder] == label[r.lookup]:
             out[v] = label[r.dense_user]
     return out
@@ -147,8 +147,3 @@ def traded(lookup: RowLookup, label: Mapping[str, int]) -> bool:
     before its first FP."""
     r = lookup
     return label[r.variable] != label[r.lookup] and label[r.placeholder] == label[r.lookup]
-
-
-def row_trades(graph: IRGraph, node_index: Mapping[str, int]) -> dict[str, RowLookup]:
-    """The row-served weights whose lookup sits on another sub-DAG than the weight (after rehoming)."""
-    return {v: r for v, r in row_lookups(graph).items() if traded(r, node_index)}
