@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import sys
@@ -158,15 +159,31 @@ def plain_baselines(
 ) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = load_job(job_path, deployment=True).model.eval()
-    started = time.perf_counter()
-    outs = []
-    with torch.no_grad():
-        for p in requests:
-            ids = torch.tensor([p])
-            gen = model.lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                    min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
-            outs.append(gen[0, len(p) :].tolist())
-    kv = time.perf_counter() - started
+
+    def generate_all(prompts: list[list[int]]) -> list[list[int]]:
+        outs = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = torch.tensor([p])
+                gen = model.lm.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_tokens,
+                    min_new_tokens=max_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                outs.append(gen[0, len(p) :].tolist())
+        return outs
+
+    # generate()'s first call pays one-time costs, and this machine's speed drifts: one untimed request,
+    # then the faster of two timed passes (the figure the swarm is held against is plain's best)
+    generate_all(requests[:1])
+    kv = math.inf
+    for _ in range(2):
+        started = time.perf_counter()
+        outs = generate_all(requests)
+        kv = min(kv, time.perf_counter() - started)
     started = time.perf_counter()
     recomputed = []
     with torch.no_grad():
@@ -265,6 +282,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=16, help="rows per batch (max_batch; default 16)")
     ap.add_argument("--kv-slots", type=int, default=16, help="deploy --kv-slots (0: no KV cache; default 16)")
+    ap.add_argument(
+        "--in-flight", type=int, default=None, help="deploy --in-flight (default: the deploy default)"
+    )
+    ap.add_argument(
+        "--max-wait-ms", type=float, default=None, help="deploy --max-wait-ms (default: the deploy default)"
+    )
     ap.add_argument("--sandbox", choices=("process", "off"), default="process", help="compnode --sandbox")
     ap.add_argument(
         "--placement",
@@ -289,7 +312,10 @@ def main() -> int:
         extra=["--http-port", "0", "--placement", args.placement], stage_part_mb=32.0
     )  # the daemon's default part size
     with ProcessSwarm(work / "swarm", specs, argv) as sw:
-        settings = ServingSettings(kv_slots=args.kv_slots)
+        given = {"in_flight": args.in_flight, "max_wait_ms": args.max_wait_ms}
+        settings = ServingSettings(
+            kv_slots=args.kv_slots, **{k: v for k, v in given.items() if v is not None}
+        )
         reply = asyncio.run(deploy(job, sw.initial_peers, name="gpt", settings=settings, wait_compnodes=120))
         assert reply.url is not None
         for clients in (1, 4, 16):

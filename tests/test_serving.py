@@ -62,6 +62,59 @@ def test_batcher_packs_rows_up_to_max_batch_and_answers_each_request_its_rows() 
     assert max(seen) <= 4 and sum(seen) == 10 and len(seen) < 10  # rows shared batches
 
 
+def _sessions(
+    b: DynamicBatcher, turns: list[int], rounds: list[int], use_caller: bool
+) -> list[Awaitable[None]]:
+    """Sessions that each submit one row per round; session ``i`` takes ``turns[i]`` event-loop turns
+    between an answer and its next row (sampling, writing to its stream)."""
+
+    async def session(i: int) -> None:
+        async def rounds_with(submit: Callable[..., Awaitable[torch.Tensor]]) -> None:
+            for _ in range(rounds[i]):
+                await submit(torch.full((1, 1), float(i)), [0])
+                for _ in range(turns[i]):
+                    await asyncio.sleep(0)
+
+        if use_caller:
+            async with b.caller() as submit:
+                await rounds_with(submit)
+        else:
+            await rounds_with(b.submit)
+
+    return [session(i) for i in range(len(turns))]
+
+
+@pytest.mark.parametrize("use_caller", [True, False])
+def test_an_idle_pipeline_waits_for_the_sessions_coming_back_and_only_for_them(use_caller: bool) -> None:
+    """Four sessions in lockstep, one batch in flight: with ``caller()`` every batch carries all four
+    rows although they come back several turns apart, and the wait ends when the last one is in, not at
+    ``max_wait`` (5 s here; the whole exchange must end within 3 s). A session that leaves ends the wait
+    for it at once. Plain ``submit`` gets no wait: the first row back runs alone."""
+    seen: list[int] = []
+
+    async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+        seen.append(int(rows.shape[0]))
+        await asyncio.sleep(0)
+        return rows
+
+    async def main() -> None:
+        b = DynamicBatcher(run_batch, max_batch=8, max_wait=5.0, queue_limit=100, in_flight=1)
+        b.start()
+        try:
+            # session 3 leaves after two rounds, while the others are away
+            sessions = _sessions(b, turns=[1, 4, 9, 2], rounds=[4, 4, 4, 2], use_caller=use_caller)
+            await asyncio.wait_for(asyncio.gather(*sessions), 3.0)
+        finally:
+            await b.close()
+
+    _run(main())
+    assert sum(seen) == 14
+    if use_caller:
+        assert seen == [4, 4, 3, 3]
+    else:
+        assert seen[1] == 1 and len(seen) > 4  # the first row back went alone: sessions fell apart
+
+
 def test_batcher_refuses_beyond_its_queue_and_keeps_at_most_in_flight_batches() -> None:
     gate = asyncio.Event()
     running = [0, 0]  # now, most

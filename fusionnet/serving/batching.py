@@ -7,6 +7,13 @@ keeps up to ``in_flight`` batches in the pipeline at once: while batch ``k`` is 
 batch ``k + 1`` already runs in the first one, so throughput approaches the bottleneck stage (FusionAI
 eq. (4)) rather than the whole pipeline's latency (eq. (3)).
 
+A caller that asks again right after each answer (a generating session: its next token's row) takes
+its ``submit`` from ``caller()``. Between an answer and its next rows such a caller is "away", and a
+pipeline with nothing in it waits for the away callers (at most ``max_wait``) instead of running the
+first row that comes back alone: the sessions of one batch come back a few event-loop turns apart (each
+samples its token and hands it to its stream first), and without the wait they would split into
+batches of one or two rows, each paying a batch's whole fixed cost.
+
 Overload is answered, never queued without bound: when more than ``queue_limit`` rows wait,
 ``submit`` raises ``Overloaded`` at once (the HTTP layer answers 503). A request larger than
 ``max_batch`` rows is cut into several batches and joined again.
@@ -21,8 +28,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -50,6 +59,7 @@ class _Item:
     rows: torch.Tensor
     pick: list[int] | None
     future: asyncio.Future[torch.Tensor]
+    caller: object | None = None  # a ``caller()`` handle: it will ask again once answered
     queued_at: float = field(default_factory=time.monotonic)
 
 
@@ -83,6 +93,11 @@ class DynamicBatcher:
         self._arrived = asyncio.Event()
         self._slots = asyncio.Semaphore(in_flight)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._running = 0  # batches in the pipeline (a task stays in ``_tasks`` a little longer)
+        self._away: set[object] = set()  # callers answered whose next rows are not in yet
+        self._batch_seconds = (
+            0.0  # a moving average of a batch's wall time (how long the away are waited for)
+        )
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -110,8 +125,25 @@ class DynamicBatcher:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def submit(self, rows: torch.Tensor, pick: list[int] | None = None) -> torch.Tensor:
+    @asynccontextmanager
+    async def caller(
+        self,
+    ) -> AsyncIterator[Callable[[torch.Tensor, list[int] | None], Awaitable[torch.Tensor]]]:
+        """A ``submit`` for one caller that submits again as soon as it has each answer, until the block
+        ends; an idle pipeline waits for it meanwhile (see the module's text)."""
+        handle = object()
+        try:
+            yield partial(self.submit, caller=handle)
+        finally:
+            if handle in self._away:
+                self._away.discard(handle)
+                self._arrived.set()  # the collector may be waiting for it
+
+    async def submit(
+        self, rows: torch.Tensor, pick: list[int] | None = None, *, caller: object | None = None
+    ) -> torch.Tensor:
         """The outputs for ``rows`` (one per row, in order); ``Overloaded`` when the queue is full."""
+        self._away.discard(caller)
         if self._closed:
             raise Closed("the deployment was undeployed")
         n = int(rows.shape[0])
@@ -121,7 +153,8 @@ class DynamicBatcher:
         futures = []
         for start in range(0, n, self.max_batch):  # a big request: several batches, joined again
             stop = min(n, start + self.max_batch)
-            item = _Item(rows[start:stop], None if pick is None else pick[start:stop], loop.create_future())
+            picked = None if pick is None else pick[start:stop]
+            item = _Item(rows[start:stop], picked, loop.create_future(), caller if stop == n else None)
             self._queue.append(item)
             self._queued_rows += stop - start
             futures.append(item.future)
@@ -136,19 +169,23 @@ class DynamicBatcher:
                 self._arrived.clear()
                 await self._arrived.wait()
             await self._slots.acquire()  # a free pipeline slot first: rows keep gathering meanwhile
-            # An idle pipeline takes what waits now (a lone client pays no wait per token); a busy one
-            # waits up to ``max_wait`` after the oldest row for the batch to fill.
-            deadline = self._queue[0].queued_at + (self.max_wait if self._tasks else 0.0)
-            while self._rows_waiting() < self.max_batch and time.monotonic() < deadline:
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), max(0.0, deadline - time.monotonic()))
-                except TimeoutError:
+            # A busy pipeline waits up to ``max_wait`` after the oldest row for the batch to fill. Callers
+            # coming back from the last batch are waited for up to a batch's time: a batch run without them
+            # would cost them a whole batch more. An idle pipeline with nobody away runs what is there.
+            fill_until = self._queue[0].queued_at + self.max_wait
+            away_until = time.monotonic() + max(self.max_wait, self._batch_seconds)
+            while self._rows_waiting() < self.max_batch:
+                until = away_until if self._away else fill_until if self._running else 0.0
+                if time.monotonic() >= until:
                     break
+                self._arrived.clear()
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), until - time.monotonic())
             batch = self._take()
             if not batch:
                 self._slots.release()
                 continue
+            self._running += 1
             task = asyncio.get_running_loop().create_task(self._run(batch), name="batch")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -186,11 +223,15 @@ class DynamicBatcher:
             rows = torch.cat([i.rows for i in batch])
             picks = None if batch[0].pick is None else [p for i in batch for p in i.pick or ()]
             out = await self.run_batch(rows, picks)
+            took = time.monotonic() - started
+            self._batch_seconds = took if not self._batch_seconds else 0.8 * self._batch_seconds + 0.2 * took
             offset = 0
             for item in batch:
                 n = int(item.rows.shape[0])
                 if not item.future.done():
                     item.future.set_result(out[offset : offset + n])
+                    if item.caller is not None:
+                        self._away.add(item.caller)
                 offset += n
         except asyncio.CancelledError:
             _fail(batch, Closed("the deployment was undeployed"))
@@ -205,7 +246,9 @@ class DynamicBatcher:
             log.warning("batch of %d requests failed: %s", len(batch), e)
             _fail(batch, e)
         finally:
+            self._running -= 1
             self._slots.release()
+            self._arrived.set()  # a collector waiting on this batch's callers looks again
         if self.on_batch is not None:
             waited = started - min(i.queued_at for i in batch)
             self.on_batch(BatchStats(n_rows, waited, time.monotonic() - started))

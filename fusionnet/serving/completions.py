@@ -192,47 +192,49 @@ class ChoiceRun:
         started = last = time.monotonic()
         count = 0
         on_logits = self._saw if self.top is not None else None
-        tokens = (
-            generate(
-                model.batcher.submit,
-                model.window,
-                self.prompt,
-                req.max_tokens,
-                self.params,
-                req.seed,
-                self.index,
-                on_logits,
+        # this choice asks again right after each token: the batcher waits for it (``caller``)
+        async with model.batcher.caller() as submit:
+            tokens = (
+                generate(
+                    submit,
+                    model.window,
+                    self.prompt,
+                    req.max_tokens,
+                    self.params,
+                    req.seed,
+                    self.index,
+                    on_logits,
+                )
+                if model.kv is None
+                else generate_cached(
+                    submit,
+                    model.kv,
+                    model.epoch,
+                    self.prompt,
+                    req.max_tokens,
+                    self.params,
+                    req.seed,
+                    self.index,
+                    on_logits,
+                )
             )
-            if model.kv is None
-            else generate_cached(
-                model.batcher.submit,
-                model.kv,
-                model.epoch,
-                self.prompt,
-                req.max_tokens,
-                self.params,
-                req.seed,
-                self.index,
-                on_logits,
-            )
-        )
-        tracker = self.tracker
-        async with aclosing(tokens):  # a choice that stops early gives its cache slot back at once
-            async for token in tokens:
-                now = time.monotonic()
-                if observer is not None:
-                    if count == 0:
-                        observer.observe_first_token(model.name, now - started)
-                    else:
-                        observer.observe_inter_token(model.name, now - last)
-                last, count = now, count + 1
-                piece = tracker.push(token)
-                if self.top is not None and piece.tokens and self._logits is not None:
-                    piece.logprobs = [logprob_of(self._logits, token, self.top)]
-                    self.logprobs.extend(piece.logprobs)
-                yield piece
-                if tracker.finish_reason is not None:
-                    break
+            tracker = self.tracker
+            async with aclosing(tokens):  # a choice that stops early gives its cache slot back at once
+                async for token in tokens:
+                    now = time.monotonic()
+                    if observer is not None:
+                        if count == 0:
+                            observer.observe_first_token(model.name, now - started)
+                        else:
+                            observer.observe_inter_token(model.name, now - last)
+                    last, count = now, count + 1
+                    piece = tracker.push(token)
+                    if self.top is not None and piece.tokens and self._logits is not None:
+                        piece.logprobs = [logprob_of(self._logits, token, self.top)]
+                        self.logprobs.extend(piece.logprobs)
+                    yield piece
+                    if tracker.finish_reason is not None:
+                        break
         if tracker.finish_reason is None:
             yield tracker.finish()
         if observer is not None:
