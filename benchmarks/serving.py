@@ -31,9 +31,11 @@ import json
 import math
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -79,7 +81,7 @@ def build(**kw):
 """
 
 
-def write_job(folder: Path, shape: tuple[int, ...], batch: int, compnodes: int) -> Path:
+def write_job(folder: Path, shape: tuple[int, ...], batch: int, compnodes: int, microbatches: int) -> Path:
     vocab, width, layers, heads, window = shape
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "model.py").write_text(MODEL_PY)
@@ -88,7 +90,7 @@ def write_job(folder: Path, shape: tuple[int, ...], batch: int, compnodes: int) 
     (folder / "job.yaml").write_text(
         "name: bench-gpt\ntask: generate\n"
         f"model: {{entrypoint: model.py:build, kwargs: {json.dumps(kwargs)}}}\n"
-        f"data: {{path: data.safetensors, batch_size: {batch}, microbatches: 2}}\n"
+        f"data: {{path: data.safetensors, batch_size: {batch}, microbatches: {microbatches}}}\n"
         f"seed: 0\nplacement: {{compnodes: {compnodes}}}\n"
     )
     return folder / "job.yaml"
@@ -154,11 +156,8 @@ def run_clients(url: str, clients: int, requests: list[list[int]], max_tokens: i
     }
 
 
-def plain_baselines(
-    job_path: Path, requests: list[list[int]], max_tokens: int, window: int
-) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    model = load_job(job_path, deployment=True).model.eval()
+def plain_generate(model: Any, max_tokens: int) -> Callable[[list[list[int]]], list[list[int]]]:
+    """``transformers``' ``generate()`` of each prompt, one after another (greedy, ``max_tokens`` each)."""
 
     def generate_all(prompts: list[list[int]]) -> list[list[int]]:
         outs = []
@@ -176,6 +175,40 @@ def plain_baselines(
                 outs.append(gen[0, len(p) :].tolist())
         return outs
 
+    return generate_all
+
+
+def paired_rounds(
+    job_path: Path, url: str, requests: list[list[int]], max_tokens: int, rounds: int
+) -> dict[str, Any]:
+    """Plain ``generate()`` one request at a time and the swarm with one client per request, in turn,
+    ``rounds`` times: this machine's speed drifts by up to 2x over minutes, so each served figure is
+    held against the plain one measured right before it (the swarm is idle meanwhile)."""
+    torch.set_num_threads(1)
+    generate_all = plain_generate(load_job(job_path, deployment=True).model.eval(), max_tokens)
+    generate_all(requests[:1])
+    total = len(requests) * max_tokens
+    plain, served = [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        generate_all(requests)
+        plain.append(total / (time.perf_counter() - started))
+        served.append(run_clients(url, len(requests), requests, max_tokens)["tokens_per_s"])
+    ratios = [s / p for s, p in zip(served, plain)]
+    return {
+        "plain_tokens_per_s": plain,
+        "served_tokens_per_s": served,
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+    }
+
+
+def plain_baselines(
+    job_path: Path, requests: list[list[int]], max_tokens: int, window: int
+) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = load_job(job_path, deployment=True).model.eval()
+    generate_all = plain_generate(model, max_tokens)
     # generate()'s first call pays one-time costs, and this machine's speed drifts: one untimed request,
     # then the faster of two timed passes (the figure the swarm is held against is plain's best)
     generate_all(requests[:1])
@@ -281,6 +314,13 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16, help="requests per client count (default 16)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=16, help="rows per batch (max_batch; default 16)")
+    ap.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="micro-batches a batch is cut into (the job's data.microbatches; default 1: on a host whose "
+        "cores the stages share, each micro-batch's frames and calls cost more than its overlap gains)",
+    )
     ap.add_argument("--kv-slots", type=int, default=16, help="deploy --kv-slots (0: no KV cache; default 16)")
     ap.add_argument(
         "--in-flight", type=int, default=None, help="deploy --in-flight (default: the deploy default)"
@@ -295,11 +335,17 @@ def main() -> int:
         default="balanced",
         help="broker --placement (default balanced)",
     )
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=3,
+        help="rounds of plain generate() then all requests' clients at once, in turn (default 3; 0: none)",
+    )
     ap.add_argument("--workdir", type=Path, help=WORKDIR_HELP)
     args = ap.parse_args()
     shape = QUICK if args.quick else SIZES[args.size]
     work = work_folder(args.workdir, "fusionnet-serving-")
-    job = write_job(work / "job", shape, args.batch, args.compnodes)
+    job = write_job(work / "job", shape, args.batch, args.compnodes, args.microbatches)
     reqs = prompts(args.requests, shape[0])
     plain = plain_baselines(job, reqs, args.max_tokens, shape[4])
     extra = ("--sandbox", args.sandbox)
@@ -330,6 +376,7 @@ def main() -> int:
             predicted = predictions(observer.broker_status())
         finally:
             observer.close()
+        pairs = paired_rounds(job, reply.url, reqs, args.max_tokens, args.pairs) if args.pairs else None
         killed = kill_mid_stream(sw, reply.url, reqs, args.max_tokens)
     # The reference is the same computation in one process (the KV decode a token at a time, or the padded
     # window without KV caches): generate() prefills the prompt in one pass and rounds differently, and a
@@ -354,6 +401,14 @@ def main() -> int:
     print(f"plain generate() (KV cache), one request at a time: {plain['generate_tokens_per_s']:.1f} tok/s")
     print(f"plain KV decode, a token per pass (one process): {plain['kv_decode_tokens_per_s']:.1f} tok/s")
     print(f"plain recompute of the window (one process): {plain['recompute_tokens_per_s']:.1f} tok/s")
+    if pairs is not None:
+        print(
+            f"{len(reqs)} clients against plain generate() measured right before, {args.pairs} rounds: "
+            + ", ".join(
+                f"{s:.1f}/{p:.1f}" for s, p in zip(pairs["served_tokens_per_s"], pairs["plain_tokens_per_s"])
+            )
+            + f" tok/s, median ratio {pairs['median_ratio']:.2f}"
+        )
     if predicted["eq4_tokens_per_s"] is not None:
         print(f"performance model: eq. (3) {predicted['eq3_tokens_per_s']:.1f} tok/s, "
               f"eq. (4) {predicted['eq4_tokens_per_s']:.1f} tok/s")  # fmt: skip
@@ -373,6 +428,7 @@ def main() -> int:
         "plain_generate_tokens_per_s": plain["generate_tokens_per_s"],
         "plain_recompute_tokens_per_s": plain["recompute_tokens_per_s"],
         "plain_kv_decode_tokens_per_s": plain["kv_decode_tokens_per_s"],
+        "paired": pairs,
         "kv_slots": args.kv_slots,
         "compnodes": args.compnodes,
         "sandbox": args.sandbox,

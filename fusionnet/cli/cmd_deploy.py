@@ -44,6 +44,14 @@ def add_parser(subparsers: Any) -> None:
         help="a batch waits this long to fill (default 5)",
     )
     p.add_argument(
+        "--in-flight",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="request batches in the pipeline at once (default 2: the next batch runs in the first stages "
+        "while one is in the last; 1 keeps every session in one fuller batch)",
+    )
+    p.add_argument(
         "--queue-limit",
         type=int,
         default=1024,
@@ -83,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
     from fusionnet.runtime.deploy import deploy
 
     settings = ServingSettings(
-        max_wait_ms=args.max_wait_ms, queue_limit=args.queue_limit, kv_slots=args.kv_slots
+        max_wait_ms=args.max_wait_ms,
+        queue_limit=args.queue_limit,
+        kv_slots=args.kv_slots,
+        in_flight=args.in_flight,
     )
     reply = asyncio.run(
         deploy(
