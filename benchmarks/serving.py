@@ -108,9 +108,17 @@ def pct(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_clients(url: str, clients: int, requests: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """Each client streams its share of ``requests`` one after another; all clients at once."""
+def run_clients(
+    url: str,
+    clients: int,
+    requests: list[list[int]],
+    max_tokens: int,
+    on_tokens: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Each client streams its share of ``requests`` one after another; all clients at once.
+    ``on_tokens`` sees the count of tokens streamed so far, after each chunk."""
     client = FusionNetClient(url, timeout=600)
+    streamed = [0]
     ttft: list[float] = []
     itl: list[float] = []
     tokens: dict[int, list[int]] = {}
@@ -128,8 +136,12 @@ def run_clients(url: str, clients: int, requests: list[list[int]], max_tokens: i
             now = time.perf_counter()
             with lock:
                 (itl if got else ttft).append(now - (last if got else started))
+                streamed[0] += len(ids)
+                count = streamed[0]
             last = now
             got.extend(ids)
+            if on_tokens is not None:
+                on_tokens(count)
         tokens[i] = got
 
     def worker(c: int) -> None:
@@ -290,12 +302,19 @@ def kill_mid_stream(sw: ProcessSwarm, url: str, requests: list[list[int]], max_t
     finally:
         observer.close()
     victim = next(c for c in sw.compnodes if c.peer_id in peers)
-    timer = threading.Timer(3.0, lambda: victim.send(signal.SIGKILL))
-    timer.start()
-    try:
-        result = run_clients(url, 4, requests, max_tokens)
-    finally:
-        timer.cancel()
+    # mid-stream by the tokens streamed, not by the clock: a third of them in, whatever the pace
+    at = len(requests) * max_tokens // 3
+    killed, once = threading.Event(), threading.Lock()
+
+    def kill_at(count: int) -> None:
+        with once:  # the clients' threads call this
+            if count < at or killed.is_set():
+                return
+            killed.set()
+        victim.send(signal.SIGKILL)
+
+    result = run_clients(url, 4, requests, max_tokens, on_tokens=kill_at)
+    assert killed.is_set(), "the streams ended before the SIGKILL"
     observer = BlockingObserver(sw.initial_peers)
     try:
         result["attempt"] = observer.broker_status()["deployments"][0]["attempt"]  # 2: placed again once

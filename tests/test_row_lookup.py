@@ -16,6 +16,7 @@ from torch import nn
 
 from fusionnet.dag.channel import Channel, MessageKey
 from fusionnet.dag.partition import build_partition
+from fusionnet.dag.rebuild import compact_embedding
 from fusionnet.dag.row_lookup import base_op, row_lookups
 from fusionnet.dag.row_trade import check_traded
 from fusionnet.dag.trace import trace_model
@@ -197,6 +198,91 @@ def test_training_with_rows_traded_equals_plain_pytorch(tmp_path: Path, schedule
         if k in want.weights:
             assert (w - want.weights[k]).abs().max().item() <= 1e-5, k
     assert max(abs(a - b) for a, b in zip(losses, want.losses)) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("aten", "padding_idx"),
+    [(True, -1), (True, 7), (True, 8), (False, None), (False, 7), (False, -13), (False, 8)],
+)
+@pytest.mark.parametrize("scale_grad_by_freq", [False, True])
+def test_a_lookup_in_the_step_s_rows_equals_the_lookup_in_the_whole_matrix(
+    aten: bool, padding_idx: int | None, scale_grad_by_freq: bool
+) -> None:
+    """``compact_embedding`` on the rows of the ids only: same values, and the rows' gradient equals the
+    whole matrix's gradient at those rows (padding row included: 7 is among the ids, 8 is not, -13 is
+    row 7 counted from the end of 20)."""
+    torch.manual_seed(0)
+    rows = 20
+    full = torch.randn(rows, 5, requires_grad=True)
+    indices = torch.tensor([[3, 7, 3, 11], [0, 7, 19, 3]])
+    ids = torch.unique(indices)
+    compact = full.detach()[ids].clone().requires_grad_(True)
+    if aten:
+        fn = torch.ops.aten.embedding.default
+        want = fn(full, indices, padding_idx, scale_grad_by_freq)
+        got = compact_embedding(fn, True, rows, ids, compact, indices, padding_idx, scale_grad_by_freq)
+    else:
+        fn = torch.nn.functional.embedding
+        want = fn(indices, full, padding_idx, scale_grad_by_freq=scale_grad_by_freq)
+        got = compact_embedding(
+            fn, False, rows, ids, indices, compact, padding_idx, scale_grad_by_freq=scale_grad_by_freq
+        )
+    assert torch.equal(got, want)
+    seed = torch.randn_like(want)
+    want.backward(seed)
+    got.backward(seed)
+    assert full.grad is not None and compact.grad is not None
+    assert torch.equal(compact.grad, full.grad[ids])
+    assert float(full.grad.abs().sum()) == pytest.approx(float(compact.grad.abs().sum()))  # nothing else
+
+
+def test_a_lookup_in_the_step_s_rows_refuses_an_index_outside_the_matrix() -> None:
+    ids = torch.tensor([1, 4])
+    with pytest.raises(IndexError, match=r"outside 0\.\.9"):
+        compact_embedding(
+            torch.nn.functional.embedding, False, 10, ids, torch.tensor([4, 10]), torch.ones(2, 3)
+        )
+
+
+def test_the_lookup_side_holds_no_matrix_the_size_of_the_weight(tmp_path: Path) -> None:
+    """The reader's step value of the traded weight is its rows only, and the gradient it sends back is
+    one row per id."""
+    pytest.importorskip("transformers")
+    prepared = prepare_job(load_job(_tied_job(tmp_path / "job", steps=1)), 2)
+    swarm = InMemorySwarm(prepared, "gpipe")
+    reader = next(ex for ex in swarm.executors if ex.subdag.row_reads)
+    (v,) = reader.subdag.row_reads
+    sent: list[torch.Tensor] = []
+
+    class Watching(Channel):
+        def __init__(self, inner: Channel) -> None:
+            self.inner = inner
+
+        async def send(self, dst: int, key: MessageKey, value: Any) -> None:
+            if key[0] == "grad" and key[3] == v:
+                sent.extend(t for t in (value if isinstance(value, list) else [value]) if t is not None)
+            await self.inner.send(dst, key, value)
+
+        async def recv(self, src: int, key: MessageKey) -> Any:
+            return await self.inner.recv(src, key)
+
+    reader.channel = Watching(reader.channel)
+    leaves: list[torch.Tensor] = []
+
+    async def run() -> None:
+        for data in swarm.steps():
+            task = asyncio.ensure_future(swarm.step(data))
+            while v not in reader._step_inputs and not task.done():
+                await asyncio.sleep(0.001)
+            leaves.append(reader._step_inputs[v])
+            await task
+
+    asyncio.run(run())
+    ids = reader._row_ids[v]
+    rows, *width = reader._shape_of(v)
+    assert 0 < len(ids) < rows
+    assert tuple(leaves[0].shape) == (len(ids), *width)
+    assert len(sent) == 1 and tuple(sent[0].shape) == (len(ids), *width)
 
 
 def test_run_local_writes_the_reference_weights(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -48,10 +48,6 @@ class BackwardPass:
     named_params: dict[str, torch.nn.Parameter]
     step_wide: set[str]
     row_serves: Mapping[str, Any]  # ``row_trade``: tied weights whose lookups get rows
-
-    if TYPE_CHECKING:  # ``row_trade.RowTrade``, after this class in ``SubDagExecutor``'s bases
-
-        def rows_of_grads(self, name: str, grads: list[Any]) -> list[Any]: ...
 
     _stash: dict[int, tuple[list[Any], tuple[Any, ...]]]
     _weight_work: dict[int, WeightWork]
@@ -185,9 +181,7 @@ class BackwardPass:
                 continue
             if not self.expects_grad(value):
                 continue  # nothing differentiable was received, so the producer expects nothing
-            back[name] = self.rows_of_grads(
-                name, [v.grad if is_float(v) else None for v in tree_flatten(value)[0]]
-            )
+            back[name] = [v.grad if is_float(v) else None for v in tree_flatten(value)[0]]
         return to_host(back, self.device)
 
     def _send_input_grads(self, step: int, mb: int, back: dict[str, list[Any]], ready: Any) -> None:

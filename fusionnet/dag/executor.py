@@ -122,6 +122,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         missing = [k for k in (*subdag.params, *subdag.buffers) if k not in state]
         if missing:
             raise ExecutionError(f"sub-DAG {subdag.index}: missing state tensors {missing[:5]}")
+        self._init_row_trade()  # tied weights whose far side gets rows only (``row_trade``)
         self.module, self.root = build_subdag_module(
             graph,
             subdag.nodes,
@@ -130,6 +131,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
             {k: state[k] for k in subdag.params},
             {k: state[k] for k in subdag.buffers},
             self.device,
+            self.compact_lookups(),
         )
         self.module.train(task != "infer")
         try:  # built on the CPU (cloned from the state), then moved: the device holds one copy
@@ -158,7 +160,6 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         )
         self._step_inputs: dict[str, Any] = {}  # step-wide inputs received and placed (this step or resident)
         self._step_sent: set[str] = set()  # step-wide outputs sent (this step or resident)
-        self._init_row_trade()  # tied weights whose far side gets rows only (``row_trade``)
 
     async def _run(self, phase: Phase, step: int, mb: int, work: Callable[[], T]) -> T:
         """One compute stretch, between the hooks, on the compute pool (or inline without one)."""
@@ -249,7 +250,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
                     autocast(self.precision, self._device_type()),
                     self._counting(shapes, placed) as saved,
                 ):
-                    outs = self.module(*placed)
+                    outs = self.module(*placed, *self.row_ids_inputs())
             except Exception as e:
                 raise self._failed("FP", step, mb, e) from e
             if saved is not None:

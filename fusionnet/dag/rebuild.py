@@ -101,12 +101,17 @@ def build_subdag_module(
     params: Mapping[str, torch.Tensor],
     buffers: Mapping[str, torch.Tensor],
     device: torch.device | None = None,
+    compact_lookups: Mapping[str, int] | None = None,
 ) -> tuple[fx.GraphModule, SubDagModule]:
     """Rebuilds the sub-DAG ``node_names`` as a GraphModule whose constant devices are ``device`` (the
     executor's; default the CPU): the IR's ``device=cpu`` arguments were the tracer's, not the model's.
 
     Its positional inputs are ``input_names`` (outer required data, in that order) and it returns a
     tuple with the values of ``output_names`` (outwards data, plus the loss/output if held here).
+
+    ``compact_lookups`` (embedding node -> the full weight's row count): lookups whose weight input holds
+    only the step's rows (``row_trade``); each gets one more positional input after ``input_names``, in
+    that mapping's order: the sorted ids of the rows it holds (``compact_embedding``).
     """
     root = SubDagModule(params, buffers)
     where = device if device is not None else torch.device("cpu")
@@ -114,6 +119,8 @@ def build_subdag_module(
     env: dict[str, fx.Node] = {}
     for name in input_names:
         env[name] = g.placeholder(_safe(name))
+    compact = dict(compact_lookups or {})
+    row_ids = {name: g.placeholder(_safe(f"row_ids_of_{name}")) for name in compact}
     attr_nodes: dict[str, fx.Node] = {}
 
     def attr(key: str) -> fx.Node:
@@ -142,7 +149,10 @@ def build_subdag_module(
         args = decode_value(n.args, resolve, where)
         kwargs = decode_kwargs(n.kwargs, resolve, where)
         fn = REGISTRY.executable(n.op)  # the op behind its argument checks
-        if fn is None:
+        if n.name in compact and fn is not None:
+            lookup = _compact_lookup(fn, n.op.startswith("aten."), compact[n.name])
+            env[n.name] = g.call_function(lookup, (row_ids[n.name], *args), kwargs)
+        elif fn is None:
             env[n.name] = g.call_method(n.op[len("method:") :], tuple(args), kwargs)
         else:
             env[n.name] = g.call_function(fn, tuple(args), kwargs)
@@ -150,6 +160,47 @@ def build_subdag_module(
     g.output(tuple(env[name] for name in output_names))
     gm = fx.GraphModule(root, g, class_name="SubDag")
     return gm, root
+
+
+def _compact_lookup(fn: Callable[..., Any], aten: bool, rows: int) -> Callable[..., Any]:
+    def compact_lookup(ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return compact_embedding(fn, aten, rows, ids, *args, **kwargs)
+
+    return compact_lookup  # a named function: fx calls it from its generated code
+
+
+def compact_embedding(
+    fn: Callable[..., Any], aten: bool, rows: int, ids: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """An embedding lookup in a weight that holds only rows ``ids`` (sorted, distinct) of a ``rows``-row
+    matrix: the indices and ``padding_idx`` become positions in ``ids``; the same values and gradients as
+    the lookup in the whole matrix, whose other rows it never read. ``fn`` is ``aten.embedding(weight,
+    indices, padding_idx=-1, ...)`` or ``F.embedding(input, weight, padding_idx=None, ...)``."""
+    call = list(args)
+    i = 1 if aten else 0
+    indices = call[i] if len(call) > i else kwargs["indices" if aten else "input"]
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= rows):
+        raise IndexError(f"embedding: an index outside 0..{rows - 1}")
+    positions = torch.searchsorted(ids, indices)
+    if not bool((ids[positions.clamp(max=max(len(ids) - 1, 0))] == indices).all()):
+        raise ExecutionError("embedding: an index among no rows the step traded")  # ids cover every index
+    if len(call) > i:
+        call[i] = positions
+    else:
+        kwargs["indices" if aten else "input"] = positions
+    # padding_idx: aten's -1 (any negative) is none; F.embedding's None is, and it counts a negative one
+    # from the end. Its row's gradient stays zero: the same row, at its position among ``ids``.
+    none = -1 if aten else None
+    pad = call[2] if len(call) > 2 else kwargs.get("padding_idx", none)
+    if pad is not None and (pad >= 0 or not aten):
+        full = pad + rows if pad < 0 else pad
+        hit = (ids == full).nonzero()
+        new_pad = int(hit[0, 0]) if len(hit) else none  # a row no index reads: nothing to keep at zero
+        if len(call) > 2:
+            call[2] = new_pad
+        else:
+            kwargs["padding_idx"] = new_pad
+    return fn(*call, **kwargs)
 
 
 def _safe(name: str) -> str:

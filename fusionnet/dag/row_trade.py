@@ -6,9 +6,10 @@ Per step, for each tied weight ``V`` traded as rows between its owner and the su
    values within ``0..rows-1`` (every id its lookups will read, whatever the micro-batches);
 2. the owner answers ``("act", step, 0, V)``: ``V[ids]``, read before any FP of the step (after the
    last step's Update);
-3. the lookup's sub-DAG places a leaf the shape of ``V`` holding those rows (zeros elsewhere, never read)
-   as the step's value of ``V``; its micro-batches' gradients sum on that leaf as before;
-4. after its last seeding backward it sends ``("grad", step, 0, V)``: the leaf's gradient at ``ids``;
+3. the lookup's sub-DAG places a leaf of those rows only as the step's value of ``V``, and its lookup
+   reads positions among ``ids`` (``rebuild.compact_embedding``): no matrix the size of ``V`` exists on
+   that side; its micro-batches' gradients sum on that leaf as before;
+4. after its last seeding backward it sends ``("grad", step, 0, V)``: the leaf's gradient, one row per id;
 5. the owner, after its own backwards and before Update, adds them into ``V``'s gradient at ``ids``
    (fp16: unscaled first, and an inf/nan among them counts in the found-inf agreement).
 
@@ -57,6 +58,15 @@ class RowTrade:
         self.row_reads: dict[str, RowLookup] = {v: lookups[v] for v in self.subdag.row_reads}
         self.row_serves: dict[str, RowLookup] = {v: lookups[v] for v in self.subdag.row_serves}
         self._row_ids: dict[str, torch.Tensor] = {}  # this step's ids per traded weight (on the CPU)
+        self._row_ids_placed: dict[str, torch.Tensor] = {}  # those a lookup here reads, on the device
+
+    def compact_lookups(self) -> dict[str, int]:
+        """Lookup node -> the row count of its weight, for the weights this sub-DAG reads rows of (the
+        module's extra inputs, in this order; ``row_ids_inputs`` gives their values)."""
+        return {r.lookup: self._shape_of(v)[0] for v, r in self.row_reads.items()}
+
+    def row_ids_inputs(self) -> list[torch.Tensor]:
+        return [self._row_ids_placed[v] for v in self.row_reads]
 
     async def _off_loop(self, work: Callable[[], T]) -> T:
         """Tensor work of the exchange on the compute pool (not a hooked FP/BP stretch: fault points and
@@ -73,6 +83,7 @@ class RowTrade:
     async def trade_rows(self, step: int, microbatches: Sequence[Mapping[str, Any]]) -> None:
         """Steps 1-3 of the module docstring for this step, on both sides."""
         self._row_ids.clear()
+        self._row_ids_placed.clear()
         if not self.row_reads and not self.row_serves:
             return
         for v, r in self.row_reads.items():  # 1: ids out, never awaited here
@@ -112,14 +123,10 @@ class RowTrade:
                     f"sub-DAG {self.subdag.index}: rows of {v!r} from sub-DAG {src} are {have}, "
                     f"expected {(len(ids), *shape[1:])}"
                 )
+            self._row_ids_placed[v] = to_device(ids, self.device)
             self._step_inputs[v] = await self._off_loop(
-                lambda g=got, i=ids, s=shape: self._rows_leaf(g, i, s)
+                lambda g=got: to_device(g, self.device).detach().requires_grad_(True)
             )
-
-    def _rows_leaf(self, rows: torch.Tensor, ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        leaf = torch.zeros(shape, dtype=rows.dtype, device=self.device)
-        leaf.index_copy_(0, to_device(ids, self.device), to_device(rows, self.device))
-        return leaf.requires_grad_(True)
 
     def _checked_ids(self, v: str, src: int, ids: Any) -> torch.Tensor:
         rows = self._shape_of(v)[0]
@@ -135,13 +142,6 @@ class RowTrade:
                 f"distinct int64 ids below {rows}"
             )
         return ids
-
-    def rows_of_grads(self, name: str, grads: list[Any]) -> list[Any]:
-        """Step 4 on the compute thread: the traded weight's leaf gradient at the step's ids only."""
-        if name not in self.row_reads:
-            return grads
-        ids = self._row_ids[name]
-        return [None if g is None else g.index_select(0, to_device(ids, g.device)) for g in grads]
 
     async def add_traded_grads(self, step: int) -> None:
         """Step 5: each lookup's row gradients added into the owned weight's gradient at their ids."""
