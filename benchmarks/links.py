@@ -27,7 +27,7 @@ process:
 Prints a table, then one JSON line.
 
     python benchmarks/links.py [--steps 8] [--runs 1gbit:2 1gbit:3 100mbit:2 100mbit:3 20mbit:3]
-                               [--warmup 10] [--schedule auto] [--no-failover] [--quick] [--workdir DIR]
+                               [--warmup 10] [--schedule auto [...]] [--no-failover] [--quick] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ SGD = {"name": "sgd", "lr": 0.01, "kwargs": {"momentum": 0.9}}
 class LinkRun:
     rate: str
     compnodes: int
+    asked: str = "auto"  # the job's placement.schedule
     measured_ms: float = float("nan")
     predicted_ms: float = float("nan")
     split: list[float] = field(default_factory=list)  # share of forward FLOPs per sub-DAG
@@ -216,9 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     p.add_argument(
         "--schedule",
-        default="auto",
+        nargs="+",
+        default=["auto"],
         choices=["gpipe", "1f1b", "zero-bubble", "auto"],
-        help="the jobs' placement.schedule (default auto: the broker's performance model picks)",
+        help="the jobs' placement.schedule (default auto: the broker's performance model picks); several: "
+        "each link row runs once per schedule, one after another, for a same-run comparison",
     )
     p.add_argument("--quick", action="store_true", help=f"a small model {QUICK} instead of {FULL}")
     p.add_argument("--workdir", type=Path, help=WORKDIR_HELP)
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.runs:
         rate, _, n = spec.partition(":")
         rate_bits(rate)
-        runs.append(LinkRun(rate, int(n or 2)))
+        runs.extend(LinkRun(rate, int(n or 2), asked=schedule) for schedule in args.schedule)
     workdir = work_folder(args.workdir, "fusionnet-links-")
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     t0 = time.monotonic()
@@ -260,9 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpt2 {dims}: {n_params / 1e6:.1f}M parameters; plain PyTorch {plain_ms:.0f} ms/step; "
           f"logs in {workdir}", flush=True)  # fmt: skip
     for i, run in enumerate(runs):
-        path = write_job(workdir / f"job{i}", dims, args.steps, run.compnodes, args.schedule)
+        path = write_job(workdir / f"job{i}", dims, args.steps, run.compnodes, run.asked)
         warmup = (
-            write_job(workdir / f"warmup{i}", dims, args.warmup, run.compnodes, args.schedule)
+            write_job(workdir / f"warmup{i}", dims, args.warmup, run.compnodes, run.asked)
             if args.warmup
             else None
         )
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     failover = None
     if not args.no_failover:
         failover = LinkRun("100mbit", 2)
-        path = write_job(workdir / "job-failover", dims, args.steps, 2, args.schedule)
+        path = write_job(workdir / "job-failover", dims, args.steps, 2, args.schedule[0])
         run_swarm(workdir / "failover", path, failover, ref, plain_ms, graph, scale, backups=1, fault="fp:3")
         print(f"  failover: before {failover.before_ms} after {failover.after_ms} ms/step, "
               f"error {failover.error}", flush=True)  # fmt: skip

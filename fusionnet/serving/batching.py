@@ -9,7 +9,9 @@ eq. (4)) rather than the whole pipeline's latency (eq. (3)).
 
 A caller that asks again right after each answer (a generating session: its next token's row) takes
 its ``submit`` from ``caller()``. Between an answer and its next rows such a caller is "away", and a
-pipeline with nothing in it waits for the away callers (at most ``max_wait``) instead of running the
+pipeline with nothing in it waits for the away callers (at most a batch's time, measured, or
+``max_wait`` if longer; a caller that once does not come back in that time, a stalled stream, is not
+waited for again) instead of running the
 first row that comes back alone: the sessions of one batch come back a few event-loop turns apart (each
 samples its token and hands it to its stream first), and without the wait they would split into
 batches of one or two rows, each paying a batch's whole fixed cost.
@@ -95,6 +97,8 @@ class DynamicBatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._running = 0  # batches in the pipeline (a task stays in ``_tasks`` a little longer)
         self._away: set[object] = set()  # callers answered whose next rows are not in yet
+        self._slow: set[object] = set()  # callers once waited for in vain: never waited for again
+        self.away_timeouts = 0  # batches that waited for callers that did not come back in time
         self._batch_seconds = (
             0.0  # a moving average of a batch's wall time (how long the away are waited for)
         )
@@ -135,6 +139,7 @@ class DynamicBatcher:
         try:
             yield partial(self.submit, caller=handle)
         finally:
+            self._slow.discard(handle)
             if handle in self._away:
                 self._away.discard(handle)
                 self._arrived.set()  # the collector may be waiting for it
@@ -177,6 +182,10 @@ class DynamicBatcher:
             while self._rows_waiting() < self.max_batch:
                 until = away_until if self._away else fill_until if self._running else 0.0
                 if time.monotonic() >= until:
+                    if self._away:  # a stalled stream must not hold every batch back: not again
+                        self.away_timeouts += 1
+                        self._slow |= self._away
+                        self._away.clear()
                     break
                 self._arrived.clear()
                 with suppress(TimeoutError):
@@ -230,7 +239,7 @@ class DynamicBatcher:
                 n = int(item.rows.shape[0])
                 if not item.future.done():
                     item.future.set_result(out[offset : offset + n])
-                    if item.caller is not None:
+                    if item.caller is not None and item.caller not in self._slow:
                         self._away.add(item.caller)
                 offset += n
         except asyncio.CancelledError:
