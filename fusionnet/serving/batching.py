@@ -9,12 +9,12 @@ eq. (4)) rather than the whole pipeline's latency (eq. (3)).
 
 A caller that asks again right after each answer (a generating session: its next token's row) takes
 its ``submit`` from ``caller()``. Between an answer and its next rows such a caller is "away", and a
-pipeline with nothing in it waits for the away callers (at most a batch's time, measured, or
-``max_wait`` if longer; a caller that once does not come back in that time, a stalled stream, is not
-waited for again) instead of running the
-first row that comes back alone: the sessions of one batch come back a few event-loop turns apart (each
-samples its token and hands it to its stream first), and without the wait they would split into
-batches of one or two rows, each paying a batch's whole fixed cost.
+pipeline with nothing in it waits for the away callers instead of running the first row that comes
+back alone: the sessions of one batch come back a few event-loop turns apart (each samples its token
+and hands it to its stream first), and without the wait they would split into batches of one or two
+rows, each paying a batch's whole fixed cost. The wait lasts at most a batch's time (measured), or
+``max_wait`` if longer; a caller that once does not come back in that time (a stalled stream) is not
+waited for again.
 
 Overload is answered, never queued without bound: when more than ``queue_limit`` rows wait,
 ``submit`` raises ``Overloaded`` at once (the HTTP layer answers 503). A request larger than
@@ -99,9 +99,8 @@ class DynamicBatcher:
         self._away: set[object] = set()  # callers answered whose next rows are not in yet
         self._slow: set[object] = set()  # callers once waited for in vain: never waited for again
         self.away_timeouts = 0  # batches that waited for callers that did not come back in time
-        self._batch_seconds = (
-            0.0  # a moving average of a batch's wall time (how long the away are waited for)
-        )
+        # a moving average of a batch's wall time: how long the away callers are waited for
+        self._batch_seconds = 0.0
         self._loop_task: asyncio.Task[None] | None = None
         self._closed = False
 
