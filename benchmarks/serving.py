@@ -13,14 +13,16 @@ percentiles, beside
                          rows at a time through every sub-DAG (eq. (3): ``rows / sum_p C_p``) and batches
                          pipelined (eq. (4): ``rows / max_p C_p``, the bottleneck stage), from the broker's
                          predicted seconds per sub-DAG.
-Then a compnode of the deployment is SIGKILLed while 4 clients stream; the backup takes its sub-DAG and
-every request must finish with the tokens of the fault-free run.
+Then ``--pairs`` rounds of a plain ``generate()`` pass and a pass with one client per request, in turn
+(this machine's speed drifts, so each served figure is held against the plain one just before it).
+Then a compnode of the deployment is SIGKILLed while 4 clients stream, after a third of the tokens; the
+backup takes its sub-DAG and every request must finish with the tokens of the fault-free run.
 
 Prints a table, then one JSON line.
 
-    python benchmarks/serving.py [--size quick|full|realistic] [--compnodes 3] [--requests 4]
-        [--max-tokens 16] [--kv-slots 16]
-        [--sandbox process|off] [--placement balanced|model] [--workdir DIR]
+    python benchmarks/serving.py [--size quick|full|realistic] [--compnodes 3] [--requests 16]
+        [--max-tokens 16] [--batch 16] [--microbatches 1] [--kv-slots 16] [--in-flight 1|2]
+        [--max-wait-ms MS] [--pairs 3] [--sandbox process|off] [--placement balanced|model] [--workdir DIR]
 """
 
 from __future__ import annotations
