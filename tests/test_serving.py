@@ -17,7 +17,7 @@ from safetensors.torch import load as load_st
 from safetensors.torch import save as save_st
 
 from fusionnet.compnode.serve_steps import picked
-from fusionnet.serving.batching import DynamicBatcher, Overloaded, RowsFailed
+from fusionnet.serving.batching import BatchStats, DynamicBatcher, Overloaded, RowsFailed
 from fusionnet.serving.generation import Window
 from fusionnet.serving.http import build_app
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
@@ -132,8 +132,12 @@ def test_a_session_that_does_not_come_back_in_time_is_waited_for_once() -> None:
                 await submit(torch.zeros(1, 1), [0])
                 await asyncio.sleep(0.4)
 
+    stats: list[BatchStats] = []
+
     async def main() -> int:
-        b = DynamicBatcher(run_batch, max_batch=8, max_wait=0.05, queue_limit=100, in_flight=1)
+        b = DynamicBatcher(
+            run_batch, max_batch=8, max_wait=0.05, queue_limit=100, in_flight=1, on_batch=stats.append
+        )
         b.start()
         try:
             fast = _sessions(b, turns=[1, 2, 3], rounds=[6, 6, 6], use_caller=True)
@@ -144,6 +148,7 @@ def test_a_session_that_does_not_come_back_in_time_is_waited_for_once() -> None:
 
     assert _run(main()) == 1
     assert seen[0] == 4 and sum(seen) == 20
+    assert sum(st.missed for st in stats) == 1  # what the metric counts
 
 
 def test_batcher_refuses_beyond_its_queue_and_keeps_at_most_in_flight_batches() -> None:

@@ -129,7 +129,8 @@ class DeploymentService:
             model = self.served.get(name)
             if self.observer is not None and model is not None:
                 slots = None if model.kv is None else model.kv.in_use
-                self.observer.observe_batch(name, stats.rows, stats.seconds, model.batcher.queued_rows, slots)
+                queued = model.batcher.queued_rows
+                self.observer.observe_batch(name, stats.rows, stats.seconds, queued, slots, stats.missed)
 
         return observe
 

@@ -59,6 +59,12 @@ class ServingMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.sessions_missed = Counter(
+            "fusionnet_serving_sessions_missed_total",
+            "Generation sessions a batch waited for in vain (a stalled stream; not waited for again)",
+            ["deployment"],
+            registry=r,
+        )
         self.queue_rows = Gauge(
             "fusionnet_serving_queue_rows",
             "Rows waiting for a batch, by deployment",
@@ -91,9 +97,16 @@ class ServingMetrics:
         self.inter_token.labels(deployment=deployment).observe(max(0.0, seconds))
 
     def observe_batch(
-        self, deployment: str, rows: int, seconds: float, queued_rows: int, kv_slots: int | None = None
+        self,
+        deployment: str,
+        rows: int,
+        seconds: float,
+        queued_rows: int,
+        kv_slots: int | None = None,
+        missed_sessions: int = 0,
     ) -> None:
         self.batch_rows.labels(deployment=deployment).observe(rows)
+        self.sessions_missed.labels(deployment=deployment).inc(missed_sessions)
         self.batch_duration.labels(deployment=deployment).observe(max(0.0, seconds))
         self.queue_rows.labels(deployment=deployment).set(queued_rows)
         if kv_slots is not None:
@@ -105,6 +118,7 @@ class ServingMetrics:
             self.inter_token,
             self.batch_rows,
             self.batch_duration,
+            self.sessions_missed,
             self.queue_rows,
             self.kv_slots,
         ):

@@ -72,6 +72,7 @@ class BatchStats:
     rows: int
     waited: float
     seconds: float
+    missed: int = 0  # sessions the collector waited for in vain before this batch (never waited again)
 
 
 class DynamicBatcher:
@@ -99,6 +100,7 @@ class DynamicBatcher:
         self._away: set[object] = set()  # callers answered whose next rows are not in yet
         self._slow: set[object] = set()  # callers once waited for in vain: never waited for again
         self.away_timeouts = 0  # batches that waited for callers that did not come back in time
+        self._missed = 0  # callers given up on since the last batch's stats
         # a moving average of a batch's wall time: how long the away callers are waited for
         self._batch_seconds = 0.0
         self._loop_task: asyncio.Task[None] | None = None
@@ -183,6 +185,7 @@ class DynamicBatcher:
                 if time.monotonic() >= until:
                     if self._away:  # a stalled stream must not hold every batch back: not again
                         self.away_timeouts += 1
+                        self._missed += len(self._away)
                         self._slow |= self._away
                         self._away.clear()
                     break
@@ -259,7 +262,8 @@ class DynamicBatcher:
             self._arrived.set()  # a collector waiting on this batch's callers looks again
         if self.on_batch is not None:
             waited = started - min(i.queued_at for i in batch)
-            self.on_batch(BatchStats(n_rows, waited, time.monotonic() - started))
+            missed, self._missed = self._missed, 0
+            self.on_batch(BatchStats(n_rows, waited, time.monotonic() - started, missed))
 
     async def _run_apart(self, batch: list[_Item]) -> None:
         """Each request of a batch that failed on its rows, alone (in this batch's pipeline slot)."""

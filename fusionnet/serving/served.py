@@ -87,7 +87,13 @@ class ServingObserver(Protocol):
     def observe_inter_token(self, deployment: str, seconds: float) -> None: ...
 
     def observe_batch(
-        self, deployment: str, rows: int, seconds: float, queued_rows: int, kv_slots: int | None = None
+        self,
+        deployment: str,
+        rows: int,
+        seconds: float,
+        queued_rows: int,
+        kv_slots: int | None = None,
+        missed_sessions: int = 0,
     ) -> None: ...
 
     def forget_deployment(self, deployment: str) -> None: ...
