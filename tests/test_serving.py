@@ -116,9 +116,9 @@ def test_an_idle_pipeline_waits_for_the_sessions_coming_back_and_only_for_them(u
 
 
 def test_a_session_that_does_not_come_back_in_time_is_waited_for_once() -> None:
-    """A stalled stream (a session that takes 0.4 s between its rows) makes one batch wait for it in vain
-    (the wait is bounded by ``max_wait`` here, batches being instant); then it is not waited for again,
-    and the other sessions' batches go without it."""
+    """A stalled stream (a session that sends its next row only once the others are through) makes one
+    batch wait for it in vain (the wait is bounded by ``max_wait`` here, batches being instant); then it
+    is not waited for again, and the other sessions' batches go without it."""
     seen: list[int] = []
 
     async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
@@ -126,28 +126,33 @@ def test_a_session_that_does_not_come_back_in_time_is_waited_for_once() -> None:
         await asyncio.sleep(0)
         return rows
 
+    others_done = asyncio.Event()
+
     async def stalled(b: DynamicBatcher) -> None:
         async with b.caller() as submit:
-            for _ in range(2):
-                await submit(torch.zeros(1, 1), [0])
-                await asyncio.sleep(0.4)
+            await submit(torch.zeros(1, 1), [0])
+            await others_done.wait()  # its stream stalls until the other sessions are through
+            await submit(torch.zeros(1, 1), [0])
+
+    async def others(b: DynamicBatcher) -> None:
+        await asyncio.gather(*_sessions(b, turns=[1, 2, 3], rounds=[6, 6, 6], use_caller=True))
+        others_done.set()
 
     stats: list[BatchStats] = []
 
     async def main() -> int:
         b = DynamicBatcher(
-            run_batch, max_batch=8, max_wait=0.05, queue_limit=100, in_flight=1, on_batch=stats.append
+            run_batch, max_batch=8, max_wait=0.5, queue_limit=100, in_flight=1, on_batch=stats.append
         )
         b.start()
         try:
-            fast = _sessions(b, turns=[1, 2, 3], rounds=[6, 6, 6], use_caller=True)
-            await asyncio.wait_for(asyncio.gather(stalled(b), *fast), 5.0)
+            await asyncio.wait_for(asyncio.gather(stalled(b), others(b)), 5.0)
         finally:
             await b.close()
         return b.away_timeouts
 
     assert _run(main()) == 1
-    assert seen[0] == 4 and sum(seen) == 20
+    assert seen == [1, 3, 3, 3, 3, 3, 3, 1]  # the stalled one first alone, last alone
     assert sum(st.missed for st in stats) == 1  # what the metric counts
 
 
