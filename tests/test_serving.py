@@ -156,6 +156,43 @@ def test_a_session_that_does_not_come_back_in_time_is_waited_for_once() -> None:
     assert sum(st.missed for st in stats) == 1  # what the metric counts
 
 
+@pytest.mark.parametrize("sessions", [4, 12])
+def test_a_second_batch_runs_beside_the_first_only_when_the_sessions_cannot_all_ride_in_it(
+    sessions: int,
+) -> None:
+    """Two batches may be in flight. One session starts alone, the others a turn later, while its batch
+    runs: 4 sessions (fewer than ``max_batch`` 8) wait for that batch and go with it from then on, one
+    batch at a time; 12 cannot ride in one batch, so two run side by side."""
+    seen: list[int] = []
+    running = [0, 0]  # now, most at once
+
+    async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+        seen.append(int(rows.shape[0]))
+        running[0] += 1
+        running[1] = max(running)
+        await asyncio.sleep(0.02)  # a batch takes a while: the late sessions arrive meanwhile
+        running[0] -= 1
+        return rows
+
+    async def main() -> None:
+        b = DynamicBatcher(run_batch, max_batch=8, max_wait=0.0, queue_limit=100, in_flight=2)
+        b.start()
+        try:
+            first = asyncio.ensure_future(_sessions(b, [1], [4], use_caller=True)[0])
+            await asyncio.sleep(0)
+            rest = _sessions(b, [1] * (sessions - 1), [3] * (sessions - 1), use_caller=True)
+            await asyncio.wait_for(asyncio.gather(first, *rest), 10.0)
+        finally:
+            await b.close()
+
+    _run(main())
+    assert sum(seen) == 4 + 3 * (sessions - 1)
+    if sessions == 4:
+        assert seen == [1, 4, 4, 4] and running[1] == 1
+    else:
+        assert running[1] == 2
+
+
 def test_batcher_refuses_beyond_its_queue_and_keeps_at_most_in_flight_batches() -> None:
     gate = asyncio.Event()
     running = [0, 0]  # now, most

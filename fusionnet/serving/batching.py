@@ -14,7 +14,9 @@ back alone: the sessions of one batch come back a few event-loop turns apart (ea
 and hands it to its stream first), and without the wait they would split into batches of one or two
 rows, each paying a batch's whole fixed cost. The wait lasts at most a batch's time (measured), or
 ``max_wait`` if longer; a caller that once does not come back in that time (a stalled stream) is not
-waited for again.
+waited for again. And while batches run, another goes beside them only when the live sessions cannot
+all ride in the running ones (more sessions than ``max_batch`` per running batch): 16 sessions and
+``max_batch`` 16 make one full batch at a time, not two half ones.
 
 Overload is answered, never queued without bound: when more than ``queue_limit`` rows wait,
 ``submit`` raises ``Overloaded`` at once (the HTTP layer answers 503). A request larger than
@@ -101,6 +103,7 @@ class DynamicBatcher:
         self._slow: set[object] = set()  # callers once waited for in vain: never waited for again
         self.away_timeouts = 0  # batches that waited for callers that did not come back in time
         self._missed = 0  # callers given up on since the last batch's stats
+        self._callers = 0  # ``caller()`` blocks open: the live sessions
         # a moving average of a batch's wall time: how long the away callers are waited for
         self._batch_seconds = 0.0
         self._loop_task: asyncio.Task[None] | None = None
@@ -137,9 +140,12 @@ class DynamicBatcher:
         """A ``submit`` for one caller that submits again as soon as it has each answer, until the block
         ends; an idle pipeline waits for it meanwhile (see the module's text)."""
         handle = object()
+        self._callers += 1
         try:
             yield partial(self.submit, caller=handle)
         finally:
+            self._callers -= 1
+            self._arrived.set()  # fewer sessions: a held batch may now go
             self._slow.discard(handle)
             if handle in self._away:
                 self._away.discard(handle)
@@ -178,9 +184,19 @@ class DynamicBatcher:
             # A busy pipeline waits up to ``max_wait`` after the oldest row for the batch to fill. Callers
             # coming back from the last batch are waited for up to a batch's time: a batch run without them
             # would cost them a whole batch more. An idle pipeline with nobody away runs what is there.
+            # While batches run, another goes beside them only if the live sessions cannot all ride in the
+            # running ones; otherwise its rows wait for them to come back and go together (compnodes run
+            # batches in order, so the wait costs the overlap only, and one full batch costs less than
+            # two half ones wherever a batch has a fixed cost).
             fill_until = self._queue[0].queued_at + self.max_wait
-            away_until = time.monotonic() + max(self.max_wait, self._batch_seconds)
+            away_until = 0.0  # set when callers are first seen away (after a held batch came back)
             while self._rows_waiting() < self.max_batch:
+                if not self._away and self._running and 0 < self._callers <= self.max_batch * self._running:
+                    self._arrived.clear()
+                    await self._arrived.wait()  # a batch ends, a session ends, or rows come
+                    continue
+                if self._away and not away_until:
+                    away_until = time.monotonic() + max(self.max_wait, self._batch_seconds)
                 until = away_until if self._away else fill_until if self._running else 0.0
                 if time.monotonic() >= until:
                     if self._away:  # a stalled stream must not hold every batch back: not again
