@@ -194,29 +194,11 @@ class ChoiceRun:
         on_logits = self._saw if self.top is not None else None
         # this choice asks again right after each token: the batcher waits for it (``caller``)
         async with model.batcher.caller() as submit:
+            choice = (self.prompt, req.max_tokens, self.params, req.seed, self.index, on_logits)
             tokens = (
-                generate(
-                    submit,
-                    model.window,
-                    self.prompt,
-                    req.max_tokens,
-                    self.params,
-                    req.seed,
-                    self.index,
-                    on_logits,
-                )
+                generate(submit, model.window, *choice)
                 if model.kv is None
-                else generate_cached(
-                    submit,
-                    model.kv,
-                    model.epoch,
-                    self.prompt,
-                    req.max_tokens,
-                    self.params,
-                    req.seed,
-                    self.index,
-                    on_logits,
-                )
+                else generate_cached(submit, model.kv, model.epoch, *choice)
             )
             tracker = self.tracker
             async with aclosing(tokens):  # a choice that stops early gives its cache slot back at once
