@@ -9,10 +9,13 @@ percentiles, beside
                          ``SlotDecoder`` fed a token at a time, prompt included, one request at a time;
 - plain recompute        the same, recomputing the whole window per token (what a deployment without KV
                          caches, ``--kv-slots 0``, computes);
-- eq. (3) / eq. (4)      the performance model's prediction for this placement: one batch of ``max_batch``
-                         rows at a time through every sub-DAG (eq. (3): ``rows / sum_p C_p``) and batches
-                         pipelined (eq. (4): ``rows / max_p C_p``, the bottleneck stage), from the broker's
-                         predicted seconds per sub-DAG.
+- the model               the performance model's rate for this placement, from the broker's predicted
+                         C_p and R_p per micro-batch and its measured call round trip to the pipeline's ends
+                         (``perfmodel.generation_rate``): per client count, that many live sessions in the
+                         batches the batcher keeps in flight (a session's next row waits for its last one's
+                         pass); one full batch at a time (eq. (3)); and eq. (4)'s asymptote, a full batch
+                         per stage in flight (``max_batch / max_p max(C_p, R_p)``), which 16 sessions in
+                         batches of 16 cannot reach.
 Then ``--pairs`` rounds of a plain ``generate()`` pass and a pass with one client per request, in turn
 (this machine's speed drifts, so each served figure is held against the plain one just before it).
 Then a compnode of the deployment is SIGKILLed while 4 clients stream, after a third of the tokens; the
@@ -52,6 +55,11 @@ from swarm_jobs import WORKDIR_HELP, run_main, work_folder  # noqa: E402
 from fusionnet.job.kv_decode import SlotDecoder  # noqa: E402
 from fusionnet.job.loader import load_job  # noqa: E402
 from fusionnet.messages.serving_rpc import ServingSettings  # noqa: E402
+from fusionnet.perfmodel.generation_rate import (  # noqa: E402
+    GenerationRate,
+    asymptote_tokens_per_s,
+    generation_rate,
+)
 from fusionnet.runtime.deploy import deploy  # noqa: E402
 from fusionnet.runtime.process_swarm import BlockingObserver, CompnodeSpec, ProcessSwarm, broker_args  # noqa: E402
 from fusionnet.serving.client import FusionNetClient  # noqa: E402
@@ -62,6 +70,7 @@ QUICK = (1000, 128, 3, 4, 48)
 REALISTIC = (32000, 512, 8, 8, 96)  # 41.7M parameters, a tied 65.5 MB embedding
 SIZES = {"quick": QUICK, "full": FULL, "realistic": REALISTIC}
 PROMPT = 8
+CLIENT_COUNTS = [1, 4, 16]
 MODEL_PY = """import transformers
 from torch import nn
 
@@ -265,24 +274,42 @@ def plain_baselines(
     }
 
 
-def predictions(status: dict[str, Any]) -> dict[str, Any]:
-    """eq. (3)/(4) from the broker's predicted seconds per sub-DAG, beside what the batches took: the
-    broker's mean wall time per batch and each sub-DAG's mean FP time, and the heartbeat round trips."""
+def predictions(status: dict[str, Any], client_counts: list[int], max_tokens: int) -> dict[str, Any]:
+    """The performance model's tokens/s for this placement, beside what the batches took (the broker's
+    mean wall time per batch and each sub-DAG's mean FP time, and the heartbeat round trips).
+
+    From the broker's per sub-DAG C_p and R_p per micro-batch and its measured call round trip:
+    ``eq4_tokens_per_s`` is eq. (4)'s asymptote (full batches, as many in flight as there are stages,
+    sessions without end); ``eq3_tokens_per_s`` one full batch at a time (eq. (3) and the call); and per
+    client count the rate of that many live sessions with the batches the batcher keeps in flight, their
+    prompts' rows first (``perfmodel.generation_rate``: a session's next row waits for its last one's
+    pass)."""
     d = status["deployments"][0]
-    per = [p.get("predicted_seconds") for p in d.get("placement") or []]
     measured = {
         "batch_seconds_mean": d.get("batch_seconds_mean"),
         "batch_rows_mean": d.get("batch_rows_mean"),
         "stage_fp_seconds_mean": d.get("stage_fp_seconds_mean"),
         "heartbeat_rtt_ms": [c.get("rtt_ms") for c in status["compnodes"]],
     }
-    if not per or any(x is None for x in per):
-        return {"eq3_tokens_per_s": None, "eq4_tokens_per_s": None, **measured}
-    rows = d["max_batch"]
+    figures = d.get("model")
+    if not figures:
+        return {"eq3_tokens_per_s": None, "eq4_tokens_per_s": None, "model_tokens_per_s": {}, **measured}
+    fp, comm = figures["stage_fp_seconds"], figures["stage_comm_seconds"]
+    shape = {"mb_rows": figures["microbatch_rows"], "max_batch": d["max_batch"]}
+
+    def rate(sessions: int, in_flight: int) -> GenerationRate:
+        return generation_rate(fp, comm, **shape, sessions=sessions, in_flight=in_flight, prompt_rows=PROMPT,
+                               new_tokens=max_tokens, call_seconds=figures["call_seconds"])  # fmt: skip
+
     return {
-        "eq3_tokens_per_s": rows / sum(per),
-        "eq4_tokens_per_s": rows / max(per),
-        "stage_seconds_predicted": per,
+        "eq3_tokens_per_s": generation_rate(
+            fp, comm, **shape, sessions=d["max_batch"], in_flight=1, call_seconds=figures["call_seconds"]
+        ).tokens_per_s,
+        "eq4_tokens_per_s": asymptote_tokens_per_s(fp, comm, **shape),
+        "model_tokens_per_s": {n: rate(n, d["in_flight"]).to_dict() for n in client_counts},
+        "stage_fp_seconds_predicted": fp,
+        "stage_comm_seconds_predicted": comm,
+        "call_seconds": figures["call_seconds"],
         **measured,
     }
 
@@ -385,7 +412,7 @@ def main() -> int:
         )
         reply = asyncio.run(deploy(job, sw.initial_peers, name="gpt", settings=settings, wait_compnodes=120))
         assert reply.url is not None
-        for clients in (1, 4, 16):
+        for clients in CLIENT_COUNTS:
             before = batch_totals(sw.initial_peers)
             rows.append(run_clients(reply.url, clients, reqs, args.max_tokens))
             after = batch_totals(sw.initial_peers)
@@ -394,7 +421,7 @@ def main() -> int:
             rows[-1]["rows_per_batch"] = (after[1] - before[1]) / batches if batches else None
         observer = BlockingObserver(sw.initial_peers)
         try:
-            predicted = predictions(observer.broker_status())
+            predicted = predictions(observer.broker_status(), CLIENT_COUNTS, args.max_tokens)
         finally:
             observer.close()
         pairs = paired_rounds(job, reply.url, reqs, args.max_tokens, args.pairs) if args.pairs else None
@@ -414,11 +441,16 @@ def main() -> int:
         f"max batch {args.batch}"
     )
     print(f"{'clients':>8} {'tok/s':>8} {'req/s':>7} {'TTFT p50':>9} {'p90':>7} {'ITL p50':>8} {'p90':>7} "
-          f"{'rows/batch':>10}")  # fmt: skip
+          f"{'rows/batch':>10} {'model tok/s':>11} {'/ model':>7}")  # fmt: skip
     for r in [*rows, killed | {"clients": "4+kill"}]:
         fill = "-" if r.get("rows_per_batch") is None else f"{r['rows_per_batch']:.1f}"
+        model = predicted["model_tokens_per_s"].get(r["clients"])
+        vs = ("-", "-")
+        if model is not None:
+            vs = (f"{model['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / model['tokens_per_s']:.2f}")
         print(f"{r['clients']!s:>8} {r['tokens_per_s']:8.1f} {r['requests_per_s']:7.2f} {r['ttft_p50']:9.3f} "
-              f"{r['ttft_p90']:7.3f} {r['itl_p50']:8.3f} {r['itl_p90']:7.3f} {fill:>10}")  # fmt: skip
+              f"{r['ttft_p90']:7.3f} {r['itl_p50']:8.3f} {r['itl_p90']:7.3f} {fill:>10} {vs[0]:>11} "
+              f"{vs[1]:>7}")  # fmt: skip
     print(f"plain generate() (KV cache), one request at a time: {plain['generate_tokens_per_s']:.1f} tok/s")
     print(f"plain KV decode, a token per pass (one process): {plain['kv_decode_tokens_per_s']:.1f} tok/s")
     print(f"plain recompute of the window (one process): {plain['recompute_tokens_per_s']:.1f} tok/s")
@@ -431,8 +463,12 @@ def main() -> int:
             + f" tok/s, median ratio {pairs['median_ratio']:.2f}"
         )
     if predicted["eq4_tokens_per_s"] is not None:
-        print(f"performance model: eq. (3) {predicted['eq3_tokens_per_s']:.1f} tok/s, "
-              f"eq. (4) {predicted['eq4_tokens_per_s']:.1f} tok/s")  # fmt: skip
+        pairs_ms = zip(predicted["stage_fp_seconds_predicted"], predicted["stage_comm_seconds_predicted"])
+        ms = ", ".join(f"{c * 1e3:.1f}+{r * 1e3:.2f}" for c, r in pairs_ms)
+        print(f"performance model: C_p+R_p per micro-batch {ms} ms, call round trip "
+              f"{predicted['call_seconds'] * 1e3:.1f} ms; one full batch at a time (eq. (3)) "
+              f"{predicted['eq3_tokens_per_s']:.1f} tok/s, eq. (4)'s asymptote (a full batch per stage in "
+              f"flight) {predicted['eq4_tokens_per_s']:.1f} tok/s")  # fmt: skip
     stages = ", ".join(f"{s * 1e3:.1f}" for s in predicted["stage_fp_seconds_mean"] or [])
     print(
         f"per batch: {predicted['batch_seconds_mean'] * 1e3:.1f} ms wall at the broker, "

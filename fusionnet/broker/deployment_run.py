@@ -91,6 +91,30 @@ class DeploymentRun(JobRun):
         """The performance model's seconds for one full batch (``batch_size`` rows) on this placement."""
         return None if self._placement is None else self._placement.predicted_step
 
+    def model_figures(self) -> dict[str, object] | None:
+        """What the performance model says about this placement's batches, for ``status`` and
+        ``perfmodel.generation_rate``: per sub-DAG C_p (refined by the compnodes' measured speed, as
+        the batches go) and R_p per micro-batch of ``microbatch_rows`` rows, and the broker's measured
+        call round trip to the pipeline's ends (its heartbeat RTTs to the first and the last compnode:
+        the path every batch's call and answer take). None before a placement, or when the
+        compnodes' hardware is not known."""
+        placement = self._placement
+        if placement is None or placement.stage_timing is None or not self.peers:
+            return None
+        # C_p as planned, scaled by how fast each compnode has since been measured to run
+        fp = [
+            placement.stage_timing[i][0] * self.ctx.speeds.slowness(peer) / self._planned_slowness[i]
+            for i, peer in enumerate(self.peers)
+        ]
+        rtts = [self.ctx.registry.get(p) for p in (self.peers[0], self.peers[-1])]
+        known = [e.rtt for e in rtts if e is not None and e.rtt is not None]
+        return {
+            "microbatch_rows": self.mb_rows,
+            "stage_fp_seconds": fp,
+            "stage_comm_seconds": [placement.stage_timing[i][1] for i in range(len(self.peers))],
+            "call_seconds": sum(known) / len(known) if known else 0.0,
+        }
+
     # ---- lifetime --------------------------------------------------------------------------------
     async def run(self) -> None:
         job, store = self.job, self.ctx.store
@@ -180,7 +204,7 @@ class DeploymentRun(JobRun):
                 if isinstance(e, ComputeError):  # the same rows fail anywhere: no second attempt
                     raise RowsFailed(f"the model failed on these inputs: {e}") from e
                 continue
-            self._count(replies, time.perf_counter() - started, n)
+            self._count(replies, time.perf_counter() - started, n, count)
             return self._outputs_of(replies)[:n]
         raise ExecutionError(f"deployment {self.job.spec.name}: batch failed {BATCH_ATTEMPTS} times: {error}")
 
@@ -201,14 +225,19 @@ class DeploymentRun(JobRun):
             calls.append(self.serving.call_serve_step(peer, request, timeout=BATCH_TIMEOUT, large_answer=big))
         return await asyncio.wait_for(gather(calls), BATCH_TIMEOUT)
 
-    def _count(self, replies: list[ServeStepReply], seconds: float, rows: int) -> None:
+    def _count(self, replies: list[ServeStepReply], seconds: float, rows: int, microbatches: int) -> None:
         if len(self.stage_seconds) != len(replies):
             self.stage_seconds = [0.0] * len(replies)
         self.batches += 1
         self.batch_seconds += seconds
         self.batch_rows += rows
+        timing = None if self._placement is None else self._placement.stage_timing
         for i, r in enumerate(replies):
             self.stage_seconds[i] += r.fp_seconds
+            if timing is not None and i < len(self._planned_slowness):
+                # refine the compnode's speed online, as a job's steps do (``planning.speeds``)
+                predicted = timing[i][0] * microbatches
+                self.ctx.speeds.observe(self.peers[i], self._planned_slowness[i], predicted, r.fp_seconds)
 
     def timing(self) -> dict[str, object]:
         """Mean wall seconds and rows per batch, and per sub-DAG the mean FP seconds (for ``status``)."""

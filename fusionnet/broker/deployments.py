@@ -99,6 +99,8 @@ class DeploymentService:
                     "placement": placement,
                     "predicted_step_seconds": run.predicted_step,
                     "max_batch": model.batcher.max_batch,
+                    "in_flight": model.batcher.in_flight,
+                    "model": run.model_figures(),
                     **run.timing(),
                 }
             )

@@ -82,6 +82,8 @@ class Placement:
     predicted: dict[int, float] | None = None  # sub-DAG -> predicted FP+BP+Update seconds per step
     predicted_step: float | None = None  # predicted seconds per step (schedule simulator)
     schedule: ScheduleChoice | None = None  # the pipeline schedule this placement runs
+    # sub-DAG -> (C_p, R_p): predicted FP and activations-received seconds per micro-batch
+    stage_timing: dict[int, tuple[float, float]] | None = None
 
     def describe(self) -> str:
         text = f"{len(self.peers)} sub-DAG(s) by the {self.policy} policy"
@@ -195,6 +197,7 @@ def _place(
             policy=SCHEDULER,
             predicted=dict(planned.predicted_seconds),
             predicted_step=planned.predicted_step_seconds,
+            stage_timing=dict(planned.stage_timing),
         )
     chosen = _fastest(pool)[:k]
     placement = Placement(
@@ -205,7 +208,7 @@ def _place(
     if any(c.device is None for c in chosen):
         return placement
     # Known hardware: predict the balanced split too, so that plan.json compares it with what ran.
-    per_subdag, step = predict_assignment(
+    predicted = predict_assignment(
         shape.graph,
         placement.assignment,
         [c.device for c in chosen],  # type: ignore[misc]
@@ -215,7 +218,12 @@ def _place(
         links=index_links(placement.peers, links),
         pipeline_schedule=shape.priced,
     )
-    return replace(placement, predicted=per_subdag, predicted_step=step)
+    return replace(
+        placement,
+        predicted=predicted.per_subdag,
+        predicted_step=predicted.step_seconds,
+        stage_timing=predicted.stage_timing,
+    )
 
 
 IDLE_SHARE = 0.02  # a stage predicted to do less than this share of the step's compute gets no real work
@@ -268,7 +276,7 @@ def predicted_step(
         optimizer=shape.optimizer,
         links=index_links(placement.peers, links),
         pipeline_schedule=shape.priced if placement.schedule is None else placement.schedule.name,
-    )[1]
+    ).step_seconds
 
 
 def worth_replanning(current_step: float | None, proposed: Placement, min_gain: float) -> bool:

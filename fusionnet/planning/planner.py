@@ -19,6 +19,7 @@ from fusionnet.perfmodel.memory import fmt_bytes
 from fusionnet.perfmodel.types import DeviceSpec, Link, Swarm, Workload
 from fusionnet.planning.costgraph import cost_graph, ir_assignment, micro_batch_scale
 from fusionnet.planning.scheduler import Plan, schedule
+from fusionnet.planning.scheduler_plan import StagePlan
 
 LOOPBACK = Link.from_bandwidth(100e-6, 1e9)  # local compnodes: loopback TCP, design.md's figures
 IN_PROCESS = Link(alpha=0.0, beta=0.0)  # run --local: tensors are handed over in memory
@@ -32,6 +33,8 @@ class PlannedJob:
     devices: list[int]  # devices[i]: index into the input device list of sub-DAG i
     predicted_seconds: dict[int, float]  # sub-DAG -> FP + BP + Update seconds per step
     predicted_step_seconds: float  # the schedule simulator's step time (pipelining, transfers)
+    # sub-DAG -> (C_p, R_p): FP seconds and activations-received seconds per micro-batch (eq. (3)/(4))
+    stage_timing: dict[int, tuple[float, float]]
     explanation: str  # the plan as text: per-stage times, memory, bottleneck
     plan: Plan  # the scheduler's plan (stage i of ``plan.stages`` is sub-DAG i)
 
@@ -45,6 +48,11 @@ def make_swarm(devices: Sequence[DeviceSpec], links: Links, default_link: Link |
     if isinstance(links, Link):
         return Swarm(tuple(devices), {}, links)
     return Swarm(tuple(devices), dict(links or {}), default_link or LOOPBACK)
+
+
+def stage_timing(stage: StagePlan) -> tuple[float, float]:
+    """(C_p, R_p) of eq. (3)/(4): a stage's FP seconds and activations-received seconds per micro-batch."""
+    return (stage.fp_seconds, stage.comm_fwd_seconds)
 
 
 def _partition(graph: IRGraph, labels: Mapping[str, int]) -> Partition:
@@ -100,11 +108,13 @@ def plan_graph(
         raise PlanError("internal: the plan's stages do not map one-to-one onto sub-DAGs")
     plan_devices = [plan.stages[stage_for[i]].device for i in range(len(partition.subdags))]
     predicted = {i: plan.stages[stage_for[i]].compute_seconds for i in range(len(partition.subdags))}
+    timing = {i: stage_timing(plan.stages[stage_for[i]]) for i in range(len(partition.subdags))}
     return PlannedJob(
         assignment=dict(partition.assignment),
         devices=plan_devices,
         predicted_seconds=predicted,
         predicted_step_seconds=plan.predicted_step_seconds,
+        stage_timing=timing,
         explanation=_explain(plan, swarm, plan_devices, predicted, max_devices),
         plan=plan,
     )

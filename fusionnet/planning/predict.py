@@ -6,13 +6,14 @@ the broker's balanced policy, the elastic-join rule).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition
 from fusionnet.errors import PlanError
 from fusionnet.perfmodel.types import DeviceSpec, Workload
 from fusionnet.planning.costgraph import cost_graph, micro_batch_scale
-from fusionnet.planning.planner import IN_PROCESS, Links, make_swarm
+from fusionnet.planning.planner import IN_PROCESS, Links, make_swarm, stage_timing
 from fusionnet.planning.scheduler import plan_for_assignment
 
 
@@ -47,6 +48,13 @@ def predict_subdags(
     return {s.device: s.compute_seconds for s in plan.stages}
 
 
+@dataclass(frozen=True)
+class AssignmentPrediction:
+    per_subdag: dict[int, float]  # sub-DAG -> predicted FP + BP + Update seconds per step
+    step_seconds: float  # the schedule simulator's step
+    stage_timing: dict[int, tuple[float, float]]  # sub-DAG -> (C_p, R_p) per micro-batch
+
+
 def predict_assignment(
     graph: IRGraph,
     assignment: Mapping[str, int],
@@ -57,9 +65,8 @@ def predict_assignment(
     optimizer: str | Mapping[str, str] | None = None,
     links: Links = None,
     pipeline_schedule: str = "gpipe",
-) -> tuple[dict[int, float], float]:
-    """(sub-DAG -> predicted FP+BP+Update seconds per step, predicted step seconds) of an IR assignment
-    whose sub-DAG ``i`` runs on ``devices[i]``."""
+) -> AssignmentPrediction:
+    """The predictions for an IR assignment whose sub-DAG ``i`` runs on ``devices[i]``."""
     cg = cost_graph(
         graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches), microbatches=microbatches
     )
@@ -70,4 +77,8 @@ def predict_assignment(
         {op.name: assignment[op.name] for op in cg.ops},
         check_memory=False,
     )
-    return {s.device: s.compute_seconds for s in plan.stages}, plan.predicted_step_seconds
+    return AssignmentPrediction(
+        per_subdag={s.device: s.compute_seconds for s in plan.stages},
+        step_seconds=plan.predicted_step_seconds,
+        stage_timing={s.device: stage_timing(s) for s in plan.stages},
+    )

@@ -92,6 +92,7 @@ class DynamicBatcher:
             raise ValueError("max_batch, queue_limit and in_flight must be >= 1 and max_wait >= 0")
         self.run_batch = run_batch
         self.max_batch, self.max_wait, self.queue_limit = max_batch, max_wait, queue_limit
+        self.in_flight = in_flight
         self.on_batch = on_batch
         self._queue: list[_Item] = []
         self._queued_rows = 0
