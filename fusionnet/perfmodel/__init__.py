@@ -11,6 +11,7 @@ Map of the package:
 - ``memory.py``      a sub-DAG's D_gpu / D_cpu / D_disk demand: params, grads, optimizer state,
                      activations of in-flight micro-batches (GPipe / 1F1B), communication buffers.
 - ``simulator.py``   GPipe / 1F1B schedule simulator over stages and links: step time, peak in-flight.
+- ``generation_rate.py`` eq. (3)/(4) for a deployment's live decoding sessions: tokens/s per session count.
 - ``placement_cost.py`` the cost of one op -> device assignment: stages, transfers, makespan, step time.
 - ``fitting.py``     lambda_p and alpha-beta fits from measurements; online lambda refinement.
 - ``overhead_fit.py`` the fixed costs refitted to sub-DAG times measured in the executor
