@@ -76,6 +76,93 @@ def test_packed_parts_take_in_place_ops_like_the_senders_tensors() -> None:
     assert first.tolist() == [11.0, 12.0] and second.tolist() == [3.0, 4.0, 5.0]
 
 
+def _send_all(items: list, compression: str = "none", validate=None) -> tuple[list, list, NetChannel]:
+    sender, receiver, wire = _pair(compression)
+    receiver.validate = validate
+
+    async def go() -> list:
+        await sender.send_values(1, items)
+        return [await asyncio.wait_for(receiver.recv(0, key), 10) for key, _ in items]
+
+    return asyncio.run(go()), wire, receiver
+
+
+def test_several_values_for_one_receiver_travel_as_one_frame() -> None:
+    g = torch.Generator().manual_seed(2)
+    items = [
+        (("act", 3, 1, "hidden"), torch.randn(4, 8, generator=g)),
+        (("act", 3, 1, "positions"), torch.arange(4)),
+        (("act", 3, 1, "pair"), (torch.randn(2, generator=g), None, 1.5)),
+    ]
+    got, wire, _ = _send_all(items)
+    assert len(wire) == 1 and wire[0].name == "hidden+positions+pair" and is_packed(wire[0].tensor)
+    assert torch.equal(got[0], items[0][1]) and torch.equal(got[1], items[1][1])
+    assert torch.equal(got[2][0], items[2][1][0]) and got[2][1:] == (None, 1.5)
+    # int8 error feedback is kept per value and tensor, as one send per value keeps it
+    got, wire, _ = _send_all([*items[:1], (("act", 3, 1, "other"), items[0][1] * 2)], "int8-ef")
+    assert len(wire) == 1 and got[0].dtype == torch.float32 and (got[0] - items[0][1]).abs().max() < 0.1
+
+
+def test_values_that_cannot_share_a_frame_go_one_by_one() -> None:
+    big = torch.randn(PACK_MAX // 4, generator=torch.Generator().manual_seed(3))
+    for items in (
+        [(("act", 0, 0, "a"), big), (("act", 0, 0, "b"), torch.ones(8))],  # over PACK_MAX together
+        [(("act", 0, 0, "a"), torch.ones(2)), (("act", 0, 1, "b"), torch.ones(2))],  # two micro-batches
+        [(("act", 0, 0, "a"), torch.ones(2))],  # one value
+    ):
+        got, wire, _ = _send_all(items)
+        assert "+" not in " ".join(f.name for f in wire) and len(got) == len(items)
+        assert all(torch.equal(g, v) for g, (_, v) in zip(got, items))
+
+
+def test_a_bundle_with_one_bad_value_delivers_none_and_fails_the_awaited_keys() -> None:
+    items = [(("act", 0, 0, "good"), torch.ones(3)), (("act", 0, 0, "bad"), torch.ones(5))]
+
+    def validate(src: int, key: tuple, value: object) -> None:
+        if key[3] == "bad":
+            raise WireError("bad: shape [5], expected [3]")
+
+    sender, receiver, wire = _pair()
+    receiver.validate = validate
+
+    async def go() -> None:
+        waiting = asyncio.ensure_future(receiver.recv(0, ("act", 0, 0, "good")))
+        await asyncio.sleep(0)
+        await sender.send_values(1, items)
+        with pytest.raises(Exception, match="refused a frame from sub-DAG 0: bad: shape"):
+            await asyncio.wait_for(waiting, 10)
+
+    asyncio.run(go())
+    assert receiver.refused == 1 and len(wire) == 1
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["a+a", "a++b", "a+b/0", "+".join(f"{a}{b}" for a in "abcdefghijklmnopq" for b in "0123456789abcdef")],
+    ids=["repeated", "empty", "split-tensor", "too-many"],
+)
+def test_malformed_bundles_are_refused(name: str) -> None:
+    _, receiver, _ = _pair()
+    tree = {"$seq": [{"$t": 0}, {"$t": 1}], "tuple": True}
+    asyncio.run(_receive(receiver, name, pack_value(tree, [torch.ones(2), torch.ones(2)], [None, None])))
+    assert receiver.refused == 1
+
+
+def test_a_bundle_must_hold_one_value_per_name() -> None:
+    _, receiver, _ = _pair()
+    asyncio.run(
+        _receive(receiver, "a+b", pack_value({"$seq": [{"$t": 0}], "tuple": True}, [torch.ones(2)], [None]))
+    )
+    asyncio.run(_receive(receiver, "a+b", torch.ones(2)))  # not packed
+    assert receiver.refused == 2
+
+
+async def _receive(receiver: NetChannel, name: str, payload: torch.Tensor) -> None:
+    receiver.on_frame(
+        TensorFrame(job_id="job1", sender="A", kind="act", step=0, microbatch=0, name=name, tensor=payload)
+    )
+
+
 def test_large_values_travel_as_tensor_frames_and_a_structure() -> None:
     big = torch.randn(PACK_MAX // 4 + 1, generator=torch.Generator().manual_seed(1))
     got, wire = _roundtrip((big, torch.ones(2)))

@@ -11,6 +11,12 @@ With ``placement.wire_compression`` (``fusionnet.wire.compression``), floating-p
 activations and gradients are compressed before they are sent and restored to their dtype on
 arrival; the codec of each tensor travels in the structure.
 
+Several values for one receiver from one FP (or BP) go as one packed frame named ``a+b+...``
+(``send_values``) when their tensors fit ``PACK_MAX``: each frame costs a fixed amount on both ends
+(the worker-daemon hop, a MAC, a write, the receiver's wake-up), and a decoder block's stage sends its
+receiver several small values per micro-batch (hidden states, positions, cache slots). The receiver
+checks every value of such a frame before it delivers any.
+
 Every received value is checked against the IR's description of that node (dtype, rank, and every
 dimension except the micro-batch one; the IR is traced in float32, so under mixed precision a float32
 value may also arrive in the job's compute dtype): a peer that sends a wrongly shaped tensor is refused and
@@ -24,7 +30,7 @@ of past steps are dropped when the step moves on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -36,8 +42,11 @@ from fusionnet.dag.ir import dtype_name
 from fusionnet.errors import JobError, WireError
 from fusionnet.wire.compression import Compressor, decompress
 from fusionnet.wire.frames import TensorFrame
+from fusionnet.wire.header import MAX_NAME_LEN
 
 log = logging.getLogger("fusionnet.compnode.netchannel")
+BUNDLE_SEP = "+"  # a frame named "a+b" carries the values of nodes a and b (FX names hold no "+")
+MAX_BUNDLE = 256
 MAX_STRUCTURE_BYTES = 1 << 20
 DEFAULT_MAX_PENDING_BYTES = 4 << 30  # tensors of unfinished values, all sources and steps together
 _Slot = tuple[int, str, int, int, str]  # (source sub-DAG, kind, step, micro-batch, node)
@@ -180,6 +189,37 @@ class NetChannel(Channel):
         payload = torch.frombuffer(bytearray(msgpack.packb(structure)), dtype=torch.uint8)
         await self.send_frame(dst, self._frame(key, node, payload))
 
+    async def send_values(self, dst: int, items: Sequence[tuple[MessageKey, Any]]) -> None:
+        """Values of one (kind, step, micro-batch) to ``dst`` in one packed frame named ``a+b+...``
+        when they fit (``PACK_MAX`` tensor bytes, the frame name's bound); otherwise one send each."""
+        names = [key[3] for key, _ in items]
+        bundle = BUNDLE_SEP.join(names)
+        if (
+            not 2 <= len(items) <= MAX_BUNDLE
+            or len({key[:3] for key, _ in items}) != 1
+            or len(set(names)) != len(names)
+            or any(not n or BUNDLE_SEP in n or "/" in n for n in names)
+            or len(bundle) > MAX_NAME_LEN
+        ):
+            for key, value in items:
+                await self.send(dst, key, value)
+            return
+        kind, _, mb, _ = items[0][0]
+        tensors: list[torch.Tensor] = []
+        docs, codecs = [], []
+        for (_, _, _, node), value in items:
+            start = len(tensors)
+            docs.append(encode_structure(value, tensors))
+            for i in range(start, len(tensors)):  # error feedback per value and tensor, as ``send`` keys it
+                tensors[i], info = self.compressor.compress((dst, kind, node, i - start, mb), tensors[i])
+                codecs.append(info)
+        if sum(_nbytes(t) for t in tensors) > PACK_MAX:
+            for key, value in items:
+                await self.send(dst, key, value)
+            return
+        tree = {"$seq": docs, "tuple": True}
+        await self.send_frame(dst, self._frame(items[0][0], bundle, pack_value(tree, tensors, codecs)))
+
     async def recv(self, src: int, key: MessageKey) -> Any:
         return await self.mailbox.take(src, key)
 
@@ -203,11 +243,13 @@ class NetChannel(Channel):
         """A member's frame for a value this step still awaits was refused: the value can never come, so
         its step fails now with the reason instead of waiting for the broker's timeout."""
         src = self.subdag_of_peer.get(frame.sender)
-        key: MessageKey = (frame.kind, frame.step, frame.microbatch, frame.name.partition("/")[0])
-        if src is None or frame.kind not in ("act", "grad") or not self.mailbox.expects(key):
-            return  # not this job's value, or of a step nobody takes: dropping it loses nothing
+        if src is None or frame.kind not in ("act", "grad"):
+            return  # not this job's value: dropping it loses nothing
         why = f"job {self.job_id}: refused a frame from sub-DAG {src}: {error}"
-        self.mailbox.refuse(src, key, JobError(why))
+        for node in frame.name.partition("/")[0].split(BUNDLE_SEP)[:MAX_BUNDLE]:
+            key: MessageKey = (frame.kind, frame.step, frame.microbatch, node)
+            if self.mailbox.expects(key):  # else of a step nobody takes
+                self.mailbox.refuse(src, key, JobError(why))
 
     def _on_frame(self, frame: TensorFrame) -> None:
         src = self.subdag_of_peer.get(frame.sender)
@@ -220,6 +262,9 @@ class NetChannel(Channel):
         self._drop_stale_pending()
         if not self.mailbox.expects((frame.kind, frame.step, frame.microbatch, node)):
             raise WireError(f"step {frame.step} is not expected now (current {self.mailbox.floor})")
+        if BUNDLE_SEP in node:
+            self._on_bundle(src, frame, node.split(BUNDLE_SEP))
+            return
         if sep:
             if not index.isdigit() or int(index) > 4096:
                 raise WireError(f"bad tensor index in frame name {frame.name!r}")
@@ -237,6 +282,26 @@ class NetChannel(Channel):
         if self.validate is not None:
             self.validate(src, key, value)
         self.mailbox.deliver(src, key, value)
+
+    def _on_bundle(self, src: int, frame: TensorFrame, names: list[str]) -> None:
+        """A packed frame of several values (``send_values``): each is checked, then all delivered."""
+        if not 2 <= len(names) <= MAX_BUNDLE or len(set(names)) != len(names) or not all(names):
+            raise WireError(f"frame {frame.name[:80]!r} does not name 2..{MAX_BUNDLE} distinct values")
+        if "/" in frame.name or not is_packed(frame.tensor):
+            raise WireError(f"frame {frame.name[:80]!r}: several values travel in one packed frame only")
+        if frame.tensor.numel() > PACK_MAX + 2 * MAX_STRUCTURE_BYTES:
+            raise WireError(f"packed values of {frame.tensor.numel()} bytes")
+        tree, tensors, codecs = unpack_value(frame.tensor)
+        tensors = {i: decompress(t, codecs[i]) for i, t in tensors.items()}
+        values = decode_structure(tree, tensors)
+        if not isinstance(values, tuple) or len(values) != len(names):
+            raise WireError(f"frame {frame.name[:80]!r} holds no value per name")
+        keys: list[MessageKey] = [(frame.kind, frame.step, frame.microbatch, n) for n in names]
+        for key, value in zip(keys, values):
+            if self.validate is not None:
+                self.validate(src, key, value)
+        for key, value in zip(keys, values):
+            self.mailbox.deliver(src, key, value)
 
     def _unpacked(self, slot: _Slot, payload: torch.Tensor) -> tuple[Any, dict[int, torch.Tensor], list[Any]]:
         """The structure of a value whose tensors came in frames of their own (parked by ``_park``)."""

@@ -60,7 +60,7 @@ class BackwardPass:
     def _failed(self, what: str, step: int, mb: int, e: Exception) -> ExecutionError:
         raise NotImplementedError
 
-    def _send_out(self, dst: int, key: Any, value: Any, ready: Any) -> None:
+    def _send_values(self, dst: int, items: list[tuple[Any, Any]], ready: Any) -> None:
         raise NotImplementedError
 
     async def backward(
@@ -185,9 +185,12 @@ class BackwardPass:
         return to_host(back, self.device)
 
     def _send_input_grads(self, step: int, mb: int, back: dict[str, list[Any]], ready: Any) -> None:
+        per_src: dict[int, list[tuple[Any, Any]]] = {}
         for name, grads in back.items():
             key = ("grad", step, 0 if name in self.step_wide else mb, name)
-            self._send_out(self.subdag.sources[name], key, grads, ready)
+            per_src.setdefault(self.subdag.sources[name], []).append((key, grads))
+        for src, items in per_src.items():  # one send (frame) per producer
+            self._send_values(src, items, ready)
 
     def _placed(
         self, received: list[tuple[str, Any, list[tuple[int, Any]]]]

@@ -1,6 +1,7 @@
 """The message-passing interface between sub-DAG executors (FusionAI section 3.6, "Message passing").
 
-An executor only ever calls ``send(dst, key, value)`` and ``await recv(src, key)``. The key names
+An executor only ever calls ``send(dst, key, value)`` (or ``send_values`` for several values to one
+sub-DAG) and ``await recv(src, key)``. The key names
 the message completely, ``(kind, step, microbatch, node)`` with kind ``act`` (FP data) or ``grad``
 (BP data), so delivery is idempotent: a duplicate (a retry, a late message from a replaced node)
 for a key that was already delivered is dropped instead of corrupting a step.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 MessageKey = tuple[str, int, int, str]  # (kind, step, microbatch, node name)
@@ -28,6 +30,12 @@ class Channel(ABC):
     @abstractmethod
     async def recv(self, src: int, key: MessageKey) -> Any:
         """Waits for the message ``key`` from sub-DAG ``src``."""
+
+    async def send_values(self, dst: int, items: Sequence[tuple[MessageKey, Any]]) -> None:
+        """Several values to ``dst`` at once (an FP's outputs that ``dst`` reads). One send each here; a
+        network channel carries them in one frame (``compnode.netchannel``)."""
+        for key, value in items:
+            await self.send(dst, key, value)
 
 
 # How many steps beyond the current one a message may be for. Executors advance step by step, so a

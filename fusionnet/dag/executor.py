@@ -199,14 +199,16 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         self.zero_grad()
         release_cached_memory(self.device)
 
-    def _send_out(self, dst: int, key: Any, value: Any, ready: Any) -> None:
-        """Starts a send of ``to_host``'s copy, once its device-to-host copy is done."""
+    def _send_values(self, dst: int, items: list[tuple[Any, Any]], ready: Any) -> None:
+        """Starts one send of ``to_host``'s copies of several values to ``dst`` once they are on the host
+        (one frame on the network: an FP whose outputs ``dst`` reads pays one frame's fixed cost, not one
+        per output)."""
 
         async def send() -> None:
             await host_ready(ready)
-            await self.channel.send(dst, key, value)
+            await self.channel.send_values(dst, items)
 
-        self.outbox.start(send() if ready is not None else self.channel.send(dst, key, value))
+        self.outbox.start(send() if ready is not None else self.channel.send_values(dst, items))
 
     def _forget_step_values(self, keep_resident: bool = True) -> None:
         kept = self.resident if keep_resident else set()
@@ -271,9 +273,13 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         for name, value in zip(self.subdag.outer_required, inputs):
             if name in self.step_wide and name not in ready_leaves:  # placed by this FP: kept for the step
                 self._step_inputs[name] = value
+        per_dst: dict[int, list[tuple[Any, Any]]] = {}
         for name, value in host.items():
             for dst in self.subdag.consumers.get(name, ()):
-                self._send_out(dst, ("act", step, 0 if name in self.step_wide else mb, name), value, ready)
+                key = ("act", step, 0 if name in self.step_wide else mb, name)
+                per_dst.setdefault(dst, []).append((key, value))
+        for dst, items in per_dst.items():
+            self._send_values(dst, items, ready)
         if self.task != "infer":
             self._stash[mb] = (inputs, outs)
         return outs
