@@ -110,14 +110,15 @@ def test_deploy_infer_examples_equal_plain_pytorch(swarm: ProcessSwarm, tmp_path
     assert {d["id"] for d in status["deployments"]} == {"mlp", "figure3"}
     for d in status["deployments"]:  # the performance model's figures for generation_rate
         figures = d["model"]
-        assert figures["microbatch_rows"] == 2 and d["in_flight"] == 2, figures
+        assert figures["microbatch_rows"] >= 1 and d["in_flight"] == 2, figures
         assert len(figures["stage_fp_seconds"]) == len(figures["stage_comm_seconds"]) == len(d["peers"])
         assert all(0 < c < 10 for c in figures["stage_fp_seconds"]), figures
         assert all(0 <= r < 10 for r in figures["stage_comm_seconds"]) and figures["call_seconds"] > 0
         fp, comm = figures["stage_fp_seconds"], figures["stage_comm_seconds"]
-        rate = generation_rate(fp, comm, mb_rows=2, sessions=4, max_batch=d["max_batch"], in_flight=2,
-                               call_seconds=figures["call_seconds"])  # fmt: skip
-        assert rate.pass_seconds > figures["call_seconds"] + sum(fp) and rate.tokens_per_s > 0
+        rows, call = figures["microbatch_rows"], figures["call_seconds"]
+        rate = generation_rate(fp, comm, mb_rows=rows, sessions=4, max_batch=d["max_batch"], in_flight=2,
+                               call_seconds=call)  # fmt: skip
+        assert rate.pass_seconds >= figures["call_seconds"] + sum(fp) and rate.tokens_per_s > 0
     for name in ("mlp", "figure3"):
         assert asyncio.run(undeploy(name, swarm.initial_peers)).undeployed
     assert FusionNetClient(url).models() == []
