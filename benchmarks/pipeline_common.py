@@ -37,7 +37,7 @@ class Config:
     # (for zero-bubble, Schedule1F1B: torch's zero-bubble schedules need several stages per rank)
     schedule: str = "gpipe"
     sandbox: str = "process"  # the compnodes' --sandbox: per-job worker processes (default) or off
-    placement: str = "scheduler"  # the broker's --placement: the performance model, or the balanced split
+    placement: str = "model"  # the broker's --placement: the performance model, or the balanced split
     replica_interval: float | None = None  # the broker's --replica-interval (None: its default)
 
     @property

@@ -170,8 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--placement",
-        choices=("scheduler", "balanced"),
-        default="scheduler",
+        choices=("model", "balanced"),
+        default="model",
         help="the broker's --placement: the performance model's cut (default; where it cuts inside a block "
         "the torch pipeline cannot mirror it and runs the balanced block split) or the balanced split, the "
         "same cut for both pipelines where it falls between blocks",
