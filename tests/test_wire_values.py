@@ -115,6 +115,20 @@ def test_values_that_cannot_share_a_frame_go_one_by_one() -> None:
         assert all(torch.equal(g, v) for g, (_, v) in zip(got, items))
 
 
+def test_values_too_big_to_share_a_frame_are_compressed_once() -> None:
+    """int8 error feedback advances once per value sent: a bundle that falls back to one send each must
+    not have compressed its tensors first."""
+    g = torch.Generator().manual_seed(4)
+    # int8 makes each 0.6 PACK_MAX: one packed frame each, but not both in one
+    items = [(("act", 0, 0, n), torch.randn(PACK_MAX * 3 // 5, generator=g)) for n in ("a", "b")]
+    bundled, _, _ = _send_all(items, "int8-ef")
+    singles = []
+    for key, value in items:
+        got, _ = _roundtrip(value, "int8-ef", key)
+        singles.append(got)
+    assert all(torch.equal(a, b) for a, b in zip(bundled, singles))
+
+
 def test_a_bundle_with_one_bad_value_delivers_none_and_fails_the_awaited_keys() -> None:
     items = [(("act", 0, 0, "good"), torch.ones(3)), (("act", 0, 0, "bad"), torch.ones(5))]
 

@@ -194,29 +194,29 @@ class NetChannel(Channel):
         when they fit (``PACK_MAX`` tensor bytes, the frame name's bound); otherwise one send each."""
         names = [key[3] for key, _ in items]
         bundle = BUNDLE_SEP.join(names)
+        tensors: list[torch.Tensor] = []
+        docs, spans = [], []
+        for (_, _, _, node), value in items:
+            start = len(tensors)
+            docs.append(encode_structure(value, tensors))
+            spans.append((node, start, len(tensors)))
         if (
             not 2 <= len(items) <= MAX_BUNDLE
             or len({key[:3] for key, _ in items}) != 1
             or len(set(names)) != len(names)
             or any(not n or BUNDLE_SEP in n or "/" in n for n in names)
             or len(bundle) > MAX_NAME_LEN
+            or sum(_nbytes(t) for t in tensors) > PACK_MAX
         ):
-            for key, value in items:
+            for key, value in items:  # decided before compressing: error feedback advances once
                 await self.send(dst, key, value)
             return
         kind, _, mb, _ = items[0][0]
-        tensors: list[torch.Tensor] = []
-        docs, codecs = [], []
-        for (_, _, _, node), value in items:
-            start = len(tensors)
-            docs.append(encode_structure(value, tensors))
-            for i in range(start, len(tensors)):  # error feedback per value and tensor, as ``send`` keys it
+        codecs = []
+        for node, start, stop in spans:  # error feedback per value and tensor, as ``send`` keys it
+            for i in range(start, stop):
                 tensors[i], info = self.compressor.compress((dst, kind, node, i - start, mb), tensors[i])
                 codecs.append(info)
-        if sum(_nbytes(t) for t in tensors) > PACK_MAX:
-            for key, value in items:
-                await self.send(dst, key, value)
-            return
         tree = {"$seq": docs, "tuple": True}
         await self.send_frame(dst, self._frame(items[0][0], bundle, pack_value(tree, tensors, codecs)))
 

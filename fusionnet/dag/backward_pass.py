@@ -60,7 +60,7 @@ class BackwardPass:
     def _failed(self, what: str, step: int, mb: int, e: Exception) -> ExecutionError:
         raise NotImplementedError
 
-    def _send_values(self, dst: int, items: list[tuple[Any, Any]], ready: Any) -> None:
+    def _send_values(self, sends: list[tuple[int, Any, Any]], ready: Any) -> None:
         raise NotImplementedError
 
     async def backward(
@@ -185,12 +185,11 @@ class BackwardPass:
         return to_host(back, self.device)
 
     def _send_input_grads(self, step: int, mb: int, back: dict[str, list[Any]], ready: Any) -> None:
-        per_src: dict[int, list[tuple[Any, Any]]] = {}
-        for name, grads in back.items():
-            key = ("grad", step, 0 if name in self.step_wide else mb, name)
-            per_src.setdefault(self.subdag.sources[name], []).append((key, grads))
-        for src, items in per_src.items():  # one send (frame) per producer
-            self._send_values(src, items, ready)
+        sends = [
+            (self.subdag.sources[name], ("grad", step, 0 if name in self.step_wide else mb, name), grads)
+            for name, grads in back.items()
+        ]
+        self._send_values(sends, ready)  # one send (frame) per producer
 
     def _placed(
         self, received: list[tuple[str, Any, list[tuple[int, Any]]]]

@@ -199,16 +199,20 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         self.zero_grad()
         release_cached_memory(self.device)
 
-    def _send_values(self, dst: int, items: list[tuple[Any, Any]], ready: Any) -> None:
-        """Starts one send of ``to_host``'s copies of several values to ``dst`` once they are on the host
-        (one frame on the network: an FP whose outputs ``dst`` reads pays one frame's fixed cost, not one
-        per output)."""
+    def _send_values(self, sends: list[tuple[int, Any, Any]], ready: Any) -> None:
+        """Starts the sends ``(dst, key, value)`` of ``to_host``'s copies once they are on the host, one
+        per receiver (one frame on the network: an FP whose outputs ``dst`` reads pays one frame's
+        fixed cost, not one per output)."""
+        per_dst: dict[int, list[tuple[Any, Any]]] = {}
+        for dst, key, value in sends:
+            per_dst.setdefault(dst, []).append((key, value))
 
-        async def send() -> None:
+        async def send(dst: int, items: list[tuple[Any, Any]]) -> None:
             await host_ready(ready)
             await self.channel.send_values(dst, items)
 
-        self.outbox.start(send() if ready is not None else self.channel.send_values(dst, items))
+        for dst, items in per_dst.items():
+            self.outbox.start(send(dst, items) if ready is not None else self.channel.send_values(dst, items))
 
     def _forget_step_values(self, keep_resident: bool = True) -> None:
         kept = self.resident if keep_resident else set()
@@ -273,13 +277,14 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         for name, value in zip(self.subdag.outer_required, inputs):
             if name in self.step_wide and name not in ready_leaves:  # placed by this FP: kept for the step
                 self._step_inputs[name] = value
-        per_dst: dict[int, list[tuple[Any, Any]]] = {}
-        for name, value in host.items():
-            for dst in self.subdag.consumers.get(name, ()):
-                key = ("act", step, 0 if name in self.step_wide else mb, name)
-                per_dst.setdefault(dst, []).append((key, value))
-        for dst, items in per_dst.items():
-            self._send_values(dst, items, ready)
+        self._send_values(
+            [
+                (dst, ("act", step, 0 if name in self.step_wide else mb, name), value)
+                for name, value in host.items()
+                for dst in self.subdag.consumers.get(name, ())
+            ],
+            ready,
+        )
         if self.task != "infer":
             self._stash[mb] = (inputs, outs)
         return outs
