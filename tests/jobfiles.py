@@ -28,6 +28,7 @@ def write_job(
     loss: dict[str, Any] | None = None,
     model_kwargs: dict[str, Any] | None = None,
     schedule: str | None = None,
+    chunks: int | None = None,
 ) -> Path:
     """A job whose model is ``tests.dag_models.<model_class>(**model_kwargs)``."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -52,6 +53,8 @@ def write_job(
     }
     if schedule is not None:
         doc["placement"]["schedule"] = schedule
+    if chunks is not None:
+        doc["placement"]["chunks"] = chunks
     if loss is not False:
         doc["loss"] = loss or {"name": "cross_entropy"}
     if task == "train":
@@ -69,7 +72,7 @@ def example_job(name: str, tmp: Path, **overrides: Any) -> Path:
     for key, value in overrides.items():
         if key in ("batch_size", "microbatches"):
             doc["data"][key] = value
-        elif key in ("compnodes", "schedule"):
+        elif key in ("compnodes", "schedule", "chunks"):
             doc.setdefault("placement", {})[key] = value
         else:
             doc[key] = value

@@ -78,7 +78,8 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
     ``compute`` the pool FP/BP/Update run on (None: inline); ``hooks`` run around each of them;
     ``precision`` the job's autocast (``subdags``, the job's sub-DAG count, is who shares fp16's flag);
     ``device`` where parameters, buffers, gradients and optimizer state live and FP/BP/Update run
-    (``fusionnet.dag.devices``: values come in and go out as CPU tensors)."""
+    (``fusionnet.dag.devices``: values come in and go out as CPU tensors); ``chunks`` the sub-DAGs each
+    device runs (an interleaved schedule: ``schedule_loop.run_device_step`` runs them together)."""
 
     def __init__(
         self,
@@ -96,6 +97,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         subdags: int = 1,
         schedule: str | Schedule = "gpipe",
         device: torch.device = HOST,
+        chunks: int = 1,
     ) -> None:
         self.graph = graph
         self.subdag = subdag
@@ -109,6 +111,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
             raise ExecutionError(f"sub-DAG {subdag.index} is not one of the job's {subdags} sub-DAGs")
         self.subdags = subdags  # the job's sub-DAG count: the stages of the schedule
         self.schedule = schedule
+        self.chunks = chunks  # sub-DAGs per device: interleaved-1f1b's chunks (``schedule_loop``)
         self.device = torch.device(device)
         self.scaler = make_scaler(precision) if task != "infer" else None
         self._found_inf = False  # this sub-DAG's gradients of the current step held an inf/nan

@@ -6,6 +6,7 @@ its loss (the size-weighted sum of micro-batch losses) and, for infer, the outpu
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -34,6 +35,7 @@ class ScheduleLoop:
     subdags: int
     task: str
     schedule: str | Schedule
+    chunks: int  # sub-DAGs per device (interleaved schedules)
     hooks: HookChain
     activations: ActivationLedger
     outbox: Outbox
@@ -90,27 +92,16 @@ class ScheduleLoop:
         self, step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]
     ) -> StepReport:
         """One step of the schedule: this sub-DAG's FPs and BPs in its program's order, then Update."""
-        self.hooks.step_started(step)
-        self.activations.start_step()
-        self.outbox.reset()
-        self._forget_step_values()
-        try:
-            report = await self._step(step, microbatches, sizes)
-            await self.outbox.drain()
-        finally:
-            self.outbox.cancel()  # a failed step leaves no send behind
-        timer = self.hooks.timer.seconds
-        report.activation_peak_bytes = self.activations.peak
-        report.fp_seconds, report.bp_seconds, report.update_seconds = (
-            timer["fp"],
-            timer["bp"],
-            timer["update"],
-        )
-        self.hooks.step_finished(step, report)
-        return report
+        program = self.program(len(microbatches))
+        reports = await run_device_step([self], [(a, 0) for a in program], step, microbatches, sizes)
+        return reports[0]
 
     def program(self, microbatches: int) -> tuple[Action, ...]:
         """This sub-DAG's actions for a step of ``microbatches`` micro-batches."""
+        return self.schedule_for(microbatches).program(self.subdag.index)
+
+    def schedule_for(self, microbatches: int) -> Schedule:
+        """The whole schedule of a step of ``microbatches`` micro-batches, cut down to the task."""
         try:
             if isinstance(self.schedule, Schedule):
                 if (self.schedule.stages, self.schedule.microbatches) != (self.subdags, microbatches):
@@ -119,44 +110,65 @@ class ScheduleLoop:
                         f"{self.schedule.microbatches} micro-batches, this step has "
                         f"{self.subdags} x {microbatches}"
                     )
-                plan = self.schedule.for_task(self.task)
-            else:
-                plan = make_schedule(self.schedule, self.subdags, microbatches, self.task)
+                return self.schedule.for_task(self.task)
+            return make_schedule(self.schedule, self.subdags, microbatches, self.task, self.chunks)
         except ScheduleError as e:
             raise ExecutionError(f"sub-DAG {self.subdag.index}: {e}") from None
-        return plan.program(self.subdag.index)
 
-    async def _step(
-        self, step: int, microbatches: Sequence[Mapping[str, Any]], sizes: Sequence[int]
-    ) -> StepReport:
-        """Runs this sub-DAG's program of the schedule; the update (and fp16's found-inf agreement,
-        which grad tasks need too) comes after the last backward."""
-        report = StepReport(step=step)
-        batch = sum(sizes)
-        losses: list[float] = []
-        program = self.program(len(microbatches))
-        last_bp = max((i for i, a in enumerate(program) if a.kind in ("B", "W")), default=-1)
-        last_seeded = max((i for i, a in enumerate(program) if a.kind in ("B", "I")), default=-1)
+    def _open_step(self, step: int) -> None:
+        self.hooks.step_started(step)
+        self.activations.start_step()
+        self.outbox.reset()
+        self._forget_step_values()
+
+    def _close_step(self, step: int, report: StepReport) -> None:
+        timer = self.hooks.timer.seconds
+        report.activation_peak_bytes = self.activations.peak
+        report.fp_seconds, report.bp_seconds, report.update_seconds = (
+            timer["fp"],
+            timer["bp"],
+            timer["update"],
+        )
+        self.hooks.step_finished(step, report)
+
+    async def _begin_actions(self, step: int, microbatches: Sequence[Mapping[str, Any]]) -> None:
         self.zero_grad()
         if self.task != "infer":
             await self.trade_rows(step, microbatches)  # tied weights' rows, before any FP (``row_trade``)
-        for i, action in enumerate(program):
-            mb = action.mb
-            if action.kind == "F":
-                values = dict(zip(self.output_names, await self.forward(step, mb, microbatches[mb])))
-                if self.subdag.holds_loss:
-                    loss = float(values[self.loss_name].detach())
-                    losses.append(loss * self._loss_weight(sizes[mb], batch))
-                if self.task == "infer" and self.subdag.holds_output:
-                    report.outputs.append(_detach(_rebuild_output(self.graph, values)))
-            elif action.kind == "B":
-                weight = self._loss_weight(sizes[mb], batch)
-                await self.backward(step, mb, weight, last=i == last_bp, last_seeded=i == last_seeded)
-            elif action.kind == "I":
-                weight = self._loss_weight(sizes[mb], batch)
-                await self.backward_input(step, mb, weight, last_seeded=i == last_seeded)
-            elif action.kind == "W":
-                await self.backward_weight(step, mb, last=i == last_bp)
+
+    async def _act(
+        self,
+        action: Action,
+        step: int,
+        microbatches: Sequence[Mapping[str, Any]],
+        sizes: Sequence[int],
+        report: StepReport,
+        losses: list[float],
+        *,
+        last_bp: bool,
+        last_seeded: bool,
+    ) -> None:
+        """Runs one F, B, I or W of this sub-DAG (the update is ``_end_actions``'s)."""
+        mb, batch = action.mb, sum(sizes)
+        if action.kind == "F":
+            values = dict(zip(self.output_names, await self.forward(step, mb, microbatches[mb])))
+            if self.subdag.holds_loss:
+                loss = float(values[self.loss_name].detach())
+                losses.append(loss * self._loss_weight(sizes[mb], batch))
+            if self.task == "infer" and self.subdag.holds_output:
+                report.outputs.append(_detach(_rebuild_output(self.graph, values)))
+        elif action.kind == "B":
+            weight = self._loss_weight(sizes[mb], batch)
+            await self.backward(step, mb, weight, last=last_bp, last_seeded=last_seeded)
+        elif action.kind == "I":
+            weight = self._loss_weight(sizes[mb], batch)
+            await self.backward_input(step, mb, weight, last_seeded=last_seeded)
+        elif action.kind == "W":
+            await self.backward_weight(step, mb, last=last_bp)
+
+    async def _end_actions(self, step: int, report: StepReport, losses: list[float]) -> None:
+        """After the last backward: traded rows' gradients, fp16's found-inf agreement (grad tasks need
+        it too), the update (train), and the step's values forgotten."""
         if self.task != "infer":
             await self.add_traded_grads(step)
             skip = await self._agree_found_inf(step) if self.scaler is not None else False
@@ -165,7 +177,6 @@ class ScheduleLoop:
         self._forget_step_values()  # the step's leaves go with its graphs
         if losses:
             report.loss = sum(losses)
-        return report
 
     def _loss_weight(self, size: int, batch: int) -> float:
         # A "mean" loss over the whole batch is the size-weighted sum of micro-batch means.
@@ -181,3 +192,52 @@ def _rebuild_output(graph: IRGraph, values: Mapping[str, Any]) -> Any:
     from fusionnet.dag.rebuild import output_value
 
     return tree_map(lambda v: v.to(HOST) if isinstance(v, torch.Tensor) else v, output_value(graph, values))
+
+
+async def run_device_step(
+    executors: Sequence[ScheduleLoop],
+    program: Sequence[tuple[Action, int]],
+    step: int,
+    microbatches: Sequence[Mapping[str, Any]],
+    sizes: Sequence[int],
+) -> list[StepReport]:
+    """One step of one device: ``program`` is its actions in order, each with the index in
+    ``executors`` of the sub-DAG it runs (one sub-DAG, or an interleaved device's chunks); one loop runs
+    them all, so the device computes in the schedule's order. What every sub-DAG does before its first
+    action and after its last (tied rows traded, found-inf agreed, the update) runs for all of them at
+    once: those exchanges wait on the other sub-DAGs, some of which may be on this very device."""
+    reports = [StepReport(step=step) for _ in executors]
+    losses: list[list[float]] = [[] for _ in executors]
+    last_bp, last_seeded = [-1] * len(executors), [-1] * len(executors)
+    for i, (action, who) in enumerate(program):
+        if action.kind in ("B", "W"):
+            last_bp[who] = i
+        if action.kind in ("B", "I"):
+            last_seeded[who] = i
+    for ex in executors:
+        ex._open_step(step)
+    try:
+        await asyncio.gather(*(ex._begin_actions(step, microbatches) for ex in executors))
+        for i, (action, who) in enumerate(program):
+            if action.kind == "U":
+                continue  # every sub-DAG's update closes the step, below
+            await executors[who]._act(
+                action,
+                step,
+                microbatches,
+                sizes,
+                reports[who],
+                losses[who],
+                last_bp=i == last_bp[who],
+                last_seeded=i == last_seeded[who],
+            )
+        await asyncio.gather(
+            *(ex._end_actions(step, r, lost) for ex, r, lost in zip(executors, reports, losses))
+        )
+        await asyncio.gather(*(ex.outbox.drain() for ex in executors))
+    finally:
+        for ex in executors:
+            ex.outbox.cancel()  # a failed step leaves no send behind
+    for ex, report in zip(executors, reports):
+        ex._close_step(step, report)
+    return reports

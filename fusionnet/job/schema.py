@@ -186,7 +186,8 @@ class OptimizerSpec(_Strict):
 
 
 # Pipeline schedules (``fusionnet.schedules``); ``auto`` lets the performance model choose.
-SCHEDULE_NAMES = ("gpipe", "1f1b", "zero-bubble", "auto")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b", "auto")
+MAX_CHUNKS = 16
 Schedule = Literal["gpipe", "1f1b", "zero-bubble", "interleaved-1f1b", "auto"]
 
 
@@ -197,16 +198,34 @@ class PlacementSpec(_Strict):
     # AES-GCM of frames on the direct path; auto: on unless both ends are loopback (``wire/crypt.py``).
     wire_encryption: Literal["auto", "on", "off"] = "auto"
     schedule: Schedule = "gpipe"  # the order of each sub-DAG's forwards and backwards in a step
+    # interleaved-1f1b only: sub-DAGs (virtual stages) per compnode; the model is cut into compnodes x
+    # chunks sub-DAGs, compnode d holding sub-DAGs d, compnodes + d, ... (default 2)
+    chunks: _bounded(MAX_CHUNKS) | None = None
 
-    @field_validator("schedule")
-    @classmethod
-    def _available(cls, value: str) -> str:
-        if value == "interleaved-1f1b":
-            raise ValueError(
-                "interleaved-1f1b is not available yet (it needs several sub-DAGs per compnode); "
-                f"use one of {', '.join(SCHEDULE_NAMES)}"
+    @model_validator(mode="after")
+    def _chunks_go_with_interleaving(self) -> PlacementSpec:
+        if self.chunks is not None and self.schedule != "interleaved-1f1b":
+            raise KeyProblem(
+                ("chunks",),
+                f"only schedule interleaved-1f1b runs several sub-DAGs per compnode, not {self.schedule}",
             )
-        return value
+        if self.chunks is not None and self.chunks < 2:
+            raise KeyProblem(
+                ("chunks",), f"interleaved-1f1b needs >= 2 chunks per compnode, got {self.chunks}"
+            )
+        return self
+
+    @property
+    def chunks_per_compnode(self) -> int:
+        """Sub-DAGs per compnode: 1, or interleaved-1f1b's chunks (default 2)."""
+        if self.schedule != "interleaved-1f1b":
+            return 1
+        return self.chunks or 2
+
+    @property
+    def subdags(self) -> int:
+        """How many sub-DAGs the model is cut into."""
+        return self.compnodes * self.chunks_per_compnode
 
 
 class JobSpec(_Strict):
@@ -226,4 +245,8 @@ class JobSpec(_Strict):
     def _task_needs(self) -> JobSpec:
         if self.task == "train" and self.optimizer is None:
             raise KeyProblem(("optimizer",), "required when task is train")
+        m, p = self.data.microbatches, self.placement.compnodes
+        if self.placement.schedule == "interleaved-1f1b" and isinstance(m, int) and m % p:
+            why = f"interleaved-1f1b needs a multiple of placement.compnodes ({p}), got {m}"
+            raise KeyProblem(("data", "microbatches"), why)
         return self

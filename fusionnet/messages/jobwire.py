@@ -106,12 +106,24 @@ class RunSpec(BaseModel):
         return spec
 
 
+def refuse_what_the_swarm_cannot_run(job: LoadedJob) -> None:
+    """Raises ``JobError`` for a job only ``fusionnet run --local`` runs (before it is traced)."""
+    spec = job.spec
+    if spec.placement.schedule == "interleaved-1f1b":
+        raise JobError(
+            f"job {spec.name!r}: placement.schedule interleaved-1f1b runs several sub-DAGs per compnode, "
+            "which the swarm does not do yet (a compnode holds one sub-DAG of a job); run it with "
+            "`fusionnet run JOB --local N`, or submit it with 1f1b or zero-bubble"
+        )
+
+
 def run_spec_of(
     job: LoadedJob, loss_reduction: str, *, microbatches: int | None = None, choices: Sequence[int] = ()
 ) -> RunSpec:
     """``microbatches`` and ``choices``: for ``data.microbatches: auto``, the traced count and the counts
     the graph runs, which the broker chooses among."""
     spec = job.spec
+    refuse_what_the_swarm_cannot_run(job)
     return RunSpec(
         name=spec.name,
         task=spec.task,

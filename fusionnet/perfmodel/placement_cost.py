@@ -119,7 +119,7 @@ class AssignmentCost:
             )
             for t in self.transfers
         ]
-        return simulate(times, hops, w.microbatches, schedule=w.schedule, task=w.task)
+        return simulate(times, hops, w.microbatches, schedule=w.schedule, task=w.task, chunks=w.chunks)
 
     @property
     def step_seconds(self) -> float:

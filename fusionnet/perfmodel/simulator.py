@@ -1,6 +1,7 @@
 """Pipeline schedule simulator: step time and per-stage peak in-flight micro-batches.
 
-Resources: each stage (a device) runs its operations one at a time in the schedule's order; each
+Resources: each device runs its operations one at a time in the schedule's order (a device is one
+stage, or several with an interleaved schedule: its ``U`` then updates them all); each
 directed link between two stages carries one transfer at a time, first come first served. Compute
 and communication overlap (a device computes while its links move data), as eq. (4) assumes.
 Stages are numbered in a topological order of the sub-DAG graph; a ``Hop`` from stage ``src`` to a
@@ -63,13 +64,15 @@ class SimResult:
     events: tuple[Event, ...] = ()  # only with record=True
 
 
-def stage_program(schedule: str, task: str, stage: int, num_stages: int, m: int) -> list[tuple[str, int]]:
+def stage_program(
+    schedule: str, task: str, stage: int, num_stages: int, m: int, chunks: int = 1
+) -> list[tuple[str, int]]:
     """The order in which one stage runs its operations."""
-    prog = make_schedule(schedule, num_stages, m, task).program(stage)
+    prog = make_schedule(schedule, num_stages, m, task, chunks).program(stage)
     return [(a.kind, a.mb) for a in prog]
 
 
-def _resolve(schedule: str | Schedule, task: str, n: int, m: int) -> Schedule:
+def _resolve(schedule: str | Schedule, task: str, n: int, m: int, chunks: int = 1) -> Schedule:
     try:
         if isinstance(schedule, Schedule):
             check(schedule)
@@ -79,7 +82,7 @@ def _resolve(schedule: str | Schedule, task: str, n: int, m: int) -> Schedule:
                     f"micro-batches, the pipeline has {n} x {m}"
                 )
             return schedule.for_task(task)
-        return make_schedule(schedule, n, m, task)
+        return make_schedule(schedule, n, m, task, chunks)
     except ScheduleError as e:
         raise PlanError(str(e)) from None
 
@@ -150,8 +153,10 @@ def simulate(
     schedule: str | Schedule = "gpipe",
     task: str = "train",
     record: bool = False,
+    chunks: int = 1,
 ) -> SimResult:
-    """Run the schedule on the stage and link resources and return the step's timing."""
+    """Run the schedule on the stage and link resources and return the step's timing (``chunks``: the
+    stages per device of a schedule given by name, interleaved-1f1b's)."""
     _validate(stages, hops, microbatches, schedule, task)
     n, m = len(stages), microbatches
     hops = sorted(hops, key=lambda h: (h.src, h.dst))
@@ -165,12 +170,17 @@ def simulate(
     bwd_arrival: list[list[float | None]] = [[None] * m for _ in hops]  # gradient at hop.src
     fwd_free = [0.0] * len(hops)  # the src -> dst link
     bwd_free = [0.0] * len(hops)  # the dst -> src link
-    plan = _resolve(schedule, task, n, m)
-    programs = [[(a.kind, a.mb) for a in plan.program(s)] for s in range(n)]
-    first_f = [next((i for i, (kind, _) in enumerate(p) if kind == "F"), -1) for p in programs]
-    last_seed = [
-        max((i for i, (kind, _) in enumerate(p) if kind in ("B", "I")), default=-1) for p in programs
-    ]
+    plan = _resolve(schedule, task, n, m, chunks)
+    # One program per device, each action tagged with its stage (an interleaved device runs several).
+    programs = [[(a.kind, a.mb, plan.stage_of(d, a)) for a in prog] for d, prog in enumerate(plan.programs)]
+    first_f: list[tuple[int, int] | None] = [None] * n  # (device, position) of a stage's first F
+    last_seed: list[tuple[int, int] | None] = [None] * n  # and of its last B or I
+    for d, prog in enumerate(programs):
+        for i, (kind, _, st) in enumerate(prog):
+            if kind == "F" and first_f[st] is None:
+                first_f[st] = (d, i)
+            if kind in ("B", "I"):
+                last_seed[st] = (d, i)
     dur = {
         "F": [st.fp for st in stages],
         "B": [st.bp for st in stages],
@@ -178,34 +188,38 @@ def simulate(
         "W": [st.bp * (1 - st.input_share) for st in stages],
         "U": [st.update for st in stages],
     }
-    free = [0.0] * n
+    free = [0.0] * len(programs)  # per device
     busy = [0.0] * n
     held = [0] * n
     peak = [0] * n
-    pos = [0] * n
+    pos = [0] * len(programs)
     events: list[Event] = []
     remaining = sum(len(p) for p in programs)
     forward_sweep = True
     while remaining:
         progressed = False
         # alternate sweep directions: forward waves run down the pipeline, backward waves up it
-        for s in range(n) if forward_sweep else range(n - 1, -1, -1):
-            prog = programs[s]
-            while pos[s] < len(prog):
-                kind, k = prog[pos[s]]
+        for dev in range(len(programs)) if forward_sweep else range(len(programs) - 1, -1, -1):
+            prog = programs[dev]
+            while pos[dev] < len(prog):
+                kind, k, s = prog[pos[dev]]
                 if kind == "F":
-                    start = _ready(fwd_arrival, ins[s], k, free[s])
+                    start = _ready(fwd_arrival, ins[s], k, free[dev])
                 elif kind in ("B", "I"):
-                    start = _ready(bwd_arrival, outs[s], k, free[s])
+                    start = _ready(bwd_arrival, outs[s], k, free[dev])
                 else:
-                    start = free[s]
+                    start = free[dev]
                 if start is None:
                     break
-                d = dur[kind][s]
+                here = (dev, pos[dev])
+                # an interleaved device's U updates all its chunks: their updates, one after another
+                stages_now = [c * len(programs) + dev for c in range(plan.chunks)] if kind == "U" else [s]
+                d = sum(dur[kind][t] for t in stages_now)
                 end = start + d
-                free[s] = end
-                busy[s] += d
-                pos[s] += 1
+                free[dev] = end
+                for t in stages_now:
+                    busy[t] += dur[kind][t]
+                pos[dev] += 1
                 remaining -= 1
                 progressed = True
                 if record:
@@ -216,10 +230,10 @@ def simulate(
                         peak[s] = max(peak[s], held[s])
                     else:
                         peak[s] = 1
-                    once = fwd_once if pos[s] - 1 == first_f[s] else None
+                    once = fwd_once if here == first_f[s] else None
                     _send(outs[s], k, end, fwd_free, fwd_arrival, fwd_t, once)
                 if kind in ("B", "I"):
-                    once = bwd_once if pos[s] - 1 == last_seed[s] else None
+                    once = bwd_once if here == last_seed[s] else None
                     _send(ins[s], k, end, bwd_free, bwd_arrival, bwd_t, once)
                 if kind in ("B", "W"):
                     held[s] -= 1
@@ -234,7 +248,7 @@ def simulate(
     return SimResult(
         step_seconds=step,
         stage_busy=tuple(busy),
-        stage_finish=tuple(free),
+        stage_finish=tuple(free[plan.device_of(s)] for s in range(n)),
         peak_inflight=tuple(peak),
         events=tuple(events),
     )

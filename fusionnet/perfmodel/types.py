@@ -46,7 +46,7 @@ __all__ = [
 
 DEVICE_KINDS = ("gpu", "cpu")
 TASKS = ("train", "grad", "infer")
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble")  # fusionnet.schedules.NAMES
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b")  # fusionnet.schedules
 
 
 def _non_negative_seconds(value: object, what: str) -> None:
@@ -301,9 +301,12 @@ class Workload:
 
     microbatches: int
     task: str  # train | grad | infer
-    schedule: str = "gpipe"  # gpipe | 1f1b | zero-bubble (fusionnet.schedules)
+    schedule: str = "gpipe"  # gpipe | 1f1b | zero-bubble | interleaved-1f1b (fusionnet.schedules)
+    chunks: int = 1  # stages per device (interleaved-1f1b: stage s runs on device s mod stages / chunks)
 
     def __post_init__(self) -> None:
+        if not is_int(self.chunks) or self.chunks < 1:
+            raise PlanError(f"workload chunks must be a positive integer, got {self.chunks!r}")
         if not is_int(self.microbatches) or self.microbatches < 1:
             raise PlanError(f"workload microbatches must be a positive integer, got {self.microbatches!r}")
         if self.task not in TASKS:

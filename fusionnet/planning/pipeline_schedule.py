@@ -18,7 +18,7 @@ from fusionnet.perfmodel.types import DeviceSpec, Workload
 from fusionnet.planning.costgraph import cost_graph, micro_batch_scale
 from fusionnet.planning.planner import Links, make_swarm
 from fusionnet.planning.scheduler import plan_for_assignment
-from fusionnet.schedules import NAMES, Edge, ScheduleError, check, make_schedule
+from fusionnet.schedules import INTERLEAVED, NAMES, Edge, ScheduleError, check, make_schedule
 
 AUTO = "auto"
 # On a near tie (within TIE of the fastest) the first of these wins: fewer live activations first.
@@ -65,10 +65,12 @@ def stage_edges(partition: Partition) -> list[Edge]:
     )
 
 
-def check_schedule(name: str, partition: Partition, microbatches: int, task: str) -> None:
-    """Raises ``PlanError`` when ``name`` is unknown or cannot run on this cut."""
+def check_schedule(name: str, partition: Partition, microbatches: int, task: str, chunks: int = 1) -> None:
+    """Raises ``PlanError`` when ``name`` is unknown or cannot run on this cut (``chunks``: sub-DAGs
+    per compnode, interleaved-1f1b's)."""
     try:
-        check(make_schedule(name, len(partition.subdags), microbatches, task), stage_edges(partition))
+        sched = make_schedule(name, len(partition.subdags), microbatches, task, chunks)
+        check(sched, stage_edges(partition))
     except ScheduleError as e:
         raise PlanError(f"placement.schedule {name!r}: {e}") from None
 
@@ -82,6 +84,7 @@ def _predict(
     batch_size: int | None,
     optimizer: str | Mapping[str, str] | None,
     links: Links,
+    chunks: int = 1,
 ) -> float | None:
     """Predicted step seconds under ``name``, or None when its memory does not fit."""
     k = len(partition.subdags)
@@ -93,7 +96,7 @@ def _predict(
         plan = plan_for_assignment(
             cg,
             make_swarm(devs, links, None),
-            Workload(microbatches, graph.task, name),
+            Workload(microbatches, graph.task, name, chunks if name == INTERLEAVED else 1),
             {op.name: partition.assignment[op.name] for op in cg.ops},
         )
     except PlanError:
@@ -112,17 +115,20 @@ def choose_schedule(
     optimizer: str | Mapping[str, str] | None = None,
     links: Links = None,
     microbatch_choices: Sequence[int] = (),
+    chunks: int = 1,
 ) -> ScheduleChoice:
     """The schedule to run for the job's ``placement.schedule`` ``wanted`` on this cut; ``devices``
     (one per sub-DAG, or one for all) let ``auto`` price the candidates. ``microbatch_choices`` (the job
     says ``data.microbatches: auto``): the counts the graph runs, priced with every schedule in question;
     the fastest pair that fits wins, the fewest micro-batches on a near tie (``microbatches`` is the count
-    used without a device to price on)."""
+    used without a device to price on). ``chunks``: sub-DAGs per compnode (interleaved-1f1b; ``auto``
+    does not choose it: the swarm runs one sub-DAG per compnode)."""
     counts = sorted(set(microbatch_choices))
+    args = (batch_size, optimizer, links, chunks)
     if not counts:
-        return _choose_name(wanted, graph, partition, microbatches, devices, batch_size, optimizer, links)
+        return _choose_name(wanted, graph, partition, microbatches, devices, *args)
     if not devices:
-        fixed = _choose_name(wanted, graph, partition, microbatches, None, batch_size, optimizer, links)
+        fixed = _choose_name(wanted, graph, partition, microbatches, None, *args)
         why = f"{fixed.why}; data.microbatches auto: {microbatches}, no device to price on"
         return replace(fixed, why=why, microbatches=microbatches)
     names = [wanted] if wanted != AUTO else ["gpipe"] if graph.task == "infer" else list(NAMES)
@@ -130,10 +136,10 @@ def choose_schedule(
     for m in counts:
         for name in names:
             try:
-                check_schedule(name, partition, m, graph.task)
+                check_schedule(name, partition, m, graph.task, chunks if name == INTERLEAVED else 1)
             except PlanError:
                 continue
-            t = _predict(name, graph, partition, devices, m, batch_size, optimizer, links)
+            t = _predict(name, graph, partition, devices, m, *args)
             if t is not None:
                 table[name, m] = t
     if not table:
@@ -166,9 +172,10 @@ def _choose_name(
     batch_size: int | None,
     optimizer: str | Mapping[str, str] | None,
     links: Links,
+    chunks: int = 1,
 ) -> ScheduleChoice:
     if wanted != AUTO:
-        check_schedule(wanted, partition, microbatches, graph.task)
+        check_schedule(wanted, partition, microbatches, graph.task, chunks)
         return ScheduleChoice(wanted, "placement.schedule")
     if graph.task == "infer":
         return ScheduleChoice("gpipe", "auto: inference runs forwards only, every schedule is the same")

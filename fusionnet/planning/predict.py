@@ -27,11 +27,12 @@ def predict_subdags(
     links: Links = IN_PROCESS,
     pipeline_schedule: str = "gpipe",
     batch_size: int | None = None,
+    chunks: int = 1,
 ) -> dict[int, float]:
     """Predicted FP + BP + Update seconds per step of each sub-DAG of ``partition``, sub-DAG ``i`` on
     ``devices[i]`` (one device for all when a single one is given). ``batch_size``: the costs of the
     traced micro-batch are rescaled to ``batch_size / microbatches`` samples (a count other than the
-    traced one, ``data.microbatches: auto``)."""
+    traced one, ``data.microbatches: auto``); ``chunks``: sub-DAGs per device (interleaved-1f1b)."""
     k = len(partition.subdags)
     devs = list(devices) * k if len(devices) == 1 else list(devices)
     if len(devs) != k:
@@ -41,7 +42,7 @@ def predict_subdags(
     plan = plan_for_assignment(
         cg,
         make_swarm(devs, links, None),
-        Workload(microbatches, graph.task, pipeline_schedule),
+        Workload(microbatches, graph.task, pipeline_schedule, chunks),
         {op.name: partition.assignment[op.name] for op in cg.ops},
         check_memory=False,
     )

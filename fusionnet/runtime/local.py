@@ -26,6 +26,8 @@ from fusionnet.dag.executor import SubDagExecutor
 from fusionnet.dag.hooks import StepReport
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition
+from fusionnet.dag.schedule_loop import run_device_step
+from fusionnet.errors import JobError
 from fusionnet.job.loader import LoadedJob
 from fusionnet.job.optim import OptimizerFactory, optimizer_factory
 from fusionnet.perfmodel.types import DeviceSpec
@@ -38,6 +40,7 @@ from fusionnet.results.files import plan_document, write_results
 from fusionnet.runtime.batches import StepData, iter_steps
 from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count, with_microbatches
 from fusionnet.runtime.prepare import PreparedJob, prepare_job
+from fusionnet.schedules import INTERLEAVED, Schedule
 
 
 class InMemorySwarm:
@@ -48,6 +51,7 @@ class InMemorySwarm:
         """``schedule``: the pipeline schedule to run (default: the job's ``placement.schedule``, with
         ``auto`` settled without a device to price on)."""
         self.prepared = prepared
+        chunks = prepared.job.spec.placement.chunks_per_compnode
         if schedule is None:
             spec = prepared.job.spec
             schedule = choose_schedule(
@@ -55,6 +59,7 @@ class InMemorySwarm:
                 prepared.traced.graph,
                 prepared.partition,
                 microbatches=traced_count(spec),
+                chunks=chunks,
             ).name
         self.schedule = schedule
         self._start(
@@ -66,6 +71,7 @@ class InMemorySwarm:
             loss_reduction=prepared.loss_reduction,
             precision=prepared.job.spec.precision,
             schedule=schedule,
+            chunks=chunks if schedule == INTERLEAVED else 1,
         )
 
     @classmethod
@@ -98,7 +104,11 @@ class InMemorySwarm:
         loss_reduction: str,
         precision: str = "fp32",
         schedule: str = "gpipe",
+        chunks: int = 1,
     ) -> None:
+        if len(partition.subdags) % chunks:
+            raise JobError(f"{len(partition.subdags)} sub-DAGs do not make compnodes of {chunks} chunks")
+        self.chunks = chunks
         self.hub = LocalHub(len(partition.subdags))
         self.executors = [
             SubDagExecutor(
@@ -112,9 +122,22 @@ class InMemorySwarm:
                 precision=precision,
                 subdags=len(partition.subdags),
                 schedule=schedule,
+                chunks=chunks,
             )
             for s in partition.subdags
         ]
+
+    async def _interleaved_step(self, data: StepData) -> list[StepReport]:
+        p = len(self.executors) // self.chunks
+        schedule = self.executors[0].schedule_for(len(data.sizes))
+        per_device = await asyncio.gather(
+            *(_compnode_step(self.executors[d::p], schedule, d, data) for d in range(p))
+        )
+        reports: list[StepReport] = [None] * len(self.executors)  # type: ignore[list-item]
+        for d, rs in enumerate(per_device):
+            for c, r in enumerate(rs):
+                reports[c * p + d] = r
+        return reports
 
     def steps(self, count: int | None = None) -> Iterator[StepData]:
         """The job's batches (``count`` of them instead of ``steps`` when given), built one at a time as
@@ -124,13 +147,29 @@ class InMemorySwarm:
         return iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, traced_count(spec), n)
 
     async def step(self, data: StepData) -> list[StepReport]:
-        """Runs one batch on every executor; reports in sub-DAG order."""
-        reports: list[StepReport] = await asyncio.gather(
-            *(ex.run_step(data.step, _fields_for(ex, data.microbatches), data.sizes) for ex in self.executors)
-        )
+        """Runs one batch on every virtual compnode (one loop per compnode over its sub-DAGs, in the
+        schedule's order); reports in sub-DAG order."""
+        if self.chunks == 1:
+            reports: list[StepReport] = await asyncio.gather(
+                *(
+                    ex.run_step(data.step, _fields_for(ex, data.microbatches), data.sizes)
+                    for ex in self.executors
+                )
+            )
+        else:
+            reports = await self._interleaved_step(data)
         for ex in self.executors:
             self.hub.mailboxes[ex.subdag.index].forget_step(data.step)
         return reports
+
+
+async def _compnode_step(
+    executors: list[SubDagExecutor], schedule: Schedule, device: int, data: StepData
+) -> list[StepReport]:
+    """One virtual compnode's step: its program over its chunks ``executors`` (chunk c is sub-DAG
+    c p + device); each chunk reads the dataset fields its placeholders name."""
+    program = [(a, a.chunk) for a in schedule.programs[device]]
+    return await run_device_step(executors, program, data.step, data.microbatches, data.sizes)
 
 
 def run_local(
@@ -148,11 +187,13 @@ def run_local(
     predicted = None
     graph, m = prepared.traced.graph, traced_count(job.spec)
     optimizer = job_optimizers(job, graph) if device is not None else None
+    chunks = job.spec.placement.chunks_per_compnode
     choice = choose_schedule(
         job.spec.placement.schedule,
         graph,
         prepared.partition,
         microbatches=m,
+        chunks=chunks,
         devices=None if device is None else [device],
         batch_size=job.spec.data.batch_size,
         optimizer=optimizer,
@@ -171,6 +212,7 @@ def run_local(
             optimizer=optimizer,
             pipeline_schedule=choice.name,
             batch_size=job.spec.data.batch_size,
+            chunks=chunks if choice.name == INTERLEAVED else 1,
         )
     return asyncio.run(_run(prepared, output_dir, on_step, predicted, device, choice))
 
@@ -222,6 +264,8 @@ async def _run(
     measured = {i: steady_seconds([sum(p) for p in rows]) for i, rows in phases.items()}
     extra: dict[str, Any] = {"job": spec.name, "task": spec.task, "frontend": graph.frontend}
     extra["schedule"] = (choice or ScheduleChoice(swarm.schedule, "placement.schedule")).to_dict()
+    if metrics:  # the programs that ran, one line per compnode (``fusionnet.schedules`` text form)
+        extra["schedule"]["text"] = executors[0].schedule_for(metrics[-1]["microbatches"]).text()
     extra["measured_seconds_are"] = "FP+BP+Update seconds per step: median over the steps after the first"
     if device is not None:
         extra["predicted_for"] = {
@@ -230,6 +274,9 @@ async def _run(
             "speed": device.speed,
         }
     plan = plan_document(partition, predicted=predicted, measured=measured, extra=extra)
+    if swarm.chunks > 1:  # interleaved: compnode d holds sub-DAGs d, compnodes + d, ...
+        for row in plan["subdags"]:
+            row["compnode"] = row["subdag"] % (len(executors) // swarm.chunks)
     if predicted is not None:
         for row in plan["subdags"]:
             want, got = predicted.get(row["subdag"]), measured.get(row["subdag"])

@@ -16,6 +16,7 @@ from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.perfmodel.nodes import load_nodes_file
 from fusionnet.perfmodel.types import DeviceSpec
 from fusionnet.planning.optimizers import job_optimizers
+from fusionnet.messages.jobwire import refuse_what_the_swarm_cannot_run
 from fusionnet.planning.pipeline_schedule import choose_schedule
 from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph
 from fusionnet.profiling.calibration import local_device_spec
@@ -47,6 +48,7 @@ def plan_job(
     (profiled once, cached) on loopback links. Nothing runs."""
     if not isinstance(job, LoadedJob):
         job = load_job(job)
+    refuse_what_the_swarm_cannot_run(job)
     spec = job.spec
     if nodes_file is not None:
         swarm = load_nodes_file(nodes_file)  # before tracing: a bad nodes file fails fast

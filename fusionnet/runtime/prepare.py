@@ -57,9 +57,10 @@ def prepare_job(
     traced: TracedModel | None = None,
     assignment: Mapping[str, int] | None = None,
 ) -> PreparedJob:
-    """Traces the job (unless ``traced`` is given) and partitions it into ``pieces`` sub-DAGs
-    (default: ``placement.compnodes``) with the given assignment or the default balanced policy."""
+    """Traces the job (unless ``traced`` is given) and partitions it for ``pieces`` compnodes (default:
+    ``placement.compnodes``) with the given assignment or the default balanced policy: one sub-DAG per
+    compnode, or ``placement.chunks`` per compnode for interleaved-1f1b (a chain of pieces x chunks)."""
     traced = traced or trace_job(job)
-    pieces = pieces or job.spec.placement.compnodes
+    pieces = (pieces or job.spec.placement.compnodes) * job.spec.placement.chunks_per_compnode
     assignment = assignment or balanced_assignment(traced.graph, pieces)
     return PreparedJob(job=job, traced=traced, partition=build_partition(traced.graph, assignment))

@@ -10,14 +10,24 @@ Map of the package:
                      with their text form and parser.
 - ``check.py``       ``check``: well-formed programs, deadlock-freedom on the cut's real edge set (skip
                      edges included), peak in-flight micro-batches per stage; ``ScheduleError``.
-- ``generators.py``  ``gpipe``, ``one_f_one_b``, ``zero_bubble_h1`` and ``make_schedule(name, p, m)``.
+- ``generators.py``  ``gpipe``, ``one_f_one_b``, ``zero_bubble_h1``, ``interleaved_1f1b`` (several
+                     sub-DAGs per device) and ``make_schedule(name, stages, m, task, chunks)``.
 """
 
 from fusionnet.schedules.actions import Action, Schedule
 from fusionnet.schedules.check import CheckResult, Edge, ScheduleError, chain_edges, check
-from fusionnet.schedules.generators import NAMES, gpipe, make_schedule, one_f_one_b, zero_bubble_h1
+from fusionnet.schedules.generators import (
+    INTERLEAVED,
+    NAMES,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+    zero_bubble_h1,
+)
 
 __all__ = [
+    "INTERLEAVED",
     "NAMES",
     "Action",
     "CheckResult",
@@ -27,6 +37,7 @@ __all__ = [
     "chain_edges",
     "check",
     "gpipe",
+    "interleaved_1f1b",
     "make_schedule",
     "one_f_one_b",
     "zero_bubble_h1",

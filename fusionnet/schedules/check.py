@@ -33,6 +33,8 @@ def chain_edges(stages: int) -> list[Edge]:
 class CheckResult:
     order: tuple[tuple[int, Action], ...]  # one order in which the actions can all run
     peak_inflight: tuple[int, ...]  # micro-batches whose activations a stage held at once
+    # per device, the most (chunk, micro-batch) activations it held at once over all its chunks
+    device_peak: tuple[int, ...] = ()
 
 
 def _check_program(s: int, prog: Sequence[Action], m: int, backward: bool, update: bool) -> None:
@@ -72,8 +74,11 @@ def _check_form(schedule: Schedule) -> None:
         raise ScheduleError(f"schedule {schedule.name!r} needs at least one stage and one micro-batch")
     backward = any(a.kind in ("B", "I") for prog in progs for a in prog)
     update = any(a.kind == "U" for prog in progs for a in prog)
-    for s, prog in enumerate(progs):
-        _check_program(s, prog, m, backward, update)
+    for d, prog in enumerate(progs):
+        if update and [i for i, a in enumerate(prog) if a.kind == "U"] != [len(prog) - 1]:
+            raise ScheduleError(f"device {d}: a training schedule ends with exactly one update U")
+    for s in range(schedule.stages):
+        _check_program(s, schedule.program(s), m, backward, update)
 
 
 def _ready(
@@ -86,16 +91,16 @@ def _ready(
     return True
 
 
-def _stuck(
-    progs: Sequence[Sequence[Action]], pos: list[int], preds: list[list[int]], succs: list[list[int]]
-) -> str:
+def _stuck(schedule: Schedule, pos: list[int], preds: list[list[int]], succs: list[list[int]]) -> str:
     waits = []
-    for s, prog in enumerate(progs):
-        if pos[s] < len(prog):
-            a = prog[pos[s]]
+    for d, prog in enumerate(schedule.programs):
+        if pos[d] < len(prog):
+            a = prog[pos[d]]
+            s = schedule.stage_of(d, a)
             peers = preds[s] if a.kind == "F" else succs[s]
             what = "activations" if a.kind == "F" else "gradients"
-            waits.append(f"stage {s} waits at {a} for {what} from stage(s) {peers}")
+            where = f"stage {s}" if schedule.chunks == 1 else f"device {d} (stage {s})"
+            waits.append(f"{where} waits at {a} for {what} from stage(s) {peers}")
     return "; ".join(waits)
 
 
@@ -110,18 +115,23 @@ def check(schedule: Schedule, edges: Iterable[Edge] | None = None) -> CheckResul
             raise ScheduleError(f"edge {src} -> {dst} is not between two of the stages 0..{n - 1}")
     preds = [sorted(src for src, dst in edge_set if dst == s) for s in range(n)]
     succs = [sorted(dst for src, dst in edge_set if src == s) for s in range(n)]
-    progs = schedule.programs
+    progs = schedule.programs  # one per device: a device runs its actions in order, whatever chunk
     fwd: list[set[int]] = [set() for _ in range(n)]
     grad: list[set[int]] = [set() for _ in range(n)]
-    held, peak, pos = [0] * n, [0] * n, [0] * n
+    held, peak = [0] * n, [0] * n
+    pos = [0] * len(progs)
+    device_peak = [0] * len(progs)
     backward = schedule.splits_backward() or any(a.kind == "B" for p in progs for a in p)
     order: list[tuple[int, Action]] = []
-    while any(pos[s] < len(progs[s]) for s in range(n)):
+    while any(pos[d] < len(progs[d]) for d in range(len(progs))):
         progressed = False
-        for s in range(n):
-            while pos[s] < len(progs[s]) and _ready(progs[s][pos[s]], s, preds, succs, fwd, grad):
-                a = progs[s][pos[s]]
-                pos[s] += 1
+        for d, prog in enumerate(progs):
+            while pos[d] < len(prog):
+                a = prog[pos[d]]
+                s = schedule.stage_of(d, a)
+                if not _ready(a, s, preds, succs, fwd, grad):
+                    break
+                pos[d] += 1
                 progressed = True
                 order.append((s, a))
                 if a.kind == "F":
@@ -132,9 +142,11 @@ def check(schedule: Schedule, edges: Iterable[Edge] | None = None) -> CheckResul
                     grad[s].add(a.mb)
                 if a.kind in ("B", "W"):
                     held[s] -= 1
+                on_device = sum(held[c * len(progs) + d] for c in range(schedule.chunks))
+                device_peak[d] = max(device_peak[d], on_device if backward else 1)
         if not progressed:
             raise ScheduleError(
                 f"schedule {schedule.name!r} deadlocks on edges {sorted(edge_set)}: "
-                + _stuck(progs, pos, preds, succs)
+                + _stuck(schedule, pos, preds, succs)
             )
-    return CheckResult(tuple(order), tuple(peak))
+    return CheckResult(tuple(order), tuple(peak), tuple(device_peak))
