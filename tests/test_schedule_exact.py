@@ -172,8 +172,8 @@ def test_interleaved_is_refused_clearly(tmp_path: Path) -> None:
     from fusionnet.runtime.submit import submission_payload
 
     path = _skip_job(tmp_path / "a", "SplitMerge", schedule="interleaved-1f1b", microbatches=3)
-    with pytest.raises(JobError, match=r"data.microbatches.*multiple of placement.compnodes \(2\), got 3"):
-        load_job(path)
+    with pytest.raises(PlanError, match=r"micro-batches \(3\) to be a multiple of the devices \(2\)"):
+        run_local(load_job(path), 2)
     path = _skip_job(tmp_path / "d", "SplitMerge", schedule="interleaved-1f1b", microbatches=4)
     with pytest.raises(JobError, match="runs several sub-DAGs per compnode.*--local"):
         submission_payload(load_job(path))

@@ -245,8 +245,4 @@ class JobSpec(_Strict):
     def _task_needs(self) -> JobSpec:
         if self.task == "train" and self.optimizer is None:
             raise KeyProblem(("optimizer",), "required when task is train")
-        m, p = self.data.microbatches, self.placement.compnodes
-        if self.placement.schedule == "interleaved-1f1b" and isinstance(m, int) and m % p:
-            why = f"interleaved-1f1b needs a multiple of placement.compnodes ({p}), got {m}"
-            raise KeyProblem(("data", "microbatches"), why)
         return self
