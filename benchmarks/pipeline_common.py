@@ -39,6 +39,7 @@ class Config:
     sandbox: str = "process"  # the compnodes' --sandbox: per-job worker processes (default) or off
     placement: str = "model"  # the broker's --placement: the performance model, or the balanced split
     replica_interval: float | None = None  # the broker's --replica-interval (None: its default)
+    steps_ahead: bool = False  # the broker's --steps-ahead: each step's call sent while the one before runs
 
     @property
     def model_kwargs(self) -> dict[str, int]:

@@ -201,7 +201,8 @@ def run_fusionnet_swarms(
             "broker",
             swarm_dir,
             ["--refresh-period", "1", "--heartbeat-period", "0.5", "--placement", cfg.placement]
-            + ([] if cfg.replica_interval is None else ["--replica-interval", str(cfg.replica_interval)]),
+            + ([] if cfg.replica_interval is None else ["--replica-interval", str(cfg.replica_interval)])
+            + (["--steps-ahead"] if cfg.steps_ahead else []),
             cfg.threads,
         )
         daemons.append(broker)

@@ -184,6 +184,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the broker's --replica-interval (default: the broker's own, 2 s): how often FusionNet copies "
         "each stage's state to another compnode for failover, a cost torch's pipeline does not pay",
     )
+    ap.add_argument(
+        "--steps-ahead",
+        action="store_true",
+        help="the broker's --steps-ahead: each step's call goes out while the step before runs, so no "
+        "compnode waits for the broker's round trip between steps",
+    )
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -266,12 +272,14 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed, threads=args.threads, data_path=str(workdir / "data.safetensors"),
             schedule=args.schedule, sandbox=args.sandbox, placement=args.placement,
             replica_interval=args.replica_interval,
+            steps_ahead=args.steps_ahead,
         )  # fmt: skip
         make_data(cfg, samples=4 * cfg.batch_size)
         print(
             f"model: {cfg.layers} blocks, dim {cfg.dim}, hidden {cfg.hidden}; batch {cfg.batch_size} in "
             f"{cfg.microbatches} micro-batches, {cfg.schedule}; sandbox {cfg.sandbox}; "
             f"placement {cfg.placement}; replica interval {cfg.replica_interval or 'default'}; "
+            f"steps ahead {'on' if cfg.steps_ahead else 'off'}; "
             f"{cfg.steps} steps ({cfg.warmup} warm-up); "
             f"{cfg.threads} thread(s)/process; {os.cpu_count()} CPUs; load {loadavg:.2f}; workdir {workdir}",
             flush=True,
@@ -303,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["schedule"] = cfg.schedule
     summary["sandbox"] = cfg.sandbox
     summary["replica_interval"] = cfg.replica_interval
+    summary["steps_ahead"] = cfg.steps_ahead
     summary["placement"] = cfg.placement
     summary["repeat"] = args.repeat
     summary["loadavg_before"] = round(loadavg, 2)

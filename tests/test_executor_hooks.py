@@ -198,3 +198,55 @@ def test_the_step_call_timeout_scales_with_the_step() -> None:
     assert step_timeout(0.5, 2.0) == STEP_TIMEOUT_FLOOR  # short steps: the floor
     assert step_timeout(120.0, None) == 120.0 * STEP_TIMEOUT_FACTOR  # minutes-long sub-tasks: scaled
     assert step_timeout(10.0, 300.0) == 300.0 * STEP_TIMEOUT_FACTOR  # the longer of predicted and measured
+
+
+class SendOrder(ExecutorHook):
+    """Notes, as each compute stretch of the first sub-DAG starts, how many sends it has made."""
+
+    def __init__(self, sent: list[int], seen: list[tuple[Phase, int, int]]) -> None:
+        self.sent, self.seen = sent, seen
+
+    def before(self, phase: Phase, step: int, mb: int) -> None:
+        self.seen.append((phase, mb, len(self.sent)))
+
+
+def test_an_fp_s_values_leave_before_the_next_stretch_starts() -> None:
+    """On a machine whose cores the compute threads fill, a send still waiting on the loop would leave
+    only when the next stretch ends, and its receiver would idle that long: the executor lets it go
+    first (``Outbox.let_go``). Inline compute (no thread) makes the order deterministic: without the
+    let-go, no send would run before the FPs that follow it."""
+    swarm, steps = _swarm(pieces=2, microbatches=3)
+    first = swarm.executors[0]
+    sent: list[int] = []
+    real = first.channel.send_values
+
+    async def counting(dst: int, items: Any) -> None:
+        sent.append(dst)  # the send's first step: what runs before its first real wait
+        await real(dst, items)
+
+    first.channel.send_values = counting  # type: ignore[method-assign]
+    seen: list[tuple[Phase, int, int]] = []
+    first.hooks.add(SendOrder(sent, seen))
+    asyncio.run(swarm.step(steps[0]))
+    fps = [(mb, n) for phase, mb, n in seen if phase == "fp"]
+    assert fps == [(0, 0), (1, 1), (2, 2)], fps  # F(k) starts once F(k-1)'s values went
+
+
+def test_let_go_runs_started_sends_up_to_their_first_wait() -> None:
+    from fusionnet.dag.outbox import Outbox
+
+    async def scenario() -> list[str]:
+        box, log = Outbox(), []
+        box.reset()
+
+        async def send() -> None:
+            log.append("written")
+            await asyncio.Event().wait()  # the peer's acknowledgement, say
+
+        box.start(send())
+        assert log == []  # started, not yet run
+        await box.let_go()
+        box.cancel()
+        return log
+
+    assert asyncio.run(scenario()) == ["written"]

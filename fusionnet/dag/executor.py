@@ -167,6 +167,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
     async def _run(self, phase: Phase, step: int, mb: int, work: Callable[[], T]) -> T:
         """One compute stretch, between the hooks, on the compute pool (or inline without one)."""
         call = partial(self.hooks.run, phase, step, mb, work)
+        await self.outbox.let_go()  # the last stretch's values leave before this one takes the core
         if self.compute is None:
             return call()
         return await asyncio.get_running_loop().run_in_executor(self.compute, call)

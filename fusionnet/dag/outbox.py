@@ -17,6 +17,7 @@ class Outbox:
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()
         self._failed: asyncio.Future[None] | None = None
+        self._fresh = False  # a send started and not yet let go (``let_go``)
 
     def reset(self) -> None:
         self.cancel()
@@ -26,6 +27,17 @@ class Outbox:
         task = asyncio.ensure_future(send)
         self._tasks.add(task)
         task.add_done_callback(self._done)
+        self._fresh = True
+
+    async def let_go(self) -> None:
+        """Lets sends started since the last call run on the loop up to their first real wait, which is
+        after their bytes went into the socket (a non-blocking write of a frame returns at once when it
+        fits the socket's buffer). Called before each compute stretch: on a machine whose cores the
+        compute threads fill, a send left for later would otherwise wait for a core (and the GIL) until
+        the next stretch ends, and the peer that waits for it would idle that long."""
+        if self._fresh:
+            self._fresh = False
+            await asyncio.sleep(0)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
