@@ -175,15 +175,15 @@ def test_interleaved_is_refused_clearly(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match=r"micro-batches \(3\) to be a multiple of the devices \(2\)"):
         run_local(load_job(path), 2)
     path = _skip_job(tmp_path / "d", "SplitMerge", schedule="interleaved-1f1b", microbatches=4)
-    with pytest.raises(JobError, match="runs several sub-DAGs per compnode.*--local"):
+    with pytest.raises(JobError, match=r"runs several sub-DAGs per compnode.*--local"):
         submission_payload(load_job(path))
     with pytest.raises(PlanError, match=r"multiple of the devices \(3\)"):  # --local 3 overrides compnodes
         run_local(load_job(path), 3)
     path = _skip_job(tmp_path / "b", "SplitMerge", schedule="1f1b", chunks=2)
-    with pytest.raises(JobError, match="placement.chunks.*only schedule interleaved-1f1b"):
+    with pytest.raises(JobError, match=r"placement.chunks.*only schedule interleaved-1f1b"):
         load_job(path)
     path = _skip_job(tmp_path / "c", "SplitMerge", schedule="interleaved-1f1b", chunks=1)
-    with pytest.raises(JobError, match="placement.chunks.*>= 2 chunks"):
+    with pytest.raises(JobError, match=r"placement.chunks.*>= 2 chunks"):
         load_job(path)
 
 

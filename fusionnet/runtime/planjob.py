@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from fusionnet.job.loader import LoadedJob, load_job
+from fusionnet.messages.jobwire import refuse_what_the_swarm_cannot_run
 from fusionnet.perfmodel.nodes import load_nodes_file
 from fusionnet.perfmodel.types import DeviceSpec
 from fusionnet.planning.optimizers import job_optimizers
-from fusionnet.messages.jobwire import refuse_what_the_swarm_cannot_run
 from fusionnet.planning.pipeline_schedule import choose_schedule
 from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph
 from fusionnet.profiling.calibration import local_device_spec
