@@ -33,13 +33,20 @@ class Config:
     seed: int
     threads: int
     data_path: str
-    # gpipe | 1f1b | zero-bubble: FusionNet's placement.schedule; torch's ScheduleGPipe / Schedule1F1B
-    # (for zero-bubble, Schedule1F1B: torch's zero-bubble schedules need several stages per rank)
+    # gpipe | 1f1b | zero-bubble | interleaved-1f1b: FusionNet's placement.schedule; torch's ScheduleGPipe /
+    # Schedule1F1B / ScheduleInterleaved1F1B (for zero-bubble, Schedule1F1B: torch's zero-bubble schedules
+    # need several stages per rank)
     schedule: str = "gpipe"
+    chunks: int = 2  # interleaved-1f1b: stages per rank / sub-DAGs per compnode
     sandbox: str = "process"  # the compnodes' --sandbox: per-job worker processes (default) or off
     placement: str = "model"  # the broker's --placement: the performance model, or the balanced split
     replica_interval: float | None = None  # the broker's --replica-interval (None: its default)
     steps_ahead: bool = False  # the broker's --steps-ahead: each step's call sent while the one before runs
+
+    @property
+    def per_rank(self) -> int:
+        """Stages each rank (compnode) holds."""
+        return self.chunks if self.schedule == "interleaved-1f1b" else 1
 
     @property
     def model_kwargs(self) -> dict[str, int]:

@@ -42,6 +42,8 @@ placement:
   compnodes: {compnodes}
   schedule: {cfg.schedule}
 """
+    if cfg.per_rank > 1:
+        job += f"  chunks: {cfg.per_rank}\n"
     path = workdir / f"job{compnodes}.yaml"
     path.write_text(job)
     return path

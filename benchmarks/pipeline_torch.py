@@ -52,18 +52,29 @@ def pipe_worker(
         import torch.distributed as dist
         import torch.nn.functional as F
         from pipeline_model import build, stage_module
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
         set_threads(cfg.threads)
         dist.init_process_group("gloo", rank=rank, world_size=world)
         batches = load_batches(cfg)
         torch.manual_seed(cfg.seed)
         model = build(**cfg.model_kwargs)
-        sub = stage_module(model, *split[rank])
-        stage = PipelineStage(sub, rank, world, torch.device("cpu"))
-        kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B  # zero-bubble: its nearest
-        schedule = kind(stage, cfg.microbatches, loss_fn=F.cross_entropy)  # scale_grads: 1/M
-        opt = torch.optim.SGD(sub.parameters(), lr=cfg.lr)
+        if cfg.per_rank > 1:  # rank r holds stages r, world + r, ... (as FusionNet's compnodes do)
+            mine = [rank + c * world for c in range(cfg.per_rank)]
+            subs = [stage_module(model, *split[i]) for i in mine]
+            stages = [PipelineStage(s, i, len(split), torch.device("cpu")) for s, i in zip(subs, mine)]
+            schedule: Any = ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=F.cross_entropy)
+        else:
+            subs = [stage_module(model, *split[rank])]
+            stage = PipelineStage(subs[0], rank, world, torch.device("cpu"))
+            kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B  # zero-bubble: its nearest
+            schedule = kind(stage, cfg.microbatches, loss_fn=F.cross_entropy)  # scale_grads: 1/M
+        opt = torch.optim.SGD([p for s in subs for p in s.parameters()], lr=cfg.lr)
         times, losses = [], []
         for x, y in batches:
             dist.barrier()
@@ -140,7 +151,7 @@ def run_plain(cfg: Config, timeout: float) -> Result:
 
 
 def run_torchpipe(cfg: Config, split: list[tuple[int, int]], split_source: str, timeout: float) -> Result:
-    world = len(split)
+    world = len(split) // cfg.per_rank
     res = Result(f"torch pipe {world}", note=f"split {format_split(split)} ({split_source})")
     port = free_port()
     try:

@@ -5,7 +5,9 @@ cross-entropy on the last block's output), from the same initial weights (built 
 ``torch.manual_seed(seed)``), on the same batches (batch s = samples [s*B, (s+1)*B) modulo the dataset),
 with the same schedule (``--schedule``: GPipe, each batch split into M micro-batches, all forwards, all
 backwards, one SGD step; or 1F1B; or FusionNet's zero-bubble ZB-H1 against torch's 1F1B, since torch's
-zero-bubble schedules need several stages per rank), and with the same number of torch threads per
+zero-bubble schedules need several stages per rank; or interleaved 1F1B, the model cut into N x
+``--chunks`` stages, torch's rank r and FusionNet's compnode r holding stages r, N + r, ...: FusionNet runs
+it with ``run --local`` only, its swarm rows say why not), and with the same number of torch threads per
 process (``--threads``, default 1). FusionNet's rows also give each stage's peak activation bytes
 (metrics.jsonl's ``activation_peak_bytes``) and the bubble: the share of the step its stages did not
 compute, averaged over the stages (1 - ``compute_seconds`` / ``seconds``; it includes waiting for the
@@ -156,11 +158,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process, all contenders")
     ap.add_argument(
         "--schedule",
-        choices=("gpipe", "1f1b", "zero-bubble"),
+        choices=("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b"),
         default="gpipe",
-        help="pipeline schedule of both pipelines: torch's ScheduleGPipe/Schedule1F1B and FusionNet's "
-        "placement.schedule (default gpipe); zero-bubble is FusionNet's ZB-H1 against torch's 1F1B (its "
-        "zero-bubble schedules need several stages per rank)",
+        help="pipeline schedule of both pipelines: torch's ScheduleGPipe/Schedule1F1B/"
+        "ScheduleInterleaved1F1B and FusionNet's placement.schedule (default gpipe); zero-bubble is "
+        "FusionNet's ZB-H1 against torch's 1F1B (its zero-bubble schedules need several stages per rank); "
+        "interleaved-1f1b cuts the model into N x --chunks stages, rank / compnode r holding r, N + r, ... "
+        "(FusionNet: `run --local` only)",
     )
     ap.add_argument(
         "--sandbox",
@@ -183,6 +187,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="SECONDS",
         help="the broker's --replica-interval (default: the broker's own, 2 s): how often FusionNet copies "
         "each stage's state to another compnode for failover, a cost torch's pipeline does not pay",
+    )
+    ap.add_argument(
+        "--chunks",
+        type=int,
+        default=2,
+        help="interleaved-1f1b: stages per torch rank and sub-DAGs per FusionNet compnode (default 2)",
     )
     ap.add_argument(
         "--steps-ahead",
@@ -232,14 +242,18 @@ def run_contenders(cfg: Config, args: argparse.Namespace, workdir: Path, record:
             res, plan = run_fusionnet_local(cfg, n, workdir, args.timeout)
             record(res)
             plans[n].append(("plan of fusionnet local", plan))
-    if not args.no_swarm:
+    if not args.no_swarm and cfg.per_rank > 1:
+        for n in args.stages:
+            why = "the swarm does not run interleaved-1f1b yet (a compnode holds one sub-DAG of a job)"
+            record(Result(f"fusionnet {n}", error=why))
+    elif not args.no_swarm:
         swarms = run_fusionnet_swarms(cfg, args.stages, workdir, args.timeout, args.submit_retries)
         for res, plan in swarms:
             record(res)
             plans[int(res.name.rsplit(" ", 1)[1])].insert(0, ("plan of fusionnet swarm", plan))
     splits: dict[int, tuple[list[tuple[int, int]], str]] = {}
     for n in args.stages:
-        split, source = balanced_split(cfg.layers, n), "balanced, assumed"
+        split, source = balanced_split(cfg.layers, n * cfg.per_rank), "balanced, assumed"
         for what, plan in plans[n]:
             if plan is not None:
                 try:
@@ -272,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed, threads=args.threads, data_path=str(workdir / "data.safetensors"),
             schedule=args.schedule, sandbox=args.sandbox, placement=args.placement,
             replica_interval=args.replica_interval,
-            steps_ahead=args.steps_ahead,
+            steps_ahead=args.steps_ahead, chunks=args.chunks,
         )  # fmt: skip
         make_data(cfg, samples=4 * cfg.batch_size)
         print(
