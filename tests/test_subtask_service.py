@@ -133,7 +133,7 @@ def test_an_assignment_is_held_and_only_its_broker_may_drive_it(assign_docs: lis
             call(s, method, payload, sender=STRANGER)
     with pytest.raises(JobError, match="no job 'j2' is assigned to this compnode"):
         call(s, "step", {"job_id": "j2", "step": 0})
-    with pytest.raises(JobError, match=r"'to' must list other sub-DAGs of the job, got \[1\]"):
+    with pytest.raises(JobError, match=r"'to' must list sub-DAGs of other compnodes of the job, got \[1\]"):
         call(s, "probe_links", {"job_id": "j1", "to": [1]})
     assert call(s, "release", {"job_id": "j1", "reason": "done"}) == {"released": True, "refused": 0}
     assert not s.jobs and not s.server.jobs  # type: ignore[union-attr]

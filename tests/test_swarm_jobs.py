@@ -140,6 +140,53 @@ def test_submitted_job_equals_local_run_and_plain_pytorch(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "example,overrides",
+    [
+        ("mlp", {"steps": 3, "placement": {"compnodes": 2}, "microbatches": 4}),
+        ("gpt", {"steps": 2, "placement": {"compnodes": 3}, "microbatches": 3}),
+        ("figure3", {"task": "grad", "steps": 2, "placement": {"compnodes": 2}, "microbatches": 2}),
+    ],
+)
+def test_interleaved_chunks_share_compnodes_and_equal_plain_pytorch(
+    swarm: tuple[ProcessSwarm, BlockingObserver], example: str, overrides: dict, tmp_path: Path
+) -> None:
+    """interleaved-1f1b on the swarm: each compnode holds 2 sub-DAGs (its chunks) in one sandbox worker,
+    runs them in its program's order, and passes values between its own chunks without the network;
+    the result equals plain PyTorch and the same job's ``run --local``."""
+    import json
+
+    sw, _ = swarm
+    placement = {**overrides.pop("placement"), "schedule": "interleaved-1f1b", "chunks": 2}
+    job_path = example_job(example, tmp_path, **overrides, placement=placement)
+    try:
+        out = tmp_path / "out"
+        done = _submit(job_path, sw, out)
+        assert "SUCCEEDED" in done.stdout
+        job = load_job(job_path)
+        p = job.spec.placement.compnodes
+        local = run_local(load_job(job_path), p)
+        ref = run_reference(job)
+    finally:
+        job_path.unlink()
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["schedule"]["name"] == "interleaved-1f1b"
+    peer_of = {s["subdag"]: s["compnode"] for s in plan["subdags"]}
+    assert len(peer_of) == 2 * p and len(set(peer_of.values())) == p
+    assert all(peer_of[s] == peer_of[s % p] for s in peer_of)  # compnode d holds d, p + d
+    if job.spec.task == "grad":
+        grads = load_file(out / "grads.safetensors")
+        assert _max_diff(grads, ref.grads) <= TOL
+        assert _max_diff(grads, local.grads) <= TOL
+    weights = load_file(out / "weights.safetensors")
+    assert _max_diff(weights, ref.weights) <= TOL
+    assert _max_diff(weights, local.weights) <= TOL
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(abs(r["loss"] - want) <= 1e-5 for r, want in zip(rows, ref.losses, strict=True))
+    assert all(len(r["compute_seconds"]) == 2 * p and min(r["compute_seconds"]) > 0 for r in rows)
+
+
+@pytest.mark.timeout(300)
 def test_foreign_and_malformed_frames_are_refused_while_the_job_completes(
     swarm: tuple[ProcessSwarm, BlockingObserver], tmp_path: Path
 ) -> None:

@@ -84,6 +84,9 @@ def iter_assignment_payloads(
     key = secrets.token_bytes(KEY_BYTES) if key is None else key  # the round's master: never sent
     peers_doc = [JobPeer(peer_id=p, data_address=data_addresses.get(p)) for p in peers]
     assignment = {n: s.index for s in partition.subdags for n in s.nodes}
+    # Link keys are per pair of compnodes: a compnode holding several sub-DAGs (interleaved) checks every
+    # frame from one sender with one key, so each compnode is named by its first sub-DAG.
+    device = [peers.index(p) for p in peers]
     for s in partition.subdags:
         wanted = {job.graph.node(p).target for p in s.placeholders}
         state_keys, optim_keys = ckpt.slice_keys(s.params, s.buffers)
@@ -105,7 +108,10 @@ def iter_assignment_payloads(
             assignment=assignment,
             subdag=s.index,
             peers=peers_doc,
-            link_keys=[b"" if j == s.index else link_key(key, s.index, j) for j in range(len(peers))],
+            link_keys=[
+                b"" if device[j] == device[s.index] else link_key(key, device[s.index], device[j])
+                for j in range(len(peers))
+            ],
             state=blobs["state"] or b"",
             optim=blobs["optim"],
             staged_state=staged["state"].total if "state" in staged else None,

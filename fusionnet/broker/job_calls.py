@@ -105,6 +105,8 @@ class JobCalls:
             else request.model_copy(update={"replica_pace": paces[i]})
             for i in range(len(peers))
         ]
+        if len(set(peers)) < len(peers):  # compnodes holding several sub-DAGs: each call names its own
+            requests = [r.model_copy(update={"subdag": i}) for i, r in enumerate(requests)]
         return await gather(
             [
                 self._named(p, "step", self.client.call_step(p, r, timeout=timeout))
@@ -112,13 +114,19 @@ class JobCalls:
             ]
         )
 
-    async def collect(self, peers: Sequence[str], part: str = "all", chunk: int = 0) -> list[CollectReply]:
-        """``part``: "state" or "optim" alone (``JobRequest.part``), ``chunk`` of it."""
-        request = JobRequest(job_id=self.job_id, part=part, chunk=chunk)
+    async def collect(
+        self, peers: Sequence[str], part: str = "all", chunk: int = 0, subdags: Sequence[int] | None = None
+    ) -> list[CollectReply]:
+        """``part``: "state" or "optim" alone (``JobRequest.part``), ``chunk`` of it; ``subdags``: which
+        sub-DAG of each peer (needed where a compnode holds several: interleaved chunks)."""
+        requests = [
+            JobRequest(job_id=self.job_id, part=part, chunk=chunk, subdag=None if subdags is None else s)
+            for s in (subdags if subdags is not None else [0] * len(peers))
+        ]
         return await gather(
             [
-                self._named(p, "collect", self.client.call_collect(p, request, timeout=ASSIGN_TIMEOUT))
-                for p in peers
+                self._named(p, "collect", self.client.call_collect(p, r, timeout=ASSIGN_TIMEOUT))
+                for p, r in zip(peers, requests, strict=True)
             ]
         )
 
@@ -143,7 +151,7 @@ class JobCalls:
         for part in ("state", "optim"):
             chunk, chunks = 0, 1
             while chunk < chunks:
-                (r,) = await self.collect([peer], part, chunk)
+                (r,) = await self.collect([peer], part, chunk, [subdag])
                 chunks = r.chunks
                 data = r.state if part == "state" else r.optim
                 if data is None and chunk == 0:  # nothing of this part (no optimizer state)

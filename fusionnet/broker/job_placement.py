@@ -143,7 +143,10 @@ class JobPlacement:
         self._busy, self._busy_steps = {}, 0  # measured times are per sub-DAG of this placement
         self.partition = build_partition(self.job.graph, placement.assignment)
         self.peers = list(placement.peers)
-        self.replicas.reset(len(self.peers), enabled=self.job.spec.task == "train")
+        # Compnodes that hold several sub-DAGs (interleaved) do not replicate yet: the ring would put a
+        # sub-DAG's copy on its own compnode; the broker's checkpoint syncs cover a loss instead.
+        distinct = len(set(self.peers)) == len(self.peers)
+        self.replicas.reset(len(self.peers), enabled=self.job.spec.task == "train" and distinct)
         self._planned_slowness = [self.ctx.speeds.slowness(p) for p in self.peers]
         self.attempt += 1
         self.progress.placement = [

@@ -116,6 +116,7 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
             else None,
             schedule=job.spec.schedule,
             microbatch_choices=tuple(job.spec.microbatch_choices),
+            chunks=job.spec.chunks,
         )
         self._planned_slowness: list[float] = []  # per sub-DAG: its compnode's slowness when planned
         self.prediction = PredictionWatch()  # measured steps against the plan (issue 16: re-plan when off)
@@ -291,7 +292,7 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
         job, graph = self.job, self.job.graph
         grads: list[dict[str, torch.Tensor]] | None = None  # per sub-DAG
         if job.spec.task == "grad":
-            replies = await self.calls.collect(self.peers)
+            replies = await self.calls.collect(self.peers, subdags=range(len(self.peers)))
             grads = [unpack_tensors(r.grads, f"grads from {p}") for p, r in zip(self.peers, replies)]
         steps = max(self._busy_steps, 1)
         measured = {i: t / steps for i, t in self._busy.items()}

@@ -51,12 +51,20 @@ async def probe_placement(
     (``consumers[i]``) that ``book`` has no fresh estimate of, all at once, and records the answers.
     A compnode that cannot probe costs only precision (its links keep the default figures; a dead one
     is found by the next step). Returns whether anything was probed."""
+    # One probe per pair of compnodes, however many sub-DAGs each holds (interleaved chunks): sent by
+    # the sender's first sub-DAG, to the first sub-DAG of each compnode it feeds.
+    first: dict[str, int] = {}
+    for i, p in enumerate(peers):
+        first.setdefault(p, i)
+    wanted: dict[int, set[int]] = {}
+    for i, targets in consumers.items():
+        for c in targets:
+            if peers[c] != peers[i] and book.needs_probe(peers[i], peers[c]):
+                wanted.setdefault(first[peers[i]], set()).add(first[peers[c]])
     calls, senders = [], []
-    for i, targets in sorted(consumers.items()):
-        to = sorted(c for c in targets if c != i and book.needs_probe(peers[i], peers[c]))
-        if to:
-            senders.append(i)
-            calls.append(call(peers[i], "probe_links", {"job_id": job_id, "to": to}, PROBE_TIMEOUT))
+    for i, to in sorted(wanted.items()):
+        senders.append(i)
+        calls.append(call(peers[i], "probe_links", {"job_id": job_id, "to": sorted(to)}, PROBE_TIMEOUT))
     if not calls:
         return False
     started = time.monotonic()
@@ -66,7 +74,7 @@ async def probe_placement(
             log.warning("job %s: link probe from %s failed: %s", job_id, peers[i], reply)
             continue
         for dst, link in parse_probe_reply(reply).items():
-            if 0 <= dst < len(peers) and dst != i:
+            if 0 <= dst < len(peers) and peers[dst] != peers[i]:
                 book.record(peers[i], peers[dst], link)
     log.info("job %s: links probed in %.3f s", job_id, time.monotonic() - started)
     return True

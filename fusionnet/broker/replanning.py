@@ -124,7 +124,7 @@ def next_placement(
     if not peers:
         return plan_placement(shape, first_pool(pool), policy=policy, links=links)
     survivors = pool_after_loss(peers, set(replan.lost), pool)
-    stages = min(len(peers), len(survivors))
+    stages = min(len(set(peers)), len(survivors))  # compnodes (interleaved: each holds chunks sub-DAGs)
     return plan_placement(shape, survivors, stages=stages, policy=policy, links=links)
 
 

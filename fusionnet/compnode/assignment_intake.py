@@ -70,11 +70,16 @@ class JobAssignment:
         return self.subdag.index
 
     def allowed_senders(self) -> list[str]:
-        return [p.peer_id for i, p in enumerate(self.peers) if i != self.index]
+        me = self.peers[self.index].peer_id
+        return sorted({p.peer_id for p in self.peers if p.peer_id != me})
+
+    def step_data(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """The dataset fields this sub-DAG's placeholders read, per micro-batch of ``step``."""
+        wanted = {self.graph.node(p).target for p in self.subdag.placeholders}
+        return select_fields(self.fields, wanted, self.spec, step)
 
     async def run_step(self, step: int) -> StepReport:
-        wanted = {self.graph.node(p).target for p in self.subdag.placeholders}
-        data = select_fields(self.fields, wanted, self.spec, step)
+        data = self.step_data(step)
         sent = self.channel.bytes_sent
         report = await self.executor.run_step(step, data, self.spec.microbatch_sizes(step))
         report.sent_bytes = self.channel.bytes_sent - sent  # the step's activations and gradients
@@ -172,7 +177,7 @@ def _decode(request: AssignRequest, own_peer_id: str) -> _Decoded:
     if request.subdag >= n:
         raise JobError(f"assign {job_id}: subdag must be in 0..{n - 1}")
     try:  # the broker settles ``auto`` and checked the schedule; a peer's word is checked again
-        check_schedule(request.spec.schedule, partition, request.spec.microbatches, request.spec.task)
+        check_schedule(spec.schedule, partition, spec.microbatches, spec.task, spec.chunks)
     except PlanError as e:
         raise JobError(f"assign {job_id}: {e}") from None
     if len(request.peers) != n:
@@ -206,6 +211,7 @@ def _executor(
         subdags=len(parts.peers),
         schedule=spec.schedule,
         device=device,
+        chunks=spec.chunks,
     )
     if request.optim is not None:
         what = f"assign {request.job_id}: optimizer state"
@@ -240,6 +246,8 @@ def build_assignment(
         send_frame=send,
         validate=lambda src, k, v: holder["a"].validate(src, k, v),
         compression=request.spec.wire_compression,
+        # several sub-DAGs per compnode (interleaved): frames name their sub-DAGs
+        routes=(index, [p.peer_id for p in parts.peers]) if request.spec.chunks > 1 else None,
     )
     job = JobAssignment(
         job_id=request.job_id,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -47,6 +48,28 @@ from fusionnet.wire.header import MAX_NAME_LEN
 log = logging.getLogger("fusionnet.compnode.netchannel")
 BUNDLE_SEP = "+"  # a frame named "a+b" carries the values of nodes a and b (FX names hold no "+")
 MAX_BUNDLE = 256
+# A job whose compnodes hold several sub-DAGs each (interleaved-1f1b) names both ends of every frame:
+# "3>4:a+b" goes from sub-DAG 3 to sub-DAG 4 (the sender's peer alone no longer says which one sent it,
+# nor which of ours it is for). The name is inside the frame's authenticated header.
+ROUTE_SEP, ROUTE_END = ">", ":"
+ROUTE_MAX = 16  # characters a route prefix may take
+
+
+def route_prefix(src: int, dst: int) -> str:
+    return f"{src}{ROUTE_SEP}{dst}{ROUTE_END}"
+
+
+def split_route(name: str) -> tuple[int, int, str]:
+    """``(src, dst, rest)`` of a routed frame name; ``WireError`` when it names no route."""
+    head, sep, rest = name.partition(ROUTE_END)
+    src, arrow, dst = head.partition(ROUTE_SEP)
+    if not sep or not arrow or not src.isdigit() or not dst.isdigit() or len(head) >= ROUTE_MAX:
+        raise WireError(
+            f"frame {name[:80]!r} names no route 'SRC>DST:' (its job holds several sub-DAGs per compnode)"
+        )
+    return int(src), int(dst), rest
+
+
 MAX_STRUCTURE_BYTES = 1 << 20
 DEFAULT_MAX_PENDING_BYTES = 4 << 30  # tensors of unfinished values, all sources and steps together
 _Slot = tuple[int, str, int, int, str]  # (source sub-DAG, kind, step, micro-batch, node)
@@ -144,10 +167,15 @@ class NetChannel(Channel):
         validate: Callable[[int, MessageKey, Any], None] | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         compression: str = "none",
+        routes: tuple[int, Sequence[str]] | None = None,
     ) -> None:
+        """``routes``: (our sub-DAG, the peer id of every sub-DAG) for a job whose compnodes hold several
+        sub-DAGs: frames then name their source and destination sub-DAGs (``route_prefix``), checked
+        against the sender's peer, and ``subdag_of_peer`` is not used."""
         self.job_id = job_id
         self.peer_id = peer_id
         self.subdag_of_peer = dict(subdag_of_peer)
+        self.routes = None if routes is None else (routes[0], list(routes[1]))
         self.send_frame = send_frame
         self.validate = validate
         self.mailbox = Mailbox()
@@ -159,9 +187,11 @@ class NetChannel(Channel):
         self.compressor = Compressor(compression)
         self.bytes_sent = 0  # tensor bytes handed to the transport (after compression)
 
-    def _frame(self, key: MessageKey, name: str, tensor: torch.Tensor) -> TensorFrame:
+    def _frame(self, key: MessageKey, name: str, tensor: torch.Tensor, dst: int) -> TensorFrame:
         kind, step, mb, _ = key
         self.bytes_sent += _nbytes(tensor)
+        if self.routes is not None:
+            name = route_prefix(self.routes[0], dst) + name
         return TensorFrame(
             job_id=self.job_id,
             sender=self.peer_id,
@@ -181,13 +211,13 @@ class NetChannel(Channel):
             tensors[i], info = self.compressor.compress((dst, kind, node, i, mb), t)
             codecs.append(info)
         if sum(_nbytes(t) for t in tensors) <= PACK_MAX:
-            await self.send_frame(dst, self._frame(key, node, pack_value(doc, tensors, codecs)))
+            await self.send_frame(dst, self._frame(key, node, pack_value(doc, tensors, codecs), dst))
             return
         for i, t in enumerate(tensors):
-            await self.send_frame(dst, self._frame(key, f"{node}/{i}", t))
+            await self.send_frame(dst, self._frame(key, f"{node}/{i}", t, dst))
         structure = {"tree": doc, "count": len(tensors), "codecs": codecs}
         payload = torch.frombuffer(bytearray(msgpack.packb(structure)), dtype=torch.uint8)
-        await self.send_frame(dst, self._frame(key, node, payload))
+        await self.send_frame(dst, self._frame(key, node, payload, dst))
 
     async def send_values(self, dst: int, items: Sequence[tuple[MessageKey, Any]]) -> None:
         """Values of one (kind, step, micro-batch) to ``dst`` in one packed frame named ``a+b+...``
@@ -205,7 +235,7 @@ class NetChannel(Channel):
             or len({key[:3] for key, _ in items}) != 1
             or len(set(names)) != len(names)
             or any(not n or BUNDLE_SEP in n or "/" in n for n in names)
-            or len(bundle) > MAX_NAME_LEN
+            or len(bundle) > MAX_NAME_LEN - ROUTE_MAX
             or sum(_nbytes(t) for t in tensors) > PACK_MAX
         ):
             for key, value in items:  # decided before compressing: error feedback advances once
@@ -218,7 +248,7 @@ class NetChannel(Channel):
                 tensors[i], info = self.compressor.compress((dst, kind, node, i - start, mb), tensors[i])
                 codecs.append(info)
         tree = {"$seq": docs, "tuple": True}
-        await self.send_frame(dst, self._frame(items[0][0], bundle, pack_value(tree, tensors, codecs)))
+        await self.send_frame(dst, self._frame(items[0][0], bundle, pack_value(tree, tensors, codecs), dst))
 
     async def recv(self, src: int, key: MessageKey) -> Any:
         return await self.mailbox.take(src, key)
@@ -226,6 +256,10 @@ class NetChannel(Channel):
     def on_frame(self, frame: TensorFrame) -> None:
         """Called by the transport for every authenticated frame of this job."""
         try:
+            if self.routes is not None:
+                src, frame = self._unroute(frame)
+                self._on_frame(frame, src)
+                return
             self._on_frame(frame)
         except WireError as e:
             self.refused += 1
@@ -239,20 +273,45 @@ class NetChannel(Channel):
             )
             self._fail_awaited(frame, e)
 
+    def _unroute(self, frame: TensorFrame) -> tuple[int, TensorFrame]:
+        """A routed frame's source sub-DAG and the frame under its plain name: the route must be from a
+        sub-DAG of the sending compnode to this channel's own."""
+        assert self.routes is not None
+        ours, peers = self.routes
+        src, dst, rest = split_route(frame.name)
+        if dst != ours:
+            raise WireError(f"frame {frame.name[:80]!r} is for sub-DAG {dst}, not {ours}")
+        if not 0 <= src < len(peers) or peers[src] != frame.sender or src == ours:
+            raise WireError(
+                f"frame {frame.name[:80]!r}: sub-DAG {src} is not held by its sender {frame.sender}"
+            )
+        return src, replace(frame, name=rest)
+
+    def _sender(self, frame: TensorFrame) -> int | None:
+        if self.routes is None:
+            return self.subdag_of_peer.get(frame.sender)
+        try:
+            return self._unroute(frame)[0]
+        except WireError:
+            return None
+
     def _fail_awaited(self, frame: TensorFrame, error: WireError) -> None:
         """A member's frame for a value this step still awaits was refused: the value can never come, so
         its step fails now with the reason instead of waiting for the broker's timeout."""
-        src = self.subdag_of_peer.get(frame.sender)
+        src = self._sender(frame)
         if src is None or frame.kind not in ("act", "grad"):
             return  # not this job's value: dropping it loses nothing
+        if self.routes is not None:
+            frame = self._unroute(frame)[1]
         why = f"job {self.job_id}: refused a frame from sub-DAG {src}: {error}"
         for node in frame.name.partition("/")[0].split(BUNDLE_SEP)[:MAX_BUNDLE]:
             key: MessageKey = (frame.kind, frame.step, frame.microbatch, node)
             if self.mailbox.expects(key):  # else of a step nobody takes
                 self.mailbox.refuse(src, key, JobError(why))
 
-    def _on_frame(self, frame: TensorFrame) -> None:
-        src = self.subdag_of_peer.get(frame.sender)
+    def _on_frame(self, frame: TensorFrame, src: int | None = None) -> None:
+        if src is None:
+            src = self.subdag_of_peer.get(frame.sender)
         if src is None:
             raise WireError(f"peer {frame.sender} holds no sub-DAG of this job")
         if frame.kind not in ("act", "grad"):

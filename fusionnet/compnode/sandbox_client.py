@@ -146,17 +146,26 @@ class SandboxedJob:
         self._refused = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
+        self._broker, self._device = "", ""  # of the first ``assign``: the job's later chunks share them
 
     # ---- life ------------------------------------------------------------------------------------
     async def assign(self, request: AssignRequest, broker: str, device: str) -> tuple[int, int]:
         """Starts the worker and builds the job there: (IR nodes, parameters) of our sub-DAG."""
         self.process, self.channel = await self.pool.spawn(self.peer_id, self.job_id, self.subdag)
         self._reader = asyncio.ensure_future(self._read())
+        self._broker, self._device = broker, device
+        return await self._assign(request)
+
+    async def assign_more(self, request: AssignRequest) -> tuple[int, int]:
+        """Another of our sub-DAGs of the job (interleaved chunks), built in the same worker."""
+        return await self._assign(request)
+
+    async def _assign(self, request: AssignRequest) -> tuple[int, int]:
         doc = request.model_dump(exclude={"state", "optim"}) | {"state": b"", "optim": None}
         blobs: list[Any] = [msgpack.packb(doc, use_bin_type=True), request.state]
         if request.optim is not None:
             blobs.append(request.optim)
-        header, _ = await self._call("assign", {"broker": broker, "device": device}, blobs)
+        header, _ = await self._call("assign", {"broker": self._broker, "device": self._device}, blobs)
         return int_field(header, "nodes"), int_field(header, "params")
 
     async def close(self, why: str) -> None:
@@ -291,8 +300,8 @@ class SandboxedJob:
         return call_id, future
 
     # ---- Host ------------------------------------------------------------------------------------
-    async def run_step(self, step: int) -> StepOutcome:
-        header, blobs = await self._call("step", {"step": step})
+    async def run_step(self, step: int, subdag: int | None = None) -> StepOutcome:
+        header, blobs = await self._call("step", {"step": step, "subdag": subdag})
         outputs = bytes(blob_view(blobs[0])) if header.get("outputs") and blobs else None
         loss = header.get("loss")
         if loss is not None and not isinstance(loss, float | int):
@@ -319,8 +328,8 @@ class SandboxedJob:
         _, blobs = await self._call("serve", {}, [packed])
         return ServeStepReply.model_validate(_unpacked(blobs))
 
-    async def collect(self, part: str, chunk: int) -> CollectReply:
-        _, blobs = await self._call("collect", {"part": part, "chunk": chunk})
+    async def collect(self, part: str, chunk: int, subdag: int | None = None) -> CollectReply:
+        _, blobs = await self._call("collect", {"part": part, "chunk": chunk, "subdag": subdag})
         return CollectReply.model_validate(_unpacked(blobs))
 
     def snapshot(self) -> Awaitable[tuple[list[Chunk], float]]:

@@ -201,7 +201,7 @@ class Worker:
         if host is None:
             raise ExecutionError(f"sandbox worker: {op!r} before the job was assigned")
         if op == "step":
-            outcome = await host.run_step(int_field(header, "step"))
+            outcome = await host.run_step(int_field(header, "step"), _subdag_field(header))
             fields = {k: getattr(outcome, k) for k in ("loss", "fp_seconds", "bp_seconds", "update_seconds")}
             outputs = outcome.outputs
             fields |= {"refused": outcome.refused, "outputs": outputs is not None}
@@ -216,14 +216,15 @@ class Worker:
             reply = await host.serve(ServeStepRequest.model_validate(doc))
             return {}, [msgpack.packb(reply.model_dump(), use_bin_type=True)]
         if op == "collect":
-            reply = await host.collect(str_field(header, "part", 16), int_field(header, "chunk"))
+            part, chunk = str_field(header, "part", 16), int_field(header, "chunk")
+            reply = await host.collect(part, chunk, _subdag_field(header))
             return {}, [msgpack.packb(reply.model_dump(), use_bin_type=True)]
         if op == "snapshot_chunk":
             return {}, [self._snapshot_chunk(header)]
         raise ExecutionError(f"sandbox worker: unknown call {op!r}")
 
     async def _assign(self, header: dict[str, Any], blobs: list[torch.Tensor]) -> dict[str, Any]:
-        if self.host is not None:
+        if self.host is not None and self.host.job.spec.chunks < 2:
             raise ExecutionError("sandbox worker: a job is assigned already")
         doc = msgpack.unpackb(blob_view(blobs[0]), raw=False)
         request = AssignRequest.model_validate(doc)
@@ -233,7 +234,8 @@ class Worker:
             update["optim"] = blob_view(blobs[2])
         request = request.model_copy(update=update)
         device = str_field(header, "device", 64)
-        apply_limits(self.config, device)
+        if self.host is None:  # once: a later chunk of the job lives under the same limits
+            apply_limits(self.config, device)
 
         def build() -> Any:
             return build_assignment(
@@ -247,7 +249,10 @@ class Worker:
         job = await asyncio.get_running_loop().run_in_executor(self.compute, build)
         for hook in (*fault_hooks(self.config.fault), *throttle_hooks(self.config.slowdown)):
             job.executor.hooks.add(hook)
-        self.host = JobHost(job, self.compute)
+        if self.host is not None:  # another chunk of the job (interleaved): the same loop runs both
+            self.host.add(job)
+        else:
+            self.host = JobHost(job, self.compute)
         # Where the state went is the first thing to check when a --device cuda node seems slow.
         log.info("%d nodes, %d parameters on %s", len(job.subdag.nodes), len(job.subdag.params), device)
         return {"nodes": len(job.subdag.nodes), "params": len(job.subdag.params)}
@@ -290,6 +295,9 @@ class Worker:
 
     # ---- values to peers: carried by the daemon --------------------------------------------------
     async def _send(self, dst: int, frame: TensorFrame) -> None:
+        if self.host is not None and self.host.local(dst):  # another chunk of ours: no daemon, no network
+            self.host.deliver(frame)
+            return
         self._next_send += 1
         send_id = self._next_send
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -310,3 +318,8 @@ class Worker:
             done.set_result(None)
         else:
             done.set_exception(error_from(error))
+
+
+def _subdag_field(header: dict[str, Any]) -> int | None:
+    """A call's ``subdag`` (which of the job's sub-DAGs here; None: the only one)."""
+    return None if header.get("subdag") is None else int_field(header, "subdag", 0, 1 << 16)

@@ -40,15 +40,17 @@ class StepRPC:
         """Runs one step of the caller's job: its sub-DAG's program of the schedule, then Update."""
         job = self._job(request, context)
         step = request.step
+        subdag = job.subdag_of(request.subdag)
         if request.after is not None:  # sent ahead: after that step, whichever call came first
             await job.wait_for_step(request.after, AHEAD_WAIT)
         async with self._locks[job.job_id]:
-            if step in job.steps_done:
-                if step in job.replies:
-                    return job.replies[step]  # a repeated request whose answer was lost on the way
-                raise JobError(f"job {job.job_id}: step {step} already ran on sub-DAG {job.index}")
+            if step in job.steps_done or (step, subdag) in job.answered_steps:
+                if (step, subdag) in job.replies:
+                    return job.replies[(step, subdag)]  # a repeated request whose answer was lost
+                raise JobError(f"job {job.job_id}: step {step} already ran on sub-DAG {subdag}")
             try:
-                outcome = await job.host.run_step(step)
+                # several sub-DAGs here (interleaved): the first call runs all of them, in order
+                outcome = await job.host.run_step(step, None if len(job.indices) == 1 else subdag)
             except Exception as e:
                 job.step_ended(step, ok=False)
                 self.node.metrics.count_subtask("failed")
@@ -56,9 +58,11 @@ class StepRPC:
                     log.warning("job %s: %s", job.job_id, e)
                     await job.host.drop_inflight()
                 raise
-            job.steps_done.add(step)
-            self.after_step(job, request)
-            job.step_ended(step, ok=True)
+            job.answered_steps.add((step, subdag))
+            if all((step, i) in job.answered_steps for i in job.indices):
+                job.steps_done.add(step)
+                self.after_step(job, request)
+                job.step_ended(step, ok=True)
         for phase, seconds in (
             ("fp", outcome.fp_seconds),
             ("bp", outcome.bp_seconds),
@@ -82,7 +86,7 @@ class StepRPC:
             replicated=None if job.replicator is None else job.replicator.confirmed,
             snapshot_seconds=0.0 if job.replicator is None else job.replicator.take_seconds(),
         )
-        job.answered(reply)
+        job.answered(reply, subdag)
         return reply
 
     @handles(ServeStepRequest)

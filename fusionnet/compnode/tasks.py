@@ -178,6 +178,9 @@ class SubtaskService(ReplicaRPC, StepRPC):
     # ---- transport -------------------------------------------------------------------------------
     async def _send(self, job: HeldJob, dst: int, frame: TensorFrame) -> None:
         assert self.client is not None
+        if dst in job.indices:  # another of our sub-DAGs (interleaved): no network
+            job.host.deliver(frame)
+            return
         if await self.send_direct(self.client, job, dst, frame, "using P2P streams"):
             return
         await self.p2p.send(job.peers[dst].peer_id, frame, job.link_keys[dst])
@@ -265,6 +268,8 @@ class SubtaskService(ReplicaRPC, StepRPC):
                 raise JobError(f"job {job_id} is already assigned here by {held.broker}")
             if request.attempt == held.attempt and request.subdag == held.index:
                 return AssignReply(subdag=held.index, nodes=held.nodes)  # a repeated request
+            if request.attempt == held.attempt and request.subdag in held.indices:
+                return await self._assign_chunk(held, request, context)  # interleaved: one more
             # A new round of the same job (failover, re-plan, restarted broker): the old one is void.
             self._release(job_id, f"superseded by attempt {request.attempt}")
         if len(self.jobs) >= MAX_JOBS:
@@ -314,6 +319,33 @@ class SubtaskService(ReplicaRPC, StepRPC):
         )
         return AssignReply(subdag=job.index, nodes=job.nodes)
 
+    async def _assign_chunk(self, held: HeldJob, request: AssignRequest, context: RPCContext) -> AssignReply:
+        """Another sub-DAG of a job and round we hold already (interleaved-1f1b: compnode d holds
+        d, p + d, ...), built into the same host: its worker runs all of them in one loop."""
+        if request.peers != held.peers or request.spec != held.spec:
+            raise JobError(f"job {held.job_id}: sub-DAG {request.subdag}'s assignment disagrees with ours")
+        request = self.staging.resolve(context.remote_peer, request)
+        self.node.make_way_for_work()
+        if isinstance(held.host, JobHost):  # --sandbox off: built here, on the compute thread
+            build = partial(
+                build_assignment,
+                request,
+                own_peer_id=self.node.peer_id,
+                broker=held.broker,
+                send=partial(self._send, held),
+                device=self.node.device,
+            )
+            built = await asyncio.get_running_loop().run_in_executor(self.node.compute, build)
+            for hook in (*fault_hooks(self.fault), *throttle_hooks(self.node.settings.slowdown)):
+                built.executor.hooks.add(hook)
+            held.host.add(built)
+            nodes, params = len(built.subdag.nodes), len(built.subdag.params)
+        else:
+            nodes, params = await held.host.assign_more(request)  # type: ignore[attr-defined]
+        held.add_subdag(request, nodes, params)
+        log.info("job %s: sub-DAG %d assigned too (%d nodes)", held.job_id, request.subdag, nodes)
+        return AssignReply(subdag=request.subdag, nodes=nodes)
+
     async def _build(self, request: AssignRequest, broker: str, send: Any) -> HeldJob:
         """The assignment decoded, checked and built where it will run: in a sandbox worker, or on the
         compute thread (placing the state on the device is compute-stream work). A first start-up's
@@ -347,8 +379,9 @@ class SubtaskService(ReplicaRPC, StepRPC):
         sub-DAG its ``alpha`` (s), ``beta`` (s/byte) and the fastest round trip per size."""
         job = self._job(request, context)
         targets = request.to
-        if any(t >= len(job.peers) or t == job.index for t in targets):
-            why = f"job {job.job_id}: 'to' must list other sub-DAGs of the job, got {targets!r}"
+        mine = job.peers[job.index].peer_id
+        if any(t >= len(job.peers) or job.peers[t].peer_id == mine for t in targets):
+            why = f"job {job.job_id}: 'to' must list sub-DAGs of other compnodes of the job, got {targets!r}"
             raise JobError(why[:300])
         sizes, repeats = check_probe_request(request.sizes, request.repeats)
         prober = self._probers[job.job_id]
@@ -369,7 +402,8 @@ class SubtaskService(ReplicaRPC, StepRPC):
         if self.fault is not None and job.steps_done:
             self.fault.hit("sync")
 
-        return await job.host.collect(request.part, request.chunk)
+        subdag = job.subdag_of(request.subdag)
+        return await job.host.collect(request.part, request.chunk, None if len(job.indices) == 1 else subdag)
 
     @handles(ReleaseRequest)
     async def rpc_release(self, request: ReleaseRequest, context: RPCContext) -> ReleaseReply:

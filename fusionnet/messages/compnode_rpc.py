@@ -48,6 +48,9 @@ class JobRequest(Message):
     # collect of "state"/"optim": which chunk of the part (``CollectReply.chunks`` says how many), so
     # that no answer outgrows the message bound however big the sub-DAG
     chunk: Annotated[int, Field(ge=0, le=1 << 20)] = 0
+    # which of the job's sub-DAGs on this compnode the call is about (interleaved schedules hold several
+    # per compnode); None: the compnode's only one (older brokers omit it)
+    subdag: NonNegative | None = None
 
 
 class JobPeer(Message):
@@ -96,13 +99,22 @@ class AssignRequest(Message):
         if (self.key is None) == (self.link_keys is None):
             raise ValueError("give either key or link_keys")
         links = self.link_keys
+        ours = set(self.own_subdags())
         if links is not None and (
             len(links) != len(self.peers)
-            or links[self.subdag]
-            or any(not MIN_KEY_BYTES <= len(k) <= 1024 for i, k in enumerate(links) if i != self.subdag)
+            or any(links[i] for i in ours)
+            or any(not MIN_KEY_BYTES <= len(k) <= 1024 for i, k in enumerate(links) if i not in ours)
         ):
-            raise ValueError(f"link_keys: one key of {MIN_KEY_BYTES}..1024 bytes per other sub-DAG")
+            raise ValueError(
+                f"link_keys: one key of {MIN_KEY_BYTES}..1024 bytes per sub-DAG of another compnode, "
+                "empty for ours"
+            )
         return self
+
+    def own_subdags(self) -> list[int]:
+        """The sub-DAGs of the job on our compnode (several with an interleaved schedule), ascending."""
+        me = self.peers[self.subdag].peer_id
+        return [i for i, p in enumerate(self.peers) if p.peer_id == me]
 
     def key_of_link(self, other: int) -> bytes:
         """The key of frames between our sub-DAG and sub-DAG ``other`` (either direction)."""

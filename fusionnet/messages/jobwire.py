@@ -45,7 +45,10 @@ class RunSpec(BaseModel):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # Pipeline schedule (``fusionnet.schedules``); older peers omit it: gpipe. The broker turns ``auto``
     # into a name before a compnode sees it.
-    schedule: Literal["gpipe", "1f1b", "zero-bubble", "auto"] = "gpipe"
+    schedule: Literal["gpipe", "1f1b", "zero-bubble", "interleaved-1f1b", "auto"] = "gpipe"
+    # interleaved-1f1b: sub-DAGs per compnode (the job is cut into compnodes x chunks sub-DAGs, compnode
+    # d holding d, compnodes + d, ...); 1 otherwise. Older peers omit it: 1.
+    chunks: int = Field(default=1, ge=1, le=16)
     # ``data.microbatches: auto``: the counts the submitter found the graph runs; the broker picks one at
     # its first placement and sends it as ``microbatches`` with none here. Older peers omit it: none.
     microbatch_choices: list[int] = Field(default_factory=list, max_length=MAX_MICROBATCH_CHOICES)
@@ -64,7 +67,14 @@ class RunSpec(BaseModel):
             raise ValueError("task train needs an optimizer")
         if not all(1 <= m <= self.batch_size for m in self.microbatch_choices):
             raise ValueError(f"microbatch_choices: each must be 1..batch_size ({self.batch_size})")
+        if (self.chunks > 1) != (self.schedule == "interleaved-1f1b"):
+            raise ValueError("chunks: > 1 with schedule interleaved-1f1b only, which needs it")
         return self
+
+    @property
+    def subdags(self) -> int:
+        """How many sub-DAGs the job is cut into: compnodes x chunks."""
+        return self.compnodes * self.chunks
 
     def optimizer_spec(self) -> OptimizerSpec | None:
         if self.optimizer is None:
@@ -106,24 +116,12 @@ class RunSpec(BaseModel):
         return spec
 
 
-def refuse_what_the_swarm_cannot_run(job: LoadedJob) -> None:
-    """Raises ``JobError`` for a job only ``fusionnet run --local`` runs (before it is traced)."""
-    spec = job.spec
-    if spec.placement.schedule == "interleaved-1f1b":
-        raise JobError(
-            f"job {spec.name!r}: placement.schedule interleaved-1f1b runs several sub-DAGs per compnode, "
-            "which the swarm does not do yet (a compnode holds one sub-DAG of a job); run it with "
-            "`fusionnet run JOB --local N`, or submit it with 1f1b or zero-bubble"
-        )
-
-
 def run_spec_of(
     job: LoadedJob, loss_reduction: str, *, microbatches: int | None = None, choices: Sequence[int] = ()
 ) -> RunSpec:
     """``microbatches`` and ``choices``: for ``data.microbatches: auto``, the traced count and the counts
     the graph runs, which the broker chooses among."""
     spec = job.spec
-    refuse_what_the_swarm_cannot_run(job)
     return RunSpec(
         name=spec.name,
         task=spec.task,
@@ -137,6 +135,7 @@ def run_spec_of(
         optimizer=None if spec.optimizer is None else spec.optimizer.model_dump(mode="json"),
         precision=spec.precision,
         schedule=spec.placement.schedule,
+        chunks=spec.placement.chunks_per_compnode,
         wire_compression=spec.placement.wire_compression,
         wire_encryption=spec.placement.wire_encryption,
     )

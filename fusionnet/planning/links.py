@@ -125,8 +125,12 @@ def index_links(
         return {}
     order = list(peers)
     assumed = assumed_link(links.values())
+    # Two sub-DAGs on one compnode (interleaved) share no link: the planner's default (in-process) prices it.
     return {
-        (i, j): links.get((a, b), assumed) for i, a in enumerate(order) for j, b in enumerate(order) if i != j
+        (i, j): links.get((a, b), assumed)
+        for i, a in enumerate(order)
+        for j, b in enumerate(order)
+        if i != j and a != b
     }
 
 

@@ -63,6 +63,7 @@ class JobShape:
     schedule: str = "gpipe"  # placement.schedule (``auto``: settled per placement)
     # data.microbatches auto: the counts to choose among on the placed cut (empty: ``microbatches``)
     microbatch_choices: tuple[int, ...] = ()
+    chunks: int = 1  # interleaved-1f1b: sub-DAGs per compnode (cut evenly, sub-DAG s on compnode s mod p)
 
     @property
     def priced(self) -> str:
@@ -109,8 +110,9 @@ def pool_after_loss(
     current: Sequence[str], lost: set[str], candidates: Sequence[Candidate]
 ) -> list[Candidate]:
     """Survivors first (in sub-DAG order), then free backups, then free regular compnodes up to the
-    number of sub-DAGs the job had."""
+    number of compnodes the job had (a compnode holding several sub-DAGs counts once)."""
     by_id = {c.peer_id: c for c in candidates}
+    current = list(dict.fromkeys(current))
     survivors = [by_id[p] for p in current if p not in lost and p in by_id]
     busy = set(current) | lost
     free = [c for c in candidates if c.peer_id not in busy]
@@ -133,6 +135,7 @@ def fastest_free(current: Sequence[str], candidates: Sequence[Candidate]) -> lis
 def grown_pool(current: Sequence[str], candidates: Sequence[Candidate]) -> list[Candidate] | None:
     """The job's compnodes plus every free regular one, or None when nobody new is free."""
     by_id = {c.peer_id: c for c in candidates}
+    current = list(dict.fromkeys(current))
     mine = [by_id[p] for p in current if p in by_id]
     if len(mine) < len(current):
         return None  # one of ours is not schedulable right now: failure handling comes first
@@ -169,6 +172,7 @@ def plan_placement(
         optimizer=shape.optimizer,
         links=index_links(placement.peers, links),
         microbatch_choices=shape.microbatch_choices,
+        chunks=shape.chunks,
     )
     step = choice.predicted.get(choice.name, placement.predicted_step)
     return replace(placement, schedule=choice, predicted_step=step)
@@ -184,6 +188,8 @@ def _place(
     k = stages if stages is not None else min(shape.wanted, len(pool), max(shape.ops, 1))
     if not 1 <= k <= len(pool):
         raise PlanError(f"cannot place {k} sub-DAG(s) on {len(pool)} compnode(s)")
+    if shape.chunks > 1:
+        return _place_interleaved(shape, _fastest(pool)[:k], links)
     if policy == SCHEDULER and all(c.device is not None for c in pool):
         planned = _schedule(shape, pool, links, stages=k)
         while stages is None and len(planned.devices) > 1 and idle_stages(planned.predicted_seconds):
@@ -217,6 +223,34 @@ def _place(
         optimizer=shape.optimizer,
         links=index_links(placement.peers, links),
         pipeline_schedule=shape.priced,
+    )
+    return replace(
+        placement,
+        predicted=predicted.per_subdag,
+        predicted_step=predicted.step_seconds,
+        stage_timing=predicted.stage_timing,
+    )
+
+
+def _place_interleaved(shape: JobShape, chosen: Sequence[Candidate], links: PeerLinks | None) -> Placement:
+    """interleaved-1f1b: the model cut evenly into p x chunks sub-DAGs, compnode d (of the p fastest)
+    holding d, p + d, ...; the performance model prices that cut when every compnode's hardware is known
+    (its search cuts for one sub-DAG per compnode, so it does not choose the cut here)."""
+    p, v = len(chosen), shape.chunks
+    peers = tuple(chosen[s % p].peer_id for s in range(p * v))
+    placement = Placement(peers=peers, assignment=balanced_assignment(shape.graph, p * v), policy=BALANCED)
+    if any(c.device is None for c in chosen):
+        return placement
+    predicted = predict_assignment(
+        shape.graph,
+        placement.assignment,
+        [chosen[s % p].device for s in range(p * v)],  # type: ignore[misc]
+        microbatches=shape.microbatches,
+        batch_size=shape.batch_size,
+        optimizer=shape.optimizer,
+        links=index_links(peers, links),
+        pipeline_schedule=shape.schedule,
+        chunks=v,
     )
     return replace(
         placement,
@@ -276,6 +310,7 @@ def predicted_step(
         optimizer=shape.optimizer,
         links=index_links(placement.peers, links),
         pipeline_schedule=shape.priced if placement.schedule is None else placement.schedule.name,
+        chunks=shape.chunks,
     ).step_seconds
 
 

@@ -66,6 +66,7 @@ def predict_assignment(
     optimizer: str | Mapping[str, str] | None = None,
     links: Links = None,
     pipeline_schedule: str = "gpipe",
+    chunks: int = 1,
 ) -> AssignmentPrediction:
     """The predictions for an IR assignment whose sub-DAG ``i`` runs on ``devices[i]``."""
     cg = cost_graph(
@@ -74,7 +75,7 @@ def predict_assignment(
     plan = plan_for_assignment(
         cg,
         make_swarm(devices, links, None),
-        Workload(microbatches, graph.task, pipeline_schedule),
+        Workload(microbatches, graph.task, pipeline_schedule, chunks),
         {op.name: assignment[op.name] for op in cg.ops},
         check_memory=False,
     )

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from fusionnet.errors import JobError
 from fusionnet.job.loader import LoadedJob, load_job
-from fusionnet.messages.jobwire import refuse_what_the_swarm_cannot_run
 from fusionnet.perfmodel.nodes import load_nodes_file
 from fusionnet.perfmodel.types import DeviceSpec
 from fusionnet.planning.optimizers import job_optimizers
@@ -48,7 +48,12 @@ def plan_job(
     (profiled once, cached) on loopback links. Nothing runs."""
     if not isinstance(job, LoadedJob):
         job = load_job(job)
-    refuse_what_the_swarm_cannot_run(job)
+    if job.spec.placement.schedule == "interleaved-1f1b":
+        raise JobError(
+            f"job {job.spec.name!r}: fusionnet plan searches cuts of one sub-DAG per compnode; an "
+            "interleaved-1f1b job is cut evenly into compnodes x chunks sub-DAGs (see its plan.json after "
+            "`fusionnet run --local N` or `fusionnet submit`)"
+        )
     spec = job.spec
     if nodes_file is not None:
         swarm = load_nodes_file(nodes_file)  # before tracing: a bad nodes file fails fast

@@ -31,7 +31,7 @@ from fusionnet.messages.broker_rpc import (
     SubmitJobRequest,
     UploadStateRequest,
 )
-from fusionnet.messages.jobwire import refuse_what_the_swarm_cannot_run, run_spec_of
+from fusionnet.messages.jobwire import run_spec_of
 from fusionnet.rpc.protocol import RPCError
 from fusionnet.runtime.jobcontrol import (
     DEFAULT_WAIT_COMPNODES,
@@ -63,7 +63,11 @@ class SubmitOutcome:
 def submission_payload(job: LoadedJob, *, deployment: bool = False) -> SubmitJobRequest:
     """Traces the job here and packs what the broker needs (unsigned: ``signed`` adds the signature).
     ``deployment``: the broker pads every micro-batch to the traced size (``trace_job``'s ``every_size``)."""
-    refuse_what_the_swarm_cannot_run(job)
+    if deployment and job.spec.placement.schedule == "interleaved-1f1b":
+        raise JobError(
+            f"job {job.spec.name!r}: a deployment runs forwards only, where interleaved-1f1b's chunks would "
+            "only add hops: leave placement.schedule out"
+        )
     traced = trace_job(job, every_size=not deployment)
     loss_reduction = loss_reduction_of(job)
     # data.microbatches auto: the counts the graph runs, for the broker to choose from at its placement
