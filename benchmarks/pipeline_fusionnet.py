@@ -62,13 +62,14 @@ def tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def read_metrics(res: Result, path: Path) -> None:
-    """Step times, losses and the stages' peak activation bytes (the last step's) into ``res``."""
+def read_metrics(res: Result, path: Path, per_rank: int = 1) -> None:
+    """Step times, losses and the stages' peak activation bytes (the last step's) into ``res``; the
+    bubble is per compnode (``per_rank`` sub-DAGs each, interleaved: their compute adds up)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows.sort(key=lambda r: r["step"])
     res.times = [float(r["seconds"]) for r in rows]
     res.bubbles = [
-        max(0.0, 1.0 - sum(r["compute_seconds"]) / len(r["compute_seconds"]) / r["seconds"])
+        max(0.0, 1.0 - sum(r["compute_seconds"]) / (len(r["compute_seconds"]) / per_rank) / r["seconds"])
         for r in rows
         if r.get("compute_seconds") and r["seconds"] > 0
     ]
@@ -238,11 +239,11 @@ def run_fusionnet_swarms(
                         raise
                     print(f"  {res.name}: submit failed, retrying: {first_line}", file=sys.stderr)
                     res.note += f"; retried after: {first_line}"
-            read_metrics(res, out_dir / "metrics.jsonl")
+            read_metrics(res, out_dir / "metrics.jsonl", cfg.per_rank)
             plan = json.loads((out_dir / "plan.json").read_text())
             used = len(plan["subdags"])
-            if used != n:
-                raise RuntimeError(f"the broker ran the job on {used} sub-DAGs, not {n}")
+            if used != n * cfg.per_rank:
+                raise RuntimeError(f"the broker ran the job on {used} sub-DAGs, not {n * cfg.per_rank}")
         except Exception as e:
             res.error = str(e)
             for d in daemons:

@@ -6,8 +6,8 @@ cross-entropy on the last block's output), from the same initial weights (built 
 with the same schedule (``--schedule``: GPipe, each batch split into M micro-batches, all forwards, all
 backwards, one SGD step; or 1F1B; or FusionNet's zero-bubble ZB-H1 against torch's 1F1B, since torch's
 zero-bubble schedules need several stages per rank; or interleaved 1F1B, the model cut into N x
-``--chunks`` stages, torch's rank r and FusionNet's compnode r holding stages r, N + r, ...: FusionNet runs
-it with ``run --local`` only, its swarm rows say why not), and with the same number of torch threads per
+``--chunks`` stages, torch's rank r and FusionNet's compnode r holding stages r, N + r, ...), and with the
+same number of torch threads per
 process (``--threads``, default 1). FusionNet's rows also give each stage's peak activation bytes
 (metrics.jsonl's ``activation_peak_bytes``) and the bubble: the share of the step its stages did not
 compute, averaged over the stages (1 - ``compute_seconds`` / ``seconds``; it includes waiting for the
@@ -163,8 +163,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="pipeline schedule of both pipelines: torch's ScheduleGPipe/Schedule1F1B/"
         "ScheduleInterleaved1F1B and FusionNet's placement.schedule (default gpipe); zero-bubble is "
         "FusionNet's ZB-H1 against torch's 1F1B (its zero-bubble schedules need several stages per rank); "
-        "interleaved-1f1b cuts the model into N x --chunks stages, rank / compnode r holding r, N + r, ... "
-        "(FusionNet: `run --local` only)",
+        "interleaved-1f1b cuts the model into N x --chunks stages, rank / compnode r holding r, N + r, ...",
     )
     ap.add_argument(
         "--sandbox",
@@ -242,11 +241,7 @@ def run_contenders(cfg: Config, args: argparse.Namespace, workdir: Path, record:
             res, plan = run_fusionnet_local(cfg, n, workdir, args.timeout)
             record(res)
             plans[n].append(("plan of fusionnet local", plan))
-    if not args.no_swarm and cfg.per_rank > 1:
-        for n in args.stages:
-            why = "the swarm does not run interleaved-1f1b yet (a compnode holds one sub-DAG of a job)"
-            record(Result(f"fusionnet {n}", error=why))
-    elif not args.no_swarm:
+    if not args.no_swarm:
         swarms = run_fusionnet_swarms(cfg, args.stages, workdir, args.timeout, args.submit_retries)
         for res, plan in swarms:
             record(res)

@@ -282,3 +282,36 @@ def test_a_compnode_joining_mid_job_is_used_after_a_replan(tmp_path: Path) -> No
             assert len(plan["subdags"]) == 2
         finally:
             observer.close()
+
+
+@pytest.mark.timeout(420)
+def test_a_compnode_holding_interleaved_chunks_killed_mid_step_loses_nothing(tmp_path: Path) -> None:
+    """interleaved-1f1b: each compnode holds 2 sub-DAGs; one is SIGKILLed in a backward of its second
+    step. Both of its chunks are lost at once; the backup takes them (the broker's own paced checkpoints,
+    no replicas for such a placement), and the job ends with plain PyTorch's weights, every step once."""
+    regular = [{"env": {"FUSIONNET_FAULT": "bp:1:0"}}, {}]
+    with running_swarm(tmp_path / "swarm", [*regular, {"backup": True}]) as sw:
+        observer = BlockingObserver(sw.initial_peers)
+        try:
+            observer.wait_online(3, 90)
+            placement = {"compnodes": 2, "schedule": "interleaved-1f1b", "chunks": 2}
+            job_path = example_job(
+                "mlp", tmp_path, steps=10, microbatches=4, optimizer=SGD, placement=placement
+            )
+            try:
+                out = tmp_path / "out"
+                asyncio.run(submit_and_wait(job_path, sw.initial_peers, out, timeout=300))
+                _check_weights(job_path, out)
+            finally:
+                job_path.unlink()
+            assert sw.compnodes[0].proc.poll() is not None, "the armed compnode did not die"
+            plan = json.loads((out / "plan.json").read_text())
+            assert sw.compnodes[2].peer_id in set(plan["compnodes"].values())  # the backup took over
+            holders = [s["compnode"] for s in plan["subdags"]]
+            assert len(holders) == 4 and len(set(holders)) == 2
+            recoveries = [r for r in plan["recoveries"] if "lost" in r]
+            assert recoveries and all("replay" in r or r.get("superseded") for r in recoveries)
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            assert [r["step"] for r in rows] == list(range(10))
+        finally:
+            observer.close()

@@ -187,6 +187,27 @@ def test_interleaved_chunks_share_compnodes_and_equal_plain_pytorch(
 
 
 @pytest.mark.timeout(300)
+def test_interleaved_chunks_in_the_daemon_itself_without_sandbox(tmp_path: Path) -> None:
+    """``--sandbox off``: the compnode daemon builds and runs both chunks itself; same result."""
+    specs = [{"extra": ["--sandbox", "off"]}, {"extra": ["--sandbox", "off"]}]
+    with running_swarm(tmp_path / "swarm", specs) as sw:
+        observer = BlockingObserver(sw.initial_peers)
+        try:
+            observer.wait_online(2, 60)
+            placement = {"compnodes": 2, "schedule": "interleaved-1f1b", "chunks": 3}
+            job_path = example_job("figure3", tmp_path, steps=2, microbatches=2, placement=placement)
+            try:
+                out = tmp_path / "out"
+                _submit(job_path, sw, out)
+                ref = run_reference(load_job(job_path))
+            finally:
+                job_path.unlink()
+            assert _max_diff(load_file(out / "weights.safetensors"), ref.weights) <= TOL
+        finally:
+            observer.close()
+
+
+@pytest.mark.timeout(300)
 def test_foreign_and_malformed_frames_are_refused_while_the_job_completes(
     swarm: tuple[ProcessSwarm, BlockingObserver], tmp_path: Path
 ) -> None:

@@ -257,8 +257,8 @@ class NetChannel(Channel):
         """Called by the transport for every authenticated frame of this job."""
         try:
             if self.routes is not None:
-                src, frame = self._unroute(frame)
-                self._on_frame(frame, src)
+                src, plain = self._unroute(frame)
+                self._on_frame(plain, src)
                 return
             self._on_frame(frame)
         except WireError as e:
@@ -281,10 +281,11 @@ class NetChannel(Channel):
         src, dst, rest = split_route(frame.name)
         if dst != ours:
             raise WireError(f"frame {frame.name[:80]!r} is for sub-DAG {dst}, not {ours}")
-        if not 0 <= src < len(peers) or peers[src] != frame.sender or src == ours:
-            raise WireError(
-                f"frame {frame.name[:80]!r}: sub-DAG {src} is not held by its sender {frame.sender}"
-            )
+        if src == ours:
+            raise WireError(f"frame {frame.name[:80]!r} claims to come from sub-DAG {ours} itself")
+        if not 0 <= src < len(peers) or peers[src] != frame.sender:
+            who = f"sub-DAG {src} is not held by its sender {frame.sender}"
+            raise WireError(f"frame {frame.name[:80]!r}: {who}")
         return src, replace(frame, name=rest)
 
     def _sender(self, frame: TensorFrame) -> int | None:
