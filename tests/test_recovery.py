@@ -44,6 +44,16 @@ def _check_weights(job_path: Path, out: Path) -> None:
     assert _max_diff(load_file(out / "weights.safetensors"), ref.weights) <= TOL
 
 
+def _submit_and_check(job_path: Path, sw: ProcessSwarm, out: Path) -> Path:
+    """Submits the job, waits for it and checks its weights against plain PyTorch; the job file goes."""
+    try:
+        asyncio.run(submit_and_wait(job_path, sw.initial_peers, out, timeout=300))
+        _check_weights(job_path, out)
+    finally:
+        job_path.unlink()
+    return out
+
+
 def _fault_points(seed: int, n: int) -> list[str]:
     rng = random.Random(seed)
     phases = list(PHASES) + [rng.choice(PHASES) for _ in range(n - len(PHASES))]
@@ -70,12 +80,7 @@ def test_random_kills_in_fp_bp_update_and_sync_lose_nothing(seed: int, tmp_path:
         try:
             observer.wait_online(6, 90)
             job_path = example_job("mlp", tmp_path, steps=24, optimizer=SGD, placement={"compnodes": 3})
-            try:
-                out = tmp_path / "out"
-                asyncio.run(submit_and_wait(job_path, sw.initial_peers, out, timeout=300))
-                _check_weights(job_path, out)
-            finally:
-                job_path.unlink()
+            out = _submit_and_check(job_path, sw, tmp_path / "out")
             plan = json.loads((out / "plan.json").read_text())
             armed = sw.compnodes[:5]
             died = [d for d in armed if d.proc.poll() is not None]
@@ -298,12 +303,7 @@ def test_a_compnode_holding_interleaved_chunks_killed_mid_step_loses_nothing(tmp
             job_path = example_job(
                 "mlp", tmp_path, steps=10, microbatches=4, optimizer=SGD, placement=placement
             )
-            try:
-                out = tmp_path / "out"
-                asyncio.run(submit_and_wait(job_path, sw.initial_peers, out, timeout=300))
-                _check_weights(job_path, out)
-            finally:
-                job_path.unlink()
+            out = _submit_and_check(job_path, sw, tmp_path / "out")
             assert sw.compnodes[0].proc.poll() is not None, "the armed compnode did not die"
             plan = json.loads((out / "plan.json").read_text())
             assert sw.compnodes[2].peer_id in set(plan["compnodes"].values())  # the backup took over
