@@ -119,10 +119,8 @@ class JobCalls:
     ) -> list[CollectReply]:
         """``part``: "state" or "optim" alone (``JobRequest.part``), ``chunk`` of it; ``subdags``: which
         sub-DAG of each peer (needed where a compnode holds several: interleaved chunks)."""
-        requests = [
-            JobRequest(job_id=self.job_id, part=part, chunk=chunk, subdag=None if subdags is None else s)
-            for s in (subdags if subdags is not None else [0] * len(peers))
-        ]
+        which = [None] * len(peers) if subdags is None else list(subdags)
+        requests = [JobRequest(job_id=self.job_id, part=part, chunk=chunk, subdag=s) for s in which]
         return await gather(
             [
                 self._named(p, "collect", self.client.call_collect(p, r, timeout=ASSIGN_TIMEOUT))

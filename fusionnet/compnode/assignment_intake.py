@@ -69,10 +69,6 @@ class JobAssignment:
     def index(self) -> int:
         return self.subdag.index
 
-    def allowed_senders(self) -> list[str]:
-        me = self.peers[self.index].peer_id
-        return sorted({p.peer_id for p in self.peers if p.peer_id != me})
-
     def step_data(self, step: int) -> list[dict[str, torch.Tensor]]:
         """The dataset fields this sub-DAG's placeholders read, per micro-batch of ``step``."""
         wanted = {self.graph.node(p).target for p in self.subdag.placeholders}

@@ -236,7 +236,7 @@ class HeldJob:
             raise JobError(f"job {self.job_id}: sub-DAG {requested} is not held here (ours: {self.indices})")
         return requested
 
-    def add_subdag(self, request: AssignRequest, nodes: int, params: int) -> None:
+    def add_subdag(self, nodes: int, params: int) -> None:
         """Another of our sub-DAGs of this round (interleaved chunks) joined the host."""
         self.nodes += nodes
         self.params += params

@@ -50,7 +50,7 @@ class StepRPC:
                 raise JobError(f"job {job.job_id}: step {step} already ran on sub-DAG {subdag}")
             try:
                 # several sub-DAGs here (interleaved): the first call runs all of them, in order
-                outcome = await job.host.run_step(step, None if len(job.indices) == 1 else subdag)
+                outcome = await job.host.run_step(step, subdag)
             except Exception as e:
                 job.step_ended(step, ok=False)
                 self.node.metrics.count_subtask("failed")

@@ -342,7 +342,7 @@ class SubtaskService(ReplicaRPC, StepRPC):
             nodes, params = len(built.subdag.nodes), len(built.subdag.params)
         else:
             nodes, params = await held.host.assign_more(request)  # type: ignore[attr-defined]
-        held.add_subdag(request, nodes, params)
+        held.add_subdag(nodes, params)
         log.info("job %s: sub-DAG %d assigned too (%d nodes)", held.job_id, request.subdag, nodes)
         return AssignReply(subdag=request.subdag, nodes=nodes)
 
@@ -403,7 +403,7 @@ class SubtaskService(ReplicaRPC, StepRPC):
             self.fault.hit("sync")
 
         subdag = job.subdag_of(request.subdag)
-        return await job.host.collect(request.part, request.chunk, None if len(job.indices) == 1 else subdag)
+        return await job.host.collect(request.part, request.chunk, subdag)
 
     @handles(ReleaseRequest)
     async def rpc_release(self, request: ReleaseRequest, context: RPCContext) -> ReleaseReply:
