@@ -19,10 +19,10 @@ from fusionnet.rpc.protocol import RPCError
 BUSY, DEAD = "12D3KooW" + "B" * 44, "12D3KooW" + "D" * 44
 
 
-def registry(now: float) -> CompnodeRegistry:
+def registry(now: float, expires_in: float = 3600.0) -> CompnodeRegistry:
     reg = CompnodeRegistry(heartbeat_timeout=3.0)
     records = [CompnodeRecord(peer_id=p, state=NodeState.ONLINE) for p in (BUSY, DEAD)]
-    reg.update_records([Found(r, now + 3600, b"") for r in records], now)
+    reg.update_records([Found(r, now + expires_in, b"") for r in records], now)
     return reg
 
 
@@ -80,3 +80,28 @@ def test_probe_tells_a_saturated_link_from_a_dead_peer() -> None:
     dead, calls = asyncio.run(main())
     assert dead == {DEAD}
     assert calls.pings[BUSY] > 1  # asked again while its bytes moved, until the ping got through
+
+
+@pytest.mark.timeout(30)
+def test_probe_pings_a_compnode_the_registry_gave_up_on_and_keeps_it_if_it_answers() -> None:
+    """Missed heartbeats and an expired record raise the alarm, but a CPU-starved compnode shows both
+    and is alive: the probe asks it. Only a goodbye (OFFLINE announced) is final without a ping."""
+
+    async def main() -> tuple[set[str], set[str], Calls]:
+        now = time.time()
+        reg = registry(now, expires_in=5.0)
+        reg.check_timeouts(now + 10)  # no pong from either for 10 s: both UNREACHABLE
+        reg.update_records([], now + 10)  # and both records expired: both gone
+        assert [reg.get(p).effective_state for p in (BUSY, DEAD)] == ["OFFLINE", "OFFLINE"]
+        calls = Calls(answer_at=now)  # BUSY answers at once, DEAD never
+        watch = FailureWatch(Context(reg, calls), lambda: [BUSY, DEAD], set())  # type: ignore[arg-type]
+        dead = await watch.probe()
+        goodbye = CompnodeRecord(peer_id=BUSY, state=NodeState.OFFLINE, updated_at=time.time() + 1)
+        reg.update_records([Found(goodbye, now + 9000, b"")], now + 11)
+        calls.pings[BUSY] = 0
+        return dead, await watch.probe(), calls
+
+    dead, after_goodbye, calls = asyncio.run(main())
+    assert dead == {DEAD}
+    assert after_goodbye == {BUSY, DEAD}
+    assert calls.pings[BUSY] == 0  # the goodbye is believed without a ping

@@ -23,6 +23,7 @@ from typing import Any
 
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.registry import RegistryEvent
+from fusionnet.dht.records import NodeState
 from fusionnet.errors import DeviceMemoryError, ExecutionError, FusionNetError
 from fusionnet.messages.broker_rpc import PingRequest
 
@@ -130,7 +131,10 @@ class FailureWatch:
         async def alive(peer: str) -> bool:
             while True:
                 entry = self.registry.get(peer)
-                if entry is None or entry.effective_state in ("OFFLINE", "UNREACHABLE"):
+                # Only a goodbye (or a forgotten record) is final. An expired record or missed
+                # heartbeats are what raised the alarm: a compnode starved of CPU for a few seconds
+                # (many daemons starting on two cores) shows both and is alive, so it gets a ping.
+                if entry is None or entry.record.state == NodeState.OFFLINE:
                     return False
                 try:
                     # One retry, for stream resets only (``RPCClient.call``): when a compnode is killed,
