@@ -18,7 +18,7 @@ from fusionnet.errors import JobError, WireError
 from fusionnet.wire import NO_JOB, DataPathServer, TensorFrame
 from fusionnet.wire.datapath import read_hello
 from fusionnet.wire.receiver import Timeouts
-from fusionnet.wire.replay import ReplayWindow, next_seq
+from fusionnet.wire.replay import SEQ_LANES, ReplayWindow, next_seq, set_seq_lane
 from tests.wire_support import KEY, craft, frame, frame_bytes, until
 
 
@@ -87,6 +87,24 @@ def test_replay_window_accepts_out_of_order_once_and_stays_bounded() -> None:
     assert len(w._seen) <= 64 and not w.accept(2000) and not w.accept(2100)
     a, b = next_seq(), next_seq()
     assert b > a > 0
+
+
+def test_two_processes_of_one_sender_never_number_a_frame_alike() -> None:
+    """A daemon and its sandbox worker send under one peer id: their numbers live in separate lanes."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1, initializer=set_seq_lane, initargs=(1,)) as pool:
+        theirs = pool.apply(_numbers, (2000,))
+    ours = _numbers(2000)
+    assert all(n % SEQ_LANES == 0 for n in ours) and all(n % SEQ_LANES == 1 for n in theirs)
+    assert ours == sorted(set(ours)) and theirs == sorted(set(theirs)) and not set(ours) & set(theirs)
+    with pytest.raises(ValueError, match="lane"):
+        set_seq_lane(SEQ_LANES)
+
+
+def _numbers(n: int) -> list[int]:
+    return [next_seq() for _ in range(n)]
 
 
 @pytest.mark.timeout(60)

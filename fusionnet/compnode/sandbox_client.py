@@ -121,6 +121,10 @@ def describe_exit(code: int | None) -> str:
     return f"it exited with status {code}"
 
 
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62
+
+
 class SandboxedJob:
     """``job_host.Host`` over a sandbox worker. ``send(dst, frame)`` carries the worker's values."""
 
@@ -131,8 +135,10 @@ class SandboxedJob:
         job_id: str,
         subdag: int,
         send: Callable[[int, TensorFrame], Awaitable[None]],
+        sent_direct: Callable[[int, int], None] | None = None,
     ) -> None:
         self.pool = pool
+        self._sent_direct = sent_direct  # (bytes, frames) the worker sent over its own TCP
         self.peer_id = peer_id
         self.job_id = job_id
         self.subdag = subdag
@@ -241,6 +247,12 @@ class SandboxedJob:
     def _answer(self, header: dict[str, Any], blobs: list[Any]) -> None:
         if len(header) > MAX_REPLY_FIELDS:
             raise IPCError("reply with too many fields")
+        tally = header.get("direct")
+        if tally is not None:
+            if not isinstance(tally, list) or len(tally) != 2 or not all(_count(x) for x in tally):
+                raise IPCError("reply: 'direct' is not [bytes, frames]")
+            if self._sent_direct is not None:
+                self._sent_direct(*tally)
         future = self._calls.pop(int_field(header, "id"), None)
         if future is None or future.done():
             return

@@ -49,11 +49,13 @@ from fusionnet.compnode.sandbox_ipc import (
     str_field,
 )
 from fusionnet.compnode.throttle import throttle_hooks
+from fusionnet.compnode.worker_sends import DirectSender
 from fusionnet.core_dumps import forbid_core_dumps
 from fusionnet.errors import ExecutionError, FusionNetError
 from fusionnet.messages.compnode_rpc import AssignRequest
 from fusionnet.messages.serving_rpc import ServeStepRequest
 from fusionnet.wire.frames import TensorFrame
+from fusionnet.wire.replay import set_seq_lane
 
 log = logging.getLogger("fusionnet.compnode.sandbox")
 PR_SET_PDEATHSIG = 1
@@ -76,6 +78,7 @@ class WorkerConfig:
     daemon_pid: int
     fault: FaultPoint | None  # test fault injection: its step count is shared with the daemon
     log_level: int
+    direct_sends: bool = True  # values to peers over the worker's own TCP (``worker_sends``)
 
 
 def _die_with_parent() -> None:
@@ -116,6 +119,7 @@ def main(sock: socket.socket, config: WorkerConfig) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
     if config.threads is not None:
         torch.set_num_threads(config.threads)
+    set_seq_lane(1)  # our frames go out under the daemon's peer id, numbered apart from its own
     asyncio.run(Worker(sock, config).serve())
 
 
@@ -129,6 +133,7 @@ class Worker:
         self._next_send = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._snapshots: dict[int, list[bytes | None]] = {}  # packed chunks by snapshot call, until fetched
+        self.direct = DirectSender(config.peer_id) if config.direct_sends else None
 
     async def serve(self) -> None:
         try:
@@ -156,6 +161,8 @@ class Worker:
         finally:
             self.compute.shutdown(wait=False, cancel_futures=True)
             self.channel.close()
+            if self.direct is not None:
+                await self.direct.close()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -163,6 +170,9 @@ class Worker:
         task.add_done_callback(self._tasks.discard)
 
     async def _reply(self, call_id: int, header: dict[str, Any], blobs: list[Blob] = ()) -> None:  # type: ignore[assignment]
+        tally = None if self.direct is None else self.direct.take_tally()
+        if tally is not None:  # what we sent ourselves since the last answer, for the daemon's metrics
+            header = {**header, "direct": tally}
         await self.channel.send({"op": "reply", "id": call_id, **header}, blobs)
 
     async def _call(self, op: str, header: dict[str, Any], blobs: list[torch.Tensor]) -> None:
@@ -233,6 +243,8 @@ class Worker:
         if len(blobs) > 2:
             update["optim"] = blob_view(blobs[2])
         request = request.model_copy(update=update)
+        if self.direct is not None:
+            self.direct.use(request)
         device = str_field(header, "device", 64)
         if self.host is None:  # once: a later chunk of the job lives under the same limits
             apply_limits(self.config, device)
@@ -293,10 +305,12 @@ class Worker:
             del self._snapshots[int_field(header, "snapshot")]
         return blob
 
-    # ---- values to peers: carried by the daemon --------------------------------------------------
+    # ---- values to peers: over our own TCP, or carried by the daemon ------------------------------
     async def _send(self, dst: int, frame: TensorFrame) -> None:
         if self.host is not None and self.host.local(dst):  # another chunk of ours: no daemon, no network
             self.host.deliver(frame)
+            return
+        if self.direct is not None and await self.direct.send(dst, frame):
             return
         self._next_send += 1
         send_id = self._next_send

@@ -352,7 +352,14 @@ class SubtaskService(ReplicaRPC, StepRPC):
         calibration on that thread gives way at once instead of delaying the job."""
         self.node.make_way_for_work()
         if self.sandboxes is not None:
-            sandboxed = SandboxedJob(self.sandboxes, self.node.peer_id, request.job_id, request.subdag, send)
+            sandboxed = SandboxedJob(
+                self.sandboxes,
+                self.node.peer_id,
+                request.job_id,
+                request.subdag,
+                send,
+                sent_direct=partial(self.node.metrics.count_data, "tcp", "sent"),
+            )
             try:
                 nodes, params = await sandboxed.assign(request, broker, str(self.node.device))
             except BaseException:

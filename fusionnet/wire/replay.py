@@ -11,6 +11,10 @@ above the numbers it used before (so its fresh frames are not mistaken for repla
 for every destination and both transports means a receiver never sees two frames of one sender
 with the same number, whichever path each took.
 
+A compnode's sandbox workers send their job's values themselves (``compnode.worker_sends``), under
+the compnode's peer id like the daemon: two processes, two counters. Each process numbers in a lane
+of its own (``set_seq_lane``: the number modulo ``SEQ_LANES``), so their numbers never meet.
+
 A window accepts a number once, and nothing older than ``span`` (nanoseconds, i.e. time) below the
 highest number seen: frames of one sender can arrive out of order (TCP path and P2P fallback,
 reconnects), but not minutes late. Its memory is bounded: at most ``max_seen`` numbers are kept;
@@ -28,15 +32,27 @@ import time
 DEFAULT_SPAN_NS = 120 * 10**9
 DEFAULT_MAX_SEEN = 1 << 16
 
+SEQ_LANES = 4
 _lock = threading.Lock()
 _last = [0]
+_lane = [0]  # 0: a daemon; a sandbox worker numbers in lane 1
+
+
+def set_seq_lane(lane: int) -> None:
+    """This process's lane: every later number is ``lane`` modulo ``SEQ_LANES``."""
+    if not 0 <= lane < SEQ_LANES:
+        raise ValueError(f"sequence lane must be in [0, {SEQ_LANES}), got {lane}")
+    with _lock:
+        _lane[0] = lane
 
 
 def next_seq() -> int:
-    """The next sequence number of this process (strictly increasing, >= the clock in ns)."""
+    """The next sequence number of this process (strictly increasing, >= the clock in ns, in its lane)."""
     with _lock:
-        _last[0] = max(_last[0] + 1, time.time_ns())
-        return _last[0]
+        seq = max(_last[0] + 1, time.time_ns())
+        seq += (_lane[0] - seq) % SEQ_LANES
+        _last[0] = seq
+        return seq
 
 
 # Frame nonces (``mac.py``): 8 random bytes drawn once per process, then a counter. Unique per
