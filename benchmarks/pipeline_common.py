@@ -39,6 +39,9 @@ class Config:
     schedule: str = "gpipe"
     chunks: int = 2  # interleaved-1f1b: stages per rank / sub-DAGs per compnode
     sandbox: str = "process"  # the compnodes' --sandbox: per-job worker processes (default) or off
+    worker_sends: str = (
+        "direct"  # the compnodes' --worker-sends: workers send values themselves, or via the daemon
+    )
     placement: str = "model"  # the broker's --placement: the performance model, or the balanced split
     replica_interval: float | None = None  # the broker's --replica-interval (None: its default)
     steps_ahead: bool = False  # the broker's --steps-ahead: each step's call sent while the one before runs

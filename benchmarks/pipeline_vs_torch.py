@@ -172,6 +172,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the compnodes' --sandbox: each job in a worker process (default) or in the daemon",
     )
     ap.add_argument(
+        "--worker-sends",
+        choices=("direct", "daemon"),
+        default="direct",
+        help="the compnodes' --worker-sends: a sandbox worker sends its values over its own TCP (default) "
+        "or hands them to its daemon",
+    )
+    ap.add_argument(
         "--placement",
         choices=("model", "balanced"),
         default="model",
@@ -280,13 +287,15 @@ def main(argv: list[str] | None = None) -> int:
             microbatches=args.microbatches, steps=args.steps, warmup=args.warmup, lr=args.lr,
             seed=args.seed, threads=args.threads, data_path=str(workdir / "data.safetensors"),
             schedule=args.schedule, sandbox=args.sandbox, placement=args.placement,
+            worker_sends=args.worker_sends,
             replica_interval=args.replica_interval,
             steps_ahead=args.steps_ahead, chunks=args.chunks,
         )  # fmt: skip
         make_data(cfg, samples=4 * cfg.batch_size)
         print(
             f"model: {cfg.layers} blocks, dim {cfg.dim}, hidden {cfg.hidden}; batch {cfg.batch_size} in "
-            f"{cfg.microbatches} micro-batches, {cfg.schedule}; sandbox {cfg.sandbox}; "
+            f"{cfg.microbatches} micro-batches, {cfg.schedule}; sandbox {cfg.sandbox} "
+            f"(worker sends {cfg.worker_sends}); "
             f"placement {cfg.placement}; replica interval {cfg.replica_interval or 'default'}; "
             f"steps ahead {'on' if cfg.steps_ahead else 'off'}; "
             f"{cfg.steps} steps ({cfg.warmup} warm-up); "
@@ -319,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = report(results, cfg, args.stages, splits)
     summary["schedule"] = cfg.schedule
     summary["sandbox"] = cfg.sandbox
+    summary["worker_sends"] = cfg.worker_sends
     summary["replica_interval"] = cfg.replica_interval
     summary["steps_ahead"] = cfg.steps_ahead
     summary["placement"] = cfg.placement

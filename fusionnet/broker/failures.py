@@ -146,8 +146,11 @@ class FailureWatch:
                 except FusionNetError as e:
                     # A saturated link: the ping queued behind bulk bytes that are still moving. Not
                     # dead; ask again until the ping gets through or the bytes stop for a heartbeat
-                    # timeout (a dead peer moves none).
-                    if self.registry.heard_from(peer, time.time()):
+                    # timeout (a dead peer moves none). Unless the registry gave up on it already:
+                    # then the unanswered ping settles it (a frozen peer's calls may still take our
+                    # bytes into the local p2pd, which looks like traffic and would loop forever).
+                    gave_up = entry.effective_state in ("OFFLINE", "UNREACHABLE")
+                    if not gave_up and self.registry.heard_from(peer, time.time()):
                         log.info(
                             "compnode %s: ping failed (%s) but its traffic still moves; asking again", peer, e
                         )

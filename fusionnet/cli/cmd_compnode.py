@@ -86,6 +86,14 @@ def add_parser(subparsers: Any) -> None:
         help="private memory one job's worker may use beyond its start-up (CPU devices; default: 90%% "
         "of this machine's RAM); a job past it fails with an error naming its worker",
     )
+    p.add_argument(
+        "--worker-sends",
+        choices=["direct", "daemon"],
+        default="direct",
+        help="how a sandbox worker's activations and gradients leave: 'direct' (default), over the "
+        "worker's own TCP connections to the receivers' data paths; 'daemon', handed to this daemon, "
+        "which sends them (one more hop per value; for hosts that let only the daemon connect out)",
+    )
     p.set_defaults(func=run)
 
 
@@ -111,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
             assignment_ttl=args.assignment_ttl,
             sandbox=args.sandbox == "process",
             sandbox_memory_gb=args.sandbox_memory_gb,
+            worker_sends=args.worker_sends,
         )
         # One compnode per process: its metrics are the process's set, so module-level users count too.
         compnode = CompnodeDaemon(config, COMPNODE_METRICS)

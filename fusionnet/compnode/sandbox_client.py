@@ -60,8 +60,10 @@ class SandboxPool:
         slowdown: float,
         memory_bytes: int | None,
         fault: FaultPoint | None,
+        direct_sends: bool = True,
     ) -> None:
         self.threads = threads
+        self.direct_sends = direct_sends
         self.slowdown = slowdown
         self.memory_bytes = memory_bytes
         self.fault = fault
@@ -75,7 +77,7 @@ class SandboxPool:
     def of(cls, settings: Any, fault: FaultPoint | None) -> SandboxPool:
         gb = settings.sandbox_memory_gb
         budget = None if gb is None else int(gb * 2**30)
-        return cls(settings.threads, settings.slowdown, budget, fault)
+        return cls(settings.threads, settings.slowdown, budget, fault, settings.worker_sends == "direct")
 
     def start(self) -> None:
         """Starts the fork server in the background (it imports torch: seconds), once."""
@@ -99,6 +101,7 @@ class SandboxPool:
             daemon_pid=os.getpid(),
             fault=None if self.fault is None else self.fault.for_worker(),
             log_level=logging.getLogger().getEffectiveLevel(),
+            direct_sends=self.direct_sends,
         )
         process = self.context.Process(
             target=main, args=(theirs, config), name=f"fusionnet-job-{job_id}", daemon=True
