@@ -25,7 +25,8 @@ Prints a table, then one JSON line.
 
     python benchmarks/serving.py [--size quick|full|realistic] [--compnodes 3] [--requests 16]
         [--max-tokens 16] [--batch 16] [--microbatches 1] [--kv-slots 16] [--in-flight 1|2]
-        [--max-wait-ms MS] [--pairs 3] [--sandbox process|off] [--placement balanced|model] [--workdir DIR]
+        [--max-wait-ms MS] [--pairs 3] [--sandbox process|off] [--worker-sends direct|daemon]
+        [--placement balanced|model] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -378,6 +379,9 @@ def main() -> int:
     )
     ap.add_argument("--sandbox", choices=("process", "off"), default="process", help="compnode --sandbox")
     ap.add_argument(
+        "--worker-sends", choices=("direct", "daemon"), default="direct", help="compnode --worker-sends"
+    )
+    ap.add_argument(
         "--placement",
         choices=("balanced", "model"),
         default="balanced",
@@ -396,7 +400,7 @@ def main() -> int:
     job = write_job(work / "job", shape, args.batch, args.compnodes, args.microbatches)
     reqs = prompts(args.requests, shape[0])
     plain = plain_baselines(job, reqs, args.max_tokens, shape[4])
-    extra = ("--sandbox", args.sandbox)
+    extra = ("--sandbox", args.sandbox, "--worker-sends", args.worker_sends)
     specs = [CompnodeSpec(extra=extra) for _ in range(args.compnodes)]
     specs.append(CompnodeSpec(backup=True, extra=extra))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -489,6 +493,7 @@ def main() -> int:
         "kv_slots": args.kv_slots,
         "compnodes": args.compnodes,
         "sandbox": args.sandbox,
+        "worker_sends": args.worker_sends,
         "placement": args.placement,
         "reference": reference,
         **{k: v for k, v in predicted.items()},
