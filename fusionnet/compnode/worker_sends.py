@@ -37,8 +37,8 @@ class DirectSender:
 
     def use(self, request: AssignRequest) -> None:
         """The job's peers and link keys, from its (first) assignment."""
-        if self._request is None:
-            self._request = request
+        if self._request is None:  # without its payloads: the state slice must not live on here
+            self._request = request.model_copy(update={"state": b"", "optim": None, "data": b"", "ir": b""})
 
     async def send(self, dst: int, frame: TensorFrame) -> bool:
         """``frame`` to sub-DAG ``dst``'s compnode over TCP; False when the daemon has to carry it."""
