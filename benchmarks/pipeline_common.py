@@ -42,6 +42,7 @@ class Config:
     worker_sends: str = (
         "direct"  # the compnodes' --worker-sends: workers send values themselves, or via the daemon
     )
+    worker_receives: str = "direct"  # the compnodes' --worker-receives: workers read values, or daemons relay
     placement: str = "model"  # the broker's --placement: the performance model, or the balanced split
     replica_interval: float | None = None  # the broker's --replica-interval (None: its default)
     steps_ahead: bool = False  # the broker's --steps-ahead: each step's call sent while the one before runs

@@ -221,6 +221,7 @@ def run_fusionnet_swarms(
             while len(daemons) - 1 < n:
                 args = ["--initial-peers", maddr, "--threads", str(cfg.threads), "--refresh-period", "2"]
                 args += ["--sandbox", cfg.sandbox, "--worker-sends", cfg.worker_sends]
+                args += ["--worker-receives", cfg.worker_receives]
                 daemons.append(
                     Daemon("compnode", f"compnode{len(daemons) - 1}", swarm_dir, args, cfg.threads)
                 )

@@ -179,6 +179,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "or hands them to its daemon",
     )
     ap.add_argument(
+        "--worker-receives",
+        choices=("direct", "daemon"),
+        default="direct",
+        help="the compnodes' --worker-receives: a sandbox worker reads its peers' values itself (default) "
+        "or its daemon relays them",
+    )
+    ap.add_argument(
         "--placement",
         choices=("model", "balanced"),
         default="model",
@@ -287,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             microbatches=args.microbatches, steps=args.steps, warmup=args.warmup, lr=args.lr,
             seed=args.seed, threads=args.threads, data_path=str(workdir / "data.safetensors"),
             schedule=args.schedule, sandbox=args.sandbox, placement=args.placement,
-            worker_sends=args.worker_sends,
+            worker_sends=args.worker_sends, worker_receives=args.worker_receives,
             replica_interval=args.replica_interval,
             steps_ahead=args.steps_ahead, chunks=args.chunks,
         )  # fmt: skip
@@ -295,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"model: {cfg.layers} blocks, dim {cfg.dim}, hidden {cfg.hidden}; batch {cfg.batch_size} in "
             f"{cfg.microbatches} micro-batches, {cfg.schedule}; sandbox {cfg.sandbox} "
-            f"(worker sends {cfg.worker_sends}); "
+            f"(worker sends {cfg.worker_sends}, receives {cfg.worker_receives}); "
             f"placement {cfg.placement}; replica interval {cfg.replica_interval or 'default'}; "
             f"steps ahead {'on' if cfg.steps_ahead else 'off'}; "
             f"{cfg.steps} steps ({cfg.warmup} warm-up); "
@@ -329,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["schedule"] = cfg.schedule
     summary["sandbox"] = cfg.sandbox
     summary["worker_sends"] = cfg.worker_sends
+    summary["worker_receives"] = cfg.worker_receives
     summary["replica_interval"] = cfg.replica_interval
     summary["steps_ahead"] = cfg.steps_ahead
     summary["placement"] = cfg.placement

@@ -26,6 +26,7 @@ Prints a table, then one JSON line.
     python benchmarks/serving.py [--size quick|full|realistic] [--compnodes 3] [--requests 16]
         [--max-tokens 16] [--batch 16] [--microbatches 1] [--kv-slots 16] [--in-flight 1|2]
         [--max-wait-ms MS] [--pairs 3] [--sandbox process|off] [--worker-sends direct|daemon]
+        [--worker-receives direct|daemon]
         [--placement balanced|model] [--workdir DIR]
 """
 
@@ -382,6 +383,9 @@ def main() -> int:
         "--worker-sends", choices=("direct", "daemon"), default="direct", help="compnode --worker-sends"
     )
     ap.add_argument(
+        "--worker-receives", choices=("direct", "daemon"), default="direct", help="compnode --worker-receives"
+    )
+    ap.add_argument(
         "--placement",
         choices=("balanced", "model"),
         default="balanced",
@@ -400,7 +404,14 @@ def main() -> int:
     job = write_job(work / "job", shape, args.batch, args.compnodes, args.microbatches)
     reqs = prompts(args.requests, shape[0])
     plain = plain_baselines(job, reqs, args.max_tokens, shape[4])
-    extra = ("--sandbox", args.sandbox, "--worker-sends", args.worker_sends)
+    extra = (
+        "--sandbox",
+        args.sandbox,
+        "--worker-sends",
+        args.worker_sends,
+        "--worker-receives",
+        args.worker_receives,
+    )
     specs = [CompnodeSpec(extra=extra) for _ in range(args.compnodes)]
     specs.append(CompnodeSpec(backup=True, extra=extra))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -494,6 +505,7 @@ def main() -> int:
         "compnodes": args.compnodes,
         "sandbox": args.sandbox,
         "worker_sends": args.worker_sends,
+        "worker_receives": args.worker_receives,
         "placement": args.placement,
         "reference": reference,
         **{k: v for k, v in predicted.items()},

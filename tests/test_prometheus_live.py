@@ -23,6 +23,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -300,6 +301,15 @@ def check_real_expositions(urls: list[str]) -> None:
     assert used and not used - exposed, f"queried but not exported by the daemons: {sorted(used - exposed)}"
 
 
+def frames_refused(url: str) -> float:
+    """``fusionnet_frames_refused_total`` of one daemon, all reasons, from its own /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("fusionnet_frames_refused_total{")
+    )
+
+
 def record_finished_job_in_store(broker: DaemonProcess, job_id: str) -> None:
     """Writes a finished job straight into the running broker's SQLite store (WAL: a second connection is
     safe), to check that ``fusionnet_jobs{state}`` follows the store without submitting a job."""
@@ -474,6 +484,15 @@ def test_real_swarm_is_scraped(tmp_path: Path) -> None:
                 "the jobs gauge to follow the broker's store",
             )
             check_real_expositions([d.metrics_url() for d in [swarm.broker, *swarm.compnodes, late]])
+            # Garbage on a compnode's data path is refused and counted where the alert rule looks.
+            target = swarm.compnodes[0]
+            listening = re.search(r"data path listening on ([\d.]+):(\d+)", target.log_text())
+            assert listening, "the compnode did not log its data path address"
+            with socket.create_connection((listening[1], int(listening[2])), timeout=5) as s:
+                s.sendall(b"GARBAGE" * 100)
+            wait_until(
+                lambda: frames_refused(target.metrics_url()) >= 1, 30, "the refused frame to be counted"
+            )
 
             job = submit_job_for_metrics(swarm, tmp_path)
             if job is not None:

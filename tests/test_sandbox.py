@@ -27,6 +27,7 @@ from fusionnet.errors import ExecutionError, JobError
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.rpc.server import RPCContext
 from fusionnet.wire.frames import TensorFrame
+from fusionnet.wire.handoff import OTHER_LANES
 from tests.test_subtask_service import BROKER, PEERS, FakeNode, FakePath, figure3_assign_docs
 
 
@@ -75,6 +76,9 @@ def test_a_sandboxed_job_equals_the_in_process_one_and_its_worker_goes_with_it(w
         assert got_losses == want_losses
         assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
         host = s.jobs["j1"].host
+        # Its worker reads its peers' values: the daemon's paths leave the workers' lane to it.
+        assert host.reads_values and s.server.lanes == s.p2p.lanes == OTHER_LANES  # type: ignore[attr-defined]
+        assert inline.server.lanes is None  # type: ignore[attr-defined]
         # Two snapshots queued at once (replication of two steps in flight): each has its own chunks.
         first, second = host.snapshot(), host.snapshot()
         want_chunks, _ = await inline.jobs["j1"].host.snapshot()

@@ -46,10 +46,13 @@ class FakePath:
         self.routes: dict[str, Any] = {}
         self.stats: dict[str, Any] = {}
 
-    def register_job(self, job_id: str, key: bytes, allowed: list[str], route: Any, encryption: str) -> None:
+    def register_job(
+        self, job_id: str, key: bytes, allowed: list[str], route: Any, encryption: str, lanes: Any = None
+    ) -> None:
         self.jobs[job_id] = allowed
         self.routes[job_id] = route
         self.encryption = encryption
+        self.lanes = lanes
 
     def unregister_job(self, job_id: str) -> None:
         self.jobs.pop(job_id, None)

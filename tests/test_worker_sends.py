@@ -47,7 +47,7 @@ def test_values_go_straight_to_the_peer_and_a_failed_peer_is_left_to_the_daemon(
         host, port = await server.start()
         dead = f"127.0.0.1:{_free_port()}"  # nobody listens there
         request = _request([None, f"{host}:{port}", dead])
-        sender = DirectSender(PEERS[0])
+        sender = DirectSender(PEERS[0], "j1")
         try:
             assert not await sender.send(1, _frame(0))  # no assignment yet: the daemon carries it
             sender.use(request)
@@ -79,7 +79,7 @@ def test_a_frame_under_a_wrong_link_key_is_refused_by_the_receiver() -> None:
         server = DataPathServer(peer_id=PEERS[1])
         server.register_job("j1", b"k" * 32, {PEERS[0]}, got.append)
         host, port = await server.start()
-        sender = DirectSender(PEERS[0])
+        sender = DirectSender(PEERS[0], "j1")
         sender.use(_request([None, f"{host}:{port}", None]))
         try:
             await sender.send(1, _frame(0))

@@ -94,6 +94,14 @@ def add_parser(subparsers: Any) -> None:
         "worker's own TCP connections to the receivers' data paths; 'daemon', handed to this daemon, "
         "which sends them (one more hop per value; for hosts that let only the daemon connect out)",
     )
+    p.add_argument(
+        "--worker-receives",
+        choices=["direct", "daemon"],
+        default="direct",
+        help="how the values other compnodes' workers send reach a sandbox worker: 'direct' (default), "
+        "this daemon hands their connections to the worker, which reads and checks the frames itself; "
+        "'daemon', this daemon reads them and relays each value to the worker (one more hop per value)",
+    )
     p.set_defaults(func=run)
 
 
@@ -120,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             sandbox=args.sandbox == "process",
             sandbox_memory_gb=args.sandbox_memory_gb,
             worker_sends=args.worker_sends,
+            worker_receives=args.worker_receives,
         )
         # One compnode per process: its metrics are the process's set, so module-level users count too.
         compnode = CompnodeDaemon(config, COMPNODE_METRICS)

@@ -86,6 +86,7 @@ class CompnodeConfig:
     sandbox: bool = True  # each assignment in a worker process of its own (``compnode.sandbox_client``)
     sandbox_memory_gb: float | None = None  # a worker's memory budget; None: 90 % of this machine's RAM
     worker_sends: str = "direct"  # a worker's values: over its own TCP ("direct") or via the daemon
+    worker_receives: str = "direct"  # its peers' values: read by the worker ("direct") or relayed by us
 
     def __post_init__(self) -> None:
         self.role = Role(self.role)
@@ -108,8 +109,12 @@ class CompnodeConfig:
             self.sandbox_memory_gb = 0.9 * _physical_memory_gb()
         if self.sandbox_memory_gb is not None and not 0 < self.sandbox_memory_gb < 1 << 20:
             raise ValueError(f"--sandbox-memory-gb must be > 0, got {self.sandbox_memory_gb}")
-        if self.worker_sends not in ("direct", "daemon"):
-            raise ValueError(f"--worker-sends must be 'direct' or 'daemon', got {self.worker_sends!r}")
+        for flag, value in (
+            ("--worker-sends", self.worker_sends),
+            ("--worker-receives", self.worker_receives),
+        ):
+            if value not in ("direct", "daemon"):
+                raise ValueError(f"{flag} must be 'direct' or 'daemon', got {value!r}")
         from fusionnet.dag.devices import resolve_device  # torch: only when a compnode is configured
 
         self.device = str(resolve_device(self.device))  # a clear start-up error without CUDA / MPS

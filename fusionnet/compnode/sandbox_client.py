@@ -44,6 +44,7 @@ from fusionnet.errors import ExecutionError, FusionNetError
 from fusionnet.messages.compnode_rpc import AssignRequest, CollectReply
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
 from fusionnet.wire.frames import TensorFrame
+from fusionnet.wire.handoff import pass_socket
 
 log = logging.getLogger("fusionnet.compnode.sandbox")
 PRELOAD = ["fusionnet.compnode.sandbox_preload"]  # niced, then the workers' imports
@@ -61,9 +62,11 @@ class SandboxPool:
         memory_bytes: int | None,
         fault: FaultPoint | None,
         direct_sends: bool = True,
+        direct_receives: bool = True,
     ) -> None:
         self.threads = threads
         self.direct_sends = direct_sends
+        self.direct_receives = direct_receives
         self.slowdown = slowdown
         self.memory_bytes = memory_bytes
         self.fault = fault
@@ -77,7 +80,14 @@ class SandboxPool:
     def of(cls, settings: Any, fault: FaultPoint | None) -> SandboxPool:
         gb = settings.sandbox_memory_gb
         budget = None if gb is None else int(gb * 2**30)
-        return cls(settings.threads, settings.slowdown, budget, fault, settings.worker_sends == "direct")
+        return cls(
+            settings.threads,
+            settings.slowdown,
+            budget,
+            fault,
+            settings.worker_sends == "direct",
+            settings.worker_receives == "direct",
+        )
 
     def start(self) -> None:
         """Starts the fork server in the background (it imports torch: seconds), once."""
@@ -86,11 +96,18 @@ class SandboxPool:
         if self._warming is None:
             self._warming = asyncio.ensure_future(asyncio.to_thread(forkserver.ensure_running))
 
-    async def spawn(self, peer_id: str, job_id: str, subdag: int) -> tuple[Any, IPCChannel]:
+    async def spawn(
+        self, peer_id: str, job_id: str, subdag: int
+    ) -> tuple[Any, IPCChannel, socket.socket | None]:
+        """A worker: its process, its call channel, and where its peer connections are passed to it
+        (None: it reads none, its daemon relays its values)."""
         self.start()
         assert self._warming is not None
         await self._warming
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        handoff: tuple[socket.socket, socket.socket] | None = None
+        if self.direct_receives:
+            handoff = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         config = WorkerConfig(
             peer_id=peer_id,
             job_id=job_id,
@@ -102,13 +119,18 @@ class SandboxPool:
             fault=None if self.fault is None else self.fault.for_worker(),
             log_level=logging.getLogger().getEffectiveLevel(),
             direct_sends=self.direct_sends,
+            direct_receives=handoff is not None,
         )
-        process = self.context.Process(
-            target=main, args=(theirs, config), name=f"fusionnet-job-{job_id}", daemon=True
-        )
+        args = (theirs, config) if handoff is None else (theirs, config, handoff[1])
+        process = self.context.Process(target=main, args=args, name=f"fusionnet-job-{job_id}", daemon=True)
         await asyncio.to_thread(process.start)
         theirs.close()
-        return process, IPCChannel(ours)
+        if handoff is None:
+            return process, IPCChannel(ours), None
+        handoff[1].close()
+        # Non-blocking: a worker that stops taking connections gets them refused, never the daemon stalled.
+        handoff[0].setblocking(False)
+        return process, IPCChannel(ours), handoff[0]
 
 
 def describe_exit(code: int | None) -> str:
@@ -138,10 +160,14 @@ class SandboxedJob:
         job_id: str,
         subdag: int,
         send: Callable[[int, TensorFrame], Awaitable[None]],
-        sent_direct: Callable[[int, int], None] | None = None,
+        counted: Callable[[str, int, int], None] | None = None,
+        refusals: Callable[[str, int], None] | None = None,
     ) -> None:
         self.pool = pool
-        self._sent_direct = sent_direct  # (bytes, frames) the worker sent over its own TCP
+        # (direction "sent" | "received", bytes, frames) the worker moved over its own TCP
+        self._counted = counted
+        self._refusals = refusals  # (reason, frames) the worker refused on connections it read
+        self.handoff: socket.socket | None = None  # where peer connections go to the worker
         self.peer_id = peer_id
         self.job_id = job_id
         self.subdag = subdag
@@ -160,7 +186,9 @@ class SandboxedJob:
     # ---- life ------------------------------------------------------------------------------------
     async def assign(self, request: AssignRequest, broker: str, device: str) -> tuple[int, int]:
         """Starts the worker and builds the job there: (IR nodes, parameters) of our sub-DAG."""
-        self.process, self.channel = await self.pool.spawn(self.peer_id, self.job_id, self.subdag)
+        self.process, self.channel, self.handoff = await self.pool.spawn(
+            self.peer_id, self.job_id, self.subdag
+        )
         self._reader = asyncio.ensure_future(self._read())
         self._broker, self._device = broker, device
         return await self._assign(request)
@@ -188,6 +216,8 @@ class SandboxedJob:
             await asyncio.to_thread(self._stop_process)
         if self.channel is not None:
             self.channel.close()
+        if self.handoff is not None:
+            self.handoff.close()
         if self._reader is not None:
             self._reader.cancel()
         self._fail_all(ExecutionError(f"job {self.job_id}: released ({why})"))
@@ -250,12 +280,25 @@ class SandboxedJob:
     def _answer(self, header: dict[str, Any], blobs: list[Any]) -> None:
         if len(header) > MAX_REPLY_FIELDS:
             raise IPCError("reply with too many fields")
-        tally = header.get("direct")
-        if tally is not None:
+        for field, direction in (("direct", "sent"), ("received", "received")):
+            tally = header.get(field)
+            if tally is None:
+                continue
             if not isinstance(tally, list) or len(tally) != 2 or not all(_count(x) for x in tally):
-                raise IPCError("reply: 'direct' is not [bytes, frames]")
-            if self._sent_direct is not None:
-                self._sent_direct(*tally)
+                raise IPCError(f"reply: {field!r} is not [bytes, frames]")
+            if self._counted is not None:
+                self._counted(direction, *tally)
+        refusals = header.get("refusals")
+        if refusals is not None:
+            if (
+                not isinstance(refusals, dict)
+                or len(refusals) > MAX_REPLY_FIELDS
+                or not all(isinstance(k, str) and len(k) <= 64 and _count(n) for k, n in refusals.items())
+            ):
+                raise IPCError("reply: 'refusals' is not {reason: frames}")
+            if self._refusals is not None:
+                for reason, frames in refusals.items():
+                    self._refusals(reason, frames)
         future = self._calls.pop(int_field(header, "id"), None)
         if future is None or future.done():
             return
@@ -380,6 +423,17 @@ class SandboxedJob:
 
     def refused(self) -> int:
         return self._refused
+
+    @property
+    def reads_values(self) -> bool:
+        """Whether the worker reads its peers' values itself (the daemon hands it their connections)."""
+        return self.handoff is not None
+
+    def take_connection(self, connection: Any) -> bool:
+        """Passes a peer worker's connection to our worker (``wire.handoff``); False: it cannot take it."""
+        if self.handoff is None or self._closed or self._failure is not None:
+            return False
+        return pass_socket(self.handoff, connection)
 
 
 def _unpacked(blobs: list[Any]) -> Any:

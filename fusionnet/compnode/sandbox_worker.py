@@ -49,6 +49,7 @@ from fusionnet.compnode.sandbox_ipc import (
     str_field,
 )
 from fusionnet.compnode.throttle import throttle_hooks
+from fusionnet.compnode.worker_receives import DirectReceiver
 from fusionnet.compnode.worker_sends import DirectSender
 from fusionnet.core_dumps import forbid_core_dumps
 from fusionnet.errors import ExecutionError, FusionNetError
@@ -79,6 +80,7 @@ class WorkerConfig:
     fault: FaultPoint | None  # test fault injection: its step count is shared with the daemon
     log_level: int
     direct_sends: bool = True  # values to peers over the worker's own TCP (``worker_sends``)
+    direct_receives: bool = False  # values from peers read by the worker (``worker_receives``)
 
 
 def _die_with_parent() -> None:
@@ -107,8 +109,9 @@ def apply_limits(config: WorkerConfig, device: str | None = None) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
-def main(sock: socket.socket, config: WorkerConfig) -> None:
-    """The worker process (``multiprocessing`` target)."""
+def main(sock: socket.socket, config: WorkerConfig, handoff: socket.socket | None = None) -> None:
+    """The worker process (``multiprocessing`` target). ``handoff``: where the daemon passes the peer
+    connections this worker reads itself (``worker_receives``)."""
     _die_with_parent()
     forbid_core_dumps()
     logging.basicConfig(
@@ -120,11 +123,13 @@ def main(sock: socket.socket, config: WorkerConfig) -> None:
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     set_seq_lane(1)  # our frames go out under the daemon's peer id, numbered apart from its own
-    asyncio.run(Worker(sock, config).serve())
+    asyncio.run(Worker(sock, config, handoff).serve())
 
 
 class Worker:
-    def __init__(self, sock: socket.socket, config: WorkerConfig) -> None:
+    def __init__(
+        self, sock: socket.socket, config: WorkerConfig, handoff: socket.socket | None = None
+    ) -> None:
         self.channel = IPCChannel(sock)
         self.config = config
         self.compute = compute_pool(config.threads)
@@ -133,7 +138,8 @@ class Worker:
         self._next_send = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._snapshots: dict[int, list[bytes | None]] = {}  # packed chunks by snapshot call, until fetched
-        self.direct = DirectSender(config.peer_id) if config.direct_sends else None
+        self.direct = DirectSender(config.peer_id, config.job_id) if config.direct_sends else None
+        self.receives = None if handoff is None else DirectReceiver(config.peer_id, handoff)
 
     async def serve(self) -> None:
         try:
@@ -163,6 +169,8 @@ class Worker:
             self.channel.close()
             if self.direct is not None:
                 await self.direct.close()
+            if self.receives is not None:
+                await self.receives.close()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -173,6 +181,8 @@ class Worker:
         tally = None if self.direct is None else self.direct.take_tally()
         if tally is not None:  # what we sent ourselves since the last answer, for the daemon's metrics
             header = {**header, "direct": tally}
+        if self.receives is not None:  # and what we received (and refused) ourselves
+            header = {**header, **self.receives.take_tally()}
         await self.channel.send({"op": "reply", "id": call_id, **header}, blobs)
 
     async def _call(self, op: str, header: dict[str, Any], blobs: list[torch.Tensor]) -> None:
@@ -214,7 +224,8 @@ class Worker:
             outcome = await host.run_step(int_field(header, "step"), _subdag_field(header))
             fields = {k: getattr(outcome, k) for k in ("loss", "fp_seconds", "bp_seconds", "update_seconds")}
             outputs = outcome.outputs
-            fields |= {"refused": outcome.refused, "outputs": outputs is not None}
+            refused = outcome.refused + (0 if self.receives is None else self.receives.refused())
+            fields |= {"refused": refused, "outputs": outputs is not None}
             fields["activation_peak_bytes"] = outcome.activation_peak_bytes
             fields["sent_bytes"] = outcome.sent_bytes
             return fields, [outputs] if outputs is not None else []
@@ -265,6 +276,8 @@ class Worker:
             self.host.add(job)
         else:
             self.host = JobHost(job, self.compute)
+        if self.receives is not None:
+            self.receives.use(request, self.host.deliver)
         # Where the state went is the first thing to check when a --device cuda node seems slow.
         log.info("%d nodes, %d parameters on %s", len(job.subdag.nodes), len(job.subdag.params), device)
         return {"nodes": len(job.subdag.nodes), "params": len(job.subdag.params)}

@@ -64,6 +64,7 @@ from fusionnet.messages.compnode_rpc import (
 from fusionnet.rpc.server import RPCContext
 from fusionnet.wire.datapath import DataPathClient, DataPathServer
 from fusionnet.wire.frames import TensorFrame
+from fusionnet.wire.handoff import OTHER_LANES
 from fusionnet.wire.refusal import PeerUnreachable
 
 log = logging.getLogger("fusionnet.compnode.tasks")
@@ -103,6 +104,8 @@ class SubtaskService(ReplicaRPC, StepRPC):
 
         settings = self.node.settings
         self.server = DataPathServer(peer_id=self.node.peer_id)
+        self.server.handoff = self._hand_off
+        self.server.receiver.on_refusal = self.node.metrics.count_refusal
         _, port = await self.server.start(settings.data_address.listen, settings.data_port)
         assert self.node.peer is not None
         host = announced_host(settings.data_address, await self.node.peer.visible_maddrs())
@@ -110,6 +113,7 @@ class SubtaskService(ReplicaRPC, StepRPC):
         self.bulk = DataPathClient(peer_id=self.node.peer_id)
         assert self.node.peer is not None
         self.p2p = P2PDataPath(self.node.peer.p2p, self.node.peer_id)
+        self.p2p.receiver.on_refusal = self.node.metrics.count_refusal
         await self.p2p.start()
         if self.sandboxes is not None:
             # The workers' fork server imports torch once, in the background, when the node is settled:
@@ -238,6 +242,17 @@ class SubtaskService(ReplicaRPC, StepRPC):
         self._set_load()
         log.info("job %s: released (%s)", job_id, why)
 
+    def _hand_off(self, job_id: str, connection: Any) -> bool | None:
+        """A peer worker's connection for ``job_id`` (``wire.handoff``): to the job's worker when it reads
+        its values itself (True: taken), read here when no worker does (None), else closed (False)."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return False
+        host = job.host
+        if isinstance(host, SandboxedJob) and host.reads_values:
+            return host.take_connection(connection)
+        return None
+
     def _set_load(self) -> None:
         self.node.set_load(load=min(1.0, len(self.jobs) / MAX_JOBS), running_tasks=len(self.jobs))
 
@@ -304,7 +319,9 @@ class SubtaskService(ReplicaRPC, StepRPC):
         for path_name, path in (("tcp", self.server), ("p2p", self.p2p)):
             assert path is not None
             keys = job.keys_by_sender()
-            path.register_job(job.job_id, keys, allowed, router(path_name), job.spec.wire_encryption)
+            # A worker that reads its peers' values owns the lane their workers number in (``handoff``).
+            lanes = OTHER_LANES if isinstance(job.host, SandboxedJob) and job.host.reads_values else None
+            path.register_job(job.job_id, keys, allowed, router(path_name), job.spec.wire_encryption, lanes)
         self.jobs[job.job_id] = job
         self._locks[job.job_id] = asyncio.Lock()
         self._heard[job.job_id] = time.monotonic()
@@ -358,7 +375,8 @@ class SubtaskService(ReplicaRPC, StepRPC):
                 request.job_id,
                 request.subdag,
                 send,
-                sent_direct=partial(self.node.metrics.count_data, "tcp", "sent"),
+                counted=partial(self.node.metrics.count_data, "tcp"),
+                refusals=self.node.metrics.count_refusal,
             )
             try:
                 nodes, params = await sandboxed.assign(request, broker, str(self.node.device))

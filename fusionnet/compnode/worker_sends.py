@@ -29,8 +29,9 @@ log = logging.getLogger("fusionnet.compnode.sandbox")
 
 
 class DirectSender:
-    def __init__(self, peer_id: str) -> None:
-        self.client = DataPathClient(peer_id=peer_id)
+    def __init__(self, peer_id: str, job_id: str) -> None:
+        # The job's id in each connection's hello: its receiver may hand it to the job's worker.
+        self.client = DataPathClient(peer_id=peer_id, job_hello=job_id)
         self._request: AssignRequest | None = None  # the first chunk's: every chunk has the same peers
         self._down: set[str] = set()  # peers TCP failed to: their values go through the daemon
         self._bytes = self._frames = 0

@@ -156,9 +156,9 @@ class CompnodeMetrics(BaseMetrics):
         self.data_bytes.labels(path=p, direction=d).inc(nbytes)
         self.data_frames.labels(path=p, direction=d).inc(frames)
 
-    def count_refusal(self, reason: str) -> None:
+    def count_refusal(self, reason: str, frames: int = 1) -> None:
         """One refused frame; ``reason`` is a ``fusionnet.wire.refusal`` reason code."""
-        self.frames_refused.labels(reason=label_value(reason, REFUSAL_REASONS, "reason")).inc()
+        self.frames_refused.labels(reason=label_value(reason, REFUSAL_REASONS, "reason")).inc(frames)
 
     def count_subtask(self, outcome: str) -> None:
         self.subtasks.labels(outcome=label_value(outcome, SUBTASK_OUTCOMES, "outcome")).inc()

@@ -15,6 +15,7 @@ receiver under its MAC: no other receiver accepts it, see ``replay.py``). Limits
 ``max_connections`` connections in all and ``max_per_host`` from one remote host; a connection must
 send its first frame within the handshake timeout, the next one within the idle timeout, and keep a
 frame's bytes coming (``receiver.Timeouts``); a frame for a job this server does not run closes it.
+A sandbox worker's connection opens with a hello of its own and may change hands (``handoff.py``).
 """
 
 from __future__ import annotations
@@ -23,19 +24,26 @@ import asyncio
 import logging
 import socket
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from fusionnet.errors import WireError
+from fusionnet.wire import refusal as R
 from fusionnet.wire.crypt import check_policy, encrypt_to
 from fusionnet.wire.frames import TensorFrame
+from fusionnet.wire.handoff import GO, WORKER_HELLO, hello_job, hello_size, worker_hello
 from fusionnet.wire.header import MAX_ID_LEN, check_text
 from fusionnet.wire.pool import StreamPool
 from fusionnet.wire.receiver import FrameHandler, FrameReceiver, JobStats, Timeouts
+from fusionnet.wire.refusal import FrameRefused
 from fusionnet.wire.sources import BufferedSource
 
 log = logging.getLogger("fusionnet.wire")
 
 Address = tuple[str, int]
+# ``DataPathServer.handoff``: (job id a worker's connection names, its socket) -> True: taken (a
+# duplicate went to the job's worker), False: refused (closed), None: read here.
+Handoff = Callable[[str, Any], bool | None]
 
 
 def parse_address(address: tuple[str, int] | str) -> Address:
@@ -62,6 +70,7 @@ def parse_address(address: tuple[str, int] | str) -> Address:
 HELLO = b"FNH1"
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_MAX_PER_HOST = 32
+MAX_PAYLOAD = 1 << 30  # the largest frame payload a compnode receives (its daemon, and its workers)
 
 
 def hello_bytes(peer_id: str) -> bytes:
@@ -90,7 +99,7 @@ class DataPathServer:
         self,
         *,
         peer_id: str,
-        max_payload: int = 1 << 30,
+        max_payload: int = MAX_PAYLOAD,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         max_per_host: int = DEFAULT_MAX_PER_HOST,
         timeouts: Timeouts | None = None,
@@ -109,6 +118,8 @@ class DataPathServer:
         self._per_host: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self.handoff: Handoff | None = None  # who reads a sandbox worker's connection (None: we do)
+        self.handed_off = 0
 
     @property
     def stats(self) -> dict[str, JobStats]:
@@ -122,8 +133,9 @@ class DataPathServer:
         allowed_senders: Iterable[str],
         on_frame: FrameHandler,
         encryption: str = "auto",
+        lanes: Iterable[int] | None = None,
     ) -> None:
-        self.receiver.register_job(job_id, key, allowed_senders, on_frame, encryption)
+        self.receiver.register_job(job_id, key, allowed_senders, on_frame, encryption, lanes)
 
     def unregister_job(self, job_id: str) -> None:
         self.receiver.unregister_job(job_id)
@@ -170,7 +182,8 @@ class DataPathServer:
     async def _serve(self, source: BufferedSource) -> None:
         try:
             host = source.peername.rpartition(":")[0]
-            await self.receiver.serve(source, source.peername, remote_host=host)
+            if await self._read_here(source):
+                await self.receiver.serve(source, source.peername, remote_host=host)
         except asyncio.CancelledError:
             raise
         except Exception:  # serve() handles peers' errors; this only guards against our own bugs
@@ -184,6 +197,45 @@ class DataPathServer:
                 self._per_host[host] = left
             else:
                 self._per_host.pop(host, None)
+
+    async def _read_here(self, source: BufferedSource) -> bool:
+        """Whether this server reads the connection's frames: False once a sandbox worker's connection
+        went to its worker, or was refused (``handoff.py``); True for every other connection."""
+        try:
+            async with asyncio.timeout(self.receiver.timeouts.handshake):
+                first = await source.readexactly(len(WORKER_HELLO))
+                if first != WORKER_HELLO:
+                    source.unread(first)  # a frame's prefix: the frame loop reads it
+                    return True
+                job_id = hello_job(await source.readexactly(hello_size(await source.readexactly(2))))
+        except asyncio.IncompleteReadError as e:
+            source.unread(e.partial)  # the frame loop sees the stream end, as it would have
+            return True
+        except TimeoutError:
+            what = "timed out waiting for the first frame"
+            self.receiver.count_refusal(FrameRefused(what, reason=R.TIMEOUT), source.peername)
+            return False
+        except WireError as e:
+            self.receiver.count_refusal(FrameRefused(str(e), reason=R.MALFORMED), source.peername)
+            return False
+        transport = source.transport
+        if transport is None or source.buffered:
+            why = f"job {job_id!r}: a worker's connection sent bytes before it was told to go"
+            self.receiver.count_refusal(FrameRefused(why, reason=R.MALFORMED), source.peername)
+            return False
+        transport.pause_reading()  # from here on the bytes are for whoever reads the connection
+        taken = None if self.handoff is None else self.handoff(job_id, transport.get_extra_info("socket"))
+        if taken is None:
+            transport.resume_reading()
+            transport.write(GO)
+            return True
+        if taken:
+            self.handed_off += 1
+        else:
+            log.info(
+                "%s: refused a worker connection for job %r from %s", self.peer_id, job_id, source.peername
+            )
+        return False
 
     async def stop(self) -> None:
         """Stops listening, closes every connection and waits for their tasks."""
@@ -227,11 +279,15 @@ def set_pacing(writer: asyncio.StreamWriter, rate: int | None) -> bool:
 
 
 class DataPathClient:
-    """Sends frames to data path servers over pooled TCP connections (one per address)."""
+    """Sends frames to data path servers over pooled TCP connections (one per address).
 
-    def __init__(self, *, peer_id: str, connect_timeout: float = 10.0) -> None:
+    ``job_hello``: a sandbox worker's client, whose connections carry that job's frames only and may
+    be read by the receiving compnode's worker (``handoff.py``)."""
+
+    def __init__(self, *, peer_id: str, connect_timeout: float = 10.0, job_hello: str | None = None) -> None:
         self.peer_id = check_text(peer_id, "peer_id", MAX_ID_LEN)
         self.connect_timeout = connect_timeout
+        self._job_hello = None if job_hello is None else worker_hello(job_hello)
         self._pool = StreamPool(self._open, describe=lambda dest: "%s:%d" % dest)  # noqa: UP031
         self._pacing: dict[Address, int | None] = {}  # bytes/s caps per address (``pace``)
 
@@ -253,10 +309,16 @@ class DataPathClient:
             set_pacing(writer, self._pacing.get(dest))
             try:
                 receiver = await read_hello(reader)
+                if self._job_hello is not None:
+                    writer.write(self._job_hello)
+                    if await reader.readexactly(len(GO)) != GO:
+                        raise WireError("the data path answered a worker's hello with something else")
             except BaseException as e:
                 writer.close()
                 if isinstance(e, WireError):
                     raise ConnectionError(f"{dest[0]}:{dest[1]}: {e}") from None
+                if isinstance(e, asyncio.IncompleteReadError):
+                    raise ConnectionError(f"{dest[0]}:{dest[1]}: refused this worker's connection") from None
                 raise
         return reader, writer, receiver
 

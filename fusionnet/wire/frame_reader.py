@@ -180,7 +180,11 @@ async def read_frame(
     if h.receiver != receiver:
         raise await _skip(source, rest, refusal(f"frame is for {h.receiver!r}, not for us", R.WRONG_RECEIVER))
     if replay is not None and not replay.fresh(h.job_id, h.sender, h.seq):
-        raise await _skip(source, rest, refusal(f"sequence number {h.seq} already seen or too old", R.REPLAY))
+        raise await _skip(
+            source,
+            rest,
+            refusal(f"sequence number {h.seq} already seen, too old, or not ours to read", R.REPLAY),
+        )
     if not h.encrypted and plaintext_ok is not None and not plaintext_ok(h.job_id):
         raise await _skip(
             source, rest, refusal("unencrypted frame of a job whose frames must be encrypted", R.PLAINTEXT)

@@ -76,9 +76,10 @@ class P2PDataPath:
         allowed_senders: Iterable[str],
         on_frame: FrameHandler,
         encryption: str = "auto",
+        lanes: Iterable[int] | None = None,
     ) -> None:
         # libp2p encrypts its connections: frames on this path are never refused as plaintext.
-        self.receiver.register_job(job_id, key, allowed_senders, on_frame, encryption)
+        self.receiver.register_job(job_id, key, allowed_senders, on_frame, encryption, lanes)
 
     def unregister_job(self, job_id: str) -> None:
         self.receiver.unregister_job(job_id)

@@ -25,7 +25,7 @@ from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.header import MAX_ID_LEN, check_text
 from fusionnet.wire.mac import check_key
 from fusionnet.wire.refusal import FrameRefused, StreamEnded
-from fusionnet.wire.replay import ReplayWindow
+from fusionnet.wire.replay import SEQ_LANES, ReplayWindow
 from fusionnet.wire.sources import ByteSource, PhasedSource
 
 log = logging.getLogger("fusionnet.wire")
@@ -66,6 +66,8 @@ class JobRoute:
     allowed_senders: frozenset[str]
     on_frame: FrameHandler
     encryption: str = "auto"  # ``placement.wire_encryption``: which plaintext frames are refused
+    # the sequence-number lanes accepted (None: all); two readers of one job split them (``handoff.py``)
+    lanes: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,8 @@ class FrameReceiver:
         self._windows: dict[tuple[str, str], ReplayWindow] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()  # recently unregistered jobs
         self.stats: dict[str, JobStats] = {NO_JOB: JobStats()}
+        # Called with each refusal's reason code (the compnode's ``fusionnet_frames_refused_total``).
+        self.on_refusal: Callable[[str], None] | None = None
 
     def register_job(
         self,
@@ -107,6 +111,7 @@ class FrameReceiver:
         allowed_senders: Iterable[str],
         on_frame: FrameHandler,
         encryption: str = "auto",
+        lanes: Iterable[int] | None = None,
     ) -> None:
         """Accepts frames of ``job_id`` from ``allowed_senders``; registering again replaces the route.
 
@@ -114,7 +119,11 @@ class FrameReceiver:
         a member of the job cannot pass its frames off as another member's).
 
         ``encryption`` is the job's ``placement.wire_encryption`` (``crypt.py``): on a connection
-        from a remote host (``serve(remote_host=...)``) it decides whether plaintext is refused."""
+        from a remote host (``serve(remote_host=...)``) it decides whether plaintext is refused.
+
+        ``lanes``: the only sequence-number lanes accepted (``replay.SEQ_LANES``; None: every lane), so
+        that a compnode's daemon and its job's worker, which read frames of one job apart, never both
+        accept one frame (``handoff.py``)."""
         check_text(job_id, "job_id", MAX_ID_LEN)
         if job_id == NO_JOB:
             raise WireError(f"job id {NO_JOB!r} is reserved")
@@ -131,7 +140,10 @@ class FrameReceiver:
             key = check_key(key, f"key of job {job_id!r}")
         if not callable(on_frame):
             raise WireError(f"on_frame of job {job_id!r} must be callable")
-        self._routes[job_id] = JobRoute(key, senders, on_frame, check_policy(encryption))
+        kept = None if lanes is None else frozenset(lanes)
+        if kept is not None and not kept <= set(range(SEQ_LANES)):
+            raise WireError(f"job {job_id!r}: sequence lanes must be in [0, {SEQ_LANES}), got {sorted(kept)}")
+        self._routes[job_id] = JobRoute(key, senders, on_frame, check_policy(encryption), kept)
         self._ended.pop(job_id, None)
         self.stats.setdefault(job_id, JobStats())
 
@@ -150,6 +162,9 @@ class FrameReceiver:
 
     # -- replay guard (``frame_reader.ReplayGuard``) --
     def fresh(self, job_id: str, sender: str, seq: int) -> bool:
+        route = self._routes.get(job_id)
+        if route is not None and route.lanes is not None and seq % SEQ_LANES not in route.lanes:
+            return False  # another reader's lane: a frame replayed from the other path
         window = self._windows.get((job_id, sender))
         return window is None or window.fresh(seq)
 
@@ -190,6 +205,8 @@ class FrameReceiver:
         stats = self._bucket(e.job_id)
         stats.frames_refused[e.reason] = stats.frames_refused.get(e.reason, 0) + 1
         stats.bytes_refused += e.nbytes
+        if self.on_refusal is not None:
+            self.on_refusal(e.reason)
         log.warning(
             "%s refused a frame from %s (%s): %s%s",
             self.peer_id,
@@ -278,6 +295,8 @@ class FrameReceiver:
             )
             stats.frames_refused[R.HANDLER_ERROR] = stats.frames_refused.get(R.HANDLER_ERROR, 0) + 1
             stats.bytes_refused += nbytes
+            if self.on_refusal is not None:
+                self.on_refusal(R.HANDLER_ERROR)
             return
         stats.frames_accepted += 1
         stats.bytes_accepted += nbytes

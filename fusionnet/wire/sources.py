@@ -180,6 +180,14 @@ class BufferedSource(asyncio.BufferedProtocol):
         finally:
             self._target, self._gave_target = None, False
 
+    def unread(self, data: bytes) -> None:
+        """Puts ``data`` back in front of what is buffered (a look at a connection's first bytes)."""
+        self._pending[:0] = data
+
+    @property
+    def buffered(self) -> int:
+        return len(self._pending)
+
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
