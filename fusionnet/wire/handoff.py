@@ -38,8 +38,6 @@ WORKER_HELLO = b"FNWH"  # not a frame's ``header.MAGIC``: the first 4 bytes tell
 GO = b"G"
 WORKER_LANE = 1  # the lane sandbox workers number their frames in (``sandbox_worker.main``)
 OTHER_LANES = frozenset(range(SEQ_LANES)) - {WORKER_LANE}
-# Seconds a daemon waits to put a socket into a busy worker's handoff socket before it refuses it.
-PASS_TIMEOUT = 2.0
 _PASS_MESSAGE = b"C"
 
 
@@ -64,14 +62,16 @@ def hello_size(size_bytes: bytes) -> int:
 
 
 def pass_socket(channel: socket.socket, connection: socket.socket) -> bool:
-    """Sends a duplicate of ``connection`` down ``channel`` (a blocking Unix socket with a timeout);
-    False when the other end does not take it in time or is gone. The caller closes its own copy: the
-    connection lives on in the receiving process (a duplicate closing sends no FIN)."""
+    """Sends a duplicate of ``connection`` down ``channel`` (a non-blocking Unix socket: the daemon never
+    waits on a worker); False when the worker's queue is full or the worker is gone. The caller closes
+    its own copy: the connection lives on in the receiving process (closing a duplicate sends no FIN).
+
+    Each message carries one descriptor, so the kernel hands them over one per ``recvmsg``."""
     fd = os.dup(connection.fileno())
     try:
         socket.send_fds(channel, [_PASS_MESSAGE], [fd])
         return True
-    except OSError:  # timeout, a full queue, the worker gone
+    except OSError:  # a full queue (BlockingIOError), the worker gone
         return False
     finally:
         os.close(fd)
