@@ -18,7 +18,7 @@ from fusionnet.broker.assignment_payloads import assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.compnode.daemon import CompnodeConfig
-from fusionnet.compnode.tasks import SubtaskService
+from fusionnet.compnode.tasks import MAX_JOBS, SubtaskService
 from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
 from fusionnet.dag.codec import encode_ir
 from fusionnet.dag.partition import balanced_assignment, build_partition
@@ -114,6 +114,26 @@ def service() -> SubtaskService:
 def call(s: SubtaskService, method: str, payload: dict[str, Any], sender: str = BROKER) -> dict[str, Any]:
     handler = getattr(s, f"rpc_{method}")
     return asyncio.run(handler(payload, RPCContext(remote_peer=sender, method=method)))
+
+
+@pytest.mark.timeout(60)
+def test_an_assignment_being_built_counts_as_work(assign_docs: list[dict]) -> None:
+    """A calibration that gave way waits for an idle node (``running_tasks`` 0 for 10 s): a job whose
+    worker is still being built must count, or the calibration restarts beside it."""
+    s = service()
+    seen: list[tuple[float, int]] = []
+    build = s._build
+
+    async def watched_build(*args: Any) -> Any:
+        seen.append(s.node.load)
+        return await build(*args)
+
+    s._build = watched_build  # type: ignore[method-assign]
+    call(s, "assign", assign_docs[1])
+    assert seen == [(1 / MAX_JOBS, 1)] and s.node.load == (1 / MAX_JOBS, 1)
+    with pytest.raises(IRError, match="not valid msgpack"):
+        call(s, "assign", {**assign_docs[1], "job_id": "j2", "ir": b"garbage"})
+    assert s.node.load == (1 / MAX_JOBS, 1) and "j2" not in s.jobs  # a build that failed is no work
 
 
 @pytest.mark.timeout(60)

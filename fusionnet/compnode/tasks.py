@@ -90,6 +90,10 @@ class SubtaskService(ReplicaRPC, StepRPC):
         self._tcp_down: set[str] = set()  # peers whose TCP address failed: use P2P for them
         self._released: dict[str, asyncio.Event] = {}
         self._probers: dict[str, LinkProber] = {}
+        # Jobs whose assignment is being built (a sandbox worker forking and decoding it can take
+        # seconds to minutes): work already, for the announced load and for a calibration waiting
+        # for an idle node, though not held yet.
+        self._building: set[str] = set()
         self.fault = FaultPoint.from_env()
         settings = compnode.settings
         self.trust = TrustedBrokers.from_settings(settings.common.dht.initial_peers, settings.trusted_brokers)
@@ -254,7 +258,8 @@ class SubtaskService(ReplicaRPC, StepRPC):
         return None
 
     def _set_load(self) -> None:
-        self.node.set_load(load=min(1.0, len(self.jobs) / MAX_JOBS), running_tasks=len(self.jobs))
+        working = len(self.jobs) + len(self._building)
+        self.node.set_load(load=min(1.0, working / MAX_JOBS), running_tasks=working)
 
     def _refused(self, job_id: str) -> int:
         total = 0
@@ -298,7 +303,13 @@ class SubtaskService(ReplicaRPC, StepRPC):
         async def send(dst: int, frame: TensorFrame) -> None:
             await self._send(holder["job"], dst, frame)
 
-        job = await self._build(request, context.remote_peer, send)
+        self._building.add(job_id)
+        self._set_load()
+        try:
+            job = await self._build(request, context.remote_peer, send)
+        finally:
+            self._building.discard(job_id)
+            self._set_load()
         holder["job"] = job
         allowed = job.allowed_senders()
         prober = LinkProber(job.job_id, self.node.peer_id, job.subdag_of_peer(), send)
