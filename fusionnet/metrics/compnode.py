@@ -47,7 +47,9 @@ class CompnodeMetrics(BaseMetrics):
             "fusionnet_compnode_load", "Announced load: fraction of capacity in use (0..1)", registry=r
         )
         self.running_subtasks = Gauge(
-            "fusionnet_compnode_running_subtasks", "Sub-tasks (sub-DAGs of running jobs) held or being built now", registry=r
+            "fusionnet_compnode_running_subtasks",
+            "Sub-tasks (sub-DAGs of running jobs) held or being built now",
+            registry=r,
         )
         self.subtasks = Counter(
             "fusionnet_compnode_subtasks", "Sub-tasks finished, by outcome", ["outcome"], registry=r
