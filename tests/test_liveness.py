@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from fusionnet.broker.failures import FailureWatch
+from fusionnet.broker.failures import PROBE_PINGS, FailureWatch
 from fusionnet.broker.registry import CompnodeRegistry
 from fusionnet.dht.announce import Found
 from fusionnet.dht.records import CompnodeRecord, NodeState
@@ -80,6 +80,25 @@ def test_probe_tells_a_saturated_link_from_a_dead_peer() -> None:
     dead, calls = asyncio.run(main())
     assert dead == {DEAD}
     assert calls.pings[BUSY] > 1  # asked again while its bytes moved, until the ping got through
+
+
+@pytest.mark.timeout(30)
+def test_a_compnode_that_misses_one_ping_is_kept_and_a_dead_one_gets_a_few() -> None:
+    """A compnode starved of CPU (its record expired, heartbeats missed) may not answer one ping in time
+    and answer the next: it is kept; a dead one is lost after ``PROBE_PINGS`` unanswered pings."""
+
+    async def main() -> tuple[set[str], Calls]:
+        now = time.time()
+        reg = registry(now, expires_in=5.0)
+        reg.check_timeouts(now + 10)
+        reg.update_records([], now + 10)  # both records expired: the registry gave up on both
+        calls = Calls(answer_at=now + 0.03)  # BUSY's first ping fails, its second is answered
+        watch = FailureWatch(Context(reg, calls), lambda: [BUSY, DEAD], set())  # type: ignore[arg-type]
+        return await watch.probe(), calls
+
+    dead, calls = asyncio.run(main())
+    assert dead == {DEAD}
+    assert calls.pings == {BUSY: 2, DEAD: PROBE_PINGS}
 
 
 @pytest.mark.timeout(30)

@@ -31,6 +31,10 @@ log = logging.getLogger("fusionnet.broker.jobs")
 
 PROBE_TIMEOUT = 1.5
 TRAFFIC_RECHECK = 0.25  # seconds between pings to a compnode whose link is busy
+# Unanswered pings in a row that make a compnode lost. More than one: a compnode starved of CPU (seven
+# daemons on two cores, one of them forking a sandbox worker) can miss a 1.5 s ping and answer the
+# next; a dead one fails them all, mostly at once (nothing listens), a frozen one in PROBE_TIMEOUT each.
+PROBE_PINGS = 3
 MAX_RECOVERIES = 50
 STEP_TIMEOUT_FLOOR = 600.0  # a step call is never cut shorter than this
 STEP_TIMEOUT_FACTOR = 20.0  # ... nor shorter than this many times the step's expected duration
@@ -129,6 +133,7 @@ class FailureWatch:
         peers = list(self._peers())
 
         async def alive(peer: str) -> bool:
+            unanswered = 0
             while True:
                 entry = self.registry.get(peer)
                 # Only a goodbye (or a forgotten record) is final. An expired record or missed
@@ -155,6 +160,10 @@ class FailureWatch:
                             "compnode %s: ping failed (%s) but its traffic still moves; asking again", peer, e
                         )
                         await asyncio.sleep(TRAFFIC_RECHECK)
+                        continue
+                    unanswered += 1
+                    if unanswered < PROBE_PINGS:
+                        log.info("compnode %s: ping %d unanswered (%s); asking again", peer, unanswered, e)
                         continue
                     log.info("compnode %s counts as lost: %s", peer, e)
                     return False
