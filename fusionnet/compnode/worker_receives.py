@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from fusionnet.errors import WireError
 from fusionnet.messages.compnode_rpc import AssignRequest
-from fusionnet.wire.datapath import MAX_PAYLOAD
+from fusionnet.wire.datapath import MAX_PAYLOAD, close_connections
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.handoff import GO, WORKER_LANE, take_sockets
 from fusionnet.wire.receiver import FrameReceiver
@@ -141,10 +141,5 @@ class DirectReceiver:
 
     async def close(self) -> None:
         self._stop_reading()
-        for source in list(self._sources):
-            source.close()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await close_connections(self._sources, self._tasks)
         self.channel.close()

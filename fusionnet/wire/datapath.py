@@ -92,6 +92,16 @@ async def read_hello(reader: asyncio.StreamReader) -> str:
         raise WireError(f"data path server closed or garbled its hello ({type(e).__name__})") from None
 
 
+async def close_connections(sources: Iterable[BufferedSource], tasks: Iterable[asyncio.Task[None]]) -> None:
+    """Closes every connection and waits for the tasks that read them (a server's, or a worker's)."""
+    for source in list(sources):
+        source.close()
+    running = list(tasks)
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
+
+
 class DataPathServer:
     """Accepts frame streams on a TCP port and delivers each job's frames to its callback."""
 
@@ -242,12 +252,7 @@ class DataPathServer:
         self._stopping = True
         if self._server is not None:
             self._server.close()
-        for source in list(self._sources):
-            source.close()
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await close_connections(self._sources, self._tasks)
         if self._server is not None:
             await self._server.wait_closed()
 
