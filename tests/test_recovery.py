@@ -168,7 +168,7 @@ def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
         observer = BlockingObserver(sw.initial_peers)
         try:
             observer.wait_online(2, 90)
-            job_path = example_job("gpt", tmp_path, steps=30, optimizer=SGD, placement={"compnodes": 2})
+            job_path = example_job("gpt", tmp_path, steps=60, optimizer=SGD, placement={"compnodes": 2})
             payload = submission_payload(load_job(job_path)).model_dump()
             broker_id = sw.broker.peer_id
             job_id = observer.as_submitter("submit_job", payload, timeout=60)["job_id"]
@@ -176,6 +176,14 @@ def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
                 lambda: observer.as_submitter("job_status", {"job_id": job_id})["job"]["step"] >= 4,
                 120,
                 "step 4",
+            )
+            # Killed before its first checkpoint or replica pointer is on disk, the broker would rightly
+            # start the job over: no "resumed". Wait for a restart point (replication rounds are paced).
+            job_dir = Path(sw.broker.state_dir) / "jobs" / job_id
+            wait_until(
+                lambda: (job_dir / "ckpt.json").exists() or (job_dir / "replicas.json").exists(),
+                120,
+                "a checkpoint or replica pointer on the broker's disk",
             )
             port = sw.broker.maddrs()[0].split("/tcp/")[1].split("/")[0]
             sw.broker.send(signal.SIGKILL)
