@@ -16,7 +16,7 @@ import torch
 from fusionnet.dag.rebuild import run_whole_graph
 from fusionnet.dag.trace import trace_model
 from fusionnet.job.kv_decode import SlotDecoder, example_rows, find_causal_lm
-from fusionnet.serving.batching import Overloaded
+from fusionnet.serving.batching import Overloaded, answer_rows
 from fusionnet.serving.kv_sessions import CacheLost, SlotPool, generate_cached
 from fusionnet.serving.sampling import SamplingParams
 
@@ -164,9 +164,10 @@ def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> 
         def __init__(self, lose_at: set[int]) -> None:
             self.epoch, self.calls, self.lose_at = 0, 0, lose_at
             self.rows: list[int] = []  # rows of each batch run
+            self.kept: list[int] = []  # rows of each batch whose logits came back
             self.cache: dict[int, list[int]] = {}
 
-        async def submit(self, rows: torch.Tensor, epochs: list[int] | None) -> torch.Tensor:
+        async def submit(self, rows: torch.Tensor, epochs: list[int] | None, keep: list[bool]) -> Any:
             self.calls += 1
             if self.calls in self.lose_at:  # the batch failed: placed again, caches gone
                 self.epoch += 1
@@ -182,21 +183,28 @@ def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> 
                 seen.append(token)
                 logits[r, (sum(seen) * 7 + position) % vocab] = 1.0
             self.rows.append(len(rows))
-            return logits
+            self.kept.append(sum(keep))
+            return answer_rows(logits, keep)
 
-    async def tokens(fake: Fake) -> list[int]:
+    async def tokens(fake: Fake, logprobs: bool = True) -> list[int]:
         pool = SlotPool(2, waiting=4)
         seen: list[torch.Tensor] = []  # what each token was sampled from (for its logprob)
         gen = generate_cached(
-            fake.submit, pool, lambda: fake.epoch, [3, 1, 4], 6, SamplingParams(0.0), None, 0, seen.append
-        )
+            fake.submit, pool, lambda: fake.epoch, [3, 1, 4], 6, SamplingParams(0.0), None, 0,
+            seen.append if logprobs else None,
+        )  # fmt: skip
         out = [t async for t in gen]
-        assert [int(row.argmax()) for row in seen] == out  # greedy: each token is its row's best
+        if logprobs:
+            assert [int(row.argmax()) for row in seen] == out  # greedy: each token is its row's best
         return out
 
     clean = Fake(set())
     want = asyncio.run(tokens(clean))
     assert clean.rows == [3, 1, 1, 1, 1, 1]  # the prompt in one batch (prefill), then a row per token
+    assert clean.kept == [1] * 6  # of the prefill's rows, only the last one's logits come back
+    ids_only = Fake(set())
+    assert asyncio.run(tokens(ids_only, logprobs=False)) == want  # greedy, no logprobs: argmax ids only
+    assert ids_only.kept == [0] * 6
     lost = Fake({1, 4})
     assert asyncio.run(tokens(lost)) == want  # lost twice: in the prefill and mid-generation
     assert lost.rows == [3, 1, 5, 1, 1, 1]  # each loss: everything again in one batch, nothing resampled

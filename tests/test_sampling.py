@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from fusionnet.serving.batching import RowAnswers, answer_rows
 from fusionnet.serving.completions import ApiError, parse_completion
 from fusionnet.serving.generation import Window, generate
 from fusionnet.serving.sampling import SamplingParams, adjusted_logits, generator_for, next_token
@@ -80,10 +81,10 @@ def test_greedy_generation_with_a_repetition_penalty_equals_transformers_generat
     lm = transformers.GPT2LMHeadModel(cfg).eval()
     window = Window(context=40, vocab=50)
 
-    async def submit(rows: torch.Tensor, picks: list[int] | None) -> torch.Tensor:
+    async def submit(rows: torch.Tensor, picks: list[int] | None, keep: list[bool]) -> RowAnswers:
         assert picks is not None
         with torch.no_grad():
-            return lm(rows).logits[torch.arange(len(picks)), picks]
+            return answer_rows(lm(rows).logits[torch.arange(len(picks)), picks], keep)
 
     async def ours(prompt: list[int], params: SamplingParams) -> list[int]:
         return [t async for t in generate(submit, window, prompt, 20, params, None, 0)]

@@ -16,8 +16,16 @@ from aiohttp.test_utils import TestClient, TestServer
 from safetensors.torch import load as load_st
 from safetensors.torch import save as save_st
 
-from fusionnet.compnode.serve_steps import picked
-from fusionnet.serving.batching import BatchStats, DynamicBatcher, Overloaded, RowsFailed
+from fusionnet.compnode.serve_steps import kept, picked
+from fusionnet.errors import JobError
+from fusionnet.serving.batching import (
+    BatchStats,
+    DynamicBatcher,
+    Overloaded,
+    RowAnswers,
+    RowsFailed,
+    answer_rows,
+)
 from fusionnet.serving.generation import Window
 from fusionnet.serving.http import build_app
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
@@ -336,6 +344,60 @@ def test_pick_keeps_each_rows_position_over_the_micro_batches() -> None:
     assert got["1/0"].tolist() == [[102, 103], [108, 109]]
 
 
+def test_keep_sends_the_kept_rows_and_every_rows_argmax_over_the_micro_batches() -> None:
+    outs = {
+        "0/0": torch.tensor([[0.0, 3.0, 1.0], [5.0, 1.0, 0.0]]),
+        "0/1": torch.tensor([[7.0], [8.0]]),  # another per-row output loses the same rows
+        "1/0": torch.tensor([[1.0, 1.0, 2.0], [0.0, 9.0, 9.0]]),  # a tie goes to the lowest id, as argmax
+    }
+    rows, ids = kept(outs, [False, True, False, False])
+    assert ids is not None and [ids[k].tolist() for k in ("0/0", "1/0")] == [[1, 0], [2, 1]]
+    assert rows["0/0"].tolist() == [[5.0, 1.0, 0.0]] and rows["0/1"].tolist() == [[8.0]]
+    assert rows["1/0"].shape == (0, 3)
+    assert kept(outs, None) == (outs, None)
+    with pytest.raises(JobError, match="flags"):
+        kept(outs, [True, True, True])  # fewer flags than rows
+    with pytest.raises(JobError, match="flags"):
+        kept(outs, [True] * 5)
+    with pytest.raises(JobError, match="one position per row"):
+        kept({"0/0": torch.zeros(2, 4, 3)}, [True, True])  # whole sequences: no argmax per row
+
+
+def test_requests_with_and_without_keep_share_a_batch_and_each_gets_its_own_answer() -> None:
+    """A greedy session (ids only), a sampled one (its logits) and a whole-output request ride in one
+    batch; a request longer than a batch is cut and its answers joined again."""
+    calls: list[list[bool] | None] = []
+
+    async def run_batch(rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None = None) -> Any:
+        calls.append(keep)
+        out = rows.float() * torch.tensor([1.0, -1.0, 0.5])  # argmax: column 0 if positive, else 1
+        return out if keep is None else answer_rows(out, keep)
+
+    async def scenario() -> None:
+        b = DynamicBatcher(run_batch, max_batch=4, max_wait=0.05, queue_limit=100, in_flight=1)
+        b.start()
+        try:
+            ids_only, logits, whole = await asyncio.gather(
+                b.submit(torch.tensor([[2], [-3]]), [0, 0], [False, False]),
+                b.submit(torch.tensor([[4]]), [0], [True]),
+                b.submit(torch.tensor([[1]]), [0]),
+            )
+            assert calls == [[False, False, True, True]]
+            assert isinstance(ids_only, RowAnswers) and ids_only.ids.tolist() == [0, 1]
+            assert ids_only.outputs.shape == (0, 3)
+            assert isinstance(logits, RowAnswers) and logits.outputs.tolist() == [[4.0, -4.0, 2.0]]
+            assert isinstance(whole, torch.Tensor) and whole.tolist() == [[1.0, -1.0, 0.5]]
+            long = await b.submit(torch.tensor([[1], [-1], [2], [-2], [3], [-3]]), [0] * 6, [True, False] * 3)
+            assert isinstance(long, RowAnswers) and long.ids.tolist() == [0, 1] * 3
+            assert long.outputs[:, 0].tolist() == [1.0, 2.0, 3.0]  # the kept rows, in order, across batches
+            with pytest.raises(ValueError, match="flags"):
+                await b.submit(torch.tensor([[1]]), [0], [True, False])
+        finally:
+            await b.close()
+
+    asyncio.run(scenario())
+
+
 # ---- the HTTP API over local models --------------------------------------------------------------------
 class _Local:
     """``Deployments`` whose batches run a local model (as the swarm would, rows padded to the window)."""
@@ -351,10 +413,13 @@ class _Local:
 
     def add(self, name: str, kind: str, forward: Callable[[torch.Tensor], torch.Tensor], row: tuple,
             dtype: Any, window: Window | None = None, queue_limit: int = 64) -> None:  # fmt: skip
-        async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+        async def run_batch(
+            rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None = None
+        ) -> Any:
             with torch.no_grad():
                 out = forward(rows)
-            return out if pick is None else out[torch.arange(len(pick)), torch.tensor(pick)]
+            out = out if pick is None else out[torch.arange(len(pick)), torch.tensor(pick)]
+            return out if keep is None else answer_rows(out, keep)  # as a compnode answers ``keep``
 
         batcher = DynamicBatcher(run_batch, max_batch=4, max_wait=0.005, queue_limit=queue_limit)
         self.served[name] = ServedModel(name, kind, "job0", row, dtype, batcher, window)

@@ -40,7 +40,7 @@ from fusionnet.errors import ComputeError, ExecutionError, FusionNetError
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest, ServingClient
 from fusionnet.results.assemble import join_outputs
-from fusionnet.serving.batching import RowsFailed
+from fusionnet.serving.batching import Answer, RowAnswers, RowsFailed
 from fusionnet.serving.kv_sessions import CacheLost
 
 log = logging.getLogger("fusionnet.broker.deployments")
@@ -167,8 +167,11 @@ class DeploymentRun(JobRun):
             await self._place(replanning.failure(dead))  # no one dead: the same compnodes, assigned afresh
 
     # ---- batches ---------------------------------------------------------------------------------
-    async def run_batch(self, rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
-        """Outputs for ``rows`` (one per row), on the current placement; re-placed and retried on failure."""
+    async def run_batch(
+        self, rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None = None
+    ) -> Answer:
+        """Outputs for ``rows`` (one per row), on the current placement; re-placed and retried on failure.
+        With ``keep`` (one flag per row): ``RowAnswers``, the outputs of the kept rows only."""
         n = int(rows.shape[0])
         count = -(-n // self.mb_rows)
         padded = torch.cat([rows, rows[-1:].expand(count * self.mb_rows - n, *rows.shape[1:])])
@@ -180,6 +183,7 @@ class DeploymentRun(JobRun):
             }
         )
         picks = None if pick is None else [*pick, *[pick[-1]] * (count * self.mb_rows - n)]
+        kept = None if keep is None else [*keep, *[False] * (count * self.mb_rows - n)]  # padding: nothing
         epochs = None
         if self.cached:  # the picks are the rows' epochs; the decoder answers one position per row
             epochs, picks = set(pick or ()), None
@@ -192,7 +196,7 @@ class DeploymentRun(JobRun):
             started = time.perf_counter()
             self._next_step += 1
             try:
-                replies = await self.watch.guarded(self._serve(step, sizes, blob, picks))
+                replies = await self.watch.guarded(self._serve(step, sizes, blob, picks, kept))
             except (PeerFailure, FusionNetError, TimeoutError) as e:
                 error = e
                 await self._replace(attempt, e)  # also when the rows were at fault: the pipeline
@@ -205,11 +209,16 @@ class DeploymentRun(JobRun):
                     raise RowsFailed(f"the model failed on these inputs: {e}") from e
                 continue
             self._count(replies, time.perf_counter() - started, n, count)
-            return self._outputs_of(replies)[:n]
+            outputs, ids = self._outputs_of(replies)
+            if keep is None:
+                return outputs[:n]
+            if ids is None or ids.shape[0] < n or outputs.shape[0] != sum(keep):
+                raise ExecutionError("the output compnode did not answer the rows as kept")
+            return RowAnswers(ids[:n], outputs)
         raise ExecutionError(f"deployment {self.job.spec.name}: batch failed {BATCH_ATTEMPTS} times: {error}")
 
     async def _serve(
-        self, step: int, sizes: list[int], blob: bytes, picks: list[int] | None
+        self, step: int, sizes: list[int], blob: bytes, picks: list[int] | None, keep: list[bool] | None
     ) -> list[ServeStepReply]:
         calls = []
         for i, peer in enumerate(self.peers):
@@ -219,6 +228,7 @@ class DeploymentRun(JobRun):
                 sizes=sizes,
                 data=blob if i in self._readers else b"",
                 pick=picks,
+                keep=keep,
             )
             # the output sub-DAG's answer (logits of every row) is usually over the unary limit
             big = self.partition is not None and self.partition.subdags[i].holds_output
@@ -248,14 +258,18 @@ class DeploymentRun(JobRun):
             "stage_fp_seconds_mean": [s / n for s in self.stage_seconds],
         }
 
-    def _outputs_of(self, replies: list[ServeStepReply]) -> torch.Tensor:
-        blobs = [unpack_tensors(r.outputs, "batch outputs") for r in replies if r.outputs is not None]
-        if not blobs:
+    def _outputs_of(self, replies: list[ServeStepReply]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's first output (rows in order) and, for a batch sent with ``keep``, every row's id."""
+        answer = next((r for r in replies if r.outputs is not None), None)
+        if answer is None:
             raise ExecutionError("no compnode answered with the model's outputs")
-        joined = join_outputs(blobs[:1])
+        joined = join_outputs([unpack_tensors(answer.outputs, "batch outputs")])
         if "outputs" not in joined:
             raise ExecutionError("the model's output holds no tensor")
-        return joined["outputs"]
+        ids = None
+        if answer.ids is not None:
+            ids = join_outputs([unpack_tensors(answer.ids, "batch ids")]).get("outputs")
+        return joined["outputs"], ids
 
     async def stop(self) -> None:
         self.stopping.set()

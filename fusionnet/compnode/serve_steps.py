@@ -104,6 +104,41 @@ def picked(outputs: dict[str, torch.Tensor], pick: list[int] | None) -> dict[str
     return out
 
 
+def kept(
+    outputs: dict[str, torch.Tensor], keep: list[bool] | None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """``keep`` (one flag per row, over the micro-batches in order): the outputs of the kept rows only,
+    and every row's argmax over the last dimension of its first output (``"<micro-batch>/0"``, which
+    must hold one position per row: a causal LM's logits after ``picked``). ``keep`` None: all, no ids."""
+    if keep is None:
+        return outputs, None
+    out: dict[str, torch.Tensor] = {}
+    ids: dict[str, torch.Tensor] = {}
+    masks: dict[str, torch.Tensor] = {}  # per micro-batch, from its first output (sorted first)
+    row = 0
+    for key in sorted(outputs, key=lambda k: tuple(int(p) for p in k.split("/"))):
+        mb, _, leaf = key.partition("/")
+        t = outputs[key]
+        n = t.shape[0] if t.dim() else 0
+        if leaf == "0":
+            if t.dim() != 2:
+                shape = list(t.shape)
+                raise JobError(f"keep: the first output must hold one position per row ({key}: {shape})")
+            if row + n > len(keep):
+                raise JobError(f"keep: {len(keep)} flags do not cover the outputs' rows ({key}: {n} rows)")
+            masks[mb] = torch.tensor(keep[row : row + n], dtype=torch.bool, device=t.device)
+            ids[key] = t.argmax(dim=-1).to("cpu", torch.long)
+            row += n
+        mask = masks.get(mb)
+        if mask is None:
+            raise JobError(f"keep: micro-batch {mb} has no first output")
+        # per-row outputs lose the rows not kept; others (a 0-dim loss, say) stay whole
+        out[key] = t[mask].contiguous() if t.dim() and n == int(mask.numel()) else t
+    if row != len(keep):
+        raise JobError(f"keep: {len(keep)} flags for {row} rows of outputs")
+    return out, ids
+
+
 async def serve_step(
     job: JobAssignment, order: StepOrder, request: ServeStepRequest, compute: Any
 ) -> ServeStepReply:
@@ -139,8 +174,10 @@ async def _run_batch(
     if report.outputs:
         loop = asyncio.get_running_loop()
 
-        def pack() -> bytes:
-            return pack_tensors(picked(output_tensors(report.outputs), request.pick))
+        def pack() -> tuple[bytes, bytes | None]:
+            rows, ids = kept(picked(output_tensors(report.outputs), request.pick), request.keep)
+            return pack_tensors(rows), None if ids is None else pack_tensors(ids)
 
-        outputs = await loop.run_in_executor(compute, pack)
-    return ServeStepReply(step=step, fp_seconds=report.fp_seconds, outputs=outputs)
+        outputs, ids = await loop.run_in_executor(compute, pack)
+        return ServeStepReply(step=step, fp_seconds=report.fp_seconds, outputs=outputs, ids=ids)
+    return ServeStepReply(step=step, fp_seconds=report.fp_seconds)

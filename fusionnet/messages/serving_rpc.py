@@ -84,19 +84,24 @@ class ServeStepRequest(Message):
     """One batch of ``sizes`` rows per micro-batch: ``data`` holds ``"<micro-batch>/<field>"`` tensors
     for the sub-DAGs that read placeholders (empty for the others); ``pick`` (optional, per row of the
     batch) keeps only that position of dimension 1 of every output (a causal LM's logits at each
-    row's last token)."""
+    row's last token); ``keep`` (optional, per row) says which rows' outputs come back: the others
+    are answered only with the argmax of their (picked) first output, in ``ServeStepReply.ids``. A
+    greedy session needs its token, not 50k logits, and a prefill's rows but the last need nothing."""
 
     job_id: JobId
     step: Annotated[int, Field(ge=0)]
     sizes: Annotated[list[Annotated[int, Field(ge=1, le=1 << 20)]], Field(min_length=1, max_length=4096)]
     data: bytes = b""
     pick: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PICKS)] | None = None
+    keep: Annotated[list[bool], Field(max_length=MAX_PICKS)] | None = None
 
 
 class ServeStepReply(Message):
     step: Annotated[int, Field(ge=0)]
     fp_seconds: Annotated[float, Field(ge=0.0)] = 0.0
-    outputs: bytes | None = None  # the sub-DAG that holds the model's output: "<micro-batch>/<leaf>"
+    # the sub-DAG that holds the model's output: "<micro-batch>/<leaf>" (with ``keep``: its rows only)
+    outputs: bytes | None = None
+    ids: bytes | None = None  # with ``keep``: "<micro-batch>/0", every row's argmax of its first output
 
 
 class ServingClient(TypedCaller):

@@ -22,6 +22,11 @@ Overload is answered, never queued without bound: when more than ``queue_limit``
 ``submit`` raises ``Overloaded`` at once (the HTTP layer answers 503). A request larger than
 ``max_batch`` rows is cut into several batches and joined again.
 
+A request may say which of its rows' outputs it needs (``keep``): the others are answered with the
+argmax of their output only (``RowAnswers``), computed where the output is. A greedy session needs its
+next token, not a row of logits (200 kB for GPT-2's vocabulary), and a prompt's prefill needs nothing
+of its rows but the last; the bytes not sent were most of what crossed the last hop per batch.
+
 One request's bad rows fail only that request: a batch that fails with ``RowsFailed`` (the model
 itself raised on its rows: an index out of range, say) is run again one request at a time, so the
 requests batched with the culprit get their outputs and the culprit gets the error.
@@ -36,13 +41,44 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 import torch
 
 log = logging.getLogger("fusionnet.serving")
 
-# rows (n, ...) and, per row, the position of dim 1 to keep (or None) -> outputs, one row per input row
-RunBatch = Callable[[torch.Tensor, list[int] | None], Awaitable[torch.Tensor]]
+
+@dataclass(frozen=True)
+class RowAnswers:
+    """The answer to rows sent with ``keep``: every row's argmax of its output (``ids``, one per row),
+    and the outputs of the kept rows only, in order."""
+
+    ids: torch.Tensor
+    outputs: torch.Tensor
+
+    def rows(self, start: int, stop: int, keep: list[bool]) -> RowAnswers:
+        """Rows ``start:stop`` of a batch answered with ``keep`` (its flags for the whole batch)."""
+        first = sum(keep[:start])
+        return RowAnswers(self.ids[start:stop], self.outputs[first : first + sum(keep[start:stop])])
+
+
+def answer_rows(outputs: torch.Tensor, keep: list[bool]) -> RowAnswers:
+    """What a compnode answers for ``keep`` from one-position-per-row ``outputs`` (``[rows, vocab]``)."""
+    return RowAnswers(outputs.argmax(dim=-1), outputs[torch.tensor(keep, dtype=torch.bool)])
+
+
+Answer = torch.Tensor | RowAnswers
+# rows (n, ...), per row the position of dim 1 to keep (or None) and, only when some request gave
+# ``keep``, the rows whose outputs to send -> outputs (one per row), or ``RowAnswers`` with ``keep``
+RunBatch = Callable[..., Awaitable[Answer]]
+
+
+class Submit(Protocol):
+    """``DynamicBatcher.submit`` as a caller holds it: a tensor back without ``keep``, else ``RowAnswers``."""
+
+    def __call__(
+        self, rows: torch.Tensor, pick: list[int] | None = None, keep: list[bool] | None = None
+    ) -> Awaitable[Answer]: ...
 
 
 class Overloaded(Exception):
@@ -62,7 +98,8 @@ class RowsFailed(Exception):
 class _Item:
     rows: torch.Tensor
     pick: list[int] | None
-    future: asyncio.Future[torch.Tensor]
+    future: asyncio.Future[Answer]
+    keep: list[bool] | None = None  # None: every row's output (the answer is a tensor)
     caller: object | None = None  # a ``caller()`` handle: it will ask again once answered
     queued_at: float = field(default_factory=time.monotonic)
 
@@ -135,9 +172,7 @@ class DynamicBatcher:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     @asynccontextmanager
-    async def caller(
-        self,
-    ) -> AsyncIterator[Callable[[torch.Tensor, list[int] | None], Awaitable[torch.Tensor]]]:
+    async def caller(self) -> AsyncIterator[Submit]:
         """A ``submit`` for one caller that submits again as soon as it has each answer, until the block
         ends; an idle pipeline waits for it meanwhile (see the module's text)."""
         handle = object()
@@ -153,13 +188,21 @@ class DynamicBatcher:
                 self._arrived.set()  # the collector may be waiting for it
 
     async def submit(
-        self, rows: torch.Tensor, pick: list[int] | None = None, *, caller: object | None = None
-    ) -> torch.Tensor:
-        """The outputs for ``rows`` (one per row, in order); ``Overloaded`` when the queue is full."""
+        self,
+        rows: torch.Tensor,
+        pick: list[int] | None = None,
+        keep: list[bool] | None = None,
+        *,
+        caller: object | None = None,
+    ) -> Answer:
+        """The outputs for ``rows`` (one per row, in order), or with ``keep`` (one flag per row) their
+        ``RowAnswers``; ``Overloaded`` when the queue is full."""
         self._away.discard(caller)
         if self._closed:
             raise Closed("the deployment was undeployed")
         n = int(rows.shape[0])
+        if keep is not None and len(keep) != n:
+            raise ValueError(f"keep: {len(keep)} flags for {n} rows")
         if self._queued_rows + n > self.queue_limit:
             raise Overloaded(f"{self._queued_rows} rows already wait (limit {self.queue_limit})")
         loop = asyncio.get_running_loop()
@@ -167,13 +210,21 @@ class DynamicBatcher:
         for start in range(0, n, self.max_batch):  # a big request: several batches, joined again
             stop = min(n, start + self.max_batch)
             picked = None if pick is None else pick[start:stop]
-            item = _Item(rows[start:stop], picked, loop.create_future(), caller if stop == n else None)
+            kept = None if keep is None else keep[start:stop]
+            item = _Item(rows[start:stop], picked, loop.create_future(), kept, caller if stop == n else None)
             self._queue.append(item)
             self._queued_rows += stop - start
             futures.append(item.future)
         self._arrived.set()
         parts = await asyncio.gather(*futures)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        if len(parts) == 1:
+            return parts[0]
+        if keep is None:
+            return torch.cat(parts)  # type: ignore[arg-type]
+        return RowAnswers(
+            torch.cat([p.ids for p in parts]),  # type: ignore[union-attr]
+            torch.cat([p.outputs for p in parts]),  # type: ignore[union-attr]
+        )
 
     # ---- the collector -------------------------------------------------------------------------
     async def _collect(self) -> None:
@@ -250,14 +301,15 @@ class DynamicBatcher:
         try:
             rows = torch.cat([i.rows for i in batch])
             picks = None if batch[0].pick is None else [p for i in batch for p in i.pick or ()]
-            out = await self.run_batch(rows, picks)
+            keep = _keep_of(batch)
+            out = await (self.run_batch(rows, picks) if keep is None else self.run_batch(rows, picks, keep))
             took = time.monotonic() - started
             self._batch_seconds = took if not self._batch_seconds else 0.8 * self._batch_seconds + 0.2 * took
             offset = 0
             for item in batch:
                 n = int(item.rows.shape[0])
                 if not item.future.done():
-                    item.future.set_result(out[offset : offset + n])
+                    item.future.set_result(_part(out, offset, offset + n, keep, item.keep is not None))
                     if item.caller is not None and item.caller not in self._slow:
                         self._away.add(item.caller)
                 offset += n
@@ -288,7 +340,10 @@ class DynamicBatcher:
             if item.future.done():
                 continue
             try:
-                out = await self.run_batch(item.rows, item.pick)
+                if item.keep is None:
+                    out = await self.run_batch(item.rows, item.pick)
+                else:
+                    out = await self.run_batch(item.rows, item.pick, item.keep)
             except asyncio.CancelledError:
                 _fail(batch, Closed("the deployment was undeployed"))
                 raise
@@ -296,6 +351,24 @@ class DynamicBatcher:
                 item.future.set_exception(e)
             else:
                 item.future.set_result(out)
+
+
+def _keep_of(batch: list[_Item]) -> list[bool] | None:
+    """The batch's ``keep`` flags: None when no request gave any (every output is sent, as before)."""
+    if all(i.keep is None for i in batch):
+        return None
+    return [k for i in batch for k in (i.keep if i.keep is not None else [True] * int(i.rows.shape[0]))]
+
+
+def _part(out: Answer, start: int, stop: int, keep: list[bool] | None, as_answers: bool) -> Answer:
+    """One request's rows of a batch's answer: ``RowAnswers`` if it gave ``keep``, else its outputs."""
+    if keep is None:
+        assert isinstance(out, torch.Tensor)
+        return out[start:stop]
+    if not isinstance(out, RowAnswers):
+        raise TypeError("run_batch answered rows sent with keep without RowAnswers")
+    part = out.rows(start, stop, keep)
+    return part if as_answers else part.outputs  # a request without keep: all its rows were kept
 
 
 def _fail(batch: list[_Item], error: BaseException) -> None:

@@ -17,14 +17,29 @@ fails on a lost compnode is simply run again on the replacement with the same ou
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
 
+from fusionnet.serving.batching import RowAnswers, Submit
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
 
-SubmitRows = Callable[[torch.Tensor, list[int] | None], Awaitable[torch.Tensor]]
+SubmitRows = Submit
+
+
+def needs_logits(params: SamplingParams, on_logits: Callable[[torch.Tensor], None] | None) -> bool:
+    """Whether a session needs its rows' logits: not when it is greedy with nothing to adjust and no one
+    looks at them (logprobs). Then the compnode answers the argmax alone (``keep``): the same token,
+    since greedy ``next_token`` is the argmax of those very logits (ties: the lowest id either way)."""
+    return on_logits is not None or not params.greedy or params.adjusts
+
+
+def token_or_logits(answer: object, need: bool) -> torch.Tensor | int:
+    """The last row's logits (``need``) or its argmax id, from an answer to rows sent with ``keep``."""
+    if not isinstance(answer, RowAnswers):
+        raise TypeError("the batcher answered rows sent with keep without RowAnswers")
+    return answer.outputs[-1] if need else int(answer.ids[-1])
 
 
 @dataclass(frozen=True)
@@ -68,11 +83,15 @@ async def generate(
     tokens = list(prompt)
     row = torch.full((1, window.context), window.pad_id, dtype=window.dtype)
     row[0, : len(tokens)] = torch.tensor(tokens, dtype=window.dtype)
+    need = needs_logits(params, on_logits)
     for _ in range(max_tokens):
-        logits = await submit(row.clone(), [len(tokens) - 1])
-        if on_logits is not None:
-            on_logits(logits[0])
-        token = next_token(logits[0], params, generator, tokens, len(prompt))
+        got = token_or_logits(await submit(row.clone(), [len(tokens) - 1], [need]), need)
+        if isinstance(got, int):
+            token = got
+        else:
+            if on_logits is not None:
+                on_logits(got)
+            token = next_token(got, params, generator, tokens, len(prompt))
         row[0, len(tokens)] = token
         tokens.append(token)
         yield token

@@ -28,7 +28,7 @@ import torch
 
 from fusionnet.errors import ExecutionError
 from fusionnet.serving.batching import Overloaded
-from fusionnet.serving.generation import SubmitRows
+from fusionnet.serving.generation import SubmitRows, needs_logits, token_or_logits
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
 
 REPLAYS = 3  # placements a session may lose its cache on before it fails
@@ -103,6 +103,7 @@ async def generate_cached(
     generator = generator_for(seed, choice)
     tokens = list(prompt)
     produced = 0
+    need = needs_logits(params, on_logits)
     async with slots.session() as slot:
         position, built_on, replays = 0, epoch(), 0
         while produced < max_tokens:
@@ -110,8 +111,10 @@ async def generate_cached(
             rows = torch.tensor(
                 [[tokens[p], p, slot] for p in range(position, len(tokens))], dtype=torch.long
             )
+            # only the last row's answer is read: the others' outputs are not sent (``keep``)
+            keep = [False] * (len(rows) - 1) + [need]
             try:
-                logits = await submit(rows, [built_on] * len(rows))
+                got = token_or_logits(await submit(rows, [built_on] * len(rows), keep), need)
             except CacheLost:
                 replays += 1
                 if replays > REPLAYS:
@@ -119,9 +122,12 @@ async def generate_cached(
                 position, built_on = 0, epoch()  # the cache is gone: fill it again on this placement
                 continue
             position = len(tokens)
-            if on_logits is not None:
-                on_logits(logits[-1])
-            token = next_token(logits[-1], params, generator, tokens, len(prompt))
+            if isinstance(got, int):
+                token = got
+            else:
+                if on_logits is not None:
+                    on_logits(got)
+                token = next_token(got, params, generator, tokens, len(prompt))
             tokens.append(token)
             produced += 1
             yield token
