@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from fusionnet.compnode.worker_receives import DirectReceiver, sender_keys
+from fusionnet.compnode.worker_receives import DirectReceiver
 from fusionnet.compnode.worker_sends import DirectSender
 from fusionnet.messages.compnode_rpc import AssignRequest
 from fusionnet.wire import refusal as R
@@ -68,7 +68,7 @@ async def _with_receiving_compnode(
     request = _request(1)
     receiver.use(request, by_worker.append)
     server = DataPathServer(peer_id=PEERS[1])
-    keys = sender_keys(request)
+    keys = request.keys_by_sender()
     server.register_job("j1", keys, keys, by_daemon.append, lanes=OTHER_LANES)
 
     def hand_off(job_id: str, connection: Any) -> bool | None:
@@ -184,7 +184,7 @@ def test_without_a_reading_worker_the_daemon_reads_a_workers_connection(worker_l
     async def scenario() -> None:
         got: list[TensorFrame] = []
         server = DataPathServer(peer_id=PEERS[1])
-        keys = sender_keys(_request(1))
+        keys = _request(1).keys_by_sender()
         server.register_job("j1", keys, keys, got.append)
         server.handoff = lambda job_id, connection: None
         host, port = await server.start()

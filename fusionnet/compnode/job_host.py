@@ -25,7 +25,13 @@ from fusionnet.compnode.serve_steps import StepOrder, serve_step
 from fusionnet.compnode.snapshots import Snapshotter
 from fusionnet.errors import JobError, WireError
 from fusionnet.messages.blobs import pack_tensors
-from fusionnet.messages.compnode_rpc import AssignRequest, CollectReply, JobPeer, StepReply
+from fusionnet.messages.compnode_rpc import (
+    AssignRequest,
+    CollectReply,
+    JobPeer,
+    StepReply,
+    first_subdag_of_others,
+)
 from fusionnet.messages.jobwire import RunSpec
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
 from fusionnet.results.assemble import output_tensors
@@ -287,11 +293,7 @@ class HeldJob:
 
     def _others(self) -> dict[str, int]:
         """Every other compnode of the job -> its first sub-DAG (one key and one link per compnode)."""
-        others: dict[str, int] = {}
-        for i, p in enumerate(self.peers):
-            if i not in self.indices:
-                others.setdefault(p.peer_id, i)
-        return others
+        return first_subdag_of_others(self.peers, self.indices)
 
     def allowed_senders(self) -> list[str]:
         return list(self._others())

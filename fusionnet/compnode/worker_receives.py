@@ -38,16 +38,6 @@ MAX_CONNECTIONS = 64
 VALUE_KINDS = frozenset({"act", "grad"})
 
 
-def sender_keys(request: AssignRequest) -> dict[str, bytes]:
-    """Per other compnode of the job, the key of its link to us (one link per compnode pair)."""
-    ours = set(request.own_subdags())
-    keys: dict[str, bytes] = {}
-    for i, peer in enumerate(request.peers):
-        if i not in ours:
-            keys.setdefault(peer.peer_id, request.key_of_link(i))
-    return keys
-
-
 class DirectReceiver:
     def __init__(self, peer_id: str, channel: socket.socket) -> None:
         channel.setblocking(False)
@@ -66,7 +56,7 @@ class DirectReceiver:
         """Reads the job's values from now on, into ``deliver`` (once: later chunks share the peers)."""
         if self._job_id is not None:
             return
-        keys = sender_keys(request)
+        keys = request.keys_by_sender()
         self.receiver.register_job(
             request.job_id, keys, keys, self._on_frame, request.spec.wire_encryption, lanes={WORKER_LANE}
         )

@@ -20,6 +20,7 @@ tensors mean is checked after decoding (``compnode.assignment_intake``).
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -56,6 +57,16 @@ class JobRequest(Message):
 class JobPeer(Message):
     peer_id: PeerIdText
     data_address: Annotated[str, Field(min_length=3, max_length=300)] | None = None  # HOST:PORT
+
+
+def first_subdag_of_others(peers: Sequence[JobPeer], ours: Collection[int]) -> dict[str, int]:
+    """Every compnode of a job that holds none of ``ours`` -> its first sub-DAG: links and their keys
+    are per pair of compnodes, however many sub-DAGs each holds (interleaved chunks)."""
+    others: dict[str, int] = {}
+    for i, p in enumerate(peers):
+        if i not in ours:
+            others.setdefault(p.peer_id, i)
+    return others
 
 
 class AssignRequest(Message):
@@ -115,6 +126,11 @@ class AssignRequest(Message):
         """The sub-DAGs of the job on our compnode (several with an interleaved schedule), ascending."""
         me = self.peers[self.subdag].peer_id
         return [i for i, p in enumerate(self.peers) if p.peer_id == me]
+
+    def keys_by_sender(self) -> dict[str, bytes]:
+        """Per other compnode of the job, the key of its link to us (one link per compnode pair)."""
+        others = first_subdag_of_others(self.peers, self.own_subdags())
+        return {peer: self.key_of_link(i) for peer, i in others.items()}
 
     def key_of_link(self, other: int) -> bytes:
         """The key of frames between our sub-DAG and sub-DAG ``other`` (either direction)."""
