@@ -35,11 +35,25 @@ def needs_logits(params: SamplingParams, on_logits: Callable[[torch.Tensor], Non
     return on_logits is not None or not params.greedy or params.adjusts
 
 
-def token_or_logits(answer: object, need: bool) -> torch.Tensor | int:
-    """The last row's logits (``need``) or its argmax id, from an answer to rows sent with ``keep``."""
+def next_of(
+    answer: object,
+    need: bool,
+    params: SamplingParams,
+    generator: torch.Generator,
+    tokens: list[int],
+    prompt_len: int,
+    on_logits: Callable[[torch.Tensor], None] | None,
+) -> int:
+    """The next token from an answer to rows sent with ``keep`` (the last row's): its argmax id as it
+    came, or, when the session ``need``s logits, sampled from them (``on_logits`` sees them first)."""
     if not isinstance(answer, RowAnswers):
         raise TypeError("the batcher answered rows sent with keep without RowAnswers")
-    return answer.outputs[-1] if need else int(answer.ids[-1])
+    if not need:
+        return int(answer.ids[-1])
+    logits = answer.outputs[-1]
+    if on_logits is not None:
+        on_logits(logits)
+    return next_token(logits, params, generator, tokens, prompt_len)
 
 
 @dataclass(frozen=True)
@@ -85,13 +99,8 @@ async def generate(
     row[0, : len(tokens)] = torch.tensor(tokens, dtype=window.dtype)
     need = needs_logits(params, on_logits)
     for _ in range(max_tokens):
-        got = token_or_logits(await submit(row.clone(), [len(tokens) - 1], [need]), need)
-        if isinstance(got, int):
-            token = got
-        else:
-            if on_logits is not None:
-                on_logits(got)
-            token = next_token(got, params, generator, tokens, len(prompt))
+        answer = await submit(row.clone(), [len(tokens) - 1], [need])
+        token = next_of(answer, need, params, generator, tokens, len(prompt), on_logits)
         row[0, len(tokens)] = token
         tokens.append(token)
         yield token

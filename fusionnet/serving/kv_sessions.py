@@ -28,8 +28,8 @@ import torch
 
 from fusionnet.errors import ExecutionError
 from fusionnet.serving.batching import Overloaded
-from fusionnet.serving.generation import SubmitRows, needs_logits, token_or_logits
-from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
+from fusionnet.serving.generation import SubmitRows, needs_logits, next_of
+from fusionnet.serving.sampling import SamplingParams, generator_for
 
 REPLAYS = 3  # placements a session may lose its cache on before it fails
 
@@ -114,7 +114,7 @@ async def generate_cached(
             # only the last row's answer is read: the others' outputs are not sent (``keep``)
             keep = [False] * (len(rows) - 1) + [need]
             try:
-                got = token_or_logits(await submit(rows, [built_on] * len(rows), keep), need)
+                answer = await submit(rows, [built_on] * len(rows), keep)
             except CacheLost:
                 replays += 1
                 if replays > REPLAYS:
@@ -122,12 +122,7 @@ async def generate_cached(
                 position, built_on = 0, epoch()  # the cache is gone: fill it again on this placement
                 continue
             position = len(tokens)
-            if isinstance(got, int):
-                token = got
-            else:
-                if on_logits is not None:
-                    on_logits(got)
-                token = next_token(got, params, generator, tokens, len(prompt))
+            token = next_of(answer, need, params, generator, tokens, len(prompt), on_logits)
             tokens.append(token)
             produced += 1
             yield token
