@@ -16,9 +16,10 @@ import torch
 from fusionnet.dag.rebuild import run_whole_graph
 from fusionnet.dag.trace import trace_model
 from fusionnet.job.kv_decode import SlotDecoder, example_rows, find_causal_lm
-from fusionnet.serving.batching import Overloaded, answer_rows
+from fusionnet.serving.batching import Overloaded
 from fusionnet.serving.kv_sessions import CacheLost, SlotPool, generate_cached
 from fusionnet.serving.sampling import SamplingParams
+from tests.serving_support import answer_rows
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(180)

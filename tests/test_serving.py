@@ -24,13 +24,13 @@ from fusionnet.serving.batching import (
     Overloaded,
     RowAnswers,
     RowsFailed,
-    answer_rows,
 )
 from fusionnet.serving.generation import Window
 from fusionnet.serving.http import build_app
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
 from fusionnet.serving.served import ServedModel
 from fusionnet.serving.tokenizers import CharTokenizer
+from tests.serving_support import answer_rows
 
 pytestmark = pytest.mark.timeout(120)
 

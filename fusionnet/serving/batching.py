@@ -62,11 +62,6 @@ class RowAnswers:
         return RowAnswers(self.ids[start:stop], self.outputs[first : first + sum(keep[start:stop])])
 
 
-def answer_rows(outputs: torch.Tensor, keep: list[bool]) -> RowAnswers:
-    """What a compnode answers for ``keep`` from one-position-per-row ``outputs`` (``[rows, vocab]``)."""
-    return RowAnswers(outputs.argmax(dim=-1), outputs[torch.tensor(keep, dtype=torch.bool)])
-
-
 Answer = torch.Tensor | RowAnswers
 # rows (n, ...), per row the position of dim 1 to keep (or None) and, only when some request gave
 # ``keep``, the rows whose outputs to send -> outputs (one per row), or ``RowAnswers`` with ``keep``
