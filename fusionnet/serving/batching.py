@@ -297,7 +297,7 @@ class DynamicBatcher:
             rows = torch.cat([i.rows for i in batch])
             picks = None if batch[0].pick is None else [p for i in batch for p in i.pick or ()]
             keep = _keep_of(batch)
-            out = await (self.run_batch(rows, picks) if keep is None else self.run_batch(rows, picks, keep))
+            out = await self._run_rows(rows, picks, keep)
             took = time.monotonic() - started
             self._batch_seconds = took if not self._batch_seconds else 0.8 * self._batch_seconds + 0.2 * took
             offset = 0
@@ -329,16 +329,19 @@ class DynamicBatcher:
             missed, self._missed = self._missed, 0
             self.on_batch(BatchStats(n_rows, waited, time.monotonic() - started, missed))
 
+    def _run_rows(
+        self, rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None
+    ) -> Awaitable[Answer]:
+        """``run_batch``, given ``keep`` only when some request asked (a ``run_batch`` may not take it)."""
+        return self.run_batch(rows, pick) if keep is None else self.run_batch(rows, pick, keep)
+
     async def _run_apart(self, batch: list[_Item]) -> None:
         """Each request of a batch that failed on its rows, alone (in this batch's pipeline slot)."""
         for item in batch:
             if item.future.done():
                 continue
             try:
-                if item.keep is None:
-                    out = await self.run_batch(item.rows, item.pick)
-                else:
-                    out = await self.run_batch(item.rows, item.pick, item.keep)
+                out = await self._run_rows(item.rows, item.pick, item.keep)
             except asyncio.CancelledError:
                 _fail(batch, Closed("the deployment was undeployed"))
                 raise

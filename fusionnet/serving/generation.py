@@ -25,8 +25,6 @@ import torch
 from fusionnet.serving.batching import RowAnswers, Submit
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
 
-SubmitRows = Submit
-
 
 def needs_logits(params: SamplingParams, on_logits: Callable[[torch.Tensor], None] | None) -> bool:
     """Whether a session needs its rows' logits: not when it is greedy with nothing to adjust and no one
@@ -82,7 +80,7 @@ def check_prompt(prompt: list[int], max_tokens: int, window: Window) -> str | No
 
 
 async def generate(
-    submit: SubmitRows,
+    submit: Submit,
     window: Window,
     prompt: list[int],
     max_tokens: int,

@@ -27,8 +27,8 @@ from contextlib import asynccontextmanager
 import torch
 
 from fusionnet.errors import ExecutionError
-from fusionnet.serving.batching import Overloaded
-from fusionnet.serving.generation import SubmitRows, needs_logits, next_of
+from fusionnet.serving.batching import Overloaded, Submit
+from fusionnet.serving.generation import needs_logits, next_of
 from fusionnet.serving.sampling import SamplingParams, generator_for
 
 REPLAYS = 3  # placements a session may lose its cache on before it fails
@@ -72,7 +72,7 @@ class SlotPool:
 
 
 async def score_cached(
-    submit: SubmitRows, slots: SlotPool, epoch: Callable[[], int], tokens: list[int]
+    submit: Submit, slots: SlotPool, epoch: Callable[[], int], tokens: list[int]
 ) -> torch.Tensor:
     """The logits at every position of ``tokens`` (``/v1/infer`` on a KV-cached deployment): one prefill
     in a slot of its own, run again from scratch if the placement changes meanwhile."""
@@ -88,7 +88,7 @@ async def score_cached(
 
 
 async def generate_cached(
-    submit: SubmitRows,
+    submit: Submit,
     slots: SlotPool,
     epoch: Callable[[], int],
     prompt: list[int],
