@@ -58,6 +58,11 @@ class FakePath:
         self.jobs.pop(job_id, None)
 
 
+# Every FakeNode's state dir lives under this one, which goes when the test process exits (a
+# finaliser of TemporaryDirectory), so the suite leaves no replica folders in /tmp behind.
+SCRATCH = tempfile.TemporaryDirectory(prefix="fusionnet-test-nodes-")
+
+
 class FakeNode:
     """What the service uses of its compnode daemon."""
 
@@ -68,7 +73,7 @@ class FakeNode:
         self.load = (0.0, 0)
         self.compute = None  # executors compute inline here; packing uses the loop's default pool
         self.device = torch.device("cpu")
-        self.state_dir = SimpleNamespace(path=Path(tempfile.mkdtemp(prefix="fusionnet-replicas-")))
+        self.state_dir = SimpleNamespace(path=Path(tempfile.mkdtemp(prefix="replicas-", dir=SCRATCH.name)))
         self.ways_made = 0  # assignments that asked a calibration to give way
 
     def make_way_for_work(self) -> None:
