@@ -6,8 +6,11 @@ Rows (all over loopback; each moves tensors of 64 KiB, 1, 16 and 64 MiB):
                    the ceiling for bytes over loopback here.
 - ``raw asyncio``  the same bytes through an event loop (stream writer; ``BufferedProtocol`` receiver
                    into a fresh buffer per message): the ceiling for any asyncio transport.
-- ``datapath``     ``fusionnet.wire`` DataPathServer/DataPathClient: framed, authenticated with the
-                   job's MAC, delivered as a tensor to the job's callback.
+- ``datapath``     ``fusionnet.wire`` DataPathServer/DataPathClient: framed, the head authenticated
+                   with the job's MAC, delivered as a tensor to the job's callback; over loopback the
+                   payload goes ``bare`` (no MAC: the kernel keeps it intact, ``wire/crypt.py``).
+- ``datapath+mac`` the same with the payload MACed too (``payload_mac``): what a plaintext frame costs
+                   between hosts (``placement.wire_encryption: off``), and every frame before bare ones.
 - ``datapath+enc`` the same, with the payload encrypted (``placement.wire_encryption: on``, AES-CTR
                    under the same MAC, ``fusionnet/wire/crypt.py``): what a frame costs between hosts.
 - ``p2p``          ``fusionnet.wire`` P2PDataPath: the same frames over hivemind P2P streams.
@@ -66,7 +69,7 @@ def size_key(n: int) -> str:
 
 
 ROUND_BYTES = 64 << 20
-KINDS = ("raw socket", "raw asyncio", "datapath", "datapath+enc", "p2p")
+KINDS = ("raw socket", "raw asyncio", "datapath", "datapath+mac", "datapath+enc", "p2p")
 LOOPS = {"uvloop": uvloop.new_event_loop, "asyncio": asyncio.new_event_loop}
 KEY = b"benchmark-job-key-0123456789abcdef"  # both processes need it; a real job key is random
 
@@ -236,7 +239,13 @@ class Sender:
         for i in range(count):
             if self.kind.startswith("datapath"):
                 policy = "on" if self.kind == "datapath+enc" else "auto"
-                await self.client.send(self.address, _frame("sender", i, tensor), KEY, encryption=policy)
+                await self.client.send(
+                    self.address,
+                    _frame("sender", i, tensor),
+                    KEY,
+                    encryption=policy,
+                    payload_mac=self.kind == "datapath+mac",
+                )
             else:
                 await self.path.send(self.peer_id, _frame(self.path.peer_id, i, tensor), KEY)
 
@@ -366,6 +375,7 @@ def main() -> None:
         "raw socket": "raw",
         "raw asyncio": "raw_asyncio",
         "datapath": "datapath",
+        "datapath+mac": "datapath_mac",
         "datapath+enc": "datapath_enc",
         "p2p": "p2p",
     }

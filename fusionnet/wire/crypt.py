@@ -20,6 +20,15 @@ fallback path is libp2p, which encrypts its connections itself. ``placement.wire
 ``on`` encrypts loopback too, ``off`` nothing (and a receiver of an ``off`` job accepts plaintext
 from any host). A receiver refuses a plaintext frame that its job's policy says must be encrypted
 (reason ``plaintext``), so a misconfigured sender cannot leak silently for long.
+
+Integrity on loopback follows the same line. Between two processes of one host, a TCP stream's bytes
+pass only through the kernel: no other unprivileged process can read, alter or inject them (that takes
+CAP_NET_RAW or ptrace, which also reach the processes' memory, keys included). So a frame whose
+job allows plaintext there is sent ``bare`` over a loopback connection: its header still carries the
+head tag and the final tag (the sender holds the link's key, the sizes, receiver and sequence number
+are authentic), its payload bytes are left to the stream and not MACed, which was most of the data
+path's cost per byte (``README``, Transport). A receiver takes a bare frame only from a loopback peer
+of a job that is not ``on`` (``bare_ok``); anywhere else it is refused (reason ``bare``).
 """
 
 from __future__ import annotations
@@ -75,6 +84,12 @@ def encrypt_to(policy: str, host: str) -> bool:
 def plaintext_ok(policy: str, host: str) -> bool:
     """Whether a receiver takes a plaintext frame of a job with ``policy`` from ``host``."""
     return policy == "off" or (policy == "auto" and is_loopback_host(host))
+
+
+def bare_ok(policy: str, host: str) -> bool:
+    """Whether a plaintext frame of a job with ``policy`` may go without a payload MAC to, or come
+    from, ``host`` (the TCP peer's address): loopback only, and not for jobs that encrypt loopback."""
+    return policy != "on" and is_loopback_host(host)
 
 
 class PayloadCipher:

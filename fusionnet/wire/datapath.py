@@ -29,7 +29,7 @@ from typing import Any
 
 from fusionnet.errors import WireError
 from fusionnet.wire import refusal as R
-from fusionnet.wire.crypt import check_policy, encrypt_to
+from fusionnet.wire.crypt import bare_ok, check_policy, encrypt_to
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.handoff import GO, WORKER_HELLO, hello_job, hello_size, worker_hello
 from fusionnet.wire.header import MAX_ID_LEN, check_text
@@ -328,18 +328,32 @@ class DataPathClient:
         return reader, writer, receiver
 
     async def send(
-        self, address: tuple[str, int] | str, frame: TensorFrame, key: bytes, encryption: str = "auto"
+        self,
+        address: tuple[str, int] | str,
+        frame: TensorFrame,
+        key: bytes,
+        encryption: str = "auto",
+        *,
+        payload_mac: bool = False,
     ) -> None:
         """Sends one frame; returns once all of it is in the kernel. ``PeerUnreachable`` if it cannot.
 
         ``encryption`` is the job's ``placement.wire_encryption``: ``auto`` encrypts the payload
-        unless ``address`` is loopback (``crypt.py``)."""
+        unless ``address`` is loopback, where the payload goes bare (no MAC) unless it is ``on``
+        (``crypt.py``); ``payload_mac`` MACs it there too (what the transport benchmark compares)."""
         if not isinstance(frame, TensorFrame):
             raise WireError(f"expected a TensorFrame, got {type(frame).__name__}")
         if frame.sender != self.peer_id:
             raise WireError(f"frame claims sender {frame.sender!r} but this client is {self.peer_id!r}")
         dest = parse_address(address)
-        await self._pool.send(dest, frame, key, encrypt=encrypt_to(check_policy(encryption), dest[0]))
+        policy = check_policy(encryption)
+        await self._pool.send(
+            dest,
+            frame,
+            key,
+            encrypt=encrypt_to(policy, dest[0]),
+            bare_ok=bare_ok(policy, dest[0]) and not payload_mac,
+        )
 
     async def close(self) -> None:
         await self._pool.close()

@@ -53,9 +53,13 @@ async def _skip(source: ByteSource, n: int, refusal: FrameRefused) -> FrameRefus
 
 
 async def _receive_payload(
-    source: ByteSource, view: memoryview, mac: FrameMac, threaded: bool
+    source: ByteSource, view: memoryview, mac: FrameMac, threaded: bool, bare: bool = False
 ) -> list[bytes]:
-    """Fills ``view`` chunk by chunk, authenticating each chunk while later ones arrive."""
+    """Fills ``view`` chunk by chunk, authenticating each chunk while later ones arrive (a bare
+    payload in one piece, unauthenticated: no chunk tags)."""
+    if bare:
+        await source.readinto(view)
+        return []
     spans = chunk_spans(len(view))
     if not threaded or len(view) < THREAD_MIN:
         tags = []
@@ -123,6 +127,7 @@ async def read_frame(
     bound_sender: str | None = None,
     threaded_mac: bool = True,
     plaintext_ok: Callable[[str], bool] | None = None,
+    bare_ok: Callable[[str], bool] | None = None,
 ) -> TensorFrame:
     """Reads and authenticates one frame. Every problem is a ``WireError``.
 
@@ -135,9 +140,10 @@ async def read_frame(
     ``accept_sender(job, sender)`` may refuse a sender before its payload is read; ``bound_sender`` is
     the peer id the transport already authenticated (P2P streams), which the frame's sender must equal;
     ``plaintext_ok(job)`` (if given) refuses an unencrypted frame of a job whose frames must be
-    encrypted (checked before the payload is allocated). A clean EOF between frames raises
-    ``StreamEnded``; a refusal raises ``FrameRefused`` whose ``in_sync`` says whether the stream is
-    still at a frame boundary.
+    encrypted (checked before the payload is allocated); ``bare_ok(job)`` allows a frame whose
+    payload carries no MAC (``crypt.bare_ok``: a loopback peer; None: refused). A clean EOF between
+    frames raises ``StreamEnded``; a refusal raises ``FrameRefused`` whose ``in_sync`` says whether
+    the stream is still at a frame boundary.
     """
     source = as_source(reader)
     try:
@@ -189,9 +195,13 @@ async def read_frame(
         raise await _skip(
             source, rest, refusal("unencrypted frame of a job whose frames must be encrypted", R.PLAINTEXT)
         )
+    if h.bare and (bare_ok is None or not bare_ok(h.job_id)):
+        raise await _skip(
+            source, rest, refusal("payload without MAC from a peer that is not on loopback", R.BARE)
+        )
     tensor, view = allocate_tensor(h)  # only now: the sizes it is made from are authenticated
     try:
-        tags = await _receive_payload(source, view, mac, threaded_mac)
+        tags = await _receive_payload(source, view, mac, threaded_mac, h.bare)
     except asyncio.IncompleteReadError:
         raise refusal(f"stream ended inside a {payload_len} byte payload", R.TRUNCATED) from None
     tag = await _read(source, TAG_SIZE, "tag", h.job_id)

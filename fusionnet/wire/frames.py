@@ -107,10 +107,17 @@ def payload_view(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
 
 
 def _head_of(
-    frame: TensorFrame, nonce: bytes | None, receiver: str, seq: int | None, encrypted: bool = False
+    frame: TensorFrame,
+    nonce: bytes | None,
+    receiver: str,
+    seq: int | None,
+    encrypted: bool = False,
+    bare: bool = False,
 ) -> tuple[bytes, memoryview, torch.Tensor, bytes]:
     if not isinstance(frame, TensorFrame):
         raise WireError(f"expected a TensorFrame, got {type(frame).__name__}")
+    if bare and encrypted:
+        raise WireError("an encrypted frame always carries its payload's MAC (bare and encrypt)")
     check_text(receiver, "receiver", MAX_ID_LEN)
     seq = next_seq() if seq is None else check_count(seq, "seq")
     t, payload = payload_view(frame.tensor)
@@ -131,6 +138,7 @@ def _head_of(
         receiver=receiver,
         seq=seq,
         encrypted=encrypted,
+        bare=bare,
     )
     return pack_head(header), payload, t, nonce
 
@@ -143,19 +151,22 @@ def encode_frame(
     seq: int | None = None,
     nonce: bytes | None = None,
     encrypt: bool = False,
+    bare: bool = False,
 ) -> list[bytes | memoryview]:
     """``[head + head tag, payload, tag]`` for ``writelines``; the payload is a view of the tensor's memory.
 
     ``receiver`` is the peer id the frame is for; ``seq`` defaults to this process's next sequence
     number; ``encrypt`` sends the payload's ciphertext (a new buffer) instead. The tensor must not be
-    modified while the returned buffers are in use.
+    modified while the returned buffers are in use. ``bare``: the payload goes without a MAC
+    (loopback only, ``crypt.bare_ok``).
     """
     key = check_key(key)
-    head, payload, _, nonce = _head_of(frame, nonce, receiver, seq, encrypt)
+    head, payload, _, nonce = _head_of(frame, nonce, receiver, seq, encrypt, bare)
     mac = FrameMac(key, nonce)
     if encrypt:
         payload = memoryview(PayloadCipher(key, nonce).seal(payload))
-    return [head + mac.head_tag(head), payload, mac.finish(head, mac.chunk_tags(payload))]
+    tags = [] if bare else mac.chunk_tags(payload)
+    return [head + mac.head_tag(head), payload, mac.finish(head, tags)]
 
 
 @dataclass(frozen=True)
@@ -167,6 +178,7 @@ class PreparedFrame:
     mac: FrameMac
     tensor: torch.Tensor
     cipher: PayloadCipher | None = None  # set: the payload leaves encrypted
+    bare: bool = False  # the payload leaves without a MAC (loopback, ``crypt.bare_ok``)
 
 
 def check_frame(frame: TensorFrame, key: bytes) -> None:
@@ -176,12 +188,14 @@ def check_frame(frame: TensorFrame, key: bytes) -> None:
         raise WireError(f"expected a TensorFrame, got {type(frame).__name__}")
 
 
-def prepare_frame(frame: TensorFrame, key: bytes, receiver: str, *, encrypt: bool = False) -> PreparedFrame:
+def prepare_frame(
+    frame: TensorFrame, key: bytes, receiver: str, *, encrypt: bool = False, bare: bool = False
+) -> PreparedFrame:
     """All checks of an outgoing frame for ``receiver``, done before a connection is touched."""
     key = check_key(key)
-    head, payload, t, nonce = _head_of(frame, None, receiver, None, encrypt)
+    head, payload, t, nonce = _head_of(frame, None, receiver, None, encrypt, bare)
     cipher = PayloadCipher(key, nonce) if encrypt else None
-    return PreparedFrame(head, payload, FrameMac(key, nonce), t, cipher)
+    return PreparedFrame(head, payload, FrameMac(key, nonce), t, cipher, bare)
 
 
 async def write_prepared(
@@ -198,11 +212,12 @@ async def write_prepared(
     if len(p.payload) <= SMALL_FRAME:
         # Small: the whole frame in one write (one syscall), tags first; GMAC of a small payload
         # costs less than the syscall and wake-up a separate tag write would.
-        writer.writelines((head, p.payload, p.mac.finish(p.head, p.mac.chunk_tags(p.payload))))
+        tags = [] if p.bare else p.mac.chunk_tags(p.payload)
+        writer.writelines((head, p.payload, p.mac.finish(p.head, tags)))
         await writer.drain()
         return
     tags_future: asyncio.Future[list[bytes]] | None = None
-    if threaded_mac and len(p.payload) >= THREAD_MIN:
+    if threaded_mac and not p.bare and len(p.payload) >= THREAD_MIN:
         tags_future = asyncio.get_running_loop().run_in_executor(None, p.mac.chunk_tags, p.payload)
     try:
         for start in range(0, len(p.payload), WRITE_CHUNK):
@@ -210,7 +225,11 @@ async def write_prepared(
             write_buffers(writer, (head, chunk) if start == 0 else (chunk,))  # head rides with chunk 0
             await writer.drain()
         # Inline, the tags are computed only now: the receiver is still reading the payload's tail.
-        tags = await tags_future if tags_future is not None else p.mac.chunk_tags(p.payload)
+        # Bare: no chunk tags, the final tag binds the head alone.
+        if p.bare:
+            tags = []
+        else:
+            tags = await tags_future if tags_future is not None else p.mac.chunk_tags(p.payload)
         writer.write(p.mac.finish(p.head, tags))
         await writer.drain()
     finally:
@@ -226,7 +245,8 @@ async def write_frame(
     receiver: str,
     threaded_mac: bool = True,
     encrypt: bool = False,
+    bare: bool = False,
 ) -> None:
     """Checks then writes one frame for ``receiver`` (nothing is written if a check fails)."""
-    prepared = prepare_frame(frame, key, receiver, encrypt=encrypt)
+    prepared = prepare_frame(frame, key, receiver, encrypt=encrypt, bare=bare)
     await write_prepared(writer, prepared, threaded_mac=threaded_mac)

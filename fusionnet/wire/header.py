@@ -6,7 +6,8 @@ Layout of one frame on the stream::
     header    msgpack map, at most MAX_HEADER bytes
     head tag  TAG_SIZE bytes: authenticates prefix + header before the payload is allocated
     payload   the tensor's raw bytes, C order, native little-endian (AES-CTR ciphertext if ``enc``)
-    tag       TAG_SIZE bytes: authenticates the whole frame (``mac.py``)
+    tag       TAG_SIZE bytes: authenticates the whole frame (``mac.py``); of a ``bare`` frame, the
+              prefix and header only: its payload is left to the kernel (loopback, ``crypt.py``)
 
 The header names the receiver (``to``) and carries the sender's sequence number (``seq``): both are
 under the head tag, which is what makes replay protection possible (``replay.py``).
@@ -32,7 +33,8 @@ from fusionnet.wire.mac import NONCE_SIZE
 from fusionnet.wire.refusal import FrameRefused
 
 MAGIC = b"FNW1"
-VERSION = 3  # 2: the receiver's id and a sequence number under the MAC (replay protection); 3: ``enc``
+# 2: the receiver's id and a sequence number under the MAC (replay protection); 3: ``enc``; 4: ``bare``
+VERSION = 4
 _PREFIX = struct.Struct(">4sIQ")
 PREFIX_SIZE = _PREFIX.size
 MAX_HEADER = 16 * 1024
@@ -75,6 +77,7 @@ class FrameHeader:
     receiver: str = ""  # the peer id the frame is for (``to``): no other receiver accepts it
     seq: int = 0  # the sender's sequence number (``replay.py``)
     encrypted: bool = False  # the payload is AES-CTR ciphertext (``crypt.py``)
+    bare: bool = False  # the payload has no MAC: sent over loopback, where the kernel keeps it intact
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -130,6 +133,7 @@ def pack_head(h: FrameHeader) -> bytes:
         "to": h.receiver,
         "seq": h.seq,
         "enc": h.encrypted,
+        "bare": h.bare,
     }
     header = msgpack.packb(doc, use_bin_type=True)
     assert len(header) <= MAX_HEADER, "field checks bound the header size"
@@ -191,6 +195,9 @@ def parse_header(raw: bytes, payload_len: int) -> FrameHeader:
     encrypted = doc.get("enc", False)
     if not isinstance(encrypted, bool):
         raise refuse(f"enc must be true or false, got {str(encrypted)[:32]!r}")
+    bare = doc.get("bare", False)
+    if not isinstance(bare, bool) or (bare and encrypted):
+        raise refuse(f"bare must be true or false, and false for an encrypted frame, got {str(bare)[:32]!r}")
     nonce = doc.get("nonce")
     if not isinstance(nonce, bytes) or len(nonce) != NONCE_SIZE:
         raise refuse(f"nonce must be {NONCE_SIZE} bytes")
@@ -225,4 +232,5 @@ def parse_header(raw: bytes, payload_len: int) -> FrameHeader:
         receiver=receiver,
         seq=seq,
         encrypted=encrypted,
+        bare=bare,
     )

@@ -21,7 +21,8 @@ import select
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 
-from fusionnet.wire.frames import TensorFrame, check_frame, prepare_frame, write_prepared
+from fusionnet.wire.crypt import is_loopback_host
+from fusionnet.wire.frames import PreparedFrame, TensorFrame, check_frame, prepare_frame, write_prepared
 from fusionnet.wire.refusal import PeerUnreachable
 
 log = logging.getLogger("fusionnet.wire")
@@ -35,6 +36,7 @@ class _Stream:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     receiver: str  # frames on this stream are bound to this peer id (under their MAC)
+    loopback: bool = False  # a TCP connection to a loopback address (``crypt.bare_ok``)
 
     def broken(self) -> bool:
         # Receivers never write back: anything readable on our end is the peer's FIN (or a protocol
@@ -74,7 +76,9 @@ class StreamPool:
             raise PeerUnreachable(f"cannot send to {self._describe(dest)}: the client is closed")
         # high=0: drain() returns only once the buffer is empty, so no payload view outlives send().
         writer.transport.set_write_buffer_limits(high=0)
-        stream = _Stream(reader, writer, receiver)
+        peer = writer.get_extra_info("peername")
+        loopback = isinstance(peer, tuple) and bool(peer) and is_loopback_host(str(peer[0]))
+        stream = _Stream(reader, writer, receiver, loopback)
         self._streams[dest] = stream
         return stream
 
@@ -85,10 +89,20 @@ class StreamPool:
             with contextlib.suppress(Exception):
                 await stream.writer.wait_closed()
 
-    async def send(self, dest: Hashable, frame: TensorFrame, key: bytes, *, encrypt: bool = False) -> None:
+    async def send(
+        self, dest: Hashable, frame: TensorFrame, key: bytes, *, encrypt: bool = False, bare_ok: bool = False
+    ) -> None:
+        """Writes ``frame`` on the pooled stream to ``dest`` (opened, or opened again once, as needed).
+        ``bare_ok``: the job lets its payloads go without a MAC where the stream is a loopback TCP
+        connection (``crypt.bare_ok``); encrypted frames never do."""
         if self._closed:
             raise PeerUnreachable(f"cannot send to {self._describe(dest)}: the client is closed")
         check_frame(frame, key)  # every check before a stream is touched
+
+        def prepared_for(stream: _Stream) -> PreparedFrame:
+            bare = bare_ok and stream.loopback and not encrypt
+            return prepare_frame(frame, key, stream.receiver, encrypt=encrypt, bare=bare)
+
         lock = self._locks.setdefault(dest, asyncio.Lock())
         async with lock:
             stream = self._streams.get(dest)
@@ -97,7 +111,7 @@ class StreamPool:
                 stream = None
             if stream is not None:
                 try:
-                    prepared = prepare_frame(frame, key, stream.receiver, encrypt=encrypt)
+                    prepared = prepared_for(stream)
                     await write_prepared(stream.writer, prepared)
                     return
                 except OSError as e:
@@ -109,7 +123,7 @@ class StreamPool:
             stream = await self._open(dest)
             try:
                 # prepared again: a new sequence number, and the receiver may have changed
-                prepared = prepare_frame(frame, key, stream.receiver, encrypt=encrypt)
+                prepared = prepared_for(stream)
                 await write_prepared(stream.writer, prepared)
             except OSError as e:
                 await self._drop(dest)

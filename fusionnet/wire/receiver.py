@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from fusionnet.errors import WireError
 from fusionnet.wire import refusal as R
-from fusionnet.wire.crypt import check_policy, plaintext_ok
+from fusionnet.wire.crypt import bare_ok, check_policy, plaintext_ok
 from fusionnet.wire.frame_reader import read_frame
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.header import MAX_ID_LEN, check_text
@@ -198,6 +198,13 @@ class FrameReceiver:
 
         return plaintext_allowed
 
+    def _bare_policy(self, host: str) -> Callable[[str], bool]:
+        def bare_allowed(job_id: str) -> bool:
+            route = self._routes.get(job_id)
+            return route is not None and bare_ok(route.encryption, host)
+
+        return bare_allowed
+
     def _bucket(self, job_id: str | None) -> JobStats:
         return self.stats[job_id] if job_id is not None and job_id in self.stats else self.stats[NO_JOB]
 
@@ -226,9 +233,11 @@ class FrameReceiver:
     ) -> None:
         """Reads frames until the peer closes the stream, falls out of sync or times out.
 
-        ``remote_host``: the TCP peer's address, for the jobs' encryption policies (``None``: a
-        transport that encrypts by itself, libp2p, where plaintext frames are fine)."""
+        ``remote_host``: the TCP peer's address, for the jobs' encryption policies and bare frames
+        (``None``: a transport that encrypts by itself, libp2p, where plaintext frames are fine and
+        bare ones are not)."""
         plaintext_allowed = None if remote_host is None else self._plaintext_policy(remote_host)
+        bare_allowed = None if remote_host is None else self._bare_policy(remote_host)
         phased = PhasedSource(source, self.timeouts.progress)
         wait = self.timeouts.handshake
         while True:
@@ -245,6 +254,7 @@ class FrameReceiver:
                     accept_sender=self.accept_sender,
                     bound_sender=bound_sender,
                     plaintext_ok=plaintext_allowed,
+                    bare_ok=bare_allowed,
                 )
             except StreamEnded:
                 return

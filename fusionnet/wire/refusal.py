@@ -32,6 +32,7 @@ REPLAY = "replay"
 TIMEOUT = "timeout"
 UNEXPECTED = "unexpected"
 PLAINTEXT = "plaintext"  # unencrypted, where the job wants its frames encrypted (``crypt.py``)
+BARE = "bare"  # a payload without MAC from anywhere but a loopback peer (``crypt.bare_ok``)
 
 REASONS = (
     TRUNCATED,
@@ -53,6 +54,7 @@ REASONS = (
     TIMEOUT,
     UNEXPECTED,
     PLAINTEXT,
+    BARE,
 )
 
 
