@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         broker = BrokerDaemon(config, BROKER_METRICS)
         broker.add_service(JobService(broker.job_context()))
         broker.add_service(deployment_service(broker, args.http_host, args.http_port))
-        return broker.serve()
+        broker.serve_and_exit()  # the process ends here, with the daemon's exit code
     except ValueError as e:  # configuration and start-up problems (FusionNetErrors included): one line
         print(f"fusionnet broker: error: {e}", file=sys.stderr)
         return 2

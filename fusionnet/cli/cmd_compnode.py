@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         # One compnode per process: its metrics are the process's set, so module-level users count too.
         compnode = CompnodeDaemon(config, COMPNODE_METRICS)
         compnode.add_service(SubtaskService(compnode))
-        return compnode.serve()
+        compnode.serve_and_exit()  # the process ends here, with the daemon's exit code
     except ValueError as e:  # configuration and start-up problems (FusionNetErrors included): one line
         print(f"fusionnet compnode: error: {e}", file=sys.stderr)
         return 2

@@ -130,13 +130,17 @@ class ProcessSwarm:
             await asyncio.sleep(0.2)
 
     def stop(self) -> dict[str, int]:
-        """SIGTERM to every compnode at once, then the broker once they are gone; returns exit codes."""
+        """SIGTERM to every compnode at once, then the broker once they are gone; returns exit codes.
+        Their children (DHT child, p2pd, torch's shared-memory manager, which lingers 2 s after its last
+        client by design) are waited for together at the end, not daemon after daemon."""
         compnodes = [d for d in self.daemons if d is not self.broker]
         for daemon in compnodes:
             daemon.send(signal.SIGTERM)
-        codes = {d.name: d.stop() for d in compnodes}
+        codes = {d.name: d.stop(reap=False) for d in compnodes}
         if self.broker is not None:
-            codes[self.broker.name] = self.broker.stop()
+            codes[self.broker.name] = self.broker.stop(reap=False)
+        for daemon in self.daemons:
+            daemon.reap()
         return codes
 
     def dump_logs(self) -> str:

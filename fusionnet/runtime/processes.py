@@ -203,9 +203,10 @@ class DaemonProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
 
-    def stop(self, timeout: float = STOP_TIMEOUT) -> int:
+    def stop(self, timeout: float = STOP_TIMEOUT, *, reap: bool = True) -> int:
         """SIGTERM (unless already sent: a second one would force the exit), then SIGKILL to the process
-        group after ``timeout``; returns the exit code (negative = killed by a signal)."""
+        group after ``timeout``; returns the exit code (negative = killed by a signal). ``reap=False``
+        leaves waiting for the children to the caller (``reap()``), who may stop other daemons first."""
         if self.proc.poll() is None:
             if signal.SIGTERM not in self.signals_sent:
                 self.send(signal.SIGTERM)
@@ -215,7 +216,8 @@ class DaemonProcess:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(self.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
-        self.reap()
+        if reap:
+            self.reap()
         return self.proc.returncode
 
 
