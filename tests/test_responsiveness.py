@@ -30,7 +30,9 @@ from tests.jobfiles import REPO, write_job
 
 pytestmark = pytest.mark.swarm
 
-SLOWDOWN = 60.0  # x ~0.2 s of real compute per compnode and step: a sub-task of >= 10 s
+# x 0.5-0.7 s of real compute per compnode in the job's one step: sub-tasks of 19-23 s at 40 and 37-41 s
+# at 60 on the 2-core machine; 50 keeps them >= 12 s on one twice as fast
+SLOWDOWN = 50.0
 MIN_SUBTASK = 10.0
 # The functional bound: pings answered well inside the broker's heartbeat timeout (3 s here). The 100 ms
 # p99 figure of issue 11 is measured by benchmarks/responsiveness.py, not asserted by a timed test.
@@ -48,7 +50,7 @@ def _job(tmp_path: Path) -> Path:
         labels=torch.randint(0, 4, (512,), generator=g),
         batch_size=512,
         microbatches=4,
-        steps=2,
+        steps=1,
         compnodes=2,
     )
     doc = yaml.safe_load(path.read_text())

@@ -45,9 +45,14 @@ def _submit_cmd(job: Path, swarm: ProcessSwarm, out: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _submit(job: Path, swarm: ProcessSwarm, out: Path) -> subprocess.CompletedProcess[str]:
+def _submit(job: Path, swarm: ProcessSwarm, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
-        _submit_cmd(job, swarm, out), capture_output=True, text=True, cwd=REPO, timeout=300, env=_env()
+        [*_submit_cmd(job, swarm, out), *extra],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env=_env(),
     )
     assert done.returncode == 0, f"submit failed:\n{done.stdout}\n{done.stderr}\n{swarm.dump_logs()[-6000:]}"
     return done
@@ -277,7 +282,8 @@ def test_late_compnode_is_used_by_the_next_job_and_a_leaver_shows_offline(tmp_pa
             observer.wait_online(1, 60)
             job_path = example_job("mlp", tmp_path, steps=2, placement={"compnodes": 2})
             try:
-                _submit(job_path, sw, tmp_path / "one")
+                # placement.compnodes is 2 and one is online: submit now (not after waiting 60 s for it)
+                _submit(job_path, sw, tmp_path / "one", "--wait-compnodes", "0")
                 late = sw.add_compnode("late")
                 observer.wait_online(2, 60)
                 _submit(job_path, sw, tmp_path / "two")
