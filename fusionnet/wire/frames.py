@@ -13,8 +13,9 @@ refused: prefix magic and header length, header structure and types, dtype allow
 bounds, ``nbytes == prod(shape) * itemsize``, ``payload <= max_payload``, sender (if bound to an
 authenticated stream), job known, sender allowed, the head tag (so only a key holder can make a
 receiver allocate a payload buffer), the receiver named in the header is us, the sequence number is
-fresh (``replay.py``), that the frame is encrypted if its job requires it, then the whole-frame tag
-once the bytes are in.
+fresh (``replay.py``), that the frame is encrypted if its job requires it, that a ``bare`` frame (payload
+without MAC) comes from a loopback peer of a job that allows it (``crypt.bare_ok``), then the
+whole-frame tag once the bytes are in.
 """
 
 from __future__ import annotations
