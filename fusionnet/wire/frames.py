@@ -181,6 +181,10 @@ class PreparedFrame:
     cipher: PayloadCipher | None = None  # set: the payload leaves encrypted
     bare: bool = False  # the payload leaves without a MAC (loopback, ``crypt.bare_ok``)
 
+    def payload_tags(self) -> list[bytes]:
+        """The payload's chunk tags, computed here (none for a bare frame)."""
+        return [] if self.bare else self.mac.chunk_tags(self.payload)
+
 
 def check_frame(frame: TensorFrame, key: bytes) -> None:
     """The checks of an outgoing frame that do not depend on its receiver (``WireError``)."""
@@ -213,8 +217,7 @@ async def write_prepared(
     if len(p.payload) <= SMALL_FRAME:
         # Small: the whole frame in one write (one syscall), tags first; GMAC of a small payload
         # costs less than the syscall and wake-up a separate tag write would.
-        tags = [] if p.bare else p.mac.chunk_tags(p.payload)
-        writer.writelines((head, p.payload, p.mac.finish(p.head, tags)))
+        writer.writelines((head, p.payload, p.mac.finish(p.head, p.payload_tags())))
         await writer.drain()
         return
     tags_future: asyncio.Future[list[bytes]] | None = None
@@ -225,12 +228,9 @@ async def write_prepared(
             chunk = p.payload[start : start + WRITE_CHUNK]
             write_buffers(writer, (head, chunk) if start == 0 else (chunk,))  # head rides with chunk 0
             await writer.drain()
-        # Inline, the tags are computed only now: the receiver is still reading the payload's tail.
-        # Bare: no chunk tags, the final tag binds the head alone.
-        if p.bare:
-            tags = []
-        else:
-            tags = await tags_future if tags_future is not None else p.mac.chunk_tags(p.payload)
+        # Inline, the tags are computed only now: the receiver is still reading the payload's tail
+        # (bare: none, the final tag binds the head alone).
+        tags = await tags_future if tags_future is not None else p.payload_tags()
         writer.write(p.mac.finish(p.head, tags))
         await writer.drain()
     finally:
