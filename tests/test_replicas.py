@@ -13,11 +13,13 @@ import torch
 from fusionnet.broker.replicas import (
     PACE,
     REPLICA_LINK_SHARE,
+    REPLICA_TIME_SHARE,
     ROUND_RETRY,
     ReplicaBook,
     ReplicaPointer,
     best_step,
     ring_holders,
+    round_cost,
 )
 from fusionnet.compnode.replicas import ReplicaStore, Replicator, pack_chunks
 from fusionnet.errors import JobError
@@ -95,6 +97,32 @@ def test_a_slow_round_of_fast_steps_is_asked_again_only_after_a_growing_wait() -
     assert book.observe([last, last], step=320) and book.committed == last and book.retries == 3
     now[0] += 10.0  # paced as usual after a completed round, then a fresh round without backoff
     assert book.request(320 + 2 * 96)[0] and book.retries == 0
+
+
+def test_costly_rounds_are_spaced_to_a_share_of_the_time() -> None:
+    """Steps of 0.5 s, and 1.5 s while a round is on its way (the step it is asked at and the next,
+    which confirms it): a round costs 2 x 1.0 s over the clean steps' median, so the next starts no
+    sooner than 2.0 / ``REPLICA_TIME_SHARE`` seconds after it, however short the interval. The first
+    round, before any clean step, is not priced; a new placement starts over at once."""
+    now = [0.0]
+    book = ReplicaBook(interval=2.0, clock=lambda: now[0])
+    book.reset(2, enabled=True)
+    asked: list[int] = []
+    for step in range(60):
+        if book.request(step)[0]:
+            asked.append(step)
+        in_flight = bool(asked) and step - asked[-1] <= 1
+        seconds = 1.5 if in_flight else 0.5
+        now[0] += seconds
+        done = asked[-1] + 1 if in_flight and step > asked[-1] else None
+        book.observe([done, done], step=step, seconds=seconds)
+    # round 1 at once (steps 0-1, unpriced); round 2 after PACE and the interval, at step 3 (3.5 s);
+    # round 3 20 s after that: step 5 starts at 6.5 s, so step 5 + (23.5 - 6.5) / 0.5 = 39
+    assert asked == [0, 3, 39]
+    assert round_cost([1.5, 1.5], baseline=0.5) == 2.0 and round_cost([0.4], baseline=0.5) == 0.0
+    assert book.not_before == pytest.approx(23.5 + 2.0 / REPLICA_TIME_SHARE)  # round 3's own price
+    book.reset(2, enabled=True)
+    assert book.request(100)[0] and book.not_before is None
 
 
 def test_each_snapshot_is_paced_to_a_share_of_its_holder_link_as_measured() -> None:

@@ -23,7 +23,9 @@ import asyncio
 import json
 import logging
 import os
+import statistics
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -55,6 +57,15 @@ REPLICA_INTERVAL = 2.0
 # paced by TCP on the compnode): at full rate, a round filled a shaped link's queue, and every activation
 # frame of the steps it spanned waited behind it (100 Mbit/s: +60 % step time in ``benchmarks/links.py``).
 REPLICA_LINK_SHARE = 0.25
+# And rounds cost at most about this share of the job's time: a round's cost is what the steps it spanned
+# took beyond the clean steps' median (a snapshot's copies, chunks and writes take the cores the stages
+# compute on), and the next round starts no sooner than cost / share after the last one started. At a
+# realistic size (50M parameters, 0.6 s steps, 3 stages on 2 cores) a round cost 0.5-1.2 s, and one
+# every 2 s slowed every third step 2-3x: the pipeline benchmark's median step was 1.45x the one
+# without replication. A failover then replays up to cost / share seconds of steps more.
+REPLICA_TIME_SHARE = 0.1
+# Clean steps (no round in flight) whose median is the cost's baseline.
+BASELINE_STEPS = 9
 
 
 def ring_holders(n: int) -> list[int] | None:
@@ -80,6 +91,9 @@ class ReplicaBook:
         self.next_at = 0  # the first step a new round may be asked at (``PACE``)
         self.started: float | None = None  # when the last round was asked for (``interval``)
         self.retries = 0  # of the round in flight (``ROUND_RETRY``)
+        self.clean: deque[float] = deque(maxlen=BASELINE_STEPS)  # seconds of steps without a round
+        self.spanned: list[float] = []  # seconds of the steps the round in flight has spanned so far
+        self.not_before: float | None = None  # the clock's earliest next round (``REPLICA_TIME_SHARE``)
 
     def holders(self) -> list[int] | None:
         return ring_holders(self.n) if self.enabled else None
@@ -93,7 +107,9 @@ class ReplicaBook:
         if self.round is None:
             if step < self.next_at or (waited is not None and waited < self.interval):
                 return False, self.committed
-            self.retries = 0
+            if self.not_before is not None and now < self.not_before:
+                return False, self.committed
+            self.retries, self.spanned = 0, []
         elif step - self.asked_at < ROUND_RETRY or (waited or 0.0) < self.interval * 2**self.retries:
             return False, self.committed
         else:
@@ -101,9 +117,13 @@ class ReplicaBook:
         self.round, self.asked_at, self.started = step + 1, step, now
         return True, self.committed
 
-    def observe(self, replicated: Sequence[int | None], step: int | None = None) -> bool:
-        """The sub-DAGs' latest confirmed snapshots from the replies of ``step``; True when a round
-        completed (the next one then waits ``PACE``)."""
+    def observe(
+        self, replicated: Sequence[int | None], step: int | None = None, seconds: float | None = None
+    ) -> bool:
+        """The sub-DAGs' latest confirmed snapshots from the replies of ``step``, which took ``seconds``;
+        True when a round completed (the next one then waits ``PACE`` and its cost's budget)."""
+        if seconds is not None:
+            (self.clean if self.round is None else self.spanned).append(seconds)
         for i, r in enumerate(replicated):
             if r is not None:
                 self.reported[i] = max(self.reported.get(i, r), r)
@@ -117,13 +137,27 @@ class ReplicaBook:
             at = self.round if step is None else step
             span = max(1, at - self.asked_at)  # steps the round held the links
             self.round, self.next_at = None, at + (PACE - 1) * span
+            self.not_before = self._budgeted_start()
         return True
+
+    def _budgeted_start(self) -> float | None:
+        """When the round just completed has been paid for at ``REPLICA_TIME_SHARE``: its start plus
+        its cost / share (None before any clean step: the next round measures it)."""
+        if not self.clean or not self.spanned or self.started is None:
+            return None
+        cost = round_cost(self.spanned, statistics.median(self.clean))
+        return self.started + cost / REPLICA_TIME_SHARE
 
     def pointer(self, attempt: int, peers: Sequence[str], rows: Sequence[dict[str, Any]]) -> ReplicaPointer:
         """The committed step as a restarted broker finds it again."""
         assert self.committed is not None
         kept = [r for r in rows if r["step"] < self.committed]
         return ReplicaPointer(attempt, list(peers), self.committed, kept)
+
+
+def round_cost(spanned: Sequence[float], baseline: float) -> float:
+    """Seconds a replication round added to the steps it spanned, against a clean step's ``baseline``."""
+    return sum(max(0.0, s - baseline) for s in spanned)
 
 
 def best_step(
