@@ -67,11 +67,12 @@ def _fault_points(seed: int, n: int) -> list[str]:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1])
 def test_random_kills_in_fp_bp_update_and_sync_lose_nothing(seed: int, tmp_path: Path) -> None:
     """3 working compnodes and 3 backups, 5 of them armed to die at seeded points. The first deaths are
     replaced from the backup pool, the later ones (pool empty) are absorbed by re-planning over the
-    survivors."""
+    survivors. Two seeds: each arms every phase (``_fault_points``), so more seeds bought a minute of
+    the suite each and no phase more."""
     points = _fault_points(seed, 5)
     regular = [{"env": {"FUSIONNET_FAULT": p}} for p in points[:3]]
     backups = [{"backup": True, "env": {"FUSIONNET_FAULT": p}} for p in points[3:]] + [{"backup": True}]

@@ -57,8 +57,9 @@ def add_parser(subparsers: Any) -> None:
         default=2.0,
         metavar="SECONDS",
         help="train jobs: start a round of failover snapshots (each sub-DAG's state copied to another "
-        "compnode of the job) at most every SECONDS (default 2; 0 = as often as the links allow). A "
-        "failover replays the steps since the newest complete round",
+        "compnode of the job) at most every SECONDS (default 2; 0 = as often as the links allow), and "
+        "no sooner than 10x what the last round cost the steps. A failover replays the steps since the "
+        "newest complete round",
     )
     p.add_argument(
         "--stage-part-mb",
