@@ -52,6 +52,7 @@ from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.compnode.worker_receives import DirectReceiver
 from fusionnet.compnode.worker_sends import DirectSender
 from fusionnet.core_dumps import forbid_core_dumps
+from fusionnet.daemon.memory import keep_freed_memory
 from fusionnet.errors import ExecutionError, FusionNetError
 from fusionnet.messages.compnode_rpc import AssignRequest
 from fusionnet.messages.serving_rpc import ServeStepRequest
@@ -120,6 +121,7 @@ def main(sock: socket.socket, config: WorkerConfig, handoff: socket.socket | Non
         format=f"%(asctime)s %(levelname)s [worker {config.job_id}/{config.subdag}] %(name)s: %(message)s",
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when we stop
+    keep_freed_memory()  # a step's tensors reuse the last step's memory, no page faults (``daemon.memory``)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     set_seq_lane(1)  # our frames go out under the daemon's peer id, numbered apart from its own
