@@ -46,6 +46,10 @@ class Config:
     placement: str = "model"  # the broker's --placement: the performance model, or the balanced split
     replica_interval: float | None = None  # the broker's --replica-interval (None: its default)
     steps_ahead: bool = False  # the broker's --steps-ahead: each step's call sent while the one before runs
+    # The torch contenders' allocator: glibc's defaults (what a user of torch gets), or "kept", the setting
+    # FusionNet's sandbox workers use (``fusionnet.daemon.memory.keep_freed_memory``), to show what of a
+    # difference is that setting alone.
+    torch_allocator: str = "default"
 
     @property
     def per_rank(self) -> int:
@@ -106,7 +110,13 @@ def load_batches(cfg: Config) -> list[tuple[Any, Any]]:
     return out
 
 
-def set_threads(threads: int) -> None:
+def set_threads(threads: int, allocator: str = "default") -> None:
+    """Torch's threads for a torch contender's process, and its allocator (``Config.torch_allocator``)."""
+    if allocator == "kept":
+        from fusionnet.daemon.memory import keep_freed_memory
+
+        if not keep_freed_memory():
+            raise RuntimeError("--torch-allocator kept: this C library refused the settings")
     import torch
 
     torch.set_num_threads(threads)

@@ -20,7 +20,7 @@ def plain_worker(cfg: Config, queue: Any) -> None:
         import torch.nn.functional as F
         from pipeline_model import build
 
-        set_threads(cfg.threads)
+        set_threads(cfg.threads, cfg.torch_allocator)
         batches = load_batches(cfg)
         torch.manual_seed(cfg.seed)
         model = build(**cfg.model_kwargs)
@@ -59,7 +59,7 @@ def pipe_worker(
             ScheduleInterleaved1F1B,
         )
 
-        set_threads(cfg.threads)
+        set_threads(cfg.threads, cfg.torch_allocator)
         dist.init_process_group("gloo", rank=rank, world_size=world)
         batches = load_batches(cfg)
         torch.manual_seed(cfg.seed)

@@ -31,6 +31,11 @@ its nodes, mapped to blocks; a cut inside a block is refused) and printed; witho
 balanced block split is used and marked as assumed. The first and last losses are printed per contender
 as a check that they all train the same thing.
 
+FusionNet's sandbox workers keep freed memory in their heap (``fusionnet.daemon.memory.keep_freed_memory``):
+a step's tensors reuse the last step's pages instead of faulting fresh ones in. The torch contenders run
+with glibc's defaults, as torch's users do; ``--torch-allocator kept`` gives them the same setting, to
+show what of a difference is that setting alone.
+
 On a 2-core machine, 3 stages (plus the broker and hivemind's p2pd helpers for FusionNet) oversubscribe
 the cores; the ratios then measure that too. Prints a table, then one JSON line.
 
@@ -213,6 +218,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the broker's --steps-ahead: each step's call goes out while the step before runs, so no "
         "compnode waits for the broker's round trip between steps",
     )
+    ap.add_argument(
+        "--torch-allocator",
+        choices=("default", "kept"),
+        default="default",
+        help="the torch contenders' malloc settings: glibc's defaults (default, what torch's users get) or "
+        "'kept', the settings FusionNet's sandbox workers use (freed tensors stay in the heap for the next "
+        "step: no page faults per step), to show what of a difference is that setting alone",
+    )
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -296,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             schedule=args.schedule, sandbox=args.sandbox, placement=args.placement,
             worker_sends=args.worker_sends, worker_receives=args.worker_receives,
             replica_interval=args.replica_interval,
-            steps_ahead=args.steps_ahead, chunks=args.chunks,
+            steps_ahead=args.steps_ahead, chunks=args.chunks, torch_allocator=args.torch_allocator,
         )  # fmt: skip
         make_data(cfg, samples=4 * cfg.batch_size)
         print(
@@ -304,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{cfg.microbatches} micro-batches, {cfg.schedule}; sandbox {cfg.sandbox} "
             f"(worker sends {cfg.worker_sends}, receives {cfg.worker_receives}); "
             f"placement {cfg.placement}; replica interval {cfg.replica_interval or 'default'}; "
-            f"steps ahead {'on' if cfg.steps_ahead else 'off'}; "
+            f"steps ahead {'on' if cfg.steps_ahead else 'off'}; torch allocator {cfg.torch_allocator}; "
             f"{cfg.steps} steps ({cfg.warmup} warm-up); "
             f"{cfg.threads} thread(s)/process; {os.cpu_count()} CPUs; load {loadavg:.2f}; workdir {workdir}",
             flush=True,
@@ -339,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["worker_receives"] = cfg.worker_receives
     summary["replica_interval"] = cfg.replica_interval
     summary["steps_ahead"] = cfg.steps_ahead
+    summary["torch_allocator"] = cfg.torch_allocator
     summary["placement"] = cfg.placement
     summary["repeat"] = args.repeat
     summary["loadavg_before"] = round(loadavg, 2)
