@@ -50,6 +50,12 @@ class Config:
     # FusionNet's sandbox workers use (``fusionnet.daemon.memory.keep_freed_memory``), to show what of a
     # difference is that setting alone.
     torch_allocator: str = "default"
+    # mlp: ``pipeline_model.BlockStack`` (dim, hidden, layers); gpt2: a transformers GPT-2 of ``layers``
+    # blocks of width ``dim`` (MLP ``hidden``, ``heads`` heads) on ``seq`` token ids out of ``vocab``
+    model: str = "mlp"
+    vocab: int = 8000
+    seq: int = 64
+    heads: int = 8
 
     @property
     def per_rank(self) -> int:
@@ -58,7 +64,15 @@ class Config:
 
     @property
     def model_kwargs(self) -> dict[str, int]:
-        return {"dim": self.dim, "hidden": self.hidden, "layers": self.layers}
+        kwargs = {"dim": self.dim, "hidden": self.hidden, "layers": self.layers}
+        if self.model == "gpt2":
+            kwargs.update(vocab=self.vocab, heads=self.heads, seq=self.seq)
+        return kwargs
+
+    @property
+    def builder(self) -> str:
+        """The model's callable in ``pipeline_model.py``."""
+        return "build_gpt2" if self.model == "gpt2" else "build"
 
 
 @dataclass
@@ -92,8 +106,12 @@ def make_data(cfg: Config, samples: int) -> None:
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(cfg.seed + 1)
-    inputs = torch.randn(samples, cfg.dim, generator=g)
-    labels = torch.randint(0, cfg.dim, (samples,), generator=g)
+    if cfg.model == "gpt2":  # token ids; the model predicts each next one (its labels are its inputs)
+        inputs = torch.randint(0, cfg.vocab, (samples, cfg.seq), generator=g)
+        labels = inputs.clone()
+    else:
+        inputs = torch.randn(samples, cfg.dim, generator=g)
+        labels = torch.randint(0, cfg.dim, (samples,), generator=g)
     save_file({"inputs": inputs, "labels": labels}, cfg.data_path)
 
 
@@ -137,19 +155,37 @@ def _node_block(name: str) -> int | None:
     return k // 2 if m.group(1) == "linear" else k
 
 
-def split_from_plan(plan: dict[str, Any], layers: int) -> list[tuple[int, int]]:
-    """Per sub-DAG (in block order) its first and last block, from ``plan.json``'s ``nodes`` (and ``params``
-    where present, as a cross-check). Raises when a cut falls inside a block or blocks are not contiguous."""
+_GPT2_BLOCK = re.compile(r"^lm\.transformer\.h\.(\d+)\.")
+_GPT2_EMBED = ("lm.transformer.wte.", "lm.transformer.wpe.")
+_GPT2_HEAD = ("lm.transformer.ln_f.", "lm.lm_head.")
+
+
+def split_from_plan(plan: dict[str, Any], layers: int, model: str = "mlp") -> list[tuple[int, int]]:
+    """Per sub-DAG (in block order) its first and last block, from ``plan.json``'s ``nodes`` (MLP blocks) and
+    ``params``. Raises when a cut falls inside a block, blocks are not contiguous, or (GPT-2) the embeddings
+    or the head are not with the first or last block, as torch's stages hold them."""
     owner: dict[int, int] = {}
+    ends: dict[str, set[int]] = {"embeddings": set(), "head": set()}
     for sd in plan["subdags"]:
         index = sd.get("subdag", sd.get("index"))
-        blocks = {b for b in map(_node_block, sd["nodes"]) if b is not None}
-        blocks |= {int(p.split(".")[1]) for p in sd.get("params", []) if p.startswith("blocks.")}
+        params = sd.get("params", [])
+        if model == "gpt2":
+            blocks = {int(m.group(1)) for m in map(_GPT2_BLOCK.match, params) if m is not None}
+            for part, prefixes in (("embeddings", _GPT2_EMBED), ("head", _GPT2_HEAD)):
+                if any(p.startswith(prefixes) for p in params):
+                    ends[part].add(index)
+        else:
+            blocks = {b for b in map(_node_block, sd["nodes"]) if b is not None}
+            blocks |= {int(p.split(".")[1]) for p in params if p.startswith("blocks.")}
         for b in blocks:
             if owner.setdefault(b, index) != index:
                 raise ValueError(f"block {b} is cut between sub-DAGs {owner[b]} and {index}")
     if sorted(owner) != list(range(layers)):
         raise ValueError(f"plan covers blocks {sorted(owner)}, expected 0..{layers - 1}")
+    if model == "gpt2":
+        for part, block in (("embeddings", 0), ("head", layers - 1)):
+            if ends[part] != {owner[block]}:
+                raise ValueError(f"the {part} are in sub-DAGs {sorted(ends[part])}, not with block {block}")
     stages: dict[int, list[int]] = {}
     for b, index in owner.items():
         stages.setdefault(index, []).append(b)

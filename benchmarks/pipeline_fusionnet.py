@@ -15,8 +15,10 @@ from typing import Any
 
 from pipeline_common import FUSIONNET, MODEL_FILE, Config, Result
 
-
 # ---- (a) FusionNet ------------------------------------------------------------------------------------
+LOSS = "loss:\n  name: cross_entropy\n"  # the MLP blocks' (GPT-2's forward returns its loss itself)
+
+
 def write_job(workdir: Path, cfg: Config, compnodes: int) -> Path:
     import shutil
 
@@ -25,11 +27,9 @@ def write_job(workdir: Path, cfg: Config, compnodes: int) -> Path:
 name: pipeline-vs-torch-{compnodes}
 task: train
 model:
-  entrypoint: {MODEL_FILE.name}:build
+  entrypoint: {MODEL_FILE.name}:{cfg.builder}
   kwargs: {json.dumps(cfg.model_kwargs)}
-loss:
-  name: cross_entropy
-data:
+{"" if cfg.model == "gpt2" else LOSS}data:
   path: {Path(cfg.data_path).name}
   batch_size: {cfg.batch_size}
   microbatches: {cfg.microbatches}

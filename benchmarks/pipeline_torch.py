@@ -8,6 +8,7 @@ import os
 import socket
 import time
 import traceback
+from functools import partial
 from typing import Any
 
 from pipeline_common import Config, Result, format_split, load_batches, set_threads
@@ -16,14 +17,14 @@ from pipeline_common import Config, Result, format_split, load_batches, set_thre
 # ---- (c) plain PyTorch -----------------------------------------------------------------------------
 def plain_worker(cfg: Config, queue: Any) -> None:
     try:
+        import pipeline_model
         import torch
         import torch.nn.functional as F
-        from pipeline_model import build
 
         set_threads(cfg.threads, cfg.torch_allocator)
         batches = load_batches(cfg)
         torch.manual_seed(cfg.seed)
-        model = build(**cfg.model_kwargs)
+        model = getattr(pipeline_model, cfg.builder)(**cfg.model_kwargs)
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
         times, losses = [], []
         for x, y in batches:
@@ -31,7 +32,8 @@ def plain_worker(cfg: Config, queue: Any) -> None:
             opt.zero_grad(set_to_none=True)
             total = 0.0
             for xm, ym in zip(x.chunk(cfg.microbatches), y.chunk(cfg.microbatches)):
-                loss = F.cross_entropy(model(xm), ym) * (xm.shape[0] / x.shape[0])
+                mean = model(xm, ym) if cfg.model == "gpt2" else F.cross_entropy(model(xm), ym)
+                loss = mean * (xm.shape[0] / x.shape[0])
                 loss.backward()
                 total += loss.item()
             opt.step()
@@ -48,10 +50,11 @@ def pipe_worker(
 ) -> None:
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+        import pipeline_model
         import torch
         import torch.distributed as dist
         import torch.nn.functional as F
-        from pipeline_model import build, stage_module
+        from pipeline_model import GPT2Stage, causal_lm_loss, stage_module
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
@@ -63,17 +66,19 @@ def pipe_worker(
         dist.init_process_group("gloo", rank=rank, world_size=world)
         batches = load_batches(cfg)
         torch.manual_seed(cfg.seed)
-        model = build(**cfg.model_kwargs)
+        model = getattr(pipeline_model, cfg.builder)(**cfg.model_kwargs)
+        cut = (lambda a, b: GPT2Stage(model, a, b)) if cfg.model == "gpt2" else partial(stage_module, model)
+        loss_fn = causal_lm_loss if cfg.model == "gpt2" else F.cross_entropy
         if cfg.per_rank > 1:  # rank r holds stages r, world + r, ... (as FusionNet's compnodes do)
             mine = [rank + c * world for c in range(cfg.per_rank)]
-            subs = [stage_module(model, *split[i]) for i in mine]
+            subs = [cut(*split[i]) for i in mine]
             stages = [PipelineStage(s, i, len(split), torch.device("cpu")) for s, i in zip(subs, mine)]
-            schedule: Any = ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=F.cross_entropy)
+            schedule: Any = ScheduleInterleaved1F1B(stages, cfg.microbatches, loss_fn=loss_fn)
         else:
-            subs = [stage_module(model, *split[rank])]
+            subs = [cut(*split[rank])]
             stage = PipelineStage(subs[0], rank, world, torch.device("cpu"))
             kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B  # zero-bubble: its nearest
-            schedule = kind(stage, cfg.microbatches, loss_fn=F.cross_entropy)  # scale_grads: 1/M
+            schedule = kind(stage, cfg.microbatches, loss_fn=loss_fn)  # scale_grads: 1/M
         opt = torch.optim.SGD([p for s in subs for p in s.parameters()], lr=cfg.lr)
         times, losses = [], []
         for x, y in batches:

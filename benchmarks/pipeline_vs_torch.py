@@ -150,14 +150,33 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
     return summary
 
 
+def describe_model(cfg: Config) -> str:
+    size = f"{cfg.layers} blocks, dim {cfg.dim}, hidden {cfg.hidden}"
+    if cfg.model == "gpt2":
+        return (
+            f"transformers GPT-2, {size}, {cfg.heads} heads, vocab {cfg.vocab}, {cfg.seq} tokens per sample"
+        )
+    return f"MLP {size}"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30, help="training steps per contender (default 30)")
     ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the median (default 5)")
     ap.add_argument("--microbatches", type=int, default=4, help="GPipe micro-batches per batch (default 4)")
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument(
+        "--model",
+        choices=("mlp", "gpt2"),
+        default="mlp",
+        help="mlp (default): identical pre-norm MLP blocks; gpt2: a transformers GPT-2 (random init, untied "
+        "embeddings, its own causal-LM loss), cut between its blocks",
+    )
+    ap.add_argument("--batch-size", type=int, help="samples per batch (default: mlp 64, gpt2 8)")
+    ap.add_argument("--dim", type=int, help="block width (default: mlp 256, gpt2 512)")
+    ap.add_argument("--hidden", type=int, help="MLP width inside a block (default: 4 x --dim)")
+    ap.add_argument("--vocab", type=int, default=8000, help="gpt2: token ids (default 8000)")
+    ap.add_argument("--seq", type=int, default=64, help="gpt2: tokens per sample (default 64)")
+    ap.add_argument("--heads", type=int, default=8, help="gpt2: attention heads (default 8)")
     ap.add_argument("--layers", type=int, default=6, help="blocks (default 6: splits evenly in 2 and 3)")
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="pipeline widths (default 2 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process, all contenders")
@@ -244,6 +263,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--keep", type=Path, metavar="DIR", help="work in DIR and keep it (logs, results)")
     args = ap.parse_args(argv)
+    gpt2 = args.model == "gpt2"
+    args.batch_size = args.batch_size or (8 if gpt2 else 64)
+    args.dim = args.dim or (512 if gpt2 else 256)
+    args.hidden = args.hidden or 4 * args.dim
+    if gpt2 and args.dim % args.heads:
+        ap.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
     args.stages = sorted(set(args.stages))
     if args.stages[0] < 2:
         ap.error("--stages: each must be >= 2")
@@ -279,7 +304,7 @@ def run_contenders(cfg: Config, args: argparse.Namespace, workdir: Path, record:
         for what, plan in plans[n]:
             if plan is not None:
                 try:
-                    split, source = split_from_plan(plan, cfg.layers), what
+                    split, source = split_from_plan(plan, cfg.layers, cfg.model), what
                 except (ValueError, KeyError) as e:
                     print(f"  warning: {what}: cannot mirror it: {e}", file=sys.stderr)
                     continue
@@ -310,10 +335,11 @@ def main(argv: list[str] | None = None) -> int:
             worker_sends=args.worker_sends, worker_receives=args.worker_receives,
             replica_interval=args.replica_interval,
             steps_ahead=args.steps_ahead, chunks=args.chunks, torch_allocator=args.torch_allocator,
+            model=args.model, vocab=args.vocab, seq=args.seq, heads=args.heads,
         )  # fmt: skip
         make_data(cfg, samples=4 * cfg.batch_size)
         print(
-            f"model: {cfg.layers} blocks, dim {cfg.dim}, hidden {cfg.hidden}; batch {cfg.batch_size} in "
+            f"model: {describe_model(cfg)}; batch {cfg.batch_size} in "
             f"{cfg.microbatches} micro-batches, {cfg.schedule}; sandbox {cfg.sandbox} "
             f"(worker sends {cfg.worker_sends}, receives {cfg.worker_receives}); "
             f"placement {cfg.placement}; replica interval {cfg.replica_interval or 'default'}; "
@@ -353,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["replica_interval"] = cfg.replica_interval
     summary["steps_ahead"] = cfg.steps_ahead
     summary["torch_allocator"] = cfg.torch_allocator
+    summary["model"] = describe_model(cfg)
     summary["placement"] = cfg.placement
     summary["repeat"] = args.repeat
     summary["loadavg_before"] = round(loadavg, 2)
