@@ -56,7 +56,7 @@ class GPT2(nn.Module):
         cfg = transformers.GPT2Config(
             vocab_size=vocab, n_embd=dim, n_inner=hidden, n_layer=layers, n_head=heads, n_positions=seq,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
-            bos_token_id=0, eos_token_id=0,
+            bos_token_id=0, eos_token_id=0, loss_type="ForCausalLM",
         )  # fmt: skip
         self.lm = transformers.GPT2LMHeadModel(cfg)
 

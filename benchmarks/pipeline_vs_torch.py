@@ -1,7 +1,9 @@
 """FusionNet's pipeline against ``torch.distributed.pipelining`` and plain PyTorch, on one machine.
 
 All contenders train the same model (``benchmarks/pipeline_model.py``: identical pre-norm MLP blocks,
-cross-entropy on the last block's output), from the same initial weights (built right after
+cross-entropy on the last block's output; or, ``--model gpt2``, a ``transformers`` GPT-2 with untied
+embeddings and its own causal-LM loss, which torch's stages rebuild from its modules, cut between blocks),
+from the same initial weights (built right after
 ``torch.manual_seed(seed)``), on the same batches (batch s = samples [s*B, (s+1)*B) modulo the dataset),
 with the same schedule (``--schedule``: GPipe, each batch split into M micro-batches, all forwards, all
 backwards, one SGD step; or 1F1B; or FusionNet's zero-bubble ZB-H1 against torch's 1F1B, since torch's
@@ -40,7 +42,7 @@ On a 2-core machine, 3 stages (plus the broker and hivemind's p2pd helpers for F
 the cores; the ratios then measure that too. Prints a table, then one JSON line.
 
     python benchmarks/pipeline_vs_torch.py [--steps 20] [--microbatches 4] [--stages 2 3]
-        [--placement balanced] [--repeat 3] [--quick]
+        [--model mlp|gpt2] [--placement balanced] [--repeat 3] [--quick]
 """
 
 from __future__ import annotations

@@ -1,0 +1,66 @@
+"""The pieces ``benchmarks/pipeline_vs_torch.py --model gpt2`` compares with: torch's pipeline stages of a
+transformers GPT-2 must compute what the whole model computes, and FusionNet's plan must be mirrored only
+where torch's stages can hold the same cut."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from pipeline_common import split_from_plan  # noqa: E402
+from pipeline_model import GPT2Stage, build_gpt2, causal_lm_loss  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_gpt2_stages_compute_the_whole_models_loss_and_gradients() -> None:
+    torch.manual_seed(0)
+    model = build_gpt2(vocab=300, dim=32, hidden=64, layers=4, heads=4, seq=12)
+    ids = torch.randint(0, 300, (3, 12), generator=torch.Generator().manual_seed(1))
+    whole = model(ids, ids)
+    whole.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    stages = [GPT2Stage(model, a, b) for a, b in ((0, 0), (1, 2), (3, 3))]
+    held = [{id(p) for p in s.parameters()} for s in stages]
+    assert sum(len(h) for h in held) == len(list(model.parameters()))  # each parameter on one stage
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    staged = causal_lm_loss(x, ids)
+    staged.backward()
+    torch.testing.assert_close(staged, whole, rtol=0, atol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _plan(*params: list[str]) -> dict:
+    return {"subdags": [{"subdag": i, "nodes": [], "params": p} for i, p in enumerate(params)]}
+
+
+def _block(k: int) -> list[str]:
+    return [f"lm.transformer.h.{k}.attn.c_attn.weight", f"lm.transformer.h.{k}.mlp.c_fc.weight"]
+
+
+EMBED = ["lm.transformer.wte.weight", "lm.transformer.wpe.weight"]
+HEAD = ["lm.transformer.ln_f.weight", "lm.lm_head.weight"]
+
+
+def test_gpt2_plans_are_mirrored_only_where_torchs_stages_can_hold_the_cut() -> None:
+    plan = _plan(EMBED + _block(0) + _block(1), _block(2) + _block(3) + HEAD)
+    assert split_from_plan(plan, 4, "gpt2") == [(0, 1), (2, 3)]
+
+    inside = _plan(EMBED + _block(0) + _block(1)[:1], _block(1)[1:] + _block(2) + _block(3) + HEAD)
+    with pytest.raises(ValueError, match="block 1 is cut"):
+        split_from_plan(inside, 4, "gpt2")
+
+    head_apart = _plan(EMBED + _block(0) + _block(1), _block(2) + _block(3), HEAD)
+    with pytest.raises(ValueError, match="head"):
+        split_from_plan(head_apart, 4, "gpt2")
