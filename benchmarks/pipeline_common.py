@@ -156,21 +156,32 @@ def _node_block(name: str) -> int | None:
 
 
 _GPT2_BLOCK = re.compile(r"^lm\.transformer\.h\.(\d+)\.")
+_GPT2_MLP = re.compile(r"^lm\.transformer\.h\.(\d+)\.mlp\.c_fc\.weight$")
 _GPT2_EMBED = ("lm.transformer.wte.", "lm.transformer.wpe.")
 _GPT2_HEAD = ("lm.transformer.ln_f.", "lm.lm_head.")
 
 
-def split_from_plan(plan: dict[str, Any], layers: int, model: str = "mlp") -> list[tuple[int, int]]:
+def split_from_plan(
+    plan: dict[str, Any], layers: int, model: str = "mlp", round_cuts: bool = False
+) -> list[tuple[int, int]]:
     """Per sub-DAG (in block order) its first and last block, from ``plan.json``'s ``nodes`` (MLP blocks) and
     ``params``. Raises when a cut falls inside a block, blocks are not contiguous, or (GPT-2) the embeddings
-    or the head are not with the first or last block, as torch's stages hold them."""
+    or the head are not with the first or last block, as torch's stages hold them. ``round_cuts`` (GPT-2):
+    a block cut in two goes to the sub-DAG that holds its MLP (two thirds of its work), so the cut moves to
+    the nearest block boundary."""
     owner: dict[int, int] = {}
     ends: dict[str, set[int]] = {"embeddings": set(), "head": set()}
+    if model == "gpt2" and round_cuts:
+        for sd in plan["subdags"]:
+            for m in map(_GPT2_MLP.match, sd.get("params", [])):
+                if m is not None:
+                    owner[int(m.group(1))] = sd.get("subdag", sd.get("index"))
     for sd in plan["subdags"]:
         index = sd.get("subdag", sd.get("index"))
         params = sd.get("params", [])
         if model == "gpt2":
             blocks = {int(m.group(1)) for m in map(_GPT2_BLOCK.match, params) if m is not None}
+            blocks -= set(owner) if round_cuts else set()
             for part, prefixes in (("embeddings", _GPT2_EMBED), ("head", _GPT2_HEAD)):
                 if any(p.startswith(prefixes) for p in params):
                     ends[part].add(index)

@@ -303,14 +303,17 @@ def run_contenders(cfg: Config, args: argparse.Namespace, workdir: Path, record:
     splits: dict[int, tuple[list[tuple[int, int]], str]] = {}
     for n in args.stages:
         split, source = balanced_split(cfg.layers, n * cfg.per_rank), "balanced, assumed"
-        for what, plan in plans[n]:
-            if plan is not None:
-                try:
-                    split, source = split_from_plan(plan, cfg.layers, cfg.model), what
-                except (ValueError, KeyError) as e:
-                    print(f"  warning: {what}: cannot mirror it: {e}", file=sys.stderr)
-                    continue
-                break
+        # GPT-2: a plan cut inside a block is mirrored as nearly as torch's stages can (``round_cuts``)
+        tries = [(what, plan, False) for what, plan in plans[n] if plan is not None]
+        if cfg.model == "gpt2":
+            tries += [(f"{what}, cuts moved to blocks", plan, True) for what, plan, _ in list(tries)]
+        for what, plan, rounded in tries:
+            try:
+                split, source = split_from_plan(plan, cfg.layers, cfg.model, rounded), what
+            except (ValueError, KeyError) as e:
+                print(f"  warning: {what}: cannot mirror it: {e}", file=sys.stderr)
+                continue
+            break
         splits[n] = (split, source)
         record(run_torchpipe(cfg, split, source, args.timeout))
     return splits

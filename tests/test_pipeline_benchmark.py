@@ -64,3 +64,12 @@ def test_gpt2_plans_are_mirrored_only_where_torchs_stages_can_hold_the_cut() -> 
     head_apart = _plan(EMBED + _block(0) + _block(1), _block(2) + _block(3), HEAD)
     with pytest.raises(ValueError, match="head"):
         split_from_plan(head_apart, 4, "gpt2")
+
+
+def test_a_gpt2_cut_inside_a_block_moves_to_the_side_that_holds_its_mlp() -> None:
+    attn_of_1 = ["lm.transformer.h.1.attn.c_attn.weight"]
+    mlp_of_1 = ["lm.transformer.h.1.mlp.c_fc.weight"]
+    plan = _plan(EMBED + _block(0) + attn_of_1, mlp_of_1 + _block(2) + _block(3) + HEAD)
+    assert split_from_plan(plan, 4, "gpt2", round_cuts=True) == [(0, 0), (1, 3)]
+    plan = _plan(EMBED + _block(0) + attn_of_1 + mlp_of_1, _block(2) + _block(3) + HEAD)
+    assert split_from_plan(plan, 4, "gpt2", round_cuts=True) == [(0, 1), (2, 3)]
