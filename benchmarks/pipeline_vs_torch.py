@@ -3,17 +3,16 @@
 All contenders train the same model (``benchmarks/pipeline_model.py``: identical pre-norm MLP blocks,
 cross-entropy on the last block's output; or, ``--model gpt2``, a ``transformers`` GPT-2 with untied
 embeddings and its own causal-LM loss, which torch's stages rebuild from its modules, cut between blocks),
-from the same initial weights (built right after
-``torch.manual_seed(seed)``), on the same batches (batch s = samples [s*B, (s+1)*B) modulo the dataset),
-with the same schedule (``--schedule``: GPipe, each batch split into M micro-batches, all forwards, all
-backwards, one SGD step; or 1F1B; or FusionNet's zero-bubble ZB-H1 against torch's 1F1B, since torch's
-zero-bubble schedules need several stages per rank; or interleaved 1F1B, the model cut into N x
-``--chunks`` stages, torch's rank r and FusionNet's compnode r holding stages r, N + r, ...), and with the
-same number of torch threads per
-process (``--threads``, default 1). FusionNet's rows also give each stage's peak activation bytes
-(metrics.jsonl's ``activation_peak_bytes``) and the bubble: the share of the step its stages did not
-compute, averaged over the stages (1 - ``compute_seconds`` / ``seconds``; it includes waiting for the
-network and the broker's call, which the schedule's own bubble, (p - 1) / (m + p - 1), does not):
+from the same initial weights (built right after ``torch.manual_seed(seed)``), on the same batches (batch s
+= samples [s*B, (s+1)*B) modulo the dataset), with the same schedule (``--schedule``: GPipe, each batch
+split into M micro-batches, all forwards, all backwards, one SGD step; or 1F1B; or FusionNet's zero-bubble
+ZB-H1 against torch's 1F1B, since torch's zero-bubble schedules need several stages per rank; or interleaved
+1F1B, the model cut into N x ``--chunks`` stages, torch's rank r and FusionNet's compnode r holding stages
+r, N + r, ...), and with the same number of torch threads per process (``--threads``, default 1).
+FusionNet's rows also give each stage's peak activation bytes (metrics.jsonl's ``activation_peak_bytes``)
+and the bubble: the share of the step its stages did not compute, averaged over the stages (1 -
+``compute_seconds`` / ``seconds``; it includes waiting for the network and the broker's call, which the
+schedule's own bubble, (p - 1) / (m + p - 1), does not):
 
 - ``plain torch``       one process, the M micro-batches one after the other with gradient accumulation.
                         The reference for the ratios.
@@ -26,12 +25,12 @@ network and the broker's call, which the schedule's own bubble, (p - 1) / (m + p
 - ``fusionnet local N`` ``fusionnet run --local N``: the same planner and executor in one process (N
                         virtual compnodes, in-memory channel). Shows the executor's own overhead.
 
-Step times are medians over the steps after ``--warmup``. Each torch contender times a step from a
-barrier before it to a barrier after the optimizer step (so the slowest stage counts); FusionNet times
-it in its driver. The split of the torch pipeline is read from FusionNet's ``plan.json`` (per sub-DAG
-its nodes, mapped to blocks; a cut inside a block is refused) and printed; without a FusionNet plan the
-balanced block split is used and marked as assumed. The first and last losses are printed per contender
-as a check that they all train the same thing.
+Step times are medians over the steps after ``--warmup``. Each torch contender times a step from a barrier
+before it to a barrier after the optimizer step (so the slowest stage counts); FusionNet times it in its
+driver. The split of the torch pipeline is read from FusionNet's ``plan.json`` (per sub-DAG its nodes,
+mapped to blocks; a cut inside a block is refused, or for GPT-2 moved to the nearest block boundary and
+marked so) and printed; without a FusionNet plan the balanced block split is used and marked as assumed. The
+first and last losses are printed per contender as a check that they all train the same thing.
 
 FusionNet's sandbox workers keep freed memory in their heap (``fusionnet.daemon.memory.keep_freed_memory``):
 a step's tensors reuse the last step's pages instead of faulting fresh ones in. The torch contenders run
