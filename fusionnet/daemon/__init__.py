@@ -13,4 +13,5 @@ Map of the package:
 - ``logs.py``      ``[role peer_id]`` on every log line.
 - ``addresses.py`` which multiaddrs are worth publishing (no loopback into a swarm across machines) and
                    where a compnode's data path listens and what it announces (``--data-host`` default).
+- ``memory.py``    glibc's allocator: daemons return large freed buffers, sandbox workers keep theirs.
 """

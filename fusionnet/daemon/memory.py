@@ -1,4 +1,6 @@
-"""Large buffers go back to the operating system when a daemon frees them.
+"""glibc's allocator, set per process: a daemon returns large buffers to the operating system when it
+frees them (``return_large_buffers``); a process that computes steps keeps them for the next step
+(``keep_freed_memory``).
 
 A daemon handles messages of tens of MB (assignment parts, collect chunks, replica chunks). glibc
 serves an allocation that large with ``mmap`` and unmaps it on ``free``, but only up to a threshold
