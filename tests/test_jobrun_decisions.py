@@ -213,6 +213,7 @@ def test_a_dead_compnode_is_replaced_by_a_backup_and_the_steps_replayed(
     (recovery,) = run.progress.recoveries
     # replicas are paced (broker.replicas.PACE): the round after step 0 is the newest when step 2 fails
     assert recovery["lost"] == [victim] and recovery["replay_from"] == 1 and recovery["failed_step"] == 2
+    assert recovery["checkpoint"] == "replicas"
     assert "replay" in recovery and "redistribution" in recovery
     assert [r["step"] for r in run.progress.metrics] == list(range(STEPS))  # each step recorded once
     assert len(events(context, "planned")) == 2 and len(events(context, "recovered")) == 1

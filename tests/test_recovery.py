@@ -310,10 +310,12 @@ def test_a_compnode_joining_mid_job_is_used_after_a_replan(tmp_path: Path) -> No
 
 @pytest.mark.timeout(420)
 def test_a_compnode_holding_interleaved_chunks_killed_mid_step_loses_nothing(tmp_path: Path) -> None:
-    """interleaved-1f1b: each compnode holds 2 sub-DAGs; one is SIGKILLed in a backward of its second
-    step. Both of its chunks are lost at once; the backup takes them (the broker's own paced checkpoints,
-    no replicas for such a placement), and the job ends with plain PyTorch's weights, every step once."""
-    regular = [{"env": {"FUSIONNET_FAULT": "bp:1:0"}}, {}]
+    """interleaved-1f1b: each compnode holds 2 sub-DAGs; one is SIGKILLed in a backward of its sixth
+    step. Both of its chunks are lost at once; their snapshots are on the other compnode (each chunk's
+    ring holder is the next chunk's compnode), so the backup takes them from the replicas, not from the
+    broker's checkpoint of the submission, and the job ends with plain PyTorch's weights, every step
+    once."""
+    regular = [{"env": {"FUSIONNET_FAULT": "bp:5:0"}}, {}]
     with running_swarm(tmp_path / "swarm", [*regular, {"backup": True}]) as sw:
         observer = BlockingObserver(sw.initial_peers)
         try:
@@ -330,6 +332,9 @@ def test_a_compnode_holding_interleaved_chunks_killed_mid_step_loses_nothing(tmp
             assert len(holders) == 4 and len(set(holders)) == 2
             recoveries = [r for r in plan["recoveries"] if "lost" in r]
             assert recoveries and all("replay" in r or r.get("superseded") for r in recoveries)
+            # The round asked for at step 0 (2 s apart at most: these steps take tens of ms) was on its
+            # holder's disk steps before the kill: the replay starts after step 0, from the replicas.
+            assert recoveries[0]["checkpoint"] == "replicas" and recoveries[0]["replay_from"] >= 1
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             assert [r["step"] for r in rows] == list(range(10))
         finally:

@@ -113,13 +113,17 @@ def test_replica_frames_that_are_not_the_holders_to_keep_are_refused_counted_and
 ) -> None:
     blob = torch.frombuffer(bytearray(b"0123456789"), dtype=torch.uint8)
     bad = [
-        _frame(PEERS[0], "replica/1/state", blob),  # no chunk count
-        _frame(PEERS[0], "replica/1/all/1", blob),  # no such part
-        _frame(PEERS[2], "replica/1/state/1", blob),  # sub-DAG 2's snapshots are not kept here
-        _frame(PEERS[0], "replica/0/state/1", blob),  # an old attempt
-        _frame(PEERS[0], "replica/1/state/2", blob, chunk=2),  # chunk 2 of 2
-        _frame(PEERS[0], "replica/1/state/1", torch.ones(3)),  # not raw bytes
-        _frame(PEERS[0], "replica/1/state/1", blob.view(2, 5)),
+        _frame(PEERS[0], "replica/1/0/state", blob),  # no chunk count
+        _frame(PEERS[0], "replica/1/state/1", blob),  # no sub-DAG
+        _frame(PEERS[0], "replica/1/0/all/1", blob),  # no such part
+        _frame(PEERS[2], "replica/1/2/state/1", blob),  # sub-DAG 2's snapshots are not kept here
+        _frame(PEERS[2], "replica/1/0/state/1", blob),  # sub-DAG 0's, but from another compnode
+        _frame(PEERS[0], "replica/1/1/state/1", blob),  # our own sub-DAG's, from another compnode
+        _frame(PEERS[0], "replica/1/7/state/1", blob),  # no such sub-DAG
+        _frame(PEERS[0], "replica/0/0/state/1", blob),  # an old attempt
+        _frame(PEERS[0], "replica/1/0/state/2", blob, chunk=2),  # chunk 2 of 2
+        _frame(PEERS[0], "replica/1/0/state/1", torch.ones(3)),  # not raw bytes
+        _frame(PEERS[0], "replica/1/0/state/1", blob.view(2, 5)),
     ]
 
     async def run() -> tuple[SubtaskService, bool]:
@@ -130,7 +134,7 @@ def test_replica_frames_that_are_not_the_holders_to_keep_are_refused_counted_and
             await route(frame)
         assert s._refused("j1") == len(bad) and s.replicas.held("j1", 1) == {}
         assert not any((s.replicas.folder / "j1").glob("*"))
-        good = replica_frame("j1", PEERS[0], 1, 4, (0, 1, "state"), bytearray(b"0123456789"))
+        good = replica_frame("j1", PEERS[0], 1, 0, 4, (0, 1, "state"), bytearray(b"0123456789"))
         await route(good)
         confirm = {"job_id": "j1", "attempt": 1, "subdag": 0, "step": 4, "part": "state", "landed": True}
         reply = await s.rpc_replicate(dict(confirm, blob=b""), _context(PEERS[0], "replicate"))

@@ -18,6 +18,7 @@ from fusionnet.broker.replicas import (
     ReplicaBook,
     ReplicaPointer,
     best_step,
+    replicas_apart,
     ring_holders,
     round_cost,
 )
@@ -34,6 +35,16 @@ def test_holders_form_a_ring_and_a_single_sub_dag_has_none() -> None:
     book = ReplicaBook()
     book.reset(1, enabled=True)
     assert not book.enabled and book.request(0) == (False, None) and book.holders() is None
+
+
+def test_interleaved_chunks_keep_their_replicas_on_another_compnode_but_one_compnode_cannot() -> None:
+    """Sub-DAG s of an interleaved job runs on compnode s mod p, so each ring holder is on the next
+    compnode; with one compnode (or a placement that puts neighbours together) a copy would die with
+    its sub-DAG."""
+    assert replicas_apart(["A", "B", "A", "B"]) and replicas_apart(["A", "B", "C", "A", "B", "C"])
+    assert replicas_apart(["A", "B"]) and replicas_apart(["A", "B", "C"])
+    assert not replicas_apart(["A", "A"]) and not replicas_apart(["A", "A", "B", "B"])
+    assert not replicas_apart(["A"]) and not replicas_apart([])
 
 
 def test_one_round_in_flight_committed_when_every_sub_dag_confirmed() -> None:

@@ -231,6 +231,7 @@ def test_assignments_that_mean_nothing_are_refused_and_nothing_is_kept(assign_do
         (_changed(doc, subdag=0, link_keys=[b"", link, link]), JobError, f"sub-DAG 0 is for {PEERS[0]}, not"),
         (_changed(doc, peers=doc["peers"][:2], link_keys=[link, b""]), JobError, "2 peers for 3 sub-DAGs"),
         (_changed(doc, link_keys=[link, link, link]), WireError, "link_keys: one key"),
+        (_changed(doc, replica_holders=[1, 1, 0]), WireError, "replica_holders: per sub-DAG, a sub-DAG of"),
         (_changed(doc, ir=b"\x93\x01\x02\x03"), IRError, "IR: top level must be a map"),
         (_changed(doc, assignment={}), PartitionError, "not assigned"),
         (_changed(doc, state=b"not safetensors"), WireError, "assign j1: state: not a valid safetensors"),

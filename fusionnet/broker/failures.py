@@ -180,8 +180,10 @@ class RecoveryLog:
         self._replay_started = 0.0
         self._handover_started: float | None = None
 
-    def failed(self, failure: PeerFailure, replay_from: int, failed_step: int) -> dict[str, Any]:
-        """Detection is over: a new recovery (refused after ``MAX_RECOVERIES``)."""
+    def failed(self, failure: PeerFailure, replay_from: int, failed_step: int, source: str) -> dict[str, Any]:
+        """Detection is over: a new recovery (refused after ``MAX_RECOVERIES``), replayed from the
+        checkpoint before ``replay_from`` that ``source`` kept (``replicas``: the compnodes' snapshots;
+        ``broker``: its own)."""
         if len(self.entries) >= MAX_RECOVERIES:
             raise ExecutionError(f"job {self.job_id}: gave up after {len(self.entries)} recoveries")
         info: dict[str, Any] = {
@@ -191,14 +193,16 @@ class RecoveryLog:
             "detected_at": time.time(),
             "replay_from": replay_from,
             "failed_step": failed_step,
+            "checkpoint": source,
         }
         log.warning(
-            "job %s: detection: lost %s (%s) after %.2f s; replaying from step %d",
+            "job %s: detection: lost %s (%s) after %.2f s; replaying from step %d (the %s checkpoint)",
             self.job_id,
             ", ".join(info["lost"]),
             failure.why[:200],
             info["detection"],
             replay_from,
+            "replicas'" if source == "replicas" else "broker's",
         )
         self.context.metrics.failovers.inc(len(failure.dead))
         self.context.metrics.observe_recovery("detection", info["detection"])

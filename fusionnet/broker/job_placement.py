@@ -19,6 +19,7 @@ from fusionnet.broker.assignment_payloads import iter_assignment_payloads
 from fusionnet.broker.checkpoints import JobFiles
 from fusionnet.broker.failures import MAX_RECOVERIES, PeerFailure
 from fusionnet.broker.replanning import Replan
+from fusionnet.broker.replicas import replicas_apart
 from fusionnet.dag.partition import build_partition
 from fusionnet.errors import ExecutionError
 from fusionnet.planning.placement import Candidate, Placement
@@ -143,10 +144,10 @@ class JobPlacement:
         self._busy, self._busy_steps = {}, 0  # measured times are per sub-DAG of this placement
         self.partition = build_partition(self.job.graph, placement.assignment)
         self.peers = list(placement.peers)
-        # Compnodes that hold several sub-DAGs (interleaved) do not replicate yet: the ring would put a
-        # sub-DAG's copy on its own compnode; the broker's checkpoint syncs cover a loss instead.
-        distinct = len(set(self.peers)) == len(self.peers)
-        self.replicas.reset(len(self.peers), enabled=self.job.spec.task == "train" and distinct)
+        # A replica is worth something only on another compnode: interleaved chunks (sub-DAG s on
+        # compnode s mod p) put each ring neighbour on the next compnode, but never with one compnode.
+        apart = replicas_apart(self.peers)
+        self.replicas.reset(len(self.peers), enabled=self.job.spec.task == "train" and apart)
         self._planned_slowness = [self.ctx.speeds.slowness(p) for p in self.peers]
         self.attempt += 1
         self.progress.placement = [

@@ -163,10 +163,12 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
                     self._drop_ahead()
                     if recovering is not None:  # failed again before the replay was over
                         recovering["superseded"] = True
-                    ckpt = await self._replicated_checkpoint(failure, ckpt)
+                    recovered = await self._replicated_checkpoint(failure, ckpt)
+                    source = "broker" if recovered is ckpt else "replicas"
+                    ckpt = recovered
                     # Recovered once step k has run again, k the step that failed or, for a failure
                     # after a step (in its sync), that step: ``failed_step`` is k either way.
-                    recovering = self._on_failure(failure, ckpt, step if in_step else step - 1)
+                    recovering = self._on_failure(failure, ckpt, step if in_step else step - 1, source)
                     self._tell_lost(failure.dead)
                     step = ckpt.step
             if recovering is not None:  # the replicas held the last step: nothing was left to redo
@@ -258,8 +260,10 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
         self.ctx.refresh_job_metrics()
 
     # ---- failures (detection and the phase record: ``failures.py``) ------------------------------
-    def _on_failure(self, failure: PeerFailure, ckpt: Checkpoint, failed_step: int) -> dict[str, Any]:
-        info = self.recoveries.failed(failure, ckpt.step, failed_step)
+    def _on_failure(
+        self, failure: PeerFailure, ckpt: Checkpoint, failed_step: int, source: str
+    ) -> dict[str, Any]:
+        info = self.recoveries.failed(failure, ckpt.step, failed_step, source)
         self._exclude(failure)
         # The steps after the checkpoint run again: their rows and outputs are recorded again.
         self.progress.metrics = [r for r in self.progress.metrics if r["step"] < ckpt.step]

@@ -74,6 +74,13 @@ def ring_holders(n: int) -> list[int] | None:
     return [(i + 1) % n for i in range(n)] if n >= 2 else None
 
 
+def replicas_apart(peers: Sequence[str]) -> bool:
+    """Whether every sub-DAG's ring holder (``ring_holders``) is on another compnode than the sub-DAG
+    (``peers[i]`` runs sub-DAG i): a copy on its own compnode dies with it."""
+    holders = ring_holders(len(peers))
+    return holders is not None and all(peers[i] != peers[h] for i, h in enumerate(holders))
+
+
 class ReplicaBook:
     def __init__(
         self, interval: float = REPLICA_INTERVAL, clock: Callable[[], float] = time.monotonic
@@ -255,7 +262,7 @@ async def checkpoint_from_replicas(
     the ``live`` compnodes make up for all ``n`` sub-DAGs, fetched to the broker's disk chunk by chunk;
     None when they hold none (the caller goes on from ``last``). Metrics: the caller's."""
     held: dict[str, dict[int, list[int]]] = {}
-    for peer in live:
+    for peer in dict.fromkeys(live):  # a compnode of several sub-DAGs (interleaved chunks) is asked once
         try:
             reply = await calls.replicas(peer)
         except FusionNetError as e:  # gone too, or never held the job: not a source

@@ -22,7 +22,6 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fusionnet.compnode.netchannel import NetChannel, check_against_meta
-from fusionnet.compnode.replicas import Replicator
 from fusionnet.dag.channel import MessageKey
 from fusionnet.dag.checkpoint import load_optimizer_tensors, optimizer_tensors
 from fusionnet.dag.codec import decode_ir
@@ -60,7 +59,6 @@ class JobAssignment:
     channel: NetChannel
     example_batch: int
     replica_holders: list[int] | None = None  # per sub-DAG: who keeps its snapshots (None: nobody)
-    replicator: Replicator | None = None  # our snapshots leaving (``compnode.replicas``)
     steps_done: set[int] = field(default_factory=set)
     last_report: StepReport | None = None
     created_at: float = field(default_factory=time.time)

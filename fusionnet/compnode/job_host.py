@@ -63,7 +63,7 @@ class Host(Protocol):
     async def drop_inflight(self) -> None: ...
     async def serve(self, request: ServeStepRequest) -> ServeStepReply: ...
     async def collect(self, part: str, chunk: int, subdag: int | None = None) -> CollectReply: ...
-    def snapshot(self) -> Awaitable[tuple[list[Chunk], float]]: ...
+    def snapshot(self, subdag: int | None = None) -> Awaitable[tuple[list[Chunk], float]]: ...
     def deliver(self, frame: TensorFrame) -> None: ...
     def refused(self) -> int: ...
     async def close(self, why: str) -> None: ...
@@ -73,11 +73,11 @@ class JobHost:
     """``Host`` on a built ``JobAssignment``: compute on ``compute`` (None: inline)."""
 
     def __init__(self, job: JobAssignment, compute: Executor | None) -> None:
-        self.job = job  # the first sub-DAG assigned here (deployments and snapshots: the only one)
+        self.job = job  # the first sub-DAG assigned here (deployments: the only one)
         self.jobs: dict[int, JobAssignment] = {job.index: job}  # several with interleaved-1f1b
         self.compute = compute
         job.executor.compute = compute
-        self.snapshots = Snapshotter(job)
+        self.snapshots = {job.index: Snapshotter(job)}  # by sub-DAG
         self._order = StepOrder()  # deployments: request batches run in step order
         self._collected: tuple[tuple[str, int, int], SliceStream] | None = None
         self._device_steps = DeviceSteps()
@@ -91,6 +91,7 @@ class JobHost:
             raise JobError(f"job {job.job_id}: sub-DAG {job.index} is held here already")
         job.executor.compute = self.compute
         self.jobs[job.index] = job
+        self.snapshots[job.index] = Snapshotter(job)
 
     def local(self, subdag: int) -> bool:
         return subdag in self.jobs
@@ -168,11 +169,11 @@ class JobHost:
             self._collected = (key, SliceStream(tensors, sorted(tensors)))
         return self._collected[1]
 
-    def snapshot(self) -> asyncio.Future[tuple[list[Chunk], float]]:
-        """The state and optimizer state in chunks, and the compute-thread seconds they cost. Started
-        on the compute thread *now*, so after the Update it is of; no later Update runs before the copy
-        is done (``compnode.snapshots``)."""
-        started = self._on_compute(self.snapshots.start)
+    def snapshot(self, subdag: int | None = None) -> asyncio.Future[tuple[list[Chunk], float]]:
+        """The state and optimizer state of sub-DAG ``subdag`` (default: the first) in chunks, and the
+        compute-thread seconds they cost. Started on the compute thread *now*, so after the Update it is
+        of; no later Update runs before the copy is done (``compnode.snapshots``)."""
+        started = self._on_compute(self.snapshots[self._of(subdag).index].start)
 
         async def chunks() -> tuple[list[Chunk], float]:
             copy, seconds = await started
@@ -196,7 +197,8 @@ class JobHost:
     async def close(self, why: str) -> None:
         for job in self.jobs.values():
             job.channel.mailbox.fail_all(JobError(f"job {job.job_id} was released: {why}"))
-        self.snapshots.close()
+        for snapshots in self.snapshots.values():
+            snapshots.close()
 
 
 @dataclass
@@ -214,7 +216,8 @@ class HeldJob:
     params: int  # parameters it owns
     host: Host
     replica_holders: list[int] | None = None  # per sub-DAG: who keeps its snapshots (None: nobody)
-    replicator: Replicator | None = None  # our snapshots leaving (``compnode.replicas``)
+    # our sub-DAGs' snapshots leaving, by sub-DAG (``compnode.replicas``)
+    replicators: dict[int, Replicator] = field(default_factory=dict)
     steps_done: set[int] = field(default_factory=set)  # steps every sub-DAG of ours has run
     # Answers to the latest steps per (step, sub-DAG), for a repeated request whose answer was lost on
     # the way (with a step sent ahead, step k's retry may come after k + 1 ran).

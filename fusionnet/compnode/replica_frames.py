@@ -9,15 +9,17 @@ The ``replicate`` call that follows carries no bytes: it asks the holder to conf
 is on its disk, and its answer says whether the snapshot is complete there, as before.
 
 Frame fields: ``step`` is the snapshot's step, ``microbatch`` the chunk's index, the name is
-``replica/<attempt>/<part>/<chunks>``. The holder accepts one only from the compnode of a sub-DAG
-whose replica the assignment gives it, for the current attempt, as raw bytes of a bounded size; any
-other is refused, logged and counted with the job's refused frames, and the job goes on.
+``replica/<attempt>/<sub-DAG>/<part>/<chunks>`` (the sub-DAG named: a compnode of an interleaved job
+holds several, each with its own holder). The holder accepts one only for a sub-DAG whose replica the
+assignment gives it, from that sub-DAG's compnode, for the current attempt, as raw bytes of a bounded
+size; any other is refused, logged and counted with the job's refused frames, and the job goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,14 +32,15 @@ KIND = "param"
 MAX_CHUNKS = 1 << 16  # as ``ReplicateRequest.chunks``
 MAX_CHUNK_BYTES = 1 << 30  # the data path server's payload limit; a bigger chunk takes the RPC
 LANDING_TIMEOUT = 120.0  # from the last byte in the owner's kernel to the chunk on the holder's disk
-_NAME = re.compile(r"^replica/(\d{1,9})/(state|optim)/(\d{1,6})$")
+_NAME = re.compile(r"^replica/(\d{1,9})/(\d{1,6})/(state|optim)/(\d{1,6})$")
 Landing = tuple[str, int, int, int, int]  # job id, attempt, sub-DAG, step, chunk
 
 
 def replica_frame(
-    job_id: str, sender: str, attempt: int, step: int, chunk: tuple[int, int, str], blob: object
+    job_id: str, sender: str, attempt: int, subdag: int, step: int, chunk: tuple[int, int, str], blob: object
 ) -> TensorFrame:
-    """Chunk ``(index, count, part)`` of a snapshot as a frame, without copying ``blob``."""
+    """Chunk ``(index, count, part)`` of sub-DAG ``subdag``'s snapshot as a frame, without copying
+    ``blob``."""
     index, count, part = chunk
     if isinstance(blob, bytes):  # read-only: torch would warn, and the frame may not write into it
         blob = bytearray(blob)
@@ -48,7 +51,7 @@ def replica_frame(
         kind=KIND,
         step=step,
         microbatch=index,
-        name=f"replica/{attempt}/{part}/{count}",
+        name=f"replica/{attempt}/{subdag}/{part}/{count}",
         tensor=tensor,
     )
 
@@ -67,19 +70,21 @@ class ReplicaChunkFrame:
 def check_replica_frame(
     frame: TensorFrame,
     attempt: int,
-    own_index: int,
-    subdag_of_peer: dict[str, int],
+    own: Collection[int],
+    peer_of: Sequence[str],
     holders: list[int] | None,
 ) -> ReplicaChunkFrame:
-    """``WireError`` saying what is wrong unless ``frame`` is a chunk this compnode keeps for its sender."""
+    """``WireError`` saying what is wrong unless ``frame`` is a chunk this compnode keeps for its sender:
+    ``own`` are our sub-DAGs, ``peer_of`` the compnode of each of the job's sub-DAGs."""
     m = _NAME.match(frame.name)
     if m is None:
-        raise WireError(f"replica frame name {frame.name[:80]!r} is not replica/<attempt>/<part>/<chunks>")
-    frame_attempt, part, count = int(m[1]), m[2], int(m[3])
-    subdag = subdag_of_peer.get(frame.sender)
-    if subdag is None:
-        raise WireError(f"peer {frame.sender} holds no sub-DAG of this job")
-    if holders is None or subdag >= len(holders) or subdag == own_index or holders[subdag] != own_index:
+        raise WireError(
+            f"replica frame name {frame.name[:80]!r} is not replica/<attempt>/<sub-DAG>/<part>/<chunks>"
+        )
+    frame_attempt, subdag, part, count = int(m[1]), int(m[2]), m[3], int(m[4])
+    if subdag >= len(peer_of) or peer_of[subdag] != frame.sender:
+        raise WireError(f"peer {frame.sender} does not hold sub-DAG {subdag} of this job")
+    if holders is None or subdag >= len(holders) or subdag in own or holders[subdag] not in own:
         raise WireError(f"this compnode keeps no replica of sub-DAG {subdag}")
     if frame_attempt != attempt:
         raise WireError(f"snapshot of attempt {frame_attempt}, this is {attempt}")

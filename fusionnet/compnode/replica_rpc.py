@@ -66,22 +66,24 @@ class ReplicaRPC:
     ) -> bool:
         raise NotImplementedError  # SubtaskService's
 
-    def _replicator(self, job: HeldJob) -> Replicator | None:
+    def _replicator(self, job: HeldJob, subdag: int | None = None) -> Replicator | None:
+        """The snapshots of our sub-DAG ``subdag`` (default: our first) leaving for its holder."""
         holders = job.replica_holders
         if holders is None or job.spec.task != "train":
             return None
-        if job.replicator is None:
-            holder_index = holders[job.index]
+        i = job.index if subdag is None else subdag
+        if i not in job.replicators:
+            holder_index = holders[i]
             holder = job.peers[holder_index].peer_id
             client = CompnodeClient(self.node.call)
 
             async def send(step: int, index: int, count: int, chunk: Chunk) -> bool:
                 where = (index, count, chunk[0])
-                landed = await self._send_chunk_frame(job, holder_index, step, where, chunk[1])
+                landed = await self._send_chunk_frame(job, i, holder_index, step, where, chunk[1])
                 request = ReplicateRequest(
                     job_id=job.job_id,
                     attempt=job.attempt,
-                    subdag=job.index,
+                    subdag=i,
                     step=step,
                     chunk=index,
                     chunks=count,
@@ -96,24 +98,25 @@ class ReplicaRPC:
                 if self.fault is not None:
                     self.fault.hit("sync")
 
-            job.replicator = Replicator(self.replicas, job.job_id, job.attempt, job.index, send, fault)
-        return job.replicator
+            job.replicators[i] = Replicator(self.replicas, job.job_id, job.attempt, i, send, fault)
+        return job.replicators[i]
 
     async def _send_chunk_frame(
-        self, job: HeldJob, holder: int, step: int, chunk: tuple[int, int, str], blob: object
+        self, job: HeldJob, subdag: int, holder: int, step: int, chunk: tuple[int, int, str], blob: object
     ) -> bool:
-        """Sends a chunk to its holder over the data path; False when it must go in the RPC instead
-        (no data path address, the path is down, or the chunk is bigger than a frame may be)."""
+        """Sends a chunk of ``subdag``'s snapshot to its holder over the data path; False when it must
+        go in the RPC instead (no data path address, the path is down, or the chunk is bigger than a
+        frame may be)."""
         if self.bulk is None or len(memoryview(blob)) > MAX_CHUNK_BYTES:  # type: ignore[arg-type]
             return False
-        frame = replica_frame(job.job_id, self.node.peer_id, job.attempt, step, chunk, blob)
+        frame = replica_frame(job.job_id, self.node.peer_id, job.attempt, subdag, step, chunk, blob)
         return await self.send_direct(self.bulk, job, holder, frame, "snapshots go by RPC")
 
     async def on_replica_frame(self, job: HeldJob, frame: TensorFrame) -> None:
         """A snapshot chunk a peer sent us over the data path: checked, then kept on disk."""
         try:
-            peers, holders = job.subdag_of_peer(), job.replica_holders
-            got = check_replica_frame(frame, job.attempt, job.index, peers, holders)
+            peer_of = [p.peer_id for p in job.peers]
+            got = check_replica_frame(frame, job.attempt, job.indices, peer_of, job.replica_holders)
         except WireError as e:
             self.replica_refused[job.job_id] = self.replica_refused.get(job.job_id, 0) + 1
             name, sender = frame.name[:80], frame.sender
@@ -130,29 +133,32 @@ class ReplicaRPC:
         self.landings.landed(key)
 
     def after_step(self, job: HeldJob, request: StepRequest) -> None:
-        """Called with the job's lock held, right after the step ran: queues the snapshot on the compute
-        thread before anything else can be (module docstring of ``compnode.replicas``)."""
-        replicator = self._replicator(job)
-        if replicator is None:
+        """Called with the job's lock held, right after every sub-DAG of ours ran the step: queues each
+        one's snapshot on the compute thread before anything else can be (module docstring of
+        ``compnode.replicas``)."""
+        if self._replicator(job) is None:
             return
         if request.keep_from is not None:
             self.replicas.prune(job.job_id, request.keep_from)
         if request.snapshot:
-            self._pace_snapshots(job, request.replica_pace)
-            replicator.start(request.step + 1, job.host.snapshot())
+            for i in job.indices:
+                replicator = self._replicator(job, i)
+                assert replicator is not None
+                self._pace_snapshots(job, i, request.replica_pace)
+                replicator.start(request.step + 1, job.host.snapshot(i))
 
-    def _pace_snapshots(self, job: HeldJob, pace: float | None) -> None:
-        """Caps the snapshot connection to this sub-DAG's holder at the broker's ``pace`` (bytes/s)."""
+    def _pace_snapshots(self, job: HeldJob, subdag: int, pace: float | None) -> None:
+        """Caps the snapshot connection to ``subdag``'s holder at the broker's ``pace`` (bytes/s)."""
         holders = job.replica_holders
         if self.bulk is None or holders is None:
             return
-        holder = job.peers[holders[job.index]]
+        holder = job.peers[holders[subdag]]
         if holder.data_address:
             self.bulk.pace(holder.data_address, pace)
 
     def forget_replicas(self, job: HeldJob) -> None:
-        if job.replicator is not None:
-            job.replicator.cancel()
+        for replicator in job.replicators.values():
+            replicator.cancel()
         self.replicas.drop(job.job_id)
         self.landings.forget(job.job_id)
         self.replica_refused.pop(job.job_id, None)
@@ -166,7 +172,7 @@ class ReplicaRPC:
         holders, i = job.replica_holders, request.subdag
         if request.attempt != job.attempt:
             raise JobError(f"job {job.job_id}: snapshot of attempt {request.attempt}, this is {job.attempt}")
-        if holders is None or i >= len(job.peers) or i == job.index or holders[i] != job.index:
+        if holders is None or i >= len(job.peers) or i in job.indices or holders[i] not in job.indices:
             raise JobError(f"job {job.job_id}: this compnode keeps no replica of sub-DAG {i}")
         if context.remote_peer != job.peers[i].peer_id:
             raise JobError(f"job {job.job_id}: only the compnode of sub-DAG {i} may replicate it")

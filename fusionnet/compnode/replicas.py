@@ -5,12 +5,13 @@ independent of the model's size).
 When the broker asks for a snapshot in a ``step`` request, the compnode copies its sub-DAG's state
 and optimizer state as that step left them (``compnode.snapshots``: on the compute thread right after
 the step, before any later Update can change them; on CUDA the copy runs beside the next step's FP and
-BP; the step's reply does not wait for it), keeps the blobs on its own disk and sends them in the background
-to the compnode the assignment names as the sub-DAG's replica holder (``replicate``). The holder keeps
-them on its disk. A snapshot is named by the checkpoint step it is: the step to run next.
-The owner reports the latest snapshot its holder confirmed in its next step replies; the broker asks
-for a new one only when every sub-DAG confirmed the last (``broker.replicas``), and says in
-``keep_from`` which older ones may go.
+BP; the step's reply does not wait for it), keeps the blobs on its own disk and sends them in the
+background to the compnode the assignment names as the sub-DAG's replica holder (``replicate``). A
+compnode holding interleaved chunks does so for each of them: one ``Replicator`` per sub-DAG, each
+towards its own holder. The holder keeps them on its disk. A snapshot is named by the checkpoint
+step it is: the step to run next. The owner reports the latest snapshot its holder confirmed in its
+next step replies; the broker asks for a new one only when every sub-DAG confirmed the last
+(``broker.replicas``), and says in ``keep_from`` which older ones may go.
 
 After a SIGKILL the broker asks the survivors which snapshots they keep (``replicas``) and fetches, one
 sub-DAG at a time, the newest step every sub-DAG has somewhere (``fetch_replica``): the lost sub-DAG's

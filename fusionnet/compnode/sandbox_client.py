@@ -390,8 +390,8 @@ class SandboxedJob:
         _, blobs = await self._call("collect", {"part": part, "chunk": chunk, "subdag": subdag})
         return CollectReply.model_validate(_unpacked(blobs))
 
-    def snapshot(self) -> Awaitable[tuple[list[Chunk], float]]:
-        snapshot_id, queued = self._queue("snapshot", {})
+    def snapshot(self, subdag: int | None = None) -> Awaitable[tuple[list[Chunk], float]]:
+        snapshot_id, queued = self._queue("snapshot", {} if subdag is None else {"subdag": subdag})
 
         async def chunks() -> tuple[list[Chunk], float]:
             header, _ = await queued

@@ -297,8 +297,8 @@ class Worker:
         if self.host is None:
             await self._reply(call_id, {"error": error_of(ExecutionError("no job to snapshot"))})
             return
-        pending = self.host.snapshot()
         try:
+            pending = self.host.snapshot(_subdag_field(header))
             chunks, seconds = await pending
         except Exception as e:
             await self._reply(call_id, {"error": error_of(e)})

@@ -73,6 +73,7 @@ class StepRPC:
         if job.spec.task != "infer":
             self.node.metrics.set_activation_peak(outcome.activation_peak_bytes)
         self.node.metrics.count_subtask("succeeded")
+        replicator = job.replicators.get(subdag)  # this sub-DAG's snapshots
         reply = StepReply(
             step=step,
             loss=outcome.loss,
@@ -83,8 +84,8 @@ class StepRPC:
             sent_bytes=outcome.sent_bytes,
             refused=self._refused(job.job_id),
             outputs=outcome.outputs,
-            replicated=None if job.replicator is None else job.replicator.confirmed,
-            snapshot_seconds=0.0 if job.replicator is None else job.replicator.take_seconds(),
+            replicated=None if replicator is None else replicator.confirmed,
+            snapshot_seconds=0.0 if replicator is None else replicator.take_seconds(),
         )
         job.answered(reply, subdag)
         return reply

@@ -104,9 +104,12 @@ class AssignRequest(Message):
         holders = self.replica_holders
         if holders is not None and (
             len(holders) != len(self.peers)
-            or any(h >= len(self.peers) or h == i for i, h in enumerate(holders))
+            or any(
+                h >= len(self.peers) or self.peers[h].peer_id == self.peers[i].peer_id
+                for i, h in enumerate(holders)
+            )
         ):
-            raise ValueError("replica_holders: one other sub-DAG per sub-DAG")
+            raise ValueError("replica_holders: per sub-DAG, a sub-DAG of another compnode")
         if (self.key is None) == (self.link_keys is None):
             raise ValueError("give either key or link_keys")
         links = self.link_keys

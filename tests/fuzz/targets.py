@@ -236,9 +236,9 @@ def replica_frame_target() -> Target:
             tensor = tensor.float()
         frame = TensorFrame(job_id="j", sender="A", kind="param", step=3, microbatch=index,
                             name=name.decode("utf-8", "replace"), tensor=tensor)  # fmt: skip
-        return check_replica_frame(frame, 1, 1, {"A": 0, "C": 2}, [1, 2, 0])
+        return check_replica_frame(frame, 1, [1], ["A", "B", "C"], [1, 2, 0])
 
-    seeds = [b"\x00\x03replica/1/state/2", b"\x01\x00replica/1/optim/2", b"\x05\x09replica/0/state/9"]
+    seeds = [b"\x00\x03replica/1/0/state/2", b"\x01\x00replica/1/0/optim/2", b"\x05\x09replica/0/2/state/9"]
     return Target("replica_frame", call, seeds, (WireError,))
 
 
