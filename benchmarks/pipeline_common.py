@@ -15,6 +15,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 MODEL_FILE = HERE / "pipeline_model.py"
 sys.path.insert(0, str(HERE))  # pipeline_model, also in spawned workers (they get sys.path)
+sys.path.insert(1, str(HERE.parent))  # fusionnet (its schedules), also in spawned workers
 
 FUSIONNET = [sys.executable, "-m", "fusionnet.cli.main"]
 KINDS = ("torch pipe", "fusionnet", "fusionnet local")  # table order, after plain torch
@@ -34,8 +35,8 @@ class Config:
     threads: int
     data_path: str
     # gpipe | 1f1b | zero-bubble | interleaved-1f1b: FusionNet's placement.schedule; torch's ScheduleGPipe /
-    # Schedule1F1B / ScheduleInterleaved1F1B (for zero-bubble, Schedule1F1B: torch's zero-bubble schedules
-    # need several stages per rank)
+    # Schedule1F1B / ScheduleInterleaved1F1B (for zero-bubble, torch's schedule runtime given FusionNet's
+    # ZB-H1 programs: torch's own zero-bubble schedules need several stages per rank)
     schedule: str = "gpipe"
     chunks: int = 2  # interleaved-1f1b: stages per rank / sub-DAGs per compnode
     sandbox: str = "process"  # the compnodes' --sandbox: per-job worker processes (default) or off

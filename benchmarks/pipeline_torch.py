@@ -77,8 +77,11 @@ def pipe_worker(
         else:
             subs = [cut(*split[rank])]
             stage = PipelineStage(subs[0], rank, world, torch.device("cpu"))
-            kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B  # zero-bubble: its nearest
-            schedule = kind(stage, cfg.microbatches, loss_fn=loss_fn)  # scale_grads: 1/M
+            if cfg.schedule == "zero-bubble":  # FusionNet's own ZB-H1 programs, run by torch's runtime
+                schedule = zero_bubble_runtime(stage, world, cfg.microbatches, loss_fn)
+            else:
+                kind = ScheduleGPipe if cfg.schedule == "gpipe" else Schedule1F1B
+                schedule = kind(stage, cfg.microbatches, loss_fn=loss_fn)  # scale_grads: 1/M
         opt = torch.optim.SGD([p for s in subs for p in s.parameters()], lr=cfg.lr)
         times, losses = [], []
         for x, y in batches:
@@ -104,6 +107,33 @@ def pipe_worker(
         dist.destroy_process_group()
     except BaseException:
         queue.put(("error", rank, traceback.format_exc()))
+
+
+def zero_bubble_actions(world: int, microbatches: int) -> dict[int, list[Any]]:
+    """FusionNet's ZB-H1 programs (``fusionnet.schedules.zero_bubble_h1``) as torch's compute actions, rank
+    r running stage r: the same F, I (input gradients) and W (weight gradients) of each micro-batch in
+    the same order (FusionNet's U is the optimizer step, which the caller runs after ``step``)."""
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, _Action
+
+    from fusionnet.schedules import zero_bubble_h1
+
+    kinds = {"F": FORWARD, "I": BACKWARD_INPUT, "W": BACKWARD_WEIGHT}
+    programs = zero_bubble_h1(world, microbatches).programs
+    return {
+        rank: [_Action(rank, kinds[a.kind], a.mb) for a in program if a.kind in kinds]
+        for rank, program in enumerate(programs)
+    }
+
+
+def zero_bubble_runtime(stage: Any, world: int, microbatches: int, loss_fn: Any) -> Any:
+    """torch's schedule runtime (``_PipelineScheduleRuntime``, what its ``ScheduleInterleavedZeroBubble``
+    runs on) given ``zero_bubble_actions``, so both pipelines run one schedule; it adds the sends and
+    receives. torch's own zero-bubble schedules need several stages per rank."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    runtime = _PipelineScheduleRuntime([stage], microbatches, loss_fn=loss_fn)  # scale_grads: 1/M
+    runtime._prepare_schedule_with_comms(zero_bubble_actions(world, microbatches))
+    return runtime
 
 
 def free_port() -> int:

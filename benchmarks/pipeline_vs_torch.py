@@ -5,10 +5,11 @@ cross-entropy on the last block's output; or, ``--model gpt2``, a ``transformers
 embeddings and its own causal-LM loss, which torch's stages rebuild from its modules, cut between blocks),
 from the same initial weights (built right after ``torch.manual_seed(seed)``), on the same batches (batch s
 = samples [s*B, (s+1)*B) modulo the dataset), with the same schedule (``--schedule``: GPipe, each batch
-split into M micro-batches, all forwards, all backwards, one SGD step; or 1F1B; or FusionNet's zero-bubble
-ZB-H1 against torch's 1F1B, since torch's zero-bubble schedules need several stages per rank; or interleaved
-1F1B, the model cut into N x ``--chunks`` stages, torch's rank r and FusionNet's compnode r holding stages
-r, N + r, ...), and with the same number of torch threads per process (``--threads``, default 1).
+split into M micro-batches, all forwards, all backwards, one SGD step; or 1F1B; or zero-bubble ZB-H1,
+FusionNet's ``zero-bubble`` against torch's schedule runtime given the same ZB-H1 programs (torch's own
+zero-bubble schedules need several stages per rank); or interleaved 1F1B, the model cut into N x
+``--chunks`` stages, torch's rank r and FusionNet's compnode r holding stages r, N + r, ...), and with the
+same number of torch threads per process (``--threads``, default 1).
 FusionNet's rows also give each stage's peak activation bytes (metrics.jsonl's ``activation_peak_bytes``)
 and the bubble: the share of the step its stages did not compute, averaged over the stages (1 -
 ``compute_seconds`` / ``seconds``; it includes waiting for the network and the broker's call, which the
@@ -187,7 +188,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="gpipe",
         help="pipeline schedule of both pipelines: torch's ScheduleGPipe/Schedule1F1B/"
         "ScheduleInterleaved1F1B and FusionNet's placement.schedule (default gpipe); zero-bubble is "
-        "FusionNet's ZB-H1 against torch's 1F1B (its zero-bubble schedules need several stages per rank); "
+        "ZB-H1 on both, torch's schedule runtime running FusionNet's programs (torch's own zero-bubble "
+        "schedules need several stages per rank); "
         "interleaved-1f1b cuts the model into N x --chunks stages, rank / compnode r holding r, N + r, ...",
     )
     ap.add_argument(

@@ -73,3 +73,23 @@ def test_a_gpt2_cut_inside_a_block_moves_to_the_side_that_holds_its_mlp() -> Non
     assert split_from_plan(plan, 4, "gpt2", round_cuts=True) == [(0, 0), (1, 3)]
     plan = _plan(EMBED + _block(0) + attn_of_1 + mlp_of_1, _block(2) + _block(3) + HEAD)
     assert split_from_plan(plan, 4, "gpt2", round_cuts=True) == [(0, 1), (2, 3)]
+
+
+@pytest.mark.parametrize(("world", "microbatches"), [(2, 4), (3, 4), (3, 6)])
+def test_torch_runs_fusionnets_zero_bubble_programs_action_for_action(world: int, microbatches: int) -> None:
+    """``--schedule zero-bubble``: torch's runtime gets FusionNet's ZB-H1 programs, F, I and W of every
+    micro-batch in the same order on each rank, and lowers them to sends and receives without a cycle."""
+    from pipeline_torch import zero_bubble_actions
+    from torch.distributed.pipelining.schedules import _add_send_recv
+
+    from fusionnet.schedules import zero_bubble_h1
+
+    actions = zero_bubble_actions(world, microbatches)
+    programs = zero_bubble_h1(world, microbatches).programs
+    for rank, program in enumerate(programs):
+        ours = [f"{a.kind}{a.mb}" for a in program if a.kind != "U"]
+        assert [str(a) for a in actions[rank]] == [f"{rank}{x}" for x in ours]
+        assert {str(a)[1:] for a in actions[rank]} == {f"{k}{m}" for k in "FIW" for m in range(microbatches)}
+    lowered = _add_send_recv(actions, stage_to_rank=lambda s: s, num_stages=world)
+    sends = [str(a) for a in lowered[0] if "SEND" in str(a)]
+    assert sends == [f"0SEND_F{m}" for m in range(microbatches)]  # each forward output leaves once
