@@ -197,3 +197,73 @@ def test_a_chunk_that_would_fill_the_disk_is_refused_and_nothing_is_written(tmp_
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 << 20, 0, (1 << 19) + 6))  # a 10 MiB disk
     store.put("j", 1, 0, 4, (0, 1, "state"), b"123456")  # 5 % of it, 512 KiB, stays free
     assert replicas.DISK_RESERVE_SHARE == 0.05 and store.held("j", 1) == {0: [2, 4]}
+
+
+def _interleaved_assign_docs() -> list[dict[str, Any]]:
+    """figure3 cut into 4 sub-DAGs for interleaved-1f1b on 2 compnodes: PEERS[0] holds 0 and 2, PEERS[1]
+    (the service's own id) 1 and 3; the ring puts each chunk's replica on the next chunk's compnode."""
+    from fusionnet.broker.assignment_payloads import assignment_payloads
+    from fusionnet.broker.checkpoints import Checkpoint
+    from fusionnet.broker.submission import SubmittedJob
+    from fusionnet.dag.codec import encode_ir
+    from fusionnet.dag.partition import balanced_assignment, build_partition
+    from fusionnet.job.loader import load_job
+    from fusionnet.messages.jobwire import run_spec_of
+    from fusionnet.runtime.prepare import trace_job
+    from tests.jobfiles import REPO
+
+    job = load_job(REPO / "examples" / "figure3" / "job.yaml")
+    traced = trace_job(job)
+    partition = build_partition(traced.graph, balanced_assignment(traced.graph, 4))
+    spec = run_spec_of(job, "mean").model_copy(
+        update={"schedule": "interleaved-1f1b", "chunks": 2, "compnodes": 2, "microbatches": 2}
+    )
+    submitted = SubmittedJob(
+        job_id="j1",
+        spec=spec,
+        ir=encode_ir(traced.graph),
+        graph=traced.graph,
+        state=dict(traced.state),
+        data={"inputs": job.inputs, "labels": job.labels},
+        submitter="me",
+    )
+    peers = [PEERS[0], PEERS[1], PEERS[0], PEERS[1]]
+    requests = assignment_payloads(
+        submitted, partition, peers, {}, 1, Checkpoint(0, dict(traced.state)), replica_holders=[1, 2, 3, 0]
+    )
+    return [r.model_dump() for r in requests]
+
+
+def test_a_compnode_of_interleaved_chunks_keeps_the_replicas_of_both_chunks_before_its_own() -> None:
+    """We hold sub-DAGs 1 and 3; the ring [1, 2, 3, 0] gives us the replicas of 0 and 2, both from
+    PEERS[0], by call or over the data path, and nothing of our own chunks or from anybody else."""
+    docs = _interleaved_assign_docs()
+    blob = torch.frombuffer(bytearray(b"0123456789"), dtype=torch.uint8)
+
+    async def run() -> SubtaskService:
+        s = service()
+        for doc in (docs[1], docs[3]):
+            await s.rpc_assign(doc, _context(BROKER, "assign"))
+        assert s.jobs["j1"].indices == [1, 3]
+        snap = {"job_id": "j1", "attempt": 1, "step": 2, "part": "state", "blob": b"abc"}
+        refusals = [
+            (dict(snap, subdag=1), PEERS[0], "keeps no replica of sub-DAG 1"),
+            (dict(snap, subdag=3), PEERS[0], "keeps no replica of sub-DAG 3"),
+            (dict(snap, subdag=2), PEERS[2], "only the compnode of sub-DAG 2 may replicate it"),
+        ]
+        for payload, sender, why in refusals:
+            with pytest.raises(JobError, match=why):
+                await s.rpc_replicate(payload, _context(sender, "replicate"))
+        kept = await s.rpc_replicate(dict(snap, subdag=0), _context(PEERS[0], "replicate"))
+        assert kept == {"complete": True}
+        route = s.server.routes["j1"]  # type: ignore[union-attr]
+        await route(_frame(PEERS[0], "replica/1/3/state/1", blob))  # our own chunk's: refused
+        await route(_frame(PEERS[0], "replica/1/2/state/1", blob))
+        confirm = {"job_id": "j1", "attempt": 1, "subdag": 2, "step": 4, "part": "state", "landed": True}
+        reply = await s.rpc_replicate(dict(confirm, blob=b""), _context(PEERS[0], "replicate"))
+        assert reply == {"complete": True} and s.replica_refused["j1"] == 1
+        return s
+
+    s = asyncio.run(run())
+    assert s.replicas.held("j1", 1) == {0: [2], 2: [4]}
+    assert s.replicas.read("j1", 1, 2, 4, 0)[2] == b"0123456789"
