@@ -111,3 +111,50 @@ def test_run_local_puts_predictions_next_to_measurements(tmp_path: Path, capsys)
         assert s["prediction_error"] == pytest.approx(
             (s["predicted_seconds"] - s["measured_seconds"]) / s["measured_seconds"]
         )
+
+
+@pytest.mark.timeout(180)
+def test_plan_of_an_interleaved_job_is_the_brokers_placement(tmp_path: Path, capsys) -> None:
+    """``fusionnet plan`` on interleaved-1f1b: the 2 fastest devices of the nodes file (the laptop is
+    left out), the model cut evenly into 2 x 2 chunks, sub-DAG s on device s mod 2, and the step the
+    broker's placement predicts for those devices (``planning.placement``): plan.json predicts what runs."""
+    from fusionnet.job.loader import load_job
+    from fusionnet.perfmodel.nodes import load_nodes_file
+    from fusionnet.planning.optimizers import job_optimizers
+    from fusionnet.planning.placement import Candidate, JobShape, plan_placement
+    from fusionnet.runtime.prepare import trace_job
+    from tests.jobfiles import example_job
+
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(NODES)
+    placement = {"compnodes": 2, "schedule": "interleaved-1f1b", "chunks": 2}
+    job_path = example_job("gpt", tmp_path, microbatches=4, **placement)
+    out = tmp_path / "plan.json"
+    try:
+        assert main(["plan", str(job_path), "--nodes", str(nodes), "--json", str(out)]) == 0
+        job = load_job(job_path)
+    finally:
+        job_path.unlink()
+    text = capsys.readouterr().out
+    assert "interleaved-1f1b" in text and "2 fastest" in text and "chunk 1 of 2" in text
+    doc = json.loads(out.read_text())
+    assert [d["device"] for d in doc["devices"]] == [0, 1, 0, 1]
+    assert {d["name"] for d in doc["devices"]} == {"RTX 3080 #0", "RTX 3080 #1"}
+    assert len(doc["subdags"]) == 4 and doc["plan"]["workload"]["schedule"] == "interleaved-1f1b"
+
+    graph = trace_job(job).graph
+    swarm = load_nodes_file(nodes)
+    shape = JobShape(
+        graph=graph,
+        wanted=2,
+        microbatches=4,
+        batch_size=job.spec.data.batch_size,
+        optimizer=job_optimizers(job, graph),
+        schedule="interleaved-1f1b",
+        chunks=2,
+    )
+    pool = [Candidate(f"peer{i}", False, d) for i, d in enumerate(swarm.devices[:2])]
+    link = swarm.default_link  # the nodes file's network, between the two compnodes
+    placed = plan_placement(shape, pool, links={("peer0", "peer1"): link, ("peer1", "peer0"): link})
+    assert placed.peers == ("peer0", "peer1", "peer0", "peer1")
+    assert doc["predicted_step_seconds"] == pytest.approx(placed.predicted_step, rel=1e-9)

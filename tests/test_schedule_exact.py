@@ -168,7 +168,8 @@ def test_interleaved_infer_exact(tmp_path: Path) -> None:
 
 
 def test_interleaved_is_refused_clearly(tmp_path: Path) -> None:
-    """Bad settings name the key; ``plan`` and deployments refuse it before tracing, saying why."""
+    """Bad settings name the key; deployments refuse it before tracing, saying why; ``plan`` refuses a
+    micro-batch count the compnodes do not divide, as ``run --local`` does."""
     from fusionnet.runtime.planjob import plan_job
     from fusionnet.runtime.submit import submission_payload
 
@@ -176,8 +177,9 @@ def test_interleaved_is_refused_clearly(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match=r"micro-batches \(3\) to be a multiple of the devices \(2\)"):
         run_local(load_job(path), 2)
     path = _skip_job(tmp_path / "d", "SplitMerge", schedule="interleaved-1f1b", microbatches=4)
-    with pytest.raises(JobError, match=r"fusionnet plan searches cuts of one sub-DAG per compnode"):
-        plan_job(load_job(path))
+    with pytest.raises(PlanError, match=r"micro-batches \(3\) to be a multiple of the devices \(2\)"):
+        bad = _skip_job(tmp_path / "e", "SplitMerge", schedule="interleaved-1f1b", microbatches=3)
+        plan_job(load_job(bad), cache_dir=tmp_path / "profile")  # this machine profiled into a scratch cache
     with pytest.raises(JobError, match=r"a deployment runs forwards only.*interleaved-1f1b"):
         submission_payload(load_job(path), deployment=True)
     with pytest.raises(PlanError, match=r"multiple of the devices \(3\)"):  # --local 3 overrides compnodes

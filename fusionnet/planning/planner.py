@@ -13,13 +13,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fusionnet.dag.ir import IRGraph
-from fusionnet.dag.partition import Partition, build_partition
+from fusionnet.dag.partition import Partition, balanced_assignment, build_partition
 from fusionnet.errors import PlanError
 from fusionnet.perfmodel.memory import fmt_bytes
 from fusionnet.perfmodel.types import DeviceSpec, Link, Swarm, Workload
 from fusionnet.planning.costgraph import cost_graph, ir_assignment, micro_batch_scale
-from fusionnet.planning.scheduler import Plan, schedule
+from fusionnet.planning.scheduler import Plan, plan_for_assignment, schedule
 from fusionnet.planning.scheduler_plan import StagePlan
+from fusionnet.schedules import INTERLEAVED
 
 LOOPBACK = Link.from_bandwidth(100e-6, 1e9)  # local compnodes: loopback TCP, design.md's figures
 IN_PROCESS = Link(alpha=0.0, beta=0.0)  # run --local: tensors are handed over in memory
@@ -116,6 +117,73 @@ def plan_graph(
         predicted_step_seconds=plan.predicted_step_seconds,
         stage_timing=timing,
         explanation=_explain(plan, swarm, plan_devices, predicted, max_devices),
+        plan=plan,
+    )
+
+
+def plan_interleaved(
+    graph: IRGraph,
+    devices: Sequence[DeviceSpec],
+    chunks: int,
+    *,
+    microbatches: int,
+    batch_size: int | None = None,
+    optimizer: str | Mapping[str, str] | None = None,
+    links: Mapping[tuple[int, int], Link] | None = None,
+    default_link: Link | None = None,
+) -> PlannedJob:
+    """interleaved-1f1b on ``devices`` (p of them): ``graph`` cut evenly into p x ``chunks`` sub-DAGs
+    (``balanced_assignment``), sub-DAG s on device s mod p, priced by the performance model with the
+    interleaved schedule. The broker places such a job the same way (``placement._place_interleaved``):
+    the scheduler's search cuts for one sub-DAG per device, so it prices this cut but does not choose
+    it. ``links``: (i, j) device indices -> ``Link`` (``default_link`` for the pairs not given); two
+    sub-DAGs of one device are priced at loopback, as on the broker. Memory is not checked per device
+    (nor on the broker)."""
+    p = len(devices)
+    if p < 1 or chunks < 2:
+        raise PlanError(f"interleaved-1f1b needs >= 1 device and >= 2 chunks, got {p} and {chunks}")
+    k = p * chunks
+    assignment = balanced_assignment(graph, k)
+    device_of = [s % p for s in range(k)]
+    between = dict(links or {})
+    by_subdag = {
+        (a, b): LOOPBACK  # one device's chunks: priced as the broker prices them (``index_links``)
+        if device_of[a] == device_of[b]
+        else between.get((device_of[a], device_of[b]), default_link or LOOPBACK)
+        for a in range(k)
+        for b in range(k)
+        if a != b
+    }
+    swarm = make_swarm([devices[d] for d in device_of], by_subdag, default_link)
+    cg = cost_graph(
+        graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches), microbatches=microbatches
+    )
+    plan = plan_for_assignment(
+        cg,
+        swarm,
+        Workload(microbatches, graph.task, INTERLEAVED, chunks),
+        {op.name: assignment[op.name] for op in cg.ops},
+        check_memory=False,
+    )
+    predicted = {s.device: s.compute_seconds for s in plan.stages}
+    lines = [plan.describe(), ""]
+    for i, d in enumerate(device_of):
+        dev = devices[d]
+        lines.append(
+            f"sub-DAG {i}: device {d} ({dev.name}, {dev.kind}, S(p) {dev.speed / 1e9:.3g} GFLOP/s): chunk "
+            f"{i // p} of {chunks}, predicted FP+BP+Update {predicted[i]:.6g} s per step"
+        )
+    lines.append(
+        f"cut evenly into {p} device(s) x {chunks} chunks (interleaved-1f1b); predicted step time: "
+        f"{plan.predicted_step_seconds:.6g} s"
+    )
+    return PlannedJob(
+        assignment=dict(assignment),
+        devices=device_of,
+        predicted_seconds=predicted,
+        predicted_step_seconds=plan.predicted_step_seconds,
+        stage_timing={s.device: stage_timing(s) for s in plan.stages},
+        explanation="\n".join(lines),
         plan=plan,
     )
 

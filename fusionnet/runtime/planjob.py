@@ -12,13 +12,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from fusionnet.errors import JobError
 from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.perfmodel.nodes import load_nodes_file
-from fusionnet.perfmodel.types import DeviceSpec
+from fusionnet.perfmodel.types import DeviceSpec, Link
 from fusionnet.planning.optimizers import job_optimizers
 from fusionnet.planning.pipeline_schedule import choose_schedule
-from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph
+from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph, plan_interleaved
 from fusionnet.profiling.calibration import local_device_spec
 from fusionnet.results.files import plan_document
 from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count, with_microbatches
@@ -48,12 +47,6 @@ def plan_job(
     (profiled once, cached) on loopback links. Nothing runs."""
     if not isinstance(job, LoadedJob):
         job = load_job(job)
-    if job.spec.placement.schedule == "interleaved-1f1b":
-        raise JobError(
-            f"job {job.spec.name!r}: fusionnet plan searches cuts of one sub-DAG per compnode; an "
-            "interleaved-1f1b job is cut evenly into compnodes x chunks sub-DAGs (see its plan.json after "
-            "`fusionnet run --local N` or `fusionnet submit`)"
-        )
     spec = job.spec
     if nodes_file is not None:
         swarm = load_nodes_file(nodes_file)  # before tracing: a bad nodes file fails fast
@@ -69,10 +62,24 @@ def plan_job(
             f"{local.peak_flops / 1e9:.3g} GFLOP/s x lambda {local.speed_factor:.3g}, memory bandwidth "
             f"{local.mem_bandwidth / 1e9:.3g} GB/s), loopback links"
         )
+    chunks = spec.placement.chunks_per_compnode
+    if chunks > 1:
+        devices, links, where = _interleaved_devices(devices, links, spec.placement.compnodes, where)
     traced = trace_job(job)
     optimizer = job_optimizers(job, traced.graph)
 
     def plan(microbatches: int) -> PlannedJob:
+        if chunks > 1:  # interleaved-1f1b: cut evenly, as the broker does (``plan_interleaved``)
+            return plan_interleaved(
+                traced.graph,
+                devices,
+                chunks,
+                microbatches=microbatches,
+                batch_size=spec.data.batch_size,
+                optimizer=optimizer,
+                links=links,
+                default_link=default,
+            )
         return plan_graph(
             traced.graph,
             devices,
@@ -100,6 +107,7 @@ def plan_job(
             batch_size=spec.data.batch_size,
             optimizer=optimizer,
             microbatch_choices=counts,
+            chunks=chunks,
         )
         chosen = {"microbatches": choice.to_dict()}
         if choice.microbatches is not None and choice.microbatches != m:
@@ -126,3 +134,16 @@ def plan_job(
         },
     )
     return JobPlan(prepared, planned, devices, explanation, document)
+
+
+def _interleaved_devices(
+    devices: list[DeviceSpec], links: dict[tuple[int, int], Link], compnodes: int, where: str
+) -> tuple[list[DeviceSpec], dict[tuple[int, int], Link], str]:
+    """interleaved-1f1b runs on the ``compnodes`` fastest devices, fastest first (sub-DAG s on device s
+    mod p: the broker orders the fastest compnodes of its pool the same way), their links renumbered."""
+    order = sorted(range(len(devices)), key=lambda d: -devices[d].speed)[: max(1, compnodes)]
+    new = {d: i for i, d in enumerate(order)}
+    kept = {(new[a], new[b]): link for (a, b), link in links.items() if a in new and b in new}
+    if len(order) < len(devices):
+        where = f"{where}; interleaved-1f1b on the {len(order)} fastest (placement.compnodes)"
+    return [devices[d] for d in order], kept, where
