@@ -10,7 +10,8 @@ Map of the package:
 - ``costgraph.py``         IR graph -> the performance model's ``CostGraph`` (placeholders and
                            variables folded into their users), and a plan back onto IR nodes.
 - ``optimizers.py``        torch.optim settings -> the performance model's optimizer profile names.
-- ``planner.py``           ``plan_graph``: IR + devices + links -> sub-DAG assignment, devices, prediction.
+- ``planner.py``           ``plan_graph``: IR + devices + links -> sub-DAG assignment, devices, prediction;
+                           ``plan_interleaved``: the even cut of an interleaved-1f1b job, priced.
 - ``predict.py``           predictions for a partition already chosen (``run --local``, the broker).
 - ``pipeline_schedule.py`` ``placement.schedule``: a named schedule checked on the cut, or ``auto``.
 - ``placement.py``         which compnodes run a job: first placement, failover, hand-over, growth.

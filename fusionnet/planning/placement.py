@@ -31,7 +31,7 @@ from fusionnet.errors import PlanError
 from fusionnet.perfmodel.types import DeviceSpec, Link
 from fusionnet.planning.links import index_links
 from fusionnet.planning.pipeline_schedule import AUTO, ScheduleChoice, choose_schedule
-from fusionnet.planning.planner import PlannedJob, plan_graph
+from fusionnet.planning.planner import PlannedJob, plan_graph, plan_interleaved
 from fusionnet.planning.predict import predict_assignment
 
 PeerLinks = Mapping[tuple[str, str], Link]  # measured links by (from, to); others: index_links
@@ -235,28 +235,27 @@ def _place(
 def _place_interleaved(shape: JobShape, chosen: Sequence[Candidate], links: PeerLinks | None) -> Placement:
     """interleaved-1f1b: the model cut evenly into p x chunks sub-DAGs, compnode d (of the p fastest)
     holding d, p + d, ...; the performance model prices that cut when every compnode's hardware is known
-    (its search cuts for one sub-DAG per compnode, so it does not choose the cut here)."""
+    (``planner.plan_interleaved``, which ``fusionnet plan`` shows too)."""
     p, v = len(chosen), shape.chunks
     peers = tuple(chosen[s % p].peer_id for s in range(p * v))
-    placement = Placement(peers=peers, assignment=balanced_assignment(shape.graph, p * v), policy=BALANCED)
     if any(c.device is None for c in chosen):
-        return placement
-    predicted = predict_assignment(
+        return Placement(peers=peers, assignment=balanced_assignment(shape.graph, p * v), policy=BALANCED)
+    planned = plan_interleaved(
         shape.graph,
-        placement.assignment,
-        [chosen[s % p].device for s in range(p * v)],  # type: ignore[misc]
+        [c.device for c in chosen],  # type: ignore[misc]
+        v,
         microbatches=shape.microbatches,
         batch_size=shape.batch_size,
         optimizer=shape.optimizer,
-        links=index_links(peers, links),
-        pipeline_schedule=shape.schedule,
-        chunks=v,
+        links=index_links((c.peer_id for c in chosen), links),
     )
-    return replace(
-        placement,
-        predicted=predicted.per_subdag,
-        predicted_step=predicted.step_seconds,
-        stage_timing=predicted.stage_timing,
+    return Placement(
+        peers=peers,
+        assignment=planned.assignment,
+        policy=BALANCED,
+        predicted=planned.predicted_seconds,
+        predicted_step=planned.predicted_step_seconds,
+        stage_timing=planned.stage_timing,
     )
 
 
