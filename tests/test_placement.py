@@ -12,6 +12,7 @@ from fusionnet.perfmodel.types import Link
 from fusionnet.planning.placement import (
     BALANCED,
     SCHEDULER,
+    Candidate,
     JobShape,
     first_pool,
     grown_pool,
@@ -141,3 +142,31 @@ def test_consider_growth_adopts_only_a_predicted_gain_from_new_free_nodes(gpt: J
     balanced = plan_placement(gpt, alone, policy=BALANCED)
     assert consider_growth(gpt, balanced, [*alone, cand("b", 1e11)], 0.0) is None  # not the model's plan
     assert "predicted step" in grown.describe()
+
+
+def test_interleaved_chunks_must_fit_their_compnode_together(gpt: JobShape) -> None:
+    """Each chunk of an interleaved placement fits by itself, but a compnode holds all of its chunks at
+    once: the placement is refused, naming the compnode, when they do not fit there together."""
+    from dataclasses import replace
+
+    from fusionnet.planning.planner import plan_interleaved
+    from tests.planning_support import device
+
+    shape = replace(gpt, schedule="interleaved-1f1b", chunks=2, microbatches=4)
+    kwargs = {"microbatches": 4, "batch_size": shape.batch_size, "optimizer": shape.optimizer}
+    roomy = plan_interleaved(shape.graph, [device("a"), device("b")], 2, **kwargs)
+    need = [s.demand.cpu for s in roomy.plan.stages]  # CPU devices: d_cpu (and d_disk) only
+    disk = sum(s.demand.disk for s in roomy.plan.stages)  # enough disk for all: memory is what binds
+    together = need[0] + need[2]  # device 0 holds sub-DAGs 0 and 2
+    alone = max(need[0], need[2])
+    tight = [device("a", memory=(alone + together) // 2, disk=disk), device("b", disk=disk)]
+    with pytest.raises(PlanError, match=r"the 2 chunks of device 0 \('a'\) need .* together"):
+        plan_interleaved(shape.graph, tight, 2, **kwargs)
+    pool = [Candidate("a", False, tight[0]), Candidate("b", False, tight[1])]
+    with pytest.raises(PlanError, match=r"the 2 chunks of device 0 \('a'\)"):
+        plan_placement(shape, pool)  # the broker refuses it the same way
+    too_small = [device("a", memory=min(need[0], need[2]) // 2, disk=disk), device("b", disk=disk)]
+    with pytest.raises(PlanError, match=r"interleaved-1f1b: sub-DAG [02] .* needs"):
+        plan_interleaved(shape.graph, too_small, 2, **kwargs)
+    roomier = [device("a", memory=together + 1024, disk=disk), device("b", disk=disk)]
+    assert plan_interleaved(shape.graph, roomier, 2, **kwargs).predicted_step_seconds > 0

@@ -137,8 +137,8 @@ def plan_interleaved(
     interleaved schedule. The broker places such a job the same way (``placement._place_interleaved``):
     the scheduler's search cuts for one sub-DAG per device, so it prices this cut but does not choose
     it. ``links``: (i, j) device indices -> ``Link`` (``default_link`` for the pairs not given); two
-    sub-DAGs of one device are priced at loopback, as on the broker. Memory is not checked per device
-    (nor on the broker)."""
+    sub-DAGs of one device are priced at loopback, as on the broker. ``PlanError`` when a device's chunks
+    do not fit in its memory (``_check_chunks_fit``)."""
     p = len(devices)
     if p < 1 or chunks < 2:
         raise PlanError(f"interleaved-1f1b needs >= 1 device and >= 2 chunks, got {p} and {chunks}")
@@ -165,6 +165,7 @@ def plan_interleaved(
         {op.name: assignment[op.name] for op in cg.ops},
         check_memory=False,
     )
+    _check_chunks_fit(plan, devices, device_of, chunks)
     predicted = {s.device: s.compute_seconds for s in plan.stages}
     lines = [plan.describe(), ""]
     for i, d in enumerate(device_of):
@@ -186,6 +187,25 @@ def plan_interleaved(
         explanation="\n".join(lines),
         plan=plan,
     )
+
+
+def _check_chunks_fit(plan: Plan, devices: Sequence[DeviceSpec], device_of: list[int], chunks: int) -> None:
+    """``PlanError`` unless every chunk fits its device's memories, and a device's chunks together fit in
+    all of its memory and disk (each chunk is placed on the memories by itself, so together they are
+    held to the sum: a bound that never refuses a cut that fits)."""
+    for s in plan.stages:
+        why = s.demand.violation(devices[device_of[s.device]])
+        if why is not None:
+            raise PlanError(f"interleaved-1f1b: sub-DAG {s.device} ({len(s.ops)} ops) {why}")
+    for d, dev in enumerate(devices):
+        mine = [s.demand for s in plan.stages if device_of[s.device] == d]
+        need = sum(m.gpu + m.cpu + m.disk for m in mine)
+        have = dev.d_cpu + dev.d_disk + (dev.d_gpu if dev.kind == "gpu" else 0)
+        if need > have:
+            raise PlanError(
+                f"interleaved-1f1b: the {chunks} chunks of device {d} ({dev.name!r}) need {fmt_bytes(need)} "
+                f"together, more than its {fmt_bytes(have)} of memory and disk"
+            )
 
 
 def _explain(
