@@ -230,8 +230,12 @@ class DeploymentRun(JobRun):
                 pick=picks,
                 keep=keep,
             )
-            # the output sub-DAG's answer (logits of every row) is usually over the unary limit
-            big = self.partition is not None and self.partition.subdags[i].holds_output
+            # The output sub-DAG's answer is over the unary limit when it carries rows of logits (every
+            # row's, or the kept rows'); a stream costs a new libp2p stream per batch, so an answer of
+            # token ids only (no row kept: greedy decoding, a prompt's prefill) goes unary. Were it
+            # bigger after all, the server stashes it and the client fetches it: slower, never wrong.
+            out = self.partition is not None and self.partition.subdags[i].holds_output
+            big = out and (keep is None or any(keep))
             calls.append(self.serving.call_serve_step(peer, request, timeout=BATCH_TIMEOUT, large_answer=big))
         return await asyncio.wait_for(gather(calls), BATCH_TIMEOUT)
 
