@@ -202,36 +202,9 @@ def test_a_chunk_that_would_fill_the_disk_is_refused_and_nothing_is_written(tmp_
 def _interleaved_assign_docs() -> list[dict[str, Any]]:
     """figure3 cut into 4 sub-DAGs for interleaved-1f1b on 2 compnodes: PEERS[0] holds 0 and 2, PEERS[1]
     (the service's own id) 1 and 3; the ring puts each chunk's replica on the next chunk's compnode."""
-    from fusionnet.broker.assignment_payloads import assignment_payloads
-    from fusionnet.broker.checkpoints import Checkpoint
-    from fusionnet.broker.submission import SubmittedJob
-    from fusionnet.dag.codec import encode_ir
-    from fusionnet.dag.partition import balanced_assignment, build_partition
-    from fusionnet.job.loader import load_job
-    from fusionnet.messages.jobwire import run_spec_of
-    from fusionnet.runtime.prepare import trace_job
-    from tests.jobfiles import REPO
-
-    job = load_job(REPO / "examples" / "figure3" / "job.yaml")
-    traced = trace_job(job)
-    partition = build_partition(traced.graph, balanced_assignment(traced.graph, 4))
-    spec = run_spec_of(job, "mean").model_copy(
-        update={"schedule": "interleaved-1f1b", "chunks": 2, "compnodes": 2, "microbatches": 2}
-    )
-    submitted = SubmittedJob(
-        job_id="j1",
-        spec=spec,
-        ir=encode_ir(traced.graph),
-        graph=traced.graph,
-        state=dict(traced.state),
-        data={"inputs": job.inputs, "labels": job.labels},
-        submitter="me",
-    )
+    spec = {"schedule": "interleaved-1f1b", "chunks": 2, "compnodes": 2, "microbatches": 2}
     peers = [PEERS[0], PEERS[1], PEERS[0], PEERS[1]]
-    requests = assignment_payloads(
-        submitted, partition, peers, {}, 1, Checkpoint(0, dict(traced.state)), replica_holders=[1, 2, 3, 0]
-    )
-    return [r.model_dump() for r in requests]
+    return figure3_assign_docs(4, peers, spec, replica_holders=[1, 2, 3, 0])
 
 
 def test_a_compnode_of_interleaved_chunks_keeps_the_replicas_of_both_chunks_before_its_own() -> None:

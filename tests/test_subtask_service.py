@@ -92,13 +92,20 @@ def assign_docs() -> list[dict[str, Any]]:
     return figure3_assign_docs(3)
 
 
-def figure3_assign_docs(pieces: int) -> list[dict[str, Any]]:
+def figure3_assign_docs(
+    pieces: int,
+    peers: list[str] | None = None,
+    spec: dict[str, Any] | None = None,
+    replica_holders: list[int] | None = None,
+) -> list[dict[str, Any]]:
+    """figure3's ``assign`` payloads for ``pieces`` sub-DAGs, sub-DAG i on ``peers[i]`` (default: PEERS),
+    the run spec updated with ``spec``."""
     job = load_job(REPO / "examples" / "figure3" / "job.yaml")
     traced = trace_job(job)
     partition = build_partition(traced.graph, balanced_assignment(traced.graph, pieces))
     submitted = SubmittedJob(
         job_id="j1",
-        spec=run_spec_of(job, "mean"),
+        spec=run_spec_of(job, "mean").model_copy(update=spec or {}),
         ir=encode_ir(traced.graph),
         graph=traced.graph,
         state=dict(traced.state),
@@ -106,7 +113,8 @@ def figure3_assign_docs(pieces: int) -> list[dict[str, Any]]:
         submitter="me",
     )
     ckpt = Checkpoint(0, dict(traced.state))
-    requests = assignment_payloads(submitted, partition, PEERS[:pieces], {}, 1, ckpt)
+    where = peers or PEERS[:pieces]
+    requests = assignment_payloads(submitted, partition, where, {}, 1, ckpt, replica_holders=replica_holders)
     return [r.model_dump() for r in requests]
 
 
