@@ -125,7 +125,8 @@ def index_links(
         return {}
     order = list(peers)
     assumed = assumed_link(links.values())
-    # Two sub-DAGs on one compnode (interleaved) share no link: the planner's default (in-process) prices it.
+    # Two sub-DAGs on one compnode (interleaved) share no link: the planner's default link prices the pair
+    # (loopback on the swarm, ``planner.make_swarm``), though their values never leave the process.
     return {
         (i, j): links.get((a, b), assumed)
         for i, a in enumerate(order)
