@@ -69,27 +69,16 @@ def plan_job(
     optimizer = job_optimizers(job, traced.graph)
 
     def plan(microbatches: int) -> PlannedJob:
+        priced: dict[str, Any] = {
+            "microbatches": microbatches,
+            "batch_size": spec.data.batch_size,
+            "optimizer": optimizer,
+            "links": links,
+            "default_link": default,
+        }
         if chunks > 1:  # interleaved-1f1b: cut evenly, as the broker does (``plan_interleaved``)
-            return plan_interleaved(
-                traced.graph,
-                devices,
-                chunks,
-                microbatches=microbatches,
-                batch_size=spec.data.batch_size,
-                optimizer=optimizer,
-                links=links,
-                default_link=default,
-            )
-        return plan_graph(
-            traced.graph,
-            devices,
-            microbatches=microbatches,
-            batch_size=spec.data.batch_size,
-            optimizer=optimizer,
-            max_devices=cap,
-            links=links,
-            default_link=default,
-        )
+            return plan_interleaved(traced.graph, devices, chunks, **priced)
+        return plan_graph(traced.graph, devices, max_devices=cap, **priced)
 
     m = traced_count(spec)
     planned = plan(m)
