@@ -54,13 +54,15 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from pipeline_common import KINDS, Config, Result, balanced_split, format_split, make_data, split_from_plan
 from pipeline_fusionnet import run_fusionnet_local, run_fusionnet_swarms
 from pipeline_torch import run_plain, run_torchpipe
+
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b")
 
 
 # ---- report ---------------------------------------------------------------------------------------------
@@ -184,13 +186,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process, all contenders")
     ap.add_argument(
         "--schedule",
-        choices=("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b"),
-        default="gpipe",
+        choices=SCHEDULES,
+        nargs="+",
+        default=["gpipe"],
         help="pipeline schedule of both pipelines: torch's ScheduleGPipe/Schedule1F1B/"
         "ScheduleInterleaved1F1B and FusionNet's placement.schedule (default gpipe); zero-bubble is "
         "ZB-H1 on both, torch's schedule runtime running FusionNet's programs (torch's own zero-bubble "
         "schedules need several stages per rank); "
-        "interleaved-1f1b cuts the model into N x --chunks stages, rank / compnode r holding r, N + r, ...",
+        "interleaved-1f1b cuts the model into N x --chunks stages, rank / compnode r holding r, N + r, ...; "
+        "several: each round runs them in turn (plain PyTorch once per round), and a last table sets "
+        "FusionNet's step per schedule side by side, paired in time",
     )
     ap.add_argument(
         "--sandbox",
@@ -286,10 +291,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run_contenders(cfg: Config, args: argparse.Namespace, workdir: Path, record: Any) -> dict[int, Any]:
-    """Every contender in turn (``record`` gets each result); returns the torch pipeline's split per
-    stage count with where it came from."""
-    record(run_plain(cfg, args.timeout))
+def run_contenders(
+    cfg: Config, args: argparse.Namespace, workdir: Path, record: Any, plain: bool = True
+) -> dict[int, Any]:
+    """Every contender in turn (``record`` gets each result; ``plain``: plain PyTorch too, which does not
+    depend on the schedule); returns the torch pipeline's split per stage count with where it came from."""
+    if plain:
+        record(run_plain(cfg, args.timeout))
     plans: dict[int, list[tuple[str, dict[str, Any] | None]]] = {n: [] for n in args.stages}
     if not args.no_local:
         for n in args.stages:
@@ -320,12 +328,52 @@ def run_contenders(cfg: Config, args: argparse.Namespace, workdir: Path, record:
     return splits
 
 
+def side_by_side(summaries: dict[str, dict[str, Any]], stages: list[int]) -> dict[str, Any]:
+    """FusionNet's (and torch's) step per schedule and stage count from each schedule's summary, and each
+    schedule's FusionNet step over the first schedule's, run in the same rounds (paired in time)."""
+    first = next(iter(summaries))
+    out: dict[str, Any] = {}
+    for n in stages:
+        base = summaries[first].get(f"fusionnet_{n}_ms")
+        for schedule, summary in summaries.items():
+            tag = schedule.replace("-", "_")
+            for k in ("fusionnet", "torchpipe"):
+                out[f"{k}_{n}_{tag}_ms"] = summary.get(f"{k}_{n}_ms")
+            out[f"fusionnet_{n}_{tag}_bubble"] = summary.get(f"fusionnet_{n}_bubble")
+            if schedule != first:
+                v = summary.get(f"fusionnet_{n}_ms")
+                out[f"fusionnet_{n}_{tag}_over_{first.replace('-', '_')}"] = ratio(v, base)
+    return out
+
+
+def print_side_by_side(figures: dict[str, Any], schedules: list[str], stages: list[int]) -> None:
+    first = schedules[0]
+    rows = [("schedule", "stages", "fusionnet ms", "torch pipe ms", "fusionnet / torch pipe",
+             f"fusionnet / fusionnet {first}", "bubble")]  # fmt: skip
+    for n in stages:
+        for schedule in schedules:
+            tag = schedule.replace("-", "_")
+            mine, pipe = figures[f"fusionnet_{n}_{tag}_ms"], figures[f"torchpipe_{n}_{tag}_ms"]
+            over = figures.get(f"fusionnet_{n}_{tag}_over_{first.replace('-', '_')}")
+            bubble = figures[f"fusionnet_{n}_{tag}_bubble"]
+            rows.append((
+                schedule, str(n), fmt_ms(None if mine is None else mine / 1e3),
+                fmt_ms(None if pipe is None else pipe / 1e3), fmt_ratio(mine, pipe),
+                "" if over is None else f"{over:.2f}", "" if bubble is None else f"{bubble:.2f}",
+            ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print("\nschedules side by side (the same rounds, in turn):")
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # spawned workers inherit it
         os.environ[var] = str(args.threads)
     loadavg = os.getloadavg()[0]
     t_start = time.monotonic()
+    schedules = list(dict.fromkeys(args.schedule))
 
     with contextlib.ExitStack() as stack:
         if args.keep:
@@ -333,60 +381,82 @@ def main(argv: list[str] | None = None) -> int:
             workdir.mkdir(parents=True, exist_ok=True)
         else:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pipeline_vs_torch-")))
-        cfg = Config(
+        base = Config(
             dim=args.dim, hidden=args.hidden, layers=args.layers, batch_size=args.batch_size,
             microbatches=args.microbatches, steps=args.steps, warmup=args.warmup, lr=args.lr,
             seed=args.seed, threads=args.threads, data_path=str(workdir / "data.safetensors"),
-            schedule=args.schedule, sandbox=args.sandbox, placement=args.placement,
+            schedule=schedules[0], sandbox=args.sandbox, placement=args.placement,
             worker_sends=args.worker_sends, worker_receives=args.worker_receives,
             replica_interval=args.replica_interval,
             steps_ahead=args.steps_ahead, chunks=args.chunks, torch_allocator=args.torch_allocator,
             model=args.model, vocab=args.vocab, seq=args.seq, heads=args.heads,
         )  # fmt: skip
-        make_data(cfg, samples=4 * cfg.batch_size)
+        configs = {schedule: replace(base, schedule=schedule) for schedule in schedules}
+        make_data(base, samples=4 * base.batch_size)
         print(
-            f"model: {describe_model(cfg)}; batch {cfg.batch_size} in "
-            f"{cfg.microbatches} micro-batches, {cfg.schedule}; sandbox {cfg.sandbox} "
-            f"(worker sends {cfg.worker_sends}, receives {cfg.worker_receives}); "
-            f"placement {cfg.placement}; replica interval {cfg.replica_interval or 'default'}; "
-            f"steps ahead {'on' if cfg.steps_ahead else 'off'}; torch allocator {cfg.torch_allocator}; "
-            f"{cfg.steps} steps ({cfg.warmup} warm-up); "
-            f"{cfg.threads} thread(s)/process; {os.cpu_count()} CPUs; load {loadavg:.2f}; workdir {workdir}",
+            f"model: {describe_model(base)}; batch {base.batch_size} in "
+            f"{base.microbatches} micro-batches, {' then '.join(schedules)}; sandbox {base.sandbox} "
+            f"(worker sends {base.worker_sends}, receives {base.worker_receives}); "
+            f"placement {base.placement}; replica interval {base.replica_interval or 'default'}; "
+            f"steps ahead {'on' if base.steps_ahead else 'off'}; torch allocator {base.torch_allocator}; "
+            f"{base.steps} steps ({base.warmup} warm-up); "
+            f"{base.threads} thread(s)/process; {os.cpu_count()} CPUs; load {loadavg:.2f}; workdir {workdir}",
             flush=True,
         )
-        results: list[Result] = []
+        results: dict[str, list[Result]] = {schedule: [] for schedule in schedules}
+        by_name: dict[tuple[str, str], Result] = {}
+        splits: dict[str, dict[int, Any]] = {}
 
-        by_name: dict[str, Result] = {}
+        def recorder(schedule: str) -> Any:
+            def record(res: Result) -> Result:
+                status = "failed" if res.error else f"{fmt_ms(res.median(base.warmup))} ms/step"
+                tag = f" [{schedule}]" if len(schedules) > 1 and res.name != "plain torch" else ""
+                print(f"  [{time.monotonic() - t_start:5.0f} s] {res.name}{tag}: {status}", flush=True)
+                key = ("" if res.name == "plain torch" else schedule, res.name)
+                earlier = by_name.get(key)
+                if earlier is None:
+                    by_name[key] = res
+                    for kept in results.values() if res.name == "plain torch" else [results[schedule]]:
+                        kept.append(res)  # plain PyTorch: one run per round, the reference of every schedule
+                elif res.error is not None:
+                    earlier.error = earlier.error or res.error
+                else:  # a later round: its timed steps join the first round's (one median over all rounds)
+                    earlier.times.extend(res.times[base.warmup :])
+                    earlier.bubbles.extend(res.bubbles[base.warmup :])
+                return res
 
-        def record(res: Result) -> Result:
-            status = "failed" if res.error else f"{fmt_ms(res.median(cfg.warmup))} ms/step"
-            print(f"  [{time.monotonic() - t_start:5.0f} s] {res.name}: {status}", flush=True)
-            earlier = by_name.get(res.name)
-            if earlier is None:
-                by_name[res.name] = res
-                results.append(res)
-            elif res.error is not None:
-                earlier.error = earlier.error or res.error
-            else:  # a later round: its timed steps join the first round's (one median over all rounds)
-                earlier.times.extend(res.times[cfg.warmup :])
-                earlier.bubbles.extend(res.bubbles[cfg.warmup :])
-            return res
+            return record
 
         for round_ in range(args.repeat):
             if args.repeat > 1:
                 print(f"round {round_ + 1} of {args.repeat}", flush=True)
-            splits = run_contenders(cfg, args, workdir, record)
+            for i, schedule in enumerate(schedules):
+                splits[schedule] = run_contenders(
+                    configs[schedule], args, workdir, recorder(schedule), plain=i == 0
+                )
 
-    summary = report(results, cfg, args.stages, splits)
-    summary["schedule"] = cfg.schedule
-    summary["sandbox"] = cfg.sandbox
-    summary["worker_sends"] = cfg.worker_sends
-    summary["worker_receives"] = cfg.worker_receives
-    summary["replica_interval"] = cfg.replica_interval
-    summary["steps_ahead"] = cfg.steps_ahead
-    summary["torch_allocator"] = cfg.torch_allocator
-    summary["model"] = describe_model(cfg)
-    summary["placement"] = cfg.placement
+    summaries = {}
+    for schedule in schedules:
+        if len(schedules) > 1:
+            print(f"\n== {schedule} ==", end="")
+        summary = report(results[schedule], configs[schedule], args.stages, splits[schedule])
+        summaries[schedule] = summary
+        summary["schedule"] = schedule
+    summary = summaries[schedules[0]] if len(schedules) == 1 else {"benchmark": "pipeline_vs_torch"}
+    if len(schedules) > 1:
+        figures = side_by_side(summaries, args.stages)
+        print_side_by_side(figures, schedules, args.stages)
+        summary |= figures
+        summary["schedules"] = summaries
+        summary["errors"] = {f"{s}/{k}": v for s, one in summaries.items() for k, v in one["errors"].items()}
+    summary["sandbox"] = base.sandbox
+    summary["worker_sends"] = base.worker_sends
+    summary["worker_receives"] = base.worker_receives
+    summary["replica_interval"] = base.replica_interval
+    summary["steps_ahead"] = base.steps_ahead
+    summary["torch_allocator"] = base.torch_allocator
+    summary["model"] = describe_model(base)
+    summary["placement"] = base.placement
     summary["repeat"] = args.repeat
     summary["loadavg_before"] = round(loadavg, 2)
     summary["loadavg_after"] = round(os.getloadavg()[0], 2)
