@@ -93,3 +93,22 @@ def test_torch_runs_fusionnets_zero_bubble_programs_action_for_action(world: int
     lowered = _add_send_recv(actions, stage_to_rank=lambda s: s, num_stages=world)
     sends = [str(a) for a in lowered[0] if "SEND" in str(a)]
     assert sends == [f"0SEND_F{m}" for m in range(microbatches)]  # each forward output leaves once
+
+
+def test_schedules_side_by_side_are_each_over_the_first() -> None:
+    """``--schedule 1f1b zero-bubble``: each schedule's FusionNet step over the first one's, per stage
+    count, from the summaries of the same rounds; a failed contender gives no ratio, not a wrong one."""
+    from pipeline_vs_torch import side_by_side
+
+    summaries = {
+        "1f1b": {"fusionnet_2_ms": 400.0, "torchpipe_2_ms": 500.0, "fusionnet_2_bubble": 0.27,
+                 "fusionnet_3_ms": 450.0},
+        "zero-bubble": {"fusionnet_2_ms": 360.0, "torchpipe_2_ms": 480.0, "fusionnet_2_bubble": 0.18,
+                        "fusionnet_3_ms": None},
+    }  # fmt: skip
+    figures = side_by_side(summaries, [2, 3])
+    assert figures["fusionnet_2_zero_bubble_over_1f1b"] == 0.9
+    assert figures["fusionnet_3_zero_bubble_over_1f1b"] is None
+    assert figures["fusionnet_2_1f1b_ms"] == 400.0 and figures["torchpipe_2_zero_bubble_ms"] == 480.0
+    assert figures["fusionnet_2_zero_bubble_bubble"] == 0.18
+    assert "fusionnet_2_1f1b_over_1f1b" not in figures

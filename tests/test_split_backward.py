@@ -81,3 +81,34 @@ def test_plain_mlp_uses_the_cheap_weight_pass() -> None:
     roots = _mlp([x], params)
     work = input_gradients(roots, [torch.ones_like(roots[0])], [x], params)
     assert work.groups and work.roots is None
+
+
+def test_deferred_weight_passes_equal_plain_backwards_in_layout_too() -> None:
+    """ZB-H1's order on a later stage: I of micro-batches 0 and 1, then their W's. The gradients equal two
+    plain backwards bit for bit, in the parameters' layout."""
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(16, 8), (16,), (4, 16)]]
+    data = [torch.randn(5, 8, generator=gen) for _ in range(2)]
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.gelu(F.linear(x, params[0], params[1])), params[2]).square().sum()
+
+    def grads(split: bool) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        works = []
+        for d in data:
+            x = d.clone().requires_grad_(True)
+            root = body(x)
+            if split:
+                works.append(input_gradients([root], [torch.ones_like(root)], [x], list(params)))
+            else:
+                root.backward()
+        for work in works:
+            assert work.groups
+            weight_gradients(work)
+        return [p.grad for p in params]  # type: ignore[misc]
+
+    for a, b, p in zip(grads(False), grads(True), params):
+        assert torch.equal(a, b)
+        assert b.stride() == p.stride()
