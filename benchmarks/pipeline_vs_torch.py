@@ -41,8 +41,11 @@ show what of a difference is that setting alone.
 On a 2-core machine, 3 stages (plus the broker and hivemind's p2pd helpers for FusionNet) oversubscribe
 the cores; the ratios then measure that too. Prints a table, then one JSON line.
 
-    python benchmarks/pipeline_vs_torch.py [--steps 20] [--microbatches 4] [--stages 2 3]
-        [--model mlp|gpt2] [--placement balanced] [--repeat 3] [--quick]
+Several ``--schedule``s run in turn within each round (plain PyTorch once per round), so one schedule's
+step is held against another's measured at the same time; a last table sets them side by side.
+
+    python benchmarks/pipeline_vs_torch.py [--schedule gpipe 1f1b zero-bubble] [--steps 20]
+        [--microbatches 4] [--stages 2 3] [--model mlp|gpt2] [--placement balanced] [--repeat 3] [--quick]
 """
 
 from __future__ import annotations
