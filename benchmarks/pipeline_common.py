@@ -44,6 +44,7 @@ class Config:
         "direct"  # the compnodes' --worker-sends: workers send values themselves, or via the daemon
     )
     worker_receives: str = "direct"  # the compnodes' --worker-receives: workers read values, or daemons relay
+    inline_compute_ms: float | None = None  # the compnodes' --inline-compute-ms (None: their default)
     placement: str = "model"  # the broker's --placement: the performance model, or the balanced split
     replica_interval: float | None = None  # the broker's --replica-interval (None: its default)
     steps_ahead: bool = False  # the broker's --steps-ahead: each step's call sent while the one before runs

@@ -222,6 +222,8 @@ def run_fusionnet_swarms(
                 args = ["--initial-peers", maddr, "--threads", str(cfg.threads), "--refresh-period", "2"]
                 args += ["--sandbox", cfg.sandbox, "--worker-sends", cfg.worker_sends]
                 args += ["--worker-receives", cfg.worker_receives]
+                if cfg.inline_compute_ms is not None:
+                    args += ["--inline-compute-ms", str(cfg.inline_compute_ms)]
                 daemons.append(
                     Daemon("compnode", f"compnode{len(daemons) - 1}", swarm_dir, args, cfg.threads)
                 )

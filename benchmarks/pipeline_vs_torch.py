@@ -221,6 +221,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "or its daemon relays them",
     )
     ap.add_argument(
+        "--inline-compute-ms",
+        type=float,
+        metavar="MS",
+        help="the compnodes' --inline-compute-ms: a sandbox worker runs stretches this short on its event "
+        "loop (default: theirs; 0: every stretch on the compute thread)",
+    )
+    ap.add_argument(
         "--placement",
         choices=("model", "balanced"),
         default="model",
@@ -390,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed, threads=args.threads, data_path=str(workdir / "data.safetensors"),
             schedule=schedules[0], sandbox=args.sandbox, placement=args.placement,
             worker_sends=args.worker_sends, worker_receives=args.worker_receives,
-            replica_interval=args.replica_interval,
+            inline_compute_ms=args.inline_compute_ms, replica_interval=args.replica_interval,
             steps_ahead=args.steps_ahead, chunks=args.chunks, torch_allocator=args.torch_allocator,
             model=args.model, vocab=args.vocab, seq=args.seq, heads=args.heads,
         )  # fmt: skip
@@ -399,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"model: {describe_model(base)}; batch {base.batch_size} in "
             f"{base.microbatches} micro-batches, {' then '.join(schedules)}; sandbox {base.sandbox} "
-            f"(worker sends {base.worker_sends}, receives {base.worker_receives}); "
+            f"(worker sends {base.worker_sends}, receives {base.worker_receives}, inline compute "
+            f"{'default' if base.inline_compute_ms is None else f'{base.inline_compute_ms:g} ms'}); "
             f"placement {base.placement}; replica interval {base.replica_interval or 'default'}; "
             f"steps ahead {'on' if base.steps_ahead else 'off'}; torch allocator {base.torch_allocator}; "
             f"{base.steps} steps ({base.warmup} warm-up); "
@@ -455,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["sandbox"] = base.sandbox
     summary["worker_sends"] = base.worker_sends
     summary["worker_receives"] = base.worker_receives
+    summary["inline_compute_ms"] = base.inline_compute_ms
     summary["replica_interval"] = base.replica_interval
     summary["steps_ahead"] = base.steps_ahead
     summary["torch_allocator"] = base.torch_allocator

@@ -26,7 +26,7 @@ Prints a table, then one JSON line.
     python benchmarks/serving.py [--size quick|full|realistic] [--compnodes 3] [--requests 16]
         [--max-tokens 16] [--batch 16] [--microbatches 1] [--kv-slots 16] [--in-flight 1|2]
         [--max-wait-ms MS] [--pairs 3] [--sandbox process|off] [--worker-sends direct|daemon]
-        [--worker-receives direct|daemon]
+        [--worker-receives direct|daemon] [--inline-compute-ms MS]
         [--placement balanced|model] [--workdir DIR]
 """
 
@@ -386,6 +386,9 @@ def main() -> int:
         "--worker-receives", choices=("direct", "daemon"), default="direct", help="compnode --worker-receives"
     )
     ap.add_argument(
+        "--inline-compute-ms", type=float, default=None, help="compnode --inline-compute-ms (default: theirs)"
+    )
+    ap.add_argument(
         "--placement",
         choices=("balanced", "model"),
         default="balanced",
@@ -411,7 +414,7 @@ def main() -> int:
         args.worker_sends,
         "--worker-receives",
         args.worker_receives,
-    )
+    ) + (() if args.inline_compute_ms is None else ("--inline-compute-ms", str(args.inline_compute_ms)))
     specs = [CompnodeSpec(extra=extra) for _ in range(args.compnodes)]
     specs.append(CompnodeSpec(backup=True, extra=extra))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -506,6 +509,7 @@ def main() -> int:
         "sandbox": args.sandbox,
         "worker_sends": args.worker_sends,
         "worker_receives": args.worker_receives,
+        "inline_compute_ms": args.inline_compute_ms,
         "placement": args.placement,
         "reference": reference,
         **{k: v for k, v in predicted.items()},

@@ -8,6 +8,7 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> None:
+    from fusionnet.compnode.compute import INLINE_COMPUTE_MS
     from fusionnet.daemon.flags import add_common_arguments
 
     p = subparsers.add_parser(
@@ -102,6 +103,15 @@ def add_parser(subparsers: Any) -> None:
         "this daemon hands their connections to the worker, which reads and checks the frames itself; "
         "'daemon', this daemon reads them and relays each value to the worker (one more hop per value)",
     )
+    p.add_argument(
+        "--inline-compute-ms",
+        type=float,
+        default=INLINE_COMPUTE_MS,
+        metavar="MS",
+        help="a sandbox worker runs an FP, BP or Update on its event loop instead of its compute thread "
+        "when its recent ones took at most MS milliseconds and no send is pending: two thread wake-ups "
+        f"fewer per value's trip (default {INLINE_COMPUTE_MS:g}; 0: always on the compute thread)",
+    )
     p.set_defaults(func=run)
 
 
@@ -129,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
             sandbox_memory_gb=args.sandbox_memory_gb,
             worker_sends=args.worker_sends,
             worker_receives=args.worker_receives,
+            inline_compute_ms=args.inline_compute_ms,
         )
         # One compnode per process: its metrics are the process's set, so module-level users count too.
         compnode = CompnodeDaemon(config, COMPNODE_METRICS)

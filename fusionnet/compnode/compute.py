@@ -14,6 +14,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 GIL_SWITCH_INTERVAL = 0.001  # seconds; CPython's default is 0.005
+# A sandbox worker runs stretches at most this long on its loop (``dag.short_stretches``)
+INLINE_COMPUTE_MS = 20.0
 
 
 def compute_pool(threads: int | None) -> ThreadPoolExecutor:

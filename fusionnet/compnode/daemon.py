@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fusionnet import __version__
-from fusionnet.compnode.compute import compute_pool
+from fusionnet.compnode.compute import INLINE_COMPUTE_MS, compute_pool
 from fusionnet.compnode.throttle import check_slowdown, slowed_hardware
 from fusionnet.compnode.trust import DEFAULT_ASSIGNMENT_TTL
 from fusionnet.daemon.addresses import data_address, useful_maddrs
@@ -87,6 +87,7 @@ class CompnodeConfig:
     sandbox_memory_gb: float | None = None  # a worker's memory budget; None: 90 % of this machine's RAM
     worker_sends: str = "direct"  # a worker's values: over its own TCP ("direct") or via the daemon
     worker_receives: str = "direct"  # its peers' values: read by the worker ("direct") or relayed by us
+    inline_compute_ms: float = INLINE_COMPUTE_MS  # a worker's stretches this short run on its loop
 
     def __post_init__(self) -> None:
         self.role = Role(self.role)
@@ -115,6 +116,8 @@ class CompnodeConfig:
         ):
             if value not in ("direct", "daemon"):
                 raise ValueError(f"{flag} must be 'direct' or 'daemon', got {value!r}")
+        if not 0 <= self.inline_compute_ms <= 10_000:
+            raise ValueError(f"--inline-compute-ms must be in 0..10000, got {self.inline_compute_ms}")
         from fusionnet.dag.devices import resolve_device  # torch: only when a compnode is configured
 
         self.device = str(resolve_device(self.device))  # a clear start-up error without CUDA / MPS

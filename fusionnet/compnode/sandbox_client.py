@@ -63,8 +63,10 @@ class SandboxPool:
         fault: FaultPoint | None,
         direct_sends: bool = True,
         direct_receives: bool = True,
+        inline_seconds: float = 0.0,
     ) -> None:
         self.threads = threads
+        self.inline_seconds = inline_seconds
         self.direct_sends = direct_sends
         self.direct_receives = direct_receives
         self.slowdown = slowdown
@@ -87,6 +89,7 @@ class SandboxPool:
             fault,
             settings.worker_sends == "direct",
             settings.worker_receives == "direct",
+            settings.inline_compute_ms / 1000,
         )
 
     def start(self) -> None:
@@ -120,6 +123,7 @@ class SandboxPool:
             log_level=logging.getLogger().getEffectiveLevel(),
             direct_sends=self.direct_sends,
             direct_receives=handoff is not None,
+            inline_seconds=self.inline_seconds,
         )
         args = (theirs, config) if handoff is None else (theirs, config, handoff[1])
         process = self.context.Process(target=main, args=args, name=f"fusionnet-job-{job_id}", daemon=True)

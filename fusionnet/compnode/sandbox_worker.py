@@ -53,6 +53,7 @@ from fusionnet.compnode.worker_receives import DirectReceiver
 from fusionnet.compnode.worker_sends import DirectSender
 from fusionnet.core_dumps import forbid_core_dumps
 from fusionnet.daemon.memory import keep_freed_memory
+from fusionnet.dag.short_stretches import ShortStretches, TrackedPool
 from fusionnet.errors import ExecutionError, FusionNetError
 from fusionnet.messages.compnode_rpc import AssignRequest
 from fusionnet.messages.serving_rpc import ServeStepRequest
@@ -82,6 +83,7 @@ class WorkerConfig:
     log_level: int
     direct_sends: bool = True  # values to peers over the worker's own TCP (``worker_sends``)
     direct_receives: bool = False  # values from peers read by the worker (``worker_receives``)
+    inline_seconds: float = 0.0  # stretches this short run on the worker's loop (``dag.short_stretches``)
 
 
 def _die_with_parent() -> None:
@@ -134,7 +136,7 @@ class Worker:
     ) -> None:
         self.channel = IPCChannel(sock)
         self.config = config
-        self.compute = compute_pool(config.threads)
+        self.compute = TrackedPool(compute_pool(config.threads))
         self.host: JobHost | None = None
         self._sends: dict[int, asyncio.Future[None]] = {}
         self._next_send = 0
@@ -155,6 +157,7 @@ class Worker:
                 op = header["op"]
                 if op == "close":
                     if self.host is not None:
+                        self._log_routes()
                         await self.host.close(str(header.get("why", ""))[:200])
                     return
                 if op == "frame":  # a value from a peer: into the mailbox at once, in arrival order
@@ -173,6 +176,15 @@ class Worker:
                 await self.direct.close()
             if self.receives is not None:
                 await self.receives.close()
+
+    def _log_routes(self) -> None:
+        """How many stretches ran on the loop and on the compute thread (``dag.short_stretches``)."""
+        assert self.host is not None
+        for index, job in sorted(self.host.jobs.items()):
+            short = job.executor.short_stretches
+            if short is not None:
+                routes = (index, short.inline, short.threaded)
+                log.info("sub-DAG %d: %d stretches inline, %d on the compute thread", *routes)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -272,6 +284,9 @@ class Worker:
             )
 
         job = await asyncio.get_running_loop().run_in_executor(self.compute, build)
+        if self.config.inline_seconds > 0 and job.executor.device.type == "cpu":
+            # Not on accelerators: there a stretch's time on the host says little about its work.
+            job.executor.short_stretches = ShortStretches(self.config.inline_seconds)
         for hook in (*fault_hooks(self.config.fault), *throttle_hooks(self.config.slowdown)):
             job.executor.hooks.add(hook)
         if self.host is not None:  # another chunk of the job (interleaved): the same loop runs both

@@ -24,7 +24,10 @@ compute thread) every FP, BP and Update stretch runs there while the loop keeps 
 RPCs and the data path. Receives wait on the loop, and sends are started on the loop without being
 awaited, so the next micro-batch computes while the last one's outputs travel; the step waits for its
 sends at its end, and a failed send ends the step at its next receive. Without a pool (``run --local``,
-the calibration) the stretches run inline: the same code and the same op order, so the same bits.
+the calibration) the stretches run inline: the same code and the same op order, so the same bits. A
+sandbox worker's loop serves one job only, and there a stretch that is reliably short runs inline too,
+when no send and no pool work is pending (``short_stretches``): a hand-off to the thread and back
+costs two wake-ups, which on shared cores took longer than such a stretch.
 Hooks (``fusionnet.dag.hooks``) run around every stretch.
 
 Mixed precision (``fusionnet.dag.precision``): FP runs under the job's autocast, so activations and
@@ -37,6 +40,7 @@ and all skip, or all step, together, as the single-process scaler would.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager, nullcontext
@@ -66,6 +70,7 @@ from fusionnet.dag.precision import FOUND_INF_NODE, autocast, make_scaler
 from fusionnet.dag.rebuild import build_subdag_module
 from fusionnet.dag.row_trade import RowTrade
 from fusionnet.dag.schedule_loop import ScheduleLoop
+from fusionnet.dag.short_stretches import ShortStretches, TrackedPool
 from fusionnet.dag.split_backward import WeightWork
 from fusionnet.errors import ComputeError, DeviceMemoryError, ExecutionError
 from fusionnet.schedules import Schedule
@@ -105,6 +110,8 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         self.task = task
         self.loss_reduction = loss_reduction
         self.compute = compute
+        # Which stretches may run inline on the loop (a sandbox worker's; None: all on ``compute``).
+        self.short_stretches: ShortStretches | None = None
         self.hooks = HookChain(hooks)
         self.precision = precision
         if not 0 <= subdag.index < subdags:
@@ -170,7 +177,21 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         await self.outbox.let_go()  # the last stretch's values leave before this one takes the core
         if self.compute is None:
             return call()
-        return await asyncio.get_running_loop().run_in_executor(self.compute, call)
+        short = self.short_stretches
+        if short is None:
+            return await asyncio.get_running_loop().run_in_executor(self.compute, call)
+        # A sandbox worker: a short stretch runs here, saving two wake-ups (``short_stretches``).
+        inline = (
+            short.short(phase)
+            and self.outbox.idle()
+            and isinstance(self.compute, TrackedPool)
+            and self.compute.idle()
+        )
+        short.count(inline)
+        timed = partial(_timed, short, phase, call)
+        if inline:
+            return timed()
+        return await asyncio.get_running_loop().run_in_executor(self.compute, timed)
 
     def _device_type(self) -> str:
         """Where this sub-DAG computes (its parameters' device), for autocast."""
@@ -359,3 +380,12 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         for k in self.subdag.buffers:
             out[k] = getattr(self.root, self.root.attr_of[k])
         return host_copy(out) if copy else {k: v.detach().to(HOST) for k, v in out.items()}
+
+
+def _timed(short: ShortStretches, phase: Phase, call: Callable[[], T]) -> T:
+    """``call``, its seconds noted for ``short``'s choice of the next stretches' route."""
+    started = time.perf_counter()
+    try:
+        return call()
+    finally:
+        short.observe(phase, time.perf_counter() - started)

@@ -39,6 +39,10 @@ class Outbox:
             self._fresh = False
             await asyncio.sleep(0)
 
+    def idle(self) -> bool:
+        """Whether every send started is done (its bytes in the kernel, or failed)."""
+        return all(task.done() for task in self._tasks)
+
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if task.cancelled() or task.exception() is None:
