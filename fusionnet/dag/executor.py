@@ -172,7 +172,8 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         self._step_sent: set[str] = set()  # step-wide outputs sent (this step or resident)
 
     async def _run(self, phase: Phase, step: int, mb: int, work: Callable[[], T]) -> T:
-        """One compute stretch, between the hooks, on the compute pool (or inline without one)."""
+        """One compute stretch, between the hooks, on the compute pool (or inline without one, or inline
+        when ``short_stretches`` says it is short and nothing is pending)."""
         call = partial(self.hooks.run, phase, step, mb, work)
         await self.outbox.let_go()  # the last stretch's values leave before this one takes the core
         if self.compute is None:
