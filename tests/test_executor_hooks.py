@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -127,6 +128,28 @@ class StallingHook(ExecutorHook):
         time.sleep(0.3)  # a long stretch of compute, as far as the event loop can tell
 
 
+async def longest_loop_stall(work: Awaitable[Any]) -> float:
+    """Awaits ``work`` while a ticker measures the event loop's longest gap between 10 ms ticks."""
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.ensure_future(tick())
+    try:
+        await work
+    finally:
+        done.set()
+        await ticker
+    return max(gaps, default=0.0)
+
+
 def test_the_event_loop_stays_free_while_the_compute_thread_works() -> None:
     swarm, steps = _swarm(pieces=2, microbatches=2)
     with ThreadPoolExecutor(1) as pool:
@@ -134,26 +157,8 @@ def test_the_event_loop_stays_free_while_the_compute_thread_works() -> None:
             ex.compute = pool
             ex.hooks.add(StallingHook())
 
-        async def run() -> float:
-            gaps: list[float] = []
-            done = asyncio.Event()
-
-            async def tick() -> None:
-                last = time.perf_counter()
-                while not done.is_set():
-                    await asyncio.sleep(0.01)
-                    now = time.perf_counter()
-                    gaps.append(now - last)
-                    last = now
-
-            ticker = asyncio.ensure_future(tick())
-            await swarm.step(steps[0])  # 10 stretches of >= 0.3 s each
-            done.set()
-            await ticker
-            return max(gaps)
-
         started = time.perf_counter()
-        worst = asyncio.run(run())
+        worst = asyncio.run(longest_loop_stall(swarm.step(steps[0])))  # 10 stretches of >= 0.3 s each
     assert time.perf_counter() - started >= 10 * 0.3
     assert worst < 0.1, f"the event loop stalled {worst * 1e3:.0f} ms"
 

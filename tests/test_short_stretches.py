@@ -16,7 +16,7 @@ import torch
 from fusionnet.dag.hooks import ExecutorHook, Phase
 from fusionnet.dag.outbox import Outbox
 from fusionnet.dag.short_stretches import RECENT, ShortStretches, TrackedPool
-from tests.test_executor_hooks import Recorder, _swarm, _train
+from tests.test_executor_hooks import Recorder, _swarm, _train, longest_loop_stall
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,26 +116,11 @@ def test_long_stretches_stay_on_the_thread_and_the_loop_stays_free() -> None:
         for ex in swarm.executors:
             ex.hooks.add(Stall())
 
-        async def run() -> float:
-            gaps: list[float] = []
-            done = asyncio.Event()
-
-            async def tick() -> None:
-                last = time.perf_counter()
-                while not done.is_set():
-                    await asyncio.sleep(0.01)
-                    now = time.perf_counter()
-                    gaps.append(now - last)
-                    last = now
-
-            ticker = asyncio.ensure_future(tick())
+        async def two_steps() -> None:
             for step in steps[:2]:
                 await swarm.step(step)
-            done.set()
-            await ticker
-            return max(gaps)
 
-        worst = asyncio.run(run())
+        worst = asyncio.run(longest_loop_stall(two_steps()))
     assert all(e[-1].startswith("compute") for e in log if e[1] == "before")
     assert worst < 0.1, f"the event loop stalled {worst * 1e3:.0f} ms"
     assert all(ex.short_stretches is not None and ex.short_stretches.inline == 0 for ex in swarm.executors)
