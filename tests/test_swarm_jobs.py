@@ -128,7 +128,11 @@ def test_submitted_job_equals_local_run_and_plain_pytorch(
     # only hands on parameters, such as a tied embedding, holds none: parameters are not counted)
     assert all(len(r["activation_peak_bytes"]) == len(plan["subdags"]) for r in rows)
     assert all(min(r["activation_peak_bytes"]) >= 0 and max(r["activation_peak_bytes"]) > 0 for r in rows)
-    assert all(len(r["sent_bytes"]) == len(plan["subdags"]) and sum(r["sent_bytes"]) > 0 for r in rows)
+    # Values cross the network exactly when the job is cut: the performance model may keep a small job on
+    # fewer compnodes than asked when it predicts that a cut costs more than it saves (a loaded machine
+    # measures its links slow), and then no sub-DAG sends anything.
+    stages = len(plan["subdags"])
+    assert all(len(r["sent_bytes"]) == stages and (sum(r["sent_bytes"]) > 0) == (stages > 1) for r in rows)
     computed = [r["compute_seconds"] for r in rows]  # per sub-DAG: FP + BP + Update of the step
     assert all(len(c) == len(plan["subdags"]) and min(c) >= 0 and sum(c) > 0 for c in computed)
     # Placed by the performance model on the compnodes' announced hardware: predicted beside measured.
