@@ -92,7 +92,9 @@ def submitters() -> Iterator[list[Submitter]]:
 
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProcessSwarm, BlockingObserver]]:
-    long_jobs = {"extra": ["--max-steps", str(LONG)]}  # over the broker's default quota
+    # over the broker's default quota; balanced: every job on both compnodes, whatever the load (the
+    # performance model may keep a small job on one when a loaded machine measured the links slow)
+    long_jobs = {"extra": ["--max-steps", str(LONG), "--placement", "balanced"]}
     with running_swarm(tmp_path_factory.mktemp("swarm"), [{}, {}], broker_kw=long_jobs) as swarm:
         observer = BlockingObserver(swarm.initial_peers)
         try:
