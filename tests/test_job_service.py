@@ -163,6 +163,10 @@ def test_cancel_stops_a_step_in_flight_releases_the_compnodes_and_is_kept(
         assert again["message"] == f"job {job_id} already CANCELLED"
         with pytest.raises(JobError, match="results exist only for SUCCEEDED jobs"):
             await service.rpc_job_results(job(job_id, "job_results"), ctx("job_results"))
+        # A compnode that still holds a sub-DAG of it (a release it missed) and leaves is told the job is
+        # over: no step will come to move its sub-DAG, so it must not wait for one.
+        with pytest.raises(JobError, match=f"job {job_id} is over \\(CANCELLED\\): nothing to hand over"):
+            await service.rpc_leaving({"job_id": job_id}, ctx("leaving", peers[0]))
         await service.stop()
         # A broker restart does not resume a cancelled job.
         restarted = JobService(service.ctx)

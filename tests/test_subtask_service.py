@@ -150,6 +150,50 @@ def test_an_assignment_being_built_counts_as_work(assign_docs: list[dict]) -> No
 
 
 @pytest.mark.timeout(60)
+def test_a_release_that_comes_while_the_assignment_is_built_drops_it(assign_docs: list[dict]) -> None:
+    """A job cancelled while a compnode still builds its sub-DAG (a sandbox worker forking and decoding it
+    takes seconds): the broker's release comes before the job is held. The build must be dropped when it
+    ends, or the compnode holds a job that is over, which nobody releases (and which its graceful leave
+    then waits for). A release from another peer changes nothing; a later attempt builds afresh."""
+    s = service()
+    started, go = asyncio.Event(), asyncio.Event()
+    build = s._build
+
+    async def slow_build(*args: Any) -> Any:
+        started.set()
+        await go.wait()
+        return await build(*args)
+
+    s._build = slow_build  # type: ignore[method-assign]
+    context = RPCContext(remote_peer=BROKER, method="assign")
+
+    async def race() -> tuple[BaseException | dict, dict, dict]:
+        assigning = asyncio.ensure_future(s.rpc_assign(assign_docs[1], context))  # type: ignore[arg-type]
+        await started.wait()
+        stranger = await s.rpc_release(
+            {"job_id": "j1", "reason": "x"},  # type: ignore[arg-type]
+            RPCContext(remote_peer=STRANGER, method="release"),
+        )
+        mine = await s.rpc_release(
+            {"job_id": "j1", "reason": "the job was cancelled"},  # type: ignore[arg-type]
+            RPCContext(remote_peer=BROKER, method="release"),
+        )
+        go.set()
+        got = await asyncio.gather(assigning, return_exceptions=True)
+        return got[0], stranger, mine
+
+    outcome, stranger, mine = asyncio.run(race())
+    assert stranger == {"released": False, "refused": 0} and mine == {"released": True, "refused": 0}
+    assert isinstance(outcome, JobError), outcome
+    assert "released by its broker (the job was cancelled) while sub-DAG 1 was being built" in str(outcome)
+    assert not s.jobs and not s.server.jobs and not s._building  # type: ignore[union-attr]
+    assert s.node.load == (0.0, 0)
+    s._build = build  # type: ignore[method-assign]
+    assert call(s, "assign", {**assign_docs[1], "attempt": assign_docs[1]["attempt"] + 1})["subdag"] == 1
+    assert "j1" in s.jobs  # the next attempt is held: the release went with the build it was for
+
+
+@pytest.mark.timeout(60)
 def test_an_assignment_is_held_and_only_its_broker_may_drive_it(assign_docs: list[dict]) -> None:
     s = service()
     doc = assign_docs[1]

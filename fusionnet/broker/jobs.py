@@ -290,6 +290,9 @@ class JobService:
         run = self.runs.get(job_id)
         if run is None or context.remote_peer not in run.peers:
             raise JobError(f"{context.remote_peer} runs no sub-DAG of job {job_id}")
+        if job_id not in self._tasks:  # no step will come to move it: the leaver need not wait for one
+            state = self.ctx.store.get_job(job_id)["state"]
+            raise JobError(f"job {job_id} is over ({state}): nothing to hand over")
         run.leaving.add(context.remote_peer)
         log.info(
             "job %s: compnode %s is leaving; its sub-DAG moves at the next step", job_id, context.remote_peer

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -73,6 +74,14 @@ MAX_JOBS = 16  # assignments held at once; a broker gone wild cannot exhaust our
 HANDOVER_TIMEOUT = 45.0  # a graceful leave waits this long for the broker to move our sub-DAGs
 
 
+@dataclass
+class _Build:
+    """An assignment being built here: by which broker, and whether that broker has released it since."""
+
+    broker: str
+    released: str | None = None  # the release's reason
+
+
 class SubtaskService(ReplicaRPC, StepRPC):
     name = "subtasks"
 
@@ -93,7 +102,10 @@ class SubtaskService(ReplicaRPC, StepRPC):
         # Jobs whose assignment is being built (a sandbox worker forking and decoding it can take
         # seconds to minutes): work already, for the announced load and for a calibration waiting
         # for an idle node, though not held yet.
-        self._building: set[str] = set()
+        # Each build says whether its broker released the job meanwhile (a job cancelled while this
+        # compnode was still building its sub-DAG): such a build is dropped when it ends instead of
+        # being held for a job that is over, which nobody would ever release.
+        self._building: dict[str, list[_Build]] = {}
         self.fault = FaultPoint.from_env()
         settings = compnode.settings
         self.trust = TrustedBrokers.from_settings(settings.common.dht.initial_peers, settings.trusted_brokers)
@@ -303,13 +315,23 @@ class SubtaskService(ReplicaRPC, StepRPC):
         async def send(dst: int, frame: TensorFrame) -> None:
             await self._send(holder["job"], dst, frame)
 
-        self._building.add(job_id)
+        building = _Build(context.remote_peer)
+        self._building.setdefault(job_id, []).append(building)
         self._set_load()
         try:
             job = await self._build(request, context.remote_peer, send)
         finally:
-            self._building.discard(job_id)
+            builds = self._building[job_id]
+            builds.remove(building)
+            if not builds:
+                del self._building[job_id]
             self._set_load()
+        if building.released is not None:
+            closing = asyncio.ensure_future(job.host.close(building.released))  # its sandbox worker stops
+            closing.add_done_callback(lambda f: f.cancelled() or f.exception())
+            why = f"released by its broker ({building.released}) while sub-DAG {job.index} was being built"
+            log.info("job %s: %s: dropped", job_id, why)
+            raise JobError(f"job {job_id}: {why} here; dropped")
         holder["job"] = job
         allowed = job.allowed_senders()
         prober = LinkProber(job.job_id, self.node.peer_id, job.subdag_of_peer(), send)
@@ -444,6 +466,12 @@ class SubtaskService(ReplicaRPC, StepRPC):
     @handles(ReleaseRequest)
     async def rpc_release(self, request: ReleaseRequest, context: RPCContext) -> ReleaseReply:
         if request.job_id not in self.jobs:
+            # Its assignment still being built (by the broker that asks): dropped once built.
+            building = [b for b in self._building.get(request.job_id, ()) if b.broker == context.remote_peer]
+            for b in building:
+                b.released = request.reason[:200]
+            if building:
+                return ReleaseReply(released=True)
             return ReleaseReply(released=False)  # released already (a repeated request) or never here
         job = self._job(request, context)
         refused = self._refused(job.job_id)
