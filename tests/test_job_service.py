@@ -89,6 +89,7 @@ def test_a_submission_runs_to_its_results_and_refusals_are_clear(
             await service.rpc_submit_job(signed(grad, SIGNER).model_dump(), ctx("submit_job"))
         reply = await service.rpc_submit_job(submission, ctx("submit_job"))
         job_id = reply["job_id"]
+        assert service.ctx.live_jobs == {job_id}  # what the broker's heartbeats tell the compnodes
         again = await service.rpc_submit_job(submission, ctx("submit_job"))  # same request id: same job
         assert again == reply and len(service.runs) == 1
         with pytest.raises(JobError, match="results exist only for SUCCEEDED jobs"):
@@ -96,6 +97,7 @@ def test_a_submission_runs_to_its_results_and_refusals_are_clear(
         with pytest.raises(JobError, match=f"{PEERS[4]} runs no sub-DAG of job {job_id}"):
             await service.rpc_leaving({"job_id": job_id}, ctx("leaving", PEERS[4]))
         await asyncio.gather(*service._tasks.values())
+        assert service.ctx.live_jobs == set()  # over: a compnode that still holds it may drop it
         status = await service.rpc_job_status(job(job_id, "job_status", since=1), ctx("job_status"))
         assert status["job"]["state"] == "SUCCEEDED", status["job"]["error"]
         assert [r["step"] for r in status["metrics"]] == [1]  # rows from ``since`` on

@@ -18,7 +18,7 @@ from fusionnet.broker.assignment_payloads import assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.compnode.daemon import CompnodeConfig
-from fusionnet.compnode.tasks import MAX_JOBS, SubtaskService
+from fusionnet.compnode.tasks import FORGOTTEN_GRACE, MAX_JOBS, SubtaskService, forgotten_jobs
 from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
 from fusionnet.dag.codec import encode_ir
 from fusionnet.dag.partition import balanced_assignment, build_partition
@@ -318,6 +318,44 @@ def test_only_trusted_brokers_assign_and_silent_brokers_lose_their_jobs(assign_d
     s._heard["j1"] -= 2 * ttl
     asyncio.run(s._expire())
     assert not s.jobs and not s.server.jobs  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(60)
+def test_a_job_its_brokers_heartbeat_leaves_out_is_dropped_after_the_grace(assign_docs: list[dict]) -> None:
+    """A release is best effort: one lost on the way would leave the job held (its worker, its slot) for
+    as long as its broker lives, whose pings keep the assignment from expiring. So a broker's heartbeat
+    lists the jobs it runs, and a job of that broker's held longer than the grace and not listed goes.
+    A heartbeat that says nothing, another peer's list, or a fresh assignment keep it."""
+    s = service()
+    call(s, "assign", assign_docs[1])
+
+    async def heartbeats() -> None:  # as the daemon's ping handler calls it: on the event loop
+        s._pinged(BROKER, [])  # sent before the job existed, arriving after its assignment: too fresh
+        s._pinged(BROKER, None)
+        s._pinged(STRANGER, [])
+        assert "j1" in s.jobs
+        s.jobs["j1"].created_at -= FORGOTTEN_GRACE + 1
+        s._pinged(BROKER, ["j1", "other"])
+        s._pinged(STRANGER, [])
+        assert "j1" in s.jobs
+        lock = s._locks["j1"]
+        async with lock:  # a call in progress: never under it
+            s._pinged(BROKER, ["other"])
+            assert "j1" in s.jobs
+        s._pinged(BROKER, ["other"])
+        assert not s.jobs and not s.server.jobs and s.node.load == (0.0, 0)  # type: ignore[union-attr]
+
+    asyncio.run(heartbeats())
+
+
+def test_forgotten_jobs_are_those_of_that_broker_unlisted_idle_and_old() -> None:
+    def held(broker: str, age: float) -> Any:
+        return SimpleNamespace(broker=broker, created_at=1000.0 - age)
+
+    jobs = {"a": held(BROKER, 60), "b": held(BROKER, 60), "c": held(STRANGER, 60), "d": held(BROKER, 5),
+            "e": held(BROKER, 60)}  # fmt: skip
+    assert forgotten_jobs(jobs, BROKER, {"b"}, {"e"}, now=1000.0) == ["a"]  # type: ignore[arg-type]
+    assert forgotten_jobs(jobs, STRANGER, set(), set(), now=1000.0) == ["c"]  # type: ignore[arg-type]
 
 
 def test_trusted_brokers_come_from_initial_peers_and_flags() -> None:

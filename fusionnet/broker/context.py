@@ -12,7 +12,7 @@ its SQLite file opened at startup), so they are reached through callables, asked
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusionnet.broker.config import BrokerConfig
@@ -36,6 +36,9 @@ class JobContext:
     refresh_job_metrics: Callable[[], None]  # recount the jobs-by-state gauge after a state change
     jobs_folder: Callable[[], Path]  # where each job keeps its submission, checkpoint and results
     broker_id: Callable[[], str] = lambda: ""  # our peer id, once started (what submitters sign for)
+    # The jobs and deployments running now (their run task alive), shared by the services and the
+    # heartbeat, which tells every compnode (``PingRequest.jobs``).
+    live_jobs: set[str] = field(default_factory=set)
 
     @property
     def store(self) -> BrokerStore:

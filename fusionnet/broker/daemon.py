@@ -41,7 +41,7 @@ from fusionnet.dht.records import BrokerRecord, CompnodeRecord, NodeState, is_bi
 from fusionnet.errors import FusionNetError, JobError
 from fusionnet.messages.auth import verify_auth
 from fusionnet.messages.base import handles
-from fusionnet.messages.broker_rpc import PingReply, PingRequest, StatusReply, StatusRequest
+from fusionnet.messages.broker_rpc import MAX_PING_JOBS, PingReply, PingRequest, StatusReply, StatusRequest
 from fusionnet.messages.compnode_rpc import CompnodeClient
 from fusionnet.metrics import BrokerMetrics, ScrapeTarget, write_file_sd
 from fusionnet.metrics.sd import TargetSource
@@ -74,6 +74,7 @@ class BrokerDaemon(Daemon):
         # Rebuilt by the event loop, read by the metrics server's thread: swapped whole, never mutated.
         self._scrape_targets: tuple[ScrapeTarget, ...] = ()
         self._bad_metrics_addresses: set[tuple[str, str]] = set()
+        self.live_jobs: set[str] = set()  # the services' running jobs and deployments (``JobContext``)
         self.registry.add_listener(self._persist_event)
         self.compnodes = CompnodeClient(self.call)
         # ``status`` lists what this returns (the deployment service sets it: issue 14)
@@ -92,6 +93,7 @@ class BrokerDaemon(Daemon):
             refresh_job_metrics=self.refresh_job_metrics,
             jobs_folder=lambda: self.state_dir.path / "jobs",
             broker_id=lambda: self.peer_id,
+            live_jobs=self.live_jobs,
         )
 
     def _store(self) -> BrokerStore:
@@ -165,8 +167,9 @@ class BrokerDaemon(Daemon):
         nonce = secrets.token_hex(8)
         start = time.perf_counter()
         try:
+            live = sorted(self.live_jobs) if len(self.live_jobs) <= MAX_PING_JOBS else None
             reply = await self.compnodes.call_ping(
-                peer_id, PingRequest(nonce=nonce), timeout=self.settings.ping_timeout
+                peer_id, PingRequest(nonce=nonce, jobs=live), timeout=self.settings.ping_timeout
             )
         except FusionNetError as e:
             log.debug("ping %s failed: %s", peer_id, e)

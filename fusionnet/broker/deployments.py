@@ -191,6 +191,8 @@ class DeploymentService:
         )
         task = asyncio.get_running_loop().create_task(run.run(), name=f"deployment-{name}")
         self.runs[name], self._tasks[name], self.served[name] = run, task, model
+        self.ctx.live_jobs.add(job.job_id)  # until its run ends (undeployed, or failed)
+        task.add_done_callback(lambda _t: self.ctx.live_jobs.discard(job.job_id))
         placed = asyncio.ensure_future(run.placed.wait())
         await asyncio.wait({placed, task}, timeout=PLACE_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
         placed.cancel()

@@ -131,7 +131,13 @@ class JobService:
         self.runs[job.job_id] = run
         task = asyncio.get_running_loop().create_task(run.run(), name=f"job-{job.job_id}")
         self._tasks[job.job_id] = task
-        task.add_done_callback(lambda _t: self._tasks.pop(job.job_id, None))
+        self.ctx.live_jobs.add(job.job_id)
+
+        def ended(_t: asyncio.Task[None]) -> None:
+            self._tasks.pop(job.job_id, None)
+            self.ctx.live_jobs.discard(job.job_id)
+
+        task.add_done_callback(ended)
 
     async def stop(self) -> None:
         for task in list(self._tasks.values()):

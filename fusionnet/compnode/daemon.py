@@ -149,7 +149,8 @@ class CompnodeDaemon(Daemon):
         self.metrics_address: str | None = None
         self._maddrs: list[str] = []
         self._announce_lock = asyncio.Lock()
-        self.ping_listeners: list[Callable[[str], None]] = []  # told the caller of every heartbeat
+        # told the caller of every heartbeat, and the jobs a broker's heartbeat says it runs
+        self.ping_listeners: list[Callable[[str, list[str] | None], None]] = []
         self.compute = compute_pool(config.threads)  # FP/BP/Update and the calibration run there
 
     @property
@@ -337,7 +338,7 @@ class CompnodeDaemon(Daemon):
     async def rpc_ping(self, request: PingRequest, context: RPCContext) -> PingReply:
         """The broker's heartbeat (FusionAI 3.2): echoes the nonce, says how we are doing."""
         for listener in self.ping_listeners:
-            listener(context.remote_peer)
+            listener(context.remote_peer, request.jobs)
         return PingReply(
             nonce=request.nonce,
             peer_id=self.peer_id,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -72,6 +73,25 @@ log = logging.getLogger("fusionnet.compnode.tasks")
 
 MAX_JOBS = 16  # assignments held at once; a broker gone wild cannot exhaust our memory
 HANDOVER_TIMEOUT = 45.0  # a graceful leave waits this long for the broker to move our sub-DAGs
+
+
+FORGOTTEN_GRACE = 30.0  # s a job is held before a heartbeat that leaves it out may drop it (a late ping)
+
+
+def forgotten_jobs(
+    jobs: Mapping[str, HeldJob], broker: str, running: set[str], busy: set[str], now: float
+) -> list[str]:
+    """The jobs held for ``broker`` that it no longer runs (not in ``running``, its heartbeat's list),
+    held for over ``FORGOTTEN_GRACE`` (a heartbeat sent before an assignment may arrive after it) and
+    with no call in progress (``busy``)."""
+    return [
+        job_id
+        for job_id, job in jobs.items()
+        if job.broker == broker
+        and job_id not in running
+        and job_id not in busy
+        and now - job.created_at > FORGOTTEN_GRACE
+    ]
 
 
 @dataclass
@@ -148,9 +168,19 @@ class SubtaskService(ReplicaRPC, StepRPC):
         assert self.sandboxes is not None
         self.sandboxes.start()
 
-    def _pinged(self, peer: str) -> None:
-        if peer in self.trust.peers:  # only trusted brokers: a flood of strangers must not grow the map
-            self._heard[peer] = time.monotonic()
+    def _pinged(self, peer: str, live: list[str] | None = None) -> None:
+        """A heartbeat from ``peer``; ``live``: the jobs that broker runs now (None: not said)."""
+        if peer not in self.trust.peers:  # only trusted brokers: a flood of strangers must not grow the map
+            return
+        self._heard[peer] = time.monotonic()
+        if live is None:
+            return
+        running, busy = set(live), {job_id for job_id, lock in self._locks.items() if lock.locked()}
+        for job_id in forgotten_jobs(self.jobs, peer, running, busy, time.time()):
+            # Its release never came (best effort: lost on the way, or sent while we were still
+            # building the sub-DAG): without this the job would hold its worker and its slot for as
+            # long as the broker lives, since the broker's pings keep its assignments from expiring.
+            self._release(job_id, "its broker runs it no more")
 
     async def _expire(self) -> None:
         """Releases assignments whose broker went silent (crashed, partitioned, lost the job)."""

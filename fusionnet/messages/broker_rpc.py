@@ -26,10 +26,14 @@ from fusionnet.messages.base import Caller, JobId, Message, TypedCaller
 from fusionnet.messages.jobwire import RunSpec
 
 MAX_JOB_LIMIT = 10_000
+MAX_PING_JOBS = 1024  # a broker with more live jobs than this sends none (its compnodes then keep theirs)
 
 
 class PingRequest(Message):
     nonce: Annotated[str, Field(max_length=128)] = ""
+    # A broker's heartbeat: every job and deployment it runs now. A compnode drops what it holds for this
+    # broker that is not among them (a release that never arrived); None: not said (any other pinger).
+    jobs: Annotated[list[JobId], Field(max_length=MAX_PING_JOBS)] | None = None
 
 
 class PingReply(Message):
