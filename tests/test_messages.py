@@ -129,6 +129,6 @@ def test_typed_clients_send_dicts_and_check_replies() -> None:
 
     reply = asyncio.run(BrokerClient(call).call_ping(PEER, PingRequest(nonce="n"), timeout=2.0))
     assert reply == PingReply(nonce="n", peer_id=PEER, state="ONLINE")
-    assert sent[-1] == (PEER, "ping", {"nonce": "n"}, {"timeout": 2.0})
+    assert sent[-1] == (PEER, "ping", {"nonce": "n", "jobs": None}, {"timeout": 2.0})
     with pytest.raises(WireError, match=rf"^rpc step reply from {PEER}: malformed message: step: "):
         asyncio.run(CompnodeClient(call).call_step(PEER, StepRequest(job_id="a1", step=0)))

@@ -13,7 +13,7 @@ import torch
 
 from fusionnet.compnode.netchannel import NetChannel, check_against_meta
 from fusionnet.compnode.valuepack import pack_value
-from fusionnet.dag.channel import Mailbox
+from fusionnet.dag.channel import MAX_STEPS_AHEAD, Mailbox
 from fusionnet.errors import JobError, WireError
 from fusionnet.wire import NO_JOB, DataPathServer, TensorFrame
 from fusionnet.wire.datapath import read_hello
@@ -202,8 +202,8 @@ def test_values_for_steps_nobody_will_take_are_refused_and_parking_is_bounded() 
             send_frame=lambda dst, f: asyncio.sleep(0),
             max_pending_bytes=1 << 20,
         )
-        channel.mailbox.forget_step(10)  # step 10 done: 10..12 may still come, nothing else
-        for step in (3, 9, 13, 10**6):
+        channel.mailbox.forget_step(10)  # step 10 done: 10..10 + MAX_STEPS_AHEAD may still come, nothing else
+        for step in (3, 9, 11 + MAX_STEPS_AHEAD, 10**6):
             channel.on_frame(_frame(step, "n/0", torch.ones(4)))
         assert channel.refused == 4 and not channel._pending
         channel.on_frame(_frame(11, "n/0", torch.ones(1 << 17)))  # 512 KiB parked
@@ -212,7 +212,8 @@ def test_values_for_steps_nobody_will_take_are_refused_and_parking_is_bounded() 
         assert channel.refused == 5 and channel._pending_bytes == 1 << 20
         channel.mailbox.forget_step(12)  # step 11's unfinished value can never complete: freed
         channel.on_frame(_frame(12, "m/0", torch.ones(4)))
-        assert channel._pending_bytes == 16 and channel.refused == 5
+        channel.on_frame(_frame(12 + MAX_STEPS_AHEAD, "m/0", torch.ones(4)))  # the farthest one taken
+        assert channel._pending_bytes == 32 and channel.refused == 5
         box = Mailbox()
         box.forget_step(5)
         assert not box.deliver(0, ("act", 2, 0, "x"), 1) and box.unexpected_dropped == 1

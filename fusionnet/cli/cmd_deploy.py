@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fusionnet.dag.channel import MAX_IN_FLIGHT
+
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -46,10 +48,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--in-flight",
         type=int,
-        choices=(1, 2),
+        choices=tuple(range(1, MAX_IN_FLIGHT + 1)),
         default=2,
         help="request batches in the pipeline at once (default 2: the next batch runs in the first stages "
-        "while one is in the last; 1 keeps every session in one fuller batch)",
+        "while one is in the last; 1 keeps every session in one fuller batch; as many as the deployment "
+        "has compnodes keeps every stage busy under a steady load of requests)",
     )
     p.add_argument(
         "--queue-limit",

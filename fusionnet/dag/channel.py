@@ -38,10 +38,12 @@ class Channel(ABC):
             await self.send(dst, key, value)
 
 
-# How many steps beyond the current one a message may be for. Executors advance step by step, so a
-# peer is at most one step ahead; anything further is a replay or a forgery that would otherwise
-# park a value nobody takes.
-MAX_STEPS_AHEAD = 2
+# How many steps beyond the current one a message may be for. A job's executors advance step by step, so
+# a peer is at most one step ahead; a deployment keeps up to ``MAX_IN_FLIGHT`` batches (its steps) in the
+# pipeline, so the first stage may be that many ahead of the last. Anything further is a replay or a
+# forgery that would otherwise park a value nobody takes (parked bytes are bounded besides).
+MAX_IN_FLIGHT = 4
+MAX_STEPS_AHEAD = MAX_IN_FLIGHT
 
 
 class Mailbox:

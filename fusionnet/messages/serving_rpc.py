@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from fusionnet.dag.channel import MAX_IN_FLIGHT
 from fusionnet.messages.base import Caller, JobId, Message, TypedCaller
 from fusionnet.messages.broker_rpc import SubmitJobRequest
 
@@ -26,7 +27,8 @@ class ServingSettings(Message):
 
     max_wait_ms: Annotated[float, Field(ge=0.0, le=10_000.0)] = 5.0  # a batch waits this long to fill
     queue_limit: Annotated[int, Field(ge=1, le=1 << 20)] = 1024  # rows waiting; beyond: 503
-    in_flight: Annotated[int, Field(ge=1, le=2)] = 2  # batches in the pipeline at once
+    # batches in the pipeline at once (at most the steps a compnode's mailbox takes ahead of its own)
+    in_flight: Annotated[int, Field(ge=1, le=MAX_IN_FLIGHT)] = 2
     # generate, a ``transformers`` causal LM: sessions with a KV cache on the compnodes (0: none, every
     # token recomputes the window)
     kv_slots: Annotated[int, Field(ge=0, le=4096)] = 16
