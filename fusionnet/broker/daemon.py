@@ -167,7 +167,10 @@ class BrokerDaemon(Daemon):
         nonce = secrets.token_hex(8)
         start = time.perf_counter()
         try:
-            live = sorted(self.live_jobs) if len(self.live_jobs) <= MAX_PING_JOBS else None
+            # Not while shutting down: the services stop (their runs end) before the heartbeat does, and
+            # the jobs a restarted broker resumes must not look over to their compnodes meanwhile.
+            listed = len(self.live_jobs) <= MAX_PING_JOBS and not self.should_exit.is_set()
+            live = sorted(self.live_jobs) if listed else None
             reply = await self.compnodes.call_ping(
                 peer_id, PingRequest(nonce=nonce, jobs=live), timeout=self.settings.ping_timeout
             )
