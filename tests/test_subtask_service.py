@@ -18,8 +18,8 @@ from fusionnet.broker.assignment_payloads import assignment_payloads
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.compnode.daemon import CompnodeConfig
-from fusionnet.compnode.tasks import FORGOTTEN_GRACE, MAX_JOBS, SubtaskService, forgotten_jobs
-from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
+from fusionnet.compnode.tasks import MAX_JOBS, SubtaskService
+from fusionnet.compnode.trust import FORGOTTEN_GRACE, TrustedBrokers, forgotten_jobs, stale_jobs
 from fusionnet.dag.codec import encode_ir
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.dht.peerids import peer_ids_of_maddrs
@@ -349,13 +349,10 @@ def test_a_job_its_brokers_heartbeat_leaves_out_is_dropped_after_the_grace(assig
 
 
 def test_forgotten_jobs_are_those_of_that_broker_unlisted_idle_and_old() -> None:
-    def held(broker: str, age: float) -> Any:
-        return SimpleNamespace(broker=broker, created_at=1000.0 - age)
-
-    jobs = {"a": held(BROKER, 60), "b": held(BROKER, 60), "c": held(STRANGER, 60), "d": held(BROKER, 5),
-            "e": held(BROKER, 60)}  # fmt: skip
-    assert forgotten_jobs(jobs, BROKER, {"b"}, {"e"}, now=1000.0) == ["a"]  # type: ignore[arg-type]
-    assert forgotten_jobs(jobs, STRANGER, set(), set(), now=1000.0) == ["c"]  # type: ignore[arg-type]
+    held = {"a": (BROKER, 940.0), "b": (BROKER, 940.0), "c": (STRANGER, 940.0), "d": (BROKER, 995.0),
+            "e": (BROKER, 940.0)}  # fmt: skip
+    assert forgotten_jobs(held, BROKER, {"b"}, {"e"}, now=1000.0) == ["a"]
+    assert forgotten_jobs(held, STRANGER, set(), set(), now=1000.0) == ["c"]
 
 
 def test_trusted_brokers_come_from_initial_peers_and_flags() -> None:

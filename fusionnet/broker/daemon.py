@@ -152,7 +152,11 @@ class BrokerDaemon(Daemon):
     async def _heartbeat(self) -> None:
         """One ping round over every compnode that has not left; RTTs and silences go to the registry."""
         peers = self.registry.to_ping()
-        results = await asyncio.gather(*(self._ping(p) for p in peers))
+        # Not while shutting down: the services stop (their runs end) before the heartbeat does, and
+        # the jobs a restarted broker resumes must not look over to their compnodes meanwhile.
+        listed = len(self.live_jobs) <= MAX_PING_JOBS and not self.should_exit.is_set()
+        live = sorted(self.live_jobs) if listed else None  # one list for the whole round
+        results = await asyncio.gather(*(self._ping(p, live) for p in peers))
         now = time.time()
         for peer_id, rtt in zip(peers, results):
             self.metrics.observe_heartbeat(rtt)
@@ -163,14 +167,10 @@ class BrokerDaemon(Daemon):
         self.registry.check_timeouts(now)
         self._update_swarm_metrics()  # reachability may have changed
 
-    async def _ping(self, peer_id: str) -> float | None:
+    async def _ping(self, peer_id: str, live: list[str] | None) -> float | None:
         nonce = secrets.token_hex(8)
         start = time.perf_counter()
         try:
-            # Not while shutting down: the services stop (their runs end) before the heartbeat does, and
-            # the jobs a restarted broker resumes must not look over to their compnodes meanwhile.
-            listed = len(self.live_jobs) <= MAX_PING_JOBS and not self.should_exit.is_set()
-            live = sorted(self.live_jobs) if listed else None
             reply = await self.compnodes.call_ping(
                 peer_id, PingRequest(nonce=nonce, jobs=live), timeout=self.settings.ping_timeout
             )

@@ -6,6 +6,7 @@ Map of the package:
 
 - ``daemon.py``      ``Compnode``: DHT join, start-up profiling, hardware record, RPC services, shutdown.
 - ``tasks.py``       the service behind the broker's ``assign``: holding jobs, their RPCs, hand-over.
+- ``assign_rpc.py``  its ``assign`` and ``stage_state`` calls: building and holding a job (a mixin).
 - ``step_rpc.py``    its ``step`` and ``serve_step`` calls (a mixin).
 - ``serve_steps.py`` a deployment's batches through a resident sub-DAG (inference and generation).
 - ``staging.py``     a slice's state sent ahead of its ``assign``, held until the assignment names it.
@@ -24,7 +25,8 @@ Map of the package:
 - ``sandbox_worker.py``  a job's worker process: builds and runs the sub-DAG under a memory budget.
 - ``sandbox_ipc.py`` the messages between daemon and worker (msgpack + raw tensor bytes, bounded).
 - ``sandbox_preload.py``  what the fork server imports, at a lower CPU priority.
-- ``trust.py``       which brokers a compnode obeys; assignments whose broker went silent expire.
+- ``trust.py``       which brokers a compnode obeys; assignments whose broker went silent (or whose
+                     broker's heartbeat no longer lists them) end.
 - ``compute.py``     the compute thread: FP/BP/Update (and state packing) off the event loop.
 - ``netchannel.py``  the executor's ``Channel`` over the network (authenticated tensor frames).
 - ``linkprobe.py``   timing the links to the job's other compnodes (alpha + beta * M).

@@ -11,6 +11,7 @@ Only a broker this compnode trusts may assign a job (``trust.py``: the peers of 
 ``--trusted-broker``), and only the peer that assigned a job may drive it (``step``), read it
 (``collect``) or end it (``release``); a call about a job from anyone else is refused with a
 ``JobError``. An assignment its broker stops driving expires (``--assignment-ttl``), freeing its slot.
+The ``assign`` call itself is ``assign_rpc``'s, ``step`` and ``serve_step`` ``step_rpc``'s.
 
 Compute never runs on the event loop: while a sub-task computes for minutes the loop keeps answering
 pings and RPCs and moving data. By default (``--sandbox process``) each assignment runs in its own
@@ -26,15 +27,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-from fusionnet.compnode.assignment_intake import build_assignment
+from fusionnet.compnode.assign_rpc import MAX_JOBS, AssignRPC, Build
 from fusionnet.compnode.daemon import CompnodeDaemon
-from fusionnet.compnode.faults import FaultPoint, fault_hooks
-from fusionnet.compnode.job_host import HeldJob, JobHost
+from fusionnet.compnode.faults import FaultPoint
+from fusionnet.compnode.job_host import HeldJob
 from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
 from fusionnet.compnode.replica_frames import Landings
 from fusionnet.compnode.replica_rpc import ReplicaRPC
@@ -42,8 +40,7 @@ from fusionnet.compnode.replicas import ReplicaStore
 from fusionnet.compnode.sandbox_client import SandboxedJob, SandboxPool
 from fusionnet.compnode.staging import StateStaging
 from fusionnet.compnode.step_rpc import StepRPC
-from fusionnet.compnode.throttle import throttle_hooks
-from fusionnet.compnode.trust import TrustedBrokers, stale_jobs
+from fusionnet.compnode.trust import TrustedBrokers, forgotten_jobs, stale_jobs
 from fusionnet.daemon.addresses import announced_host
 from fusionnet.dht.records import join_host_port
 from fusionnet.errors import JobError
@@ -51,8 +48,6 @@ from fusionnet.messages.base import handles
 from fusionnet.messages.broker_rpc import BrokerClient
 from fusionnet.messages.broker_rpc import JobRequest as BrokerJobRequest
 from fusionnet.messages.compnode_rpc import (
-    AssignReply,
-    AssignRequest,
     CollectReply,
     JobRequest,
     ProbedLink,
@@ -60,49 +55,18 @@ from fusionnet.messages.compnode_rpc import (
     ProbeLinksRequest,
     ReleaseReply,
     ReleaseRequest,
-    StageStateReply,
-    StageStateRequest,
 )
 from fusionnet.rpc.server import RPCContext
 from fusionnet.wire.datapath import DataPathClient, DataPathServer
 from fusionnet.wire.frames import TensorFrame
-from fusionnet.wire.handoff import OTHER_LANES
 from fusionnet.wire.refusal import PeerUnreachable
 
 log = logging.getLogger("fusionnet.compnode.tasks")
 
-MAX_JOBS = 16  # assignments held at once; a broker gone wild cannot exhaust our memory
 HANDOVER_TIMEOUT = 45.0  # a graceful leave waits this long for the broker to move our sub-DAGs
 
 
-FORGOTTEN_GRACE = 30.0  # s a job is held before a heartbeat that leaves it out may drop it (a late ping)
-
-
-def forgotten_jobs(
-    jobs: Mapping[str, HeldJob], broker: str, running: set[str], busy: set[str], now: float
-) -> list[str]:
-    """The jobs held for ``broker`` that it no longer runs (not in ``running``, its heartbeat's list),
-    held for over ``FORGOTTEN_GRACE`` (a heartbeat sent before an assignment may arrive after it) and
-    with no call in progress (``busy``)."""
-    return [
-        job_id
-        for job_id, job in jobs.items()
-        if job.broker == broker
-        and job_id not in running
-        and job_id not in busy
-        and now - job.created_at > FORGOTTEN_GRACE
-    ]
-
-
-@dataclass
-class _Build:
-    """An assignment being built here: by which broker, and whether that broker has released it since."""
-
-    broker: str
-    released: str | None = None  # the release's reason
-
-
-class SubtaskService(ReplicaRPC, StepRPC):
+class SubtaskService(AssignRPC, ReplicaRPC, StepRPC):
     name = "subtasks"
 
     def __init__(self, compnode: CompnodeDaemon) -> None:
@@ -125,7 +89,7 @@ class SubtaskService(ReplicaRPC, StepRPC):
         # Each build says whether its broker released the job meanwhile (a job cancelled while this
         # compnode was still building its sub-DAG): such a build is dropped when it ends instead of
         # being held for a job that is over, which nobody would ever release.
-        self._building: dict[str, list[_Build]] = {}
+        self._building: dict[str, list[Build]] = {}
         self.fault = FaultPoint.from_env()
         settings = compnode.settings
         self.trust = TrustedBrokers.from_settings(settings.common.dht.initial_peers, settings.trusted_brokers)
@@ -175,8 +139,9 @@ class SubtaskService(ReplicaRPC, StepRPC):
         self._heard[peer] = time.monotonic()
         if live is None:
             return
-        running, busy = set(live), {job_id for job_id, lock in self._locks.items() if lock.locked()}
-        for job_id in forgotten_jobs(self.jobs, peer, running, busy, time.time()):
+        held = {job_id: (job.broker, job.created_at) for job_id, job in self.jobs.items()}
+        busy = {job_id for job_id, lock in self._locks.items() if lock.locked()}
+        for job_id in forgotten_jobs(held, peer, set(live), busy, time.time()):
             # Its release never came (best effort: lost on the way, or sent while we were still
             # building the sub-DAG): without this the job would hold its worker and its slot for as
             # long as the broker lives, since the broker's pings keep its assignments from expiring.
@@ -313,154 +278,7 @@ class SubtaskService(ReplicaRPC, StepRPC):
         total += self.replica_refused.get(job_id, 0)
         return total + (job.host.refused() if job else 0) + (prober.refused if prober else 0)
 
-    # ---- RPC -------------------------------------------------------------------------------------
-    @handles(StageStateRequest)
-    async def rpc_stage_state(self, request: StageStateRequest, context: RPCContext) -> StageStateReply:
-        """One part of a slice that its ``assign`` will name (``compnode.staging``)."""
-        self.trust.check(context.remote_peer, "stage_state")
-        return StageStateReply(received=self.staging.add(context.remote_peer, request))
-
-    @handles(AssignRequest)
-    async def rpc_assign(self, request: AssignRequest, context: RPCContext) -> AssignReply:
-        self.trust.check(context.remote_peer, "assign")
-        job_id = request.job_id
-        if job_id in self.jobs:
-            held = self.jobs[job_id]
-            if held.broker != context.remote_peer:
-                raise JobError(f"job {job_id} is already assigned here by {held.broker}")
-            if request.attempt == held.attempt and request.subdag == held.index:
-                return AssignReply(subdag=held.index, nodes=held.nodes)  # a repeated request
-            if request.attempt == held.attempt and request.subdag in held.indices:
-                return await self._assign_chunk(held, request, context)  # interleaved: one more
-            # A new round of the same job (failover, re-plan, restarted broker): the old one is void.
-            self._release(job_id, f"superseded by attempt {request.attempt}")
-        if len(self.jobs) >= MAX_JOBS:
-            raise JobError(f"this compnode already runs {MAX_JOBS} jobs")
-        staged = [n for n in (request.staged_state, request.staged_optim) if n is not None]
-        request = self.staging.resolve(context.remote_peer, request)
-        if staged:
-            log.info("job %s: sub-DAG %d slice staged ahead (%d bytes)", job_id, request.subdag, sum(staged))
-        holder: dict[str, HeldJob] = {}
-
-        async def send(dst: int, frame: TensorFrame) -> None:
-            await self._send(holder["job"], dst, frame)
-
-        building = _Build(context.remote_peer)
-        self._building.setdefault(job_id, []).append(building)
-        self._set_load()
-        try:
-            job = await self._build(request, context.remote_peer, send)
-        finally:
-            builds = self._building[job_id]
-            builds.remove(building)
-            if not builds:
-                del self._building[job_id]
-            self._set_load()
-        if building.released is not None:
-            closing = asyncio.ensure_future(job.host.close(building.released))  # its sandbox worker stops
-            closing.add_done_callback(lambda f: f.cancelled() or f.exception())
-            why = f"released by its broker ({building.released}) while sub-DAG {job.index} was being built"
-            log.info("job %s: %s: dropped", job_id, why)
-            raise JobError(f"job {job_id}: {why} here; dropped")
-        holder["job"] = job
-        allowed = job.allowed_senders()
-        prober = LinkProber(job.job_id, self.node.peer_id, job.subdag_of_peer(), send)
-        self._probers[job.job_id] = prober
-
-        def router(path_name: str) -> Any:
-            def route(frame: TensorFrame) -> Any:  # probes: prober; snapshots: disk; values: executor
-                nbytes = frame.tensor.numel() * frame.tensor.element_size()
-                self.node.metrics.count_data(path_name, "received", nbytes)  # as ``_send`` counts: probes too
-                if frame.kind == "ctrl":
-                    return prober.on_frame(frame)
-                if frame.kind == "param":
-                    return self.on_replica_frame(job, frame)
-                return job.host.deliver(frame)
-
-            return route
-
-        for path_name, path in (("tcp", self.server), ("p2p", self.p2p)):
-            assert path is not None
-            keys = job.keys_by_sender()
-            # A worker that reads its peers' values owns the lane their workers number in (``handoff``).
-            lanes = OTHER_LANES if isinstance(job.host, SandboxedJob) and job.host.reads_values else None
-            path.register_job(job.job_id, keys, allowed, router(path_name), job.spec.wire_encryption, lanes)
-        self.jobs[job.job_id] = job
-        self._locks[job.job_id] = asyncio.Lock()
-        self._heard[job.job_id] = time.monotonic()
-        self._set_load()
-        log.info(
-            "job %s: sub-DAG %d assigned by %s (%d nodes, %d parameters)",
-            job.job_id,
-            job.index,
-            context.remote_peer,
-            job.nodes,
-            job.params,
-        )
-        return AssignReply(subdag=job.index, nodes=job.nodes)
-
-    async def _assign_chunk(self, held: HeldJob, request: AssignRequest, context: RPCContext) -> AssignReply:
-        """Another sub-DAG of a job and round we hold already (interleaved-1f1b: compnode d holds
-        d, p + d, ...), built into the same host: its worker runs all of them in one loop."""
-        if request.peers != held.peers or request.spec != held.spec:
-            raise JobError(f"job {held.job_id}: sub-DAG {request.subdag}'s assignment disagrees with ours")
-        request = self.staging.resolve(context.remote_peer, request)
-        self.node.make_way_for_work()
-        if isinstance(held.host, JobHost):  # --sandbox off: built here, on the compute thread
-            build = partial(
-                build_assignment,
-                request,
-                own_peer_id=self.node.peer_id,
-                broker=held.broker,
-                send=partial(self._send, held),
-                device=self.node.device,
-            )
-            built = await asyncio.get_running_loop().run_in_executor(self.node.compute, build)
-            for hook in (*fault_hooks(self.fault), *throttle_hooks(self.node.settings.slowdown)):
-                built.executor.hooks.add(hook)
-            held.host.add(built)
-            nodes, params = len(built.subdag.nodes), len(built.subdag.params)
-        else:
-            nodes, params = await held.host.assign_more(request)  # type: ignore[attr-defined]
-        held.add_subdag(nodes, params)
-        log.info("job %s: sub-DAG %d assigned too (%d nodes)", held.job_id, request.subdag, nodes)
-        return AssignReply(subdag=request.subdag, nodes=nodes)
-
-    async def _build(self, request: AssignRequest, broker: str, send: Any) -> HeldJob:
-        """The assignment decoded, checked and built where it will run: in a sandbox worker, or on the
-        compute thread (placing the state on the device is compute-stream work). A first start-up's
-        calibration on that thread gives way at once instead of delaying the job."""
-        self.node.make_way_for_work()
-        if self.sandboxes is not None:
-            sandboxed = SandboxedJob(
-                self.sandboxes,
-                self.node.peer_id,
-                request.job_id,
-                request.subdag,
-                send,
-                counted=partial(self.node.metrics.count_data, "tcp"),
-                refusals=self.node.metrics.count_refusal,
-            )
-            try:
-                nodes, params = await sandboxed.assign(request, broker, str(self.node.device))
-            except BaseException:
-                await sandboxed.close("its assignment was refused")
-                raise
-            return HeldJob.of(request, broker, nodes, params, sandboxed)
-        build = partial(
-            build_assignment,
-            request,
-            own_peer_id=self.node.peer_id,
-            broker=broker,
-            send=send,
-            device=self.node.device,
-        )
-        built = await asyncio.get_running_loop().run_in_executor(self.node.compute, build)
-        for hook in (*fault_hooks(self.fault), *throttle_hooks(self.node.settings.slowdown)):
-            built.executor.hooks.add(hook)
-        host = JobHost(built, self.node.compute)
-        return HeldJob.of(request, broker, len(built.subdag.nodes), len(built.subdag.params), host)
-
+    # ---- RPC (assign and stage_state: ``assign_rpc``) ----------------------------------------------
     @handles(ProbeLinksRequest)
     async def rpc_probe_links(self, request: ProbeLinksRequest, context: RPCContext) -> ProbeLinksReply:
         """Times the links from this compnode to the job's sub-DAGs ``to`` (``linkprobe``): per

@@ -10,7 +10,10 @@ forged. A refusal is logged once per peer and minute (a flood must not flood the
 
 An assignment whose broker stops driving it (no step, no call about it and no heartbeat ping from
 that broker for ``assignment_ttl`` seconds, while no step of it is running) is released, so a broker
-that crashed or lost the job cannot hold the compnode's job slots for ever.
+that crashed or lost the job cannot hold the compnode's job slots for ever. A live broker's heartbeat
+lists the jobs it runs, and a job of that broker held for over ``FORGOTTEN_GRACE`` that the list leaves
+out is released too (``forgotten_jobs``): a release that never arrived must not hold a slot while the
+broker lives.
 """
 
 from __future__ import annotations
@@ -80,3 +83,19 @@ def stale_jobs(
         if job_id not in busy and now - heard > ttl:
             stale.append(job_id)
     return stale
+
+
+FORGOTTEN_GRACE = 30.0  # s a job is held before a heartbeat that leaves it out may drop it (a late ping)
+
+
+def forgotten_jobs(
+    held: Mapping[str, tuple[str, float]], broker: str, running: set[str], busy: set[str], now: float
+) -> list[str]:
+    """The jobs (id -> (broker, held since, wall seconds) in ``held``) of ``broker`` that it no longer
+    runs (not in ``running``, its heartbeat's list), held for over ``FORGOTTEN_GRACE`` (a heartbeat sent
+    before an assignment may arrive after it) and with no call in progress (``busy``)."""
+    return [
+        job_id
+        for job_id, (owner, since) in held.items()
+        if owner == broker and job_id not in running and job_id not in busy and now - since > FORGOTTEN_GRACE
+    ]
