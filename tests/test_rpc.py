@@ -18,8 +18,11 @@ from hivemind.p2p import P2P
 
 from fusionnet.errors import PlanError, WireError
 from fusionnet.rpc import RPCClient, RPCContext, RPCError, RPCServer
+from fusionnet.rpc.kept import MAX_IDLE_PER_PEER
 from fusionnet.rpc.limits import CallBudget, CallLimits
 from fusionnet.rpc.protocol import (
+    KEPT_PER_PEER,
+    KEPT_PROTOCOL,
     STREAM_PROTOCOL,
     UNARY_PROTOCOL,
     decode_request,
@@ -288,5 +291,79 @@ def test_a_flooding_peer_is_refused_over_its_limits_and_others_are_served() -> N
             assert (await client.call(peer, "echo", {"ok": True}))["echo"] == {"ok": True}
             assert not server.budget.calls or server.budget.calls == {b.peer_id.to_base58(): 0}
             assert not server.budget.held
+
+    run(scenario())
+
+
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
+@pytest.mark.timeout(60)
+def test_calls_share_a_kept_stream_and_survive_its_end() -> None:
+    """Streamed calls to one peer reuse one kept stream; one the server closed (idle, stopped) is replaced
+    by a fresh one without the caller noticing; a server without kept streams gets plain ones."""
+
+    async def scenario() -> None:
+        async with pair(kept_idle=0.3) as (server, _, _svc, b):
+            peer = server.p2p.peer_id
+            client = RPCClient(b, unary_limit=0, default_timeout=10.0)  # every call streamed, as daemons do
+            for i in range(5):
+                assert (await client.call(peer, "echo", {"i": i}))["echo"] == {"i": i}
+            assert client.kept is not None and (client.kept.opened, client.kept.reused) == (1, 4)
+            # concurrent calls each need a stream; the pool keeps at most MAX_IDLE_PER_PEER of them after
+            got = await asyncio.gather(*(client.call(peer, "echo", {"i": i}) for i in range(12)))
+            assert [g["echo"]["i"] for g in got] == list(range(12))
+            assert len(client.kept._idle[peer]) == MAX_IDLE_PER_PEER
+            # the server closes kept streams idle for kept_idle; the pool still holds them: the call
+            # finds them closed and goes on a fresh stream
+            while server._kept:
+                await asyncio.sleep(0.05)
+            opened = client.kept.opened
+            assert (await client.call(peer, "echo", {"after": "idle"}))["echo"] == {"after": "idle"}
+            assert client.kept.opened == opened + 1
+            # a peer that does not serve kept streams (an older version): plain streams, and it is asked
+            # again only after a while
+            await server.p2p.remove_binary_stream_handler(KEPT_PROTOCOL)
+            client.close()
+            assert (await client.call(peer, "echo", {"plain": 1}))["echo"] == {"plain": 1}
+            assert not client.kept.wanted(peer)
+            assert (await client.call(peer, "echo", {"plain": 2}))["echo"] == {"plain": 2}
+            client.close()
+
+    run(scenario())
+
+
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
+@pytest.mark.timeout(60)
+def test_kept_streams_are_bounded_per_peer_and_garbage_on_one_ends_it() -> None:
+    async def scenario() -> None:
+        async with pair(idle_timeout=0.5) as (server, client, _svc, b):
+            peer = server.p2p.peer_id
+            held = []
+            for _ in range(KEPT_PER_PEER):
+                _, reader, writer = await b.call_binary_stream_handler(peer, KEPT_PROTOCOL)
+                held.append(writer)
+            while sum(server._kept.values()) < KEPT_PER_PEER:
+                await asyncio.sleep(0.01)
+            # one more from that peer is closed unanswered
+            _, reader, writer = await b.call_binary_stream_handler(peer, KEPT_PROTOCOL)
+            writer.write(frame_header(len(body := encode_request("echo", {}))) + body)
+            with pytest.raises(asyncio.IncompleteReadError):
+                await read_frame(reader, 1 << 20, 10.0, "answer")
+            writer.close()
+            for w in held:
+                w.close()
+            while server._kept:
+                await asyncio.sleep(0.01)
+            # garbage on a kept stream is answered with an error, and the stream ends
+            _, reader, writer = await b.call_binary_stream_handler(peer, KEPT_PROTOCOL)
+            writer.write(b"HELO" + bytes(8))
+            resp = decode_response(await read_frame(reader, 1 << 20, 10.0, "answer"))
+            assert resp.error[0] == "WireError" and "bad magic" in resp.error[1]
+            assert await reader.read() == b""
+            writer.close()
+            # and the server serves as before, the flooding peer included
+            assert (await client.call(peer, "echo", {"blob": b"x" * 100_000}))["echo"][
+                "blob"
+            ] == b"x" * 100_000
+            client.close()
 
     run(scenario())

@@ -63,6 +63,7 @@ class SwarmPeer:
         """Graceful: finish in-flight calls (up to ``rpc_grace``), detach from p2pd, stop the DHT child."""
         if self.server is not None:
             await self.server.stop(grace=rpc_grace)
+        self.client.close()
         with contextlib.suppress(Exception):  # p2pd may be gone already; the replica only holds sockets
             await self.p2p.shutdown()
         await stop_dht(self.dht)

@@ -1,7 +1,8 @@
 """Calling ``rpc_<name>`` handlers on other peers: ``await client.call(peer_id, "name", payload, timeout=)``.
 
 Small requests go as one unary message over p2pd's persistent connection; larger ones (and any answer the
-server stashed because it was too big for a unary reply) go over a libp2p stream in chunked frames. Every
+server stashed because it was too big for a unary reply) go over a libp2p stream in chunked frames, a
+stream kept open for the next call to that peer (``kept.py``) where the peer serves them. Every
 failure surfaces as a project error: the remote handler's own ``FusionNetError`` class with its message
 verbatim, or ``RPCError`` (unreachable, timeout, transport, remote crash) naming the peer and the method.
 """
@@ -18,6 +19,7 @@ from google.protobuf.wrappers_pb2 import BytesValue
 from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 
 from fusionnet.errors import WireError
+from fusionnet.rpc.kept import KeptStreams
 from fusionnet.rpc.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_UNARY_LIMIT,
@@ -57,8 +59,11 @@ class RPCClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         unary_limit: int = DEFAULT_UNARY_LIMIT,
         default_timeout: float = DEFAULT_TIMEOUT,
+        kept_streams: bool = True,
     ):
         self.p2p = p2p
+        # Streamed calls go on streams kept open between calls (``kept.py``); False: a new one each.
+        self.kept = KeptStreams(p2p) if kept_streams else None
         self.max_message_bytes = max_message_bytes
         self.unary_limit = unary_limit
         self.default_timeout = default_timeout
@@ -169,14 +174,28 @@ class RPCClient:
     async def _stream(self, peer_id: PeerID, body: bytes, timeout: float) -> bytes:
         """``timeout`` also bounds the wait for the answer's first frame: a handler may work on a big
         request (a 100M-parameter submission) for longer than the default before it answers."""
-        _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, STREAM_PROTOCOL)
         label = peer_id.to_base58()
         progress = None if self.on_progress is None else lambda: self._progressed(label)
+        what = f"rpc answer from {label}"
+
+        async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+            await write_frame(writer, body, progress)
+            return await read_frame(reader, self.max_message_bytes, timeout, what, progress)
+
+        if self.kept is not None and self.kept.wanted(peer_id):
+            answer = await self.kept.call(peer_id, exchange)
+            if answer is not None:
+                return answer
+        _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, STREAM_PROTOCOL)
         try:
             # The server may refuse (oversize) and close before reading everything: its answer says why.
             with contextlib.suppress(ConnectionError, OSError):
                 await write_frame(writer, body, progress)
-            what = f"rpc answer from {peer_id}"
             return await read_frame(reader, self.max_message_bytes, timeout, what, progress)
         finally:
             await close_writer(writer)
+
+    def close(self) -> None:
+        """Closes the streams kept for later calls (the daemon is going)."""
+        if self.kept is not None:
+            self.kept.close()

@@ -37,6 +37,9 @@ from fusionnet.errors import (
 PROTOCOL_VERSION = 1
 UNARY_PROTOCOL = "/fusionnet/rpc/1"
 STREAM_PROTOCOL = "/fusionnet/rpc-stream/1"
+KEPT_PROTOCOL = "/fusionnet/rpc-kept/1"  # a stream that carries calls one after another (``kept.py``)
+KEPT_IDLE = 60.0  # s the server keeps a kept stream that carries no call
+KEPT_PER_PEER = 32  # kept streams one peer may hold open on a server; more are closed at once
 FETCH_METHOD = "$fetch"  # reserved: fetch a stashed response over a stream
 
 FRAME_MAGIC = b"FNR1"

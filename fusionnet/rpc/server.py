@@ -1,7 +1,8 @@
 """Serving ``rpc_<name>`` handlers to other peers over hivemind's libp2p daemon.
 
-One unary protocol (small calls, multiplexed over p2pd's persistent connection) and one stream protocol
-(large calls, chunked frames) dispatch to the same handler table, so adding a method is adding a coroutine
+One unary protocol (small calls, multiplexed over p2pd's persistent connection), one stream protocol
+(large calls, chunked frames) and kept streams (calls one after another on one stream, ``kept.py``)
+dispatch to the same handler table, so adding a method is adding a coroutine
 ``rpc_<name>(payload, context) -> dict``. Whatever a peer sends, the server answers with an error response
 and goes on: garbage, oversize, unknown methods and handler crashes never escape into the daemon.
 What one peer and all peers together may hold at once (calls, request bytes) and how long a request may
@@ -17,6 +18,7 @@ import inspect
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,10 @@ from fusionnet.rpc.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_UNARY_LIMIT,
     FETCH_METHOD,
+    FRAME_HEADER_LEN,
+    KEPT_IDLE,
+    KEPT_PER_PEER,
+    KEPT_PROTOCOL,
     REMOTE_ERROR_CLASSES,
     STREAM_PROTOCOL,
     UNARY_PROTOCOL,
@@ -78,6 +84,7 @@ class RPCServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         unary_limit: int = DEFAULT_UNARY_LIMIT,
         idle_timeout: float = 30.0,
+        kept_idle: float = KEPT_IDLE,
         stash_ttl: float = 60.0,
         limits: CallLimits | None = None,
     ):
@@ -91,10 +98,13 @@ class RPCServer:
         self.max_message_bytes = max_message_bytes
         self.unary_limit = unary_limit
         self.idle_timeout = idle_timeout
+        self.kept_idle = kept_idle  # s a kept stream may wait for its next call
         self.stash_ttl = stash_ttl
         self._handlers: dict[str, Handler] = {}
         self._in_flight: set[asyncio.Task[Any]] = set()
         self._streams: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}  # in-flight stream calls
+        self._kept: Counter[str] = Counter()  # kept streams open, by peer
+        self._kept_idle: set[asyncio.StreamWriter] = set()  # kept streams between two calls
         self._stream_work: dict[asyncio.Task[Any], asyncio.Task[bytes]] = {}  # their running handlers
         # token -> (peer allowed to fetch it, body, expiry): answers too big for a unary reply.
         self._stash: dict[bytes, tuple[str, bytes, float]] = {}
@@ -134,6 +144,7 @@ class RPCServer:
         assert not self._started, "RPCServer.start() called twice"
         await self.p2p.add_protobuf_handler(UNARY_PROTOCOL, self._on_unary, BytesValue)
         await self.p2p.add_binary_stream_handler(STREAM_PROTOCOL, self._on_stream)
+        await self.p2p.add_binary_stream_handler(KEPT_PROTOCOL, self._on_kept)
         self._started = True
 
     async def stop(self, grace: float) -> None:
@@ -145,6 +156,10 @@ class RPCServer:
                 await self.p2p.remove_protobuf_handler(UNARY_PROTOCOL)
             with contextlib.suppress(Exception):
                 await self.p2p.remove_binary_stream_handler(STREAM_PROTOCOL)
+            with contextlib.suppress(Exception):
+                await self.p2p.remove_binary_stream_handler(KEPT_PROTOCOL)
+            for writer in list(self._kept_idle):  # between calls: nothing to wait for
+                writer.close()
         pending = {t for t in self._in_flight if t is not asyncio.current_task()}
         if pending:
             log.info("waiting up to %.1f s for %d in-flight RPC call(s)", grace, len(pending))
@@ -207,7 +222,46 @@ class RPCServer:
         return encode_error("WireError", str(e))
 
     async def _on_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await self._answer(info.peer_id.to_base58(), reader, writer)
+        finally:
+            await close_writer(writer)
+
+    async def _on_kept(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A kept stream (``kept.py``): calls one after another, each answered before the next is read,
+        until the caller closes it, leaves it idle for ``kept_idle`` s, or a call on it goes wrong."""
         peer = info.peer_id.to_base58()
+        try:
+            if self._kept[peer] >= KEPT_PER_PEER or not self._started:
+                return  # closed unanswered: the caller goes on with plain streams
+            self._kept[peer] += 1
+            try:
+                while True:
+                    self._kept_idle.add(writer)  # ``stop`` closes the idle ones
+                    try:
+                        header = await asyncio.wait_for(reader.readexactly(FRAME_HEADER_LEN), self.kept_idle)
+                    except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
+                        return  # idle for too long, or closed by the caller: the stream's normal end
+                    finally:
+                        self._kept_idle.discard(writer)
+                    if not self._started or not await self._answer(peer, reader, writer, header):
+                        return
+            finally:
+                self._kept[peer] -= 1
+                if self._kept[peer] <= 0:
+                    del self._kept[peer]
+        finally:
+            await close_writer(writer)
+
+    async def _answer(
+        self,
+        peer: str,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        header: bytes | None = None,
+    ) -> bool:
+        """Reads one call's request from the stream (after ``header`` when read already) and writes its
+        answer. True when the stream is left between calls, ready for another."""
         task = asyncio.current_task()
         assert task is not None
         held = [0]  # request bytes reserved for this call
@@ -230,11 +284,12 @@ class RPCServer:
                         f"rpc request from {peer}",
                         reserve=reserve,
                         deadline=self.limits.read_deadline,
+                        header=header,
                     )
                 except WireError as e:
                     await write_frame(writer, self._refused(e))
                     await discard_input(reader, linger=min(self.idle_timeout, 2.0))
-                    return
+                    return False
                 # The handler runs in a task of ours, so abort() can cancel it without cancelling this one.
                 work = asyncio.create_task(self._dispatch(body, peer, unary=False))
                 del body  # ``_dispatch`` lets go of it once decoded
@@ -245,16 +300,17 @@ class RPCServer:
                     if task.cancelling():
                         work.cancel()
                         raise
-                    return  # aborted by abort()
+                    return False  # aborted by abort()
                 await write_frame(writer, response)
+                return True
             except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
                 log.info("rpc stream from %s closed early: %s", peer, type(e).__name__)
+                return False
             finally:
                 if entered:
                     self.budget.leave(peer, held[0])
                 self._streams.pop(task, None)
                 self._stream_work.pop(task, None)
-                await close_writer(writer)
 
     # ---- dispatch --------------------------------------------------------------------------------
     async def _dispatch(self, body: bytes | bytearray, peer: str, *, unary: bool) -> bytes:

@@ -28,14 +28,18 @@ async def read_frame(
     *,
     reserve: Callable[[int], None] | None = None,
     deadline: Callable[[int], float] | None = None,
+    header: bytes | None = None,
 ) -> bytearray:
     """One frame's body. Raises ``WireError`` for garbage, oversize, a stall, a body not in within
     ``deadline(length)`` seconds, or one ``reserve(length)`` refuses; ``IncompleteReadError`` when the
-    peer closes the stream early (nothing to answer then). ``progress`` is called per chunk read."""
-    try:
-        header = await asyncio.wait_for(reader.readexactly(FRAME_HEADER_LEN), idle_timeout)
-    except TimeoutError as e:
-        raise WireError(f"{what}: no frame header within {idle_timeout:g} s") from e
+    peer closes the stream early (nothing to answer then). ``progress`` is called per chunk read.
+    ``header``: the frame's header, when the caller has read it already (a kept stream's server waits
+    for it longer than for the rest)."""
+    if header is None:
+        try:
+            header = await asyncio.wait_for(reader.readexactly(FRAME_HEADER_LEN), idle_timeout)
+        except TimeoutError as e:
+            raise WireError(f"{what}: no frame header within {idle_timeout:g} s") from e
     length = parse_frame_header(header, max_bytes, what)
     if reserve is not None:
         reserve(length)
