@@ -5,10 +5,12 @@ Map of the package:
 - ``protocol.py``  the wire format (pure): request/response envelopes, stream frame headers, limits,
                    ``RPCError`` and the mapping of remote errors back to project error classes.
 - ``streams.py``   read/write one length-prefixed frame on an asyncio stream, with size and idle limits.
-- ``server.py``    ``RPCServer``: a table of ``rpc_<name>`` coroutines served over one unary and one
-                   stream protocol; every bad request gets an error response, never a crash.
+- ``server.py``    ``RPCServer``: a table of ``rpc_<name>`` coroutines served over one unary, one
+                   stream and one kept-stream protocol; every bad request gets an error response,
+                   never a crash.
 - ``limits.py``     per-peer and total caps on calls and request bytes in flight, request deadlines.
 - ``client.py``    ``RPCClient.call(peer_id, "name", payload, timeout=)``.
+- ``kept.py``      the client's pool of streams kept open between calls to the same peer.
 
 Handlers have the signature ``async def rpc_name(self, payload: dict, context: RPCContext) -> dict``;
 the daemons write theirs typed (``fusionnet.messages.base.handles``: a request model in, a reply model
