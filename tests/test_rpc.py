@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,7 +19,7 @@ from hivemind.p2p import P2P
 
 from fusionnet.errors import PlanError, WireError
 from fusionnet.rpc import RPCClient, RPCContext, RPCError, RPCServer
-from fusionnet.rpc.kept import MAX_IDLE_PER_PEER
+from fusionnet.rpc.kept import CLIENT_IDLE, MAX_IDLE_PER_PEER, KeptStreams, _Idle
 from fusionnet.rpc.limits import CallBudget, CallLimits
 from fusionnet.rpc.protocol import (
     KEPT_PER_PEER,
@@ -367,3 +368,29 @@ def test_kept_streams_are_bounded_per_peer_and_garbage_on_one_ends_it() -> None:
             client.close()
 
     run(scenario())
+
+
+class _FakeWriter:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def test_the_pool_closes_streams_idle_too_long_of_peers_never_called_again() -> None:
+    pool = KeptStreams(p2p=None)  # type: ignore[arg-type]  # no stream is opened here
+    now = time.monotonic()
+    old, recent = _FakeWriter(), _FakeWriter()
+    pool._idle = {
+        "gone": [_Idle(None, old, now - 2 * CLIENT_IDLE)],  # type: ignore[arg-type]
+        "here": [_Idle(None, recent, now)],  # type: ignore[arg-type]
+    }
+    pool._sweep()  # swept at most once per CLIENT_IDLE: not yet
+    assert not old.closed and set(pool._idle) == {"gone", "here"}
+    pool._swept = now - CLIENT_IDLE
+    pool._sweep()
+    assert old.closed and not recent.closed and set(pool._idle) == {"here"}

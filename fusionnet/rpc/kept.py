@@ -50,6 +50,7 @@ class KeptStreams:
         self._idle: dict[PeerID, list[_Idle]] = {}
         self._plain_until: dict[PeerID, float] = {}
         self.opened = self.reused = 0  # counts, for tests and logs
+        self._swept = time.monotonic()
 
     def wanted(self, peer: PeerID) -> bool:
         """False while ``peer`` is known to refuse kept streams."""
@@ -64,6 +65,7 @@ class KeptStreams:
     async def call(self, peer: PeerID, exchange: Exchange) -> bytes | None:
         """``exchange(reader, writer)`` on a kept stream to ``peer`` (an idle one, else a new one): its
         answer, or None when ``peer`` does not take kept streams (the caller goes plain)."""
+        self._sweep()
         while True:
             idle = self._take(peer)
             reused = idle is not None
@@ -103,6 +105,25 @@ class KeptStreams:
             entry.writer.close()
         self._idle.pop(peer, None)
         return None
+
+    def _sweep(self) -> None:
+        """Closes the streams of every peer idle for too long, at most once per ``CLIENT_IDLE``: a peer
+        that left is never called again, and its streams would hold their p2pd connections for good."""
+        now = time.monotonic()
+        if now - self._swept < CLIENT_IDLE:
+            return
+        self._swept = now
+        for peer in list(self._idle):
+            fresh = []
+            for entry in self._idle[peer]:
+                if now - entry.since < CLIENT_IDLE and not entry.writer.is_closing():
+                    fresh.append(entry)
+                else:
+                    entry.writer.close()
+            if fresh:
+                self._idle[peer] = fresh
+            else:
+                del self._idle[peer]
 
     def _give_back(self, peer: PeerID, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         idle = self._idle.setdefault(peer, [])
