@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,10 +120,6 @@ def test_plan_of_an_interleaved_job_is_the_brokers_placement(tmp_path: Path, cap
     left out), the model cut evenly into 2 x 2 chunks, sub-DAG s on device s mod 2, and the step the
     broker's placement predicts for those devices (``planning.placement``): plan.json predicts what runs."""
     from fusionnet.job.loader import load_job
-    from fusionnet.perfmodel.nodes import load_nodes_file
-    from fusionnet.planning.optimizers import job_optimizers
-    from fusionnet.planning.placement import Candidate, JobShape, plan_placement
-    from fusionnet.runtime.prepare import trace_job
     from tests.jobfiles import example_job
 
     nodes = tmp_path / "nodes.yaml"
@@ -142,19 +139,59 @@ def test_plan_of_an_interleaved_job_is_the_brokers_placement(tmp_path: Path, cap
     assert {d["name"] for d in doc["devices"]} == {"RTX 3080 #0", "RTX 3080 #1"}
     assert len(doc["subdags"]) == 4 and doc["plan"]["workload"]["schedule"] == "interleaved-1f1b"
 
-    graph = trace_job(job).graph
-    swarm = load_nodes_file(nodes)
-    shape = JobShape(
-        graph=graph,
-        wanted=2,
-        microbatches=4,
-        batch_size=job.spec.data.batch_size,
-        optimizer=job_optimizers(job, graph),
-        schedule="interleaved-1f1b",
-        chunks=2,
-    )
-    pool = [Candidate(f"peer{i}", False, d) for i, d in enumerate(swarm.devices[:2])]
-    link = swarm.default_link  # the nodes file's network, between the two compnodes
-    placed = plan_placement(shape, pool, links={("peer0", "peer1"): link, ("peer1", "peer0"): link})
+    placed = _brokers_placement(job, nodes, schedule="interleaved-1f1b", chunks=2)
     assert placed.peers == ("peer0", "peer1", "peer0", "peer1")
     assert doc["predicted_step_seconds"] == pytest.approx(placed.predicted_step, rel=1e-9)
+
+
+@pytest.mark.timeout(120)
+def test_plan_of_an_auto_job_that_interleaves_is_the_brokers_placement(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``auto`` weighs interleaved-1f1b in ``fusionnet plan`` as the broker does: with a margin that
+    lets it through, plan.json names the schedule, its chunks and the cut the broker would place, and
+    predicts the broker's step for it."""
+    from fusionnet.job.loader import load_job
+    from fusionnet.planning import auto_interleaved
+    from tests.jobfiles import example_job
+
+    monkeypatch.setattr(auto_interleaved, "MIN_GAIN", -1.0)  # the broker's --interleave-gain -1
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(
+        "nodes:\n  - {name: laptop, kind: cpu, peak_flops: 2G, mem_bandwidth: 2GB/s, d_cpu: 8GiB, count: 2}\n"
+        "network: {latency: 50us, bandwidth: 10Gbps}\n"
+    )
+    job_path = example_job("gpt", tmp_path, microbatches=4, compnodes=2, schedule="auto")
+    out = tmp_path / "plan.json"
+    try:
+        assert main(["plan", str(job_path), "--nodes", str(nodes), "--json", str(out)]) == 0
+        job = load_job(job_path)
+    finally:
+        job_path.unlink()
+    assert "(interleaved-1f1b)" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    v = doc["schedule"]["chunks"]
+    assert doc["schedule"]["name"] == "interleaved-1f1b" and v in (2, 3, 4)
+    assert "auto: interleaved-1f1b with" in doc["schedule"]["why"]
+    assert len(doc["subdags"]) == 2 * v and [d["device"] for d in doc["devices"]] == [0, 1] * v
+
+    placed = _brokers_placement(job, nodes, schedule="auto", interleave_gain=-1.0)
+    assert placed.chunks == v and placed.schedule is not None
+    assert doc["predicted_step_seconds"] == pytest.approx(placed.predicted_step, rel=1e-9)
+
+
+def _brokers_placement(job: Any, nodes: Path, **shape: Any) -> Any:
+    """The broker's placement of the (4 micro-batch) ``job`` on the first 2 devices of ``nodes``, their
+    link the nodes file's network: what ``fusionnet plan`` must predict."""
+    from fusionnet.perfmodel.nodes import load_nodes_file
+    from fusionnet.planning.optimizers import job_optimizers
+    from fusionnet.planning.placement import Candidate, JobShape, plan_placement
+    from fusionnet.runtime.prepare import trace_job
+
+    graph = trace_job(job).graph
+    swarm = load_nodes_file(nodes)
+    optimizer = job_optimizers(job, graph)
+    job_shape = JobShape(graph, 2, 4, job.spec.data.batch_size, optimizer, **shape)
+    pool = [Candidate(f"peer{i}", False, d) for i, d in enumerate(swarm.devices[:2])]
+    link = swarm.default_link
+    return plan_placement(job_shape, pool, links={("peer0", "peer1"): link, ("peer1", "peer0"): link})

@@ -339,3 +339,43 @@ def test_a_compnode_holding_interleaved_chunks_killed_mid_step_loses_nothing(tmp
             assert [r["step"] for r in rows] == list(range(10))
         finally:
             observer.close()
+
+
+@pytest.mark.timeout(420)
+def test_interleaving_chosen_by_auto_survives_a_killed_compnode(tmp_path: Path) -> None:
+    """``placement.schedule: auto`` with a broker that lets interleaving through (``--interleave-gain
+    -1``: also when predicted up to twice as slow, so the choice does not hang on this machine's load):
+    the broker cuts the GPT into 2 x v sub-DAGs, the compnodes get interleaved-1f1b with v chunks in
+    their spec, one is SIGKILLed in a backward of its sixth step, the backup takes over after a re-plan
+    (which decides the schedule again), and the job ends with plain PyTorch's weights, every step once."""
+    regular = [{"env": {"FUSIONNET_FAULT": "bp:5:0"}}, {}]
+    broker_kw = {"extra": ["--interleave-gain", "-1"]}
+    with running_swarm(tmp_path / "swarm", [*regular, {"backup": True}], broker_kw=broker_kw) as sw:
+        observer = BlockingObserver(sw.initial_peers)
+        try:
+            observer.wait_online(3, 90)
+            model = {
+                "entrypoint": "model.py:build",
+                "kwargs": {"vocab_size": 41, "block_size": 32, "n_layer": 4, "d_model": 64, "n_head": 4},
+            }
+            placement = {"compnodes": 2, "schedule": "auto"}
+            job_path = example_job(
+                "gpt", tmp_path, steps=10, microbatches=4, model=model, optimizer=SGD, placement=placement
+            )
+            out = _submit_and_check(job_path, sw, tmp_path / "out")
+            assert sw.compnodes[0].proc.poll() is not None, "the armed compnode did not die"
+            plan = json.loads((out / "plan.json").read_text())
+            assert sw.compnodes[2].peer_id in set(plan["compnodes"].values())  # the backup took over
+            schedule = plan["schedule"]
+            assert schedule["name"] == "interleaved-1f1b", schedule
+            assert schedule["why"].startswith("auto: interleaved-1f1b with")
+            v = schedule["chunks"]
+            holders = [s["compnode"] for s in plan["subdags"]]
+            assert len(holders) == 2 * v and len(set(holders)) == 2
+            assert all(holders[s] == holders[s % 2] for s in range(2 * v))  # compnode d holds d, 2 + d, ...
+            assert [r for r in plan["recoveries"] if "lost" in r]
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            assert [r["step"] for r in rows] == list(range(10))
+            assert all(len(r["compute_seconds"]) == 2 * v for r in rows[-3:])  # after the re-plan too
+        finally:
+            observer.close()

@@ -72,15 +72,21 @@ def iter_assignment_payloads(
     *,
     key: bytes | None = None,
     schedule: str | None = None,
+    chunks: int | None = None,
     replica_holders: list[int] | None = None,
     stage_over: int | None = PART_BYTES,
 ) -> Iterator[PreparedAssignment]:
     """``assignment_payloads`` one at a time: the broker sends each before it reads the next slice of
-    the checkpoint. ``schedule``: the pipeline schedule the placement settled on (the job's ``auto``
-    becomes a name here). A state or optimizer slice over ``stage_over`` bytes is not packed: it is
+    the checkpoint. ``schedule``, ``chunks``: the pipeline schedule the placement settled on (the job's
+    ``auto`` becomes a name here, and may become interleaved-1f1b with its chunks). A state or
+    optimizer slice over ``stage_over`` bytes is not packed: it is
     staged part by part (``results.slice_stream``), so the broker holds one part at a time (issue 11);
     ``None`` packs every slice inline."""
-    spec = job.spec if schedule is None else job.spec.model_copy(update={"schedule": schedule})
+    spec = job.spec
+    if schedule is not None:  # ``chunks``: sub-DAGs per compnode of that schedule (auto may interleave)
+        spec = spec.model_copy(
+            update={"schedule": schedule, "chunks": spec.chunks if chunks is None else chunks}
+        )
     key = secrets.token_bytes(KEY_BYTES) if key is None else key  # the round's master: never sent
     peers_doc = [JobPeer(peer_id=p, data_address=data_addresses.get(p)) for p in peers]
     assignment = {n: s.index for s in partition.subdags for n in s.nodes}

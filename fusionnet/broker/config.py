@@ -7,6 +7,7 @@ from pathlib import Path
 
 from fusionnet.broker.admission import AdmissionConfig
 from fusionnet.daemon.config import DaemonConfig
+from fusionnet.planning.auto_interleaved import MIN_GAIN
 from fusionnet.planning.placement import BALANCED, SCHEDULER
 
 
@@ -21,6 +22,8 @@ class BrokerConfig:
     sync_every: int = 0
     placement_policy: str = SCHEDULER  # or BALANCED (the plain equal split), for comparison
     replan_gain: float = 0.1  # a joining compnode triggers a re-plan when the step gets this much faster
+    # ``placement.schedule: auto`` interleaves when predicted this much faster (``auto_interleaved``)
+    interleave_gain: float = MIN_GAIN
     ping_timeout: float | None = None  # one ping's limit; default min(heartbeat period, timeout)
     sd_file: Path | None = None  # Prometheus file_sd target list of compnodes, rewritten at every refresh
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # who may submit, quotas
@@ -50,6 +53,8 @@ class BrokerConfig:
             raise ValueError(f"--sync-every must be >= 0 steps, got {self.sync_every}")
         if not 0.0 <= self.replan_gain < 1.0:
             raise ValueError(f"--replan-gain must be in [0, 1), got {self.replan_gain}")
+        if not -1.0 <= self.interleave_gain <= 1.0:
+            raise ValueError(f"--interleave-gain must be in [-1, 1], got {self.interleave_gain}")
         if self.placement_policy not in (SCHEDULER, BALANCED):
             raise ValueError(f"unknown placement policy {self.placement_policy!r}")
         if self.ping_timeout is None:

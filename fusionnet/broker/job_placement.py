@@ -188,6 +188,7 @@ class JobPlacement:
             self.attempt,
             ckpt,
             schedule=None if chosen is None else chosen.name,
+            chunks=None if chosen is None else chosen.chunks,
             replica_holders=self.replicas.holders(),
             stage_over=part_bytes,
         )

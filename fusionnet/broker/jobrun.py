@@ -117,6 +117,7 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
             schedule=job.spec.schedule,
             microbatch_choices=tuple(job.spec.microbatch_choices),
             chunks=job.spec.chunks,
+            interleave_gain=context.settings.interleave_gain,
         )
         self._planned_slowness: list[float] = []  # per sub-DAG: its compnode's slowness when planned
         self.prediction = PredictionWatch()  # measured steps against the plan (issue 16: re-plan when off)

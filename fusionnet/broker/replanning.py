@@ -177,8 +177,9 @@ def prediction_replan(
     if current.policy != SCHEDULER:
         return None, None
     by_id = {c.peer_id: c for c in pool}
-    mine = [by_id[p] for p in current.peers if p in by_id]
-    if len(mine) < len(current.peers):
+    ours = list(dict.fromkeys(current.peers))  # a compnode holding several sub-DAGs (interleaved) once
+    mine = [by_id[p] for p in ours if p in by_id]
+    if len(mine) < len(ours):
         return None, None  # one of ours is not schedulable right now: failure handling comes first
     try:
         now = predicted_step(shape, current, pool, links)

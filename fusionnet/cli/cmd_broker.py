@@ -87,6 +87,16 @@ def add_parser(subparsers: Any) -> None:
         "a step time shorter by more than this fraction (default 0.1: 10%%)",
     )
     p.add_argument(
+        "--interleave-gain",
+        type=float,
+        default=None,
+        metavar="F",
+        help="placement.schedule auto: run interleaved-1f1b (each compnode looping over several "
+        "sub-DAGs) only when the performance model predicts a step shorter by more than this fraction "
+        "than the best schedule of one sub-DAG per compnode (default 0.05; 1 never interleaves; a "
+        "negative value interleaves even when predicted that much slower, to try the schedule)",
+    )
+    p.add_argument(
         "--sd-file",
         type=Path,
         metavar="FILE",
@@ -164,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
             replica_interval=args.replica_interval,
             stage_part_mb=args.stage_part_mb,
             replan_gain=args.replan_gain,
+            **({} if args.interleave_gain is None else {"interleave_gain": args.interleave_gain}),
             placement_policy=BALANCED if args.placement == "balanced" else SCHEDULER,
             sd_file=args.sd_file,
             admission=AdmissionConfig(

@@ -14,6 +14,7 @@ Map of the package:
                            ``plan_interleaved``: the even cut of an interleaved-1f1b job, priced.
 - ``predict.py``           predictions for a partition already chosen (``run --local``, the broker).
 - ``pipeline_schedule.py`` ``placement.schedule``: a named schedule checked on the cut, or ``auto``.
+- ``auto_interleaved.py``  ``auto`` weighing interleaved-1f1b (p x v even chunks) against that choice.
 - ``placement.py``         which compnodes run a job: first placement, failover, hand-over, growth.
 - ``links.py``             ``LinkBook``: measured alpha-beta links per compnode pair, blended over jobs.
 - ``speeds.py``            ``SpeedBook``: per-compnode slowness refined from measured step times.

@@ -35,6 +35,7 @@ class ScheduleChoice:
     # fastest predicted step of any schedule that fits
     microbatches: int | None = None
     by_microbatches: dict[int, float] = field(default_factory=dict)
+    chunks: int = 1  # interleaved-1f1b: sub-DAGs per compnode (named, or chosen by ``auto``)
 
     def to_dict(self) -> dict[str, object]:
         doc: dict[str, object] = {
@@ -42,6 +43,8 @@ class ScheduleChoice:
             "why": self.why,
             "predicted_step_seconds": dict(self.predicted),
         }
+        if self.chunks > 1:
+            doc["chunks"] = self.chunks
         if self.microbatches is not None:
             doc["microbatches"] = self.microbatches
             doc["predicted_step_seconds_by_microbatches"] = {
@@ -122,7 +125,7 @@ def choose_schedule(
     says ``data.microbatches: auto``): the counts the graph runs, priced with every schedule in question;
     the fastest pair that fits wins, the fewest micro-batches on a near tie (``microbatches`` is the count
     used without a device to price on). ``chunks``: sub-DAGs per compnode (interleaved-1f1b; ``auto``
-    does not choose it: the swarm runs one sub-DAG per compnode)."""
+    prices the cut it is given, one sub-DAG per compnode: ``auto_interleaved`` weighs interleaving)."""
     counts = sorted(set(microbatch_choices))
     args = (batch_size, optimizer, links, chunks)
     if not counts:
@@ -160,6 +163,7 @@ def choose_schedule(
         {n: t for (n, k), t in table.items() if k == m},
         microbatches=m,
         by_microbatches=dict(sorted(by_count.items())),
+        chunks=chunks if name == INTERLEAVED else 1,
     )
 
 
@@ -176,7 +180,7 @@ def _choose_name(
 ) -> ScheduleChoice:
     if wanted != AUTO:
         check_schedule(wanted, partition, microbatches, graph.task, chunks)
-        return ScheduleChoice(wanted, "placement.schedule")
+        return ScheduleChoice(wanted, "placement.schedule", chunks=chunks if wanted == INTERLEAVED else 1)
     if graph.task == "infer":
         return ScheduleChoice("gpipe", "auto: inference runs forwards only, every schedule is the same")
     if not devices:

@@ -29,10 +29,12 @@ from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.errors import PlanError
 from fusionnet.perfmodel.types import DeviceSpec, Link
+from fusionnet.planning.auto_interleaved import MIN_GAIN, best_interleaved, interleaving_pays, why_interleaved
 from fusionnet.planning.links import index_links
 from fusionnet.planning.pipeline_schedule import AUTO, ScheduleChoice, choose_schedule
 from fusionnet.planning.planner import PlannedJob, plan_graph, plan_interleaved
 from fusionnet.planning.predict import predict_assignment
+from fusionnet.schedules import INTERLEAVED
 
 PeerLinks = Mapping[tuple[str, str], Link]  # measured links by (from, to); others: index_links
 
@@ -64,6 +66,9 @@ class JobShape:
     # data.microbatches auto: the counts to choose among on the placed cut (empty: ``microbatches``)
     microbatch_choices: tuple[int, ...] = ()
     chunks: int = 1  # interleaved-1f1b: sub-DAGs per compnode (cut evenly, sub-DAG s on compnode s mod p)
+    interleave_gain: float = (
+        MIN_GAIN  # ``auto`` interleaves when predicted this much faster (``--interleave-gain``)
+    )
 
     @property
     def priced(self) -> str:
@@ -86,12 +91,19 @@ class Placement:
     # sub-DAG -> (C_p, R_p): predicted FP and activations-received seconds per micro-batch
     stage_timing: dict[int, tuple[float, float]] | None = None
 
+    @property
+    def chunks(self) -> int:
+        """Sub-DAGs per compnode: > 1 for interleaved-1f1b (named by the job, or chosen by ``auto``)."""
+        return 1 if self.schedule is None else self.schedule.chunks
+
     def describe(self) -> str:
         text = f"{len(self.peers)} sub-DAG(s) by the {self.policy} policy"
         if self.predicted_step is not None:
             text += f", predicted step {self.predicted_step:.4g} s"
         if self.schedule is not None:
             text += f", schedule {self.schedule.name}"
+            if self.chunks > 1:
+                text += f" ({self.chunks} chunks per compnode)"
         return text
 
 
@@ -175,7 +187,50 @@ def plan_placement(
         chunks=shape.chunks,
     )
     step = choice.predicted.get(choice.name, placement.predicted_step)
-    return replace(placement, schedule=choice, predicted_step=step)
+    placement = replace(placement, schedule=choice, predicted_step=step)
+    if shape.schedule == AUTO and shape.chunks == 1 and placement.policy == SCHEDULER:
+        return _interleaved_if_faster(shape, pool, placement, links)
+    return placement
+
+
+def _interleaved_if_faster(
+    shape: JobShape, pool: Sequence[Candidate], placement: Placement, links: PeerLinks | None
+) -> Placement:
+    """``auto``: the same compnodes running interleaved-1f1b when the model predicts it clearly faster
+    than the schedule chosen for one sub-DAG per compnode (``auto_interleaved``); else ``placement``."""
+    choice = placement.schedule
+    assert choice is not None
+    by_id = {c.peer_id: c for c in pool}
+    chosen = _fastest([by_id[p] for p in dict.fromkeys(placement.peers)])
+    m = choice.microbatches or shape.microbatches
+    option = best_interleaved(
+        shape.graph,
+        [c.device for c in chosen],  # type: ignore[misc]  # the SCHEDULER policy: all known
+        microbatches=m,
+        batch_size=shape.batch_size,
+        optimizer=shape.optimizer,
+        links=index_links((c.peer_id for c in chosen), links),
+    )
+    if option is None or not interleaving_pays(placement.predicted_step, option, shape.interleave_gain):
+        return placement
+    planned = option.planned
+    assert placement.predicted_step is not None
+    interleaved = replace(
+        choice,
+        name=INTERLEAVED,
+        why=why_interleaved(option, choice.name, placement.predicted_step, shape.interleave_gain),
+        predicted={**choice.predicted, INTERLEAVED: option.step_seconds},
+        chunks=option.chunks,
+    )
+    return Placement(
+        peers=tuple(chosen[s % len(chosen)].peer_id for s in range(len(chosen) * option.chunks)),
+        assignment=planned.assignment,
+        policy=SCHEDULER,
+        predicted=planned.predicted_seconds,
+        predicted_step=option.step_seconds,
+        schedule=interleaved,
+        stage_timing=planned.stage_timing,
+    )
 
 
 def _place(
@@ -309,7 +364,7 @@ def predicted_step(
         optimizer=shape.optimizer,
         links=index_links(placement.peers, links),
         pipeline_schedule=shape.priced if placement.schedule is None else placement.schedule.name,
-        chunks=shape.chunks,
+        chunks=max(shape.chunks, placement.chunks),
     ).step_seconds
 
 

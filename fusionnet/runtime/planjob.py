@@ -12,11 +12,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from fusionnet.dag.ir import IRGraph
 from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.perfmodel.nodes import load_nodes_file
 from fusionnet.perfmodel.types import DeviceSpec, Link
+from fusionnet.planning.auto_interleaved import best_interleaved, interleaving_pays, why_interleaved
 from fusionnet.planning.optimizers import job_optimizers
-from fusionnet.planning.pipeline_schedule import choose_schedule
+from fusionnet.planning.pipeline_schedule import AUTO, ScheduleChoice, choose_schedule
 from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph, plan_interleaved
 from fusionnet.profiling.calibration import local_device_spec
 from fusionnet.results.files import plan_document
@@ -67,6 +69,7 @@ def plan_job(
         devices, links, where = _interleaved_devices(devices, links, spec.placement.compnodes, where)
     traced = trace_job(job)
     optimizer = job_optimizers(job, traced.graph)
+    priced_by = {"batch_size": spec.data.batch_size, "optimizer": optimizer}
 
     def plan(microbatches: int) -> PlannedJob:
         priced: dict[str, Any] = {
@@ -78,7 +81,15 @@ def plan_job(
         }
         if chunks > 1:  # interleaved-1f1b: cut evenly, as the broker does (``plan_interleaved``)
             return plan_interleaved(traced.graph, devices, chunks, **priced)
-        return plan_graph(traced.graph, devices, max_devices=cap, **priced)
+        # priced with the job's schedule, as the broker prices its cuts (``auto``: 1f1b's, GPipe's step)
+        wanted = spec.placement.schedule
+        return plan_graph(
+            traced.graph,
+            devices,
+            max_devices=cap,
+            pipeline_schedule="1f1b" if wanted == AUTO else wanted,
+            **priced,
+        )
 
     m = traced_count(spec)
     planned = plan(m)
@@ -104,6 +115,16 @@ def plan_job(
             planned = plan(choice.microbatches)
             prepared = prepare_job(job, len(planned.devices), traced=traced, assignment=planned.assignment)
             used = [devices[d] for d in planned.devices]
+            m = choice.microbatches
+    if spec.placement.schedule == AUTO and chunks == 1 and spec.task != "infer":
+        interleaved = _interleaved_if_faster(
+            traced.graph, prepared, planned, devices, links, default, m, priced_by
+        )
+        if interleaved is not None:
+            planned, choice = interleaved
+            prepared = prepare_job(job, len(planned.devices), traced=traced, assignment=planned.assignment)
+            used = [devices[d] for d in planned.devices]
+            chosen["schedule"] = choice.to_dict()
     explanation = f"planned for {where}\n\n{planned.explanation}"
     document = plan_document(
         prepared.partition,
@@ -123,6 +144,43 @@ def plan_job(
         },
     )
     return JobPlan(prepared, planned, devices, explanation, document)
+
+
+def _interleaved_if_faster(
+    graph: IRGraph,
+    prepared: PreparedJob,
+    planned: PlannedJob,
+    devices: list[DeviceSpec],
+    links: dict[tuple[int, int], Link],
+    default: Link | None,
+    microbatches: int,
+    priced_by: dict[str, Any],
+) -> tuple[PlannedJob, ScheduleChoice] | None:
+    """``auto``: the planned compnodes running interleaved-1f1b, as the broker decides it
+    (``placement._interleaved_if_faster``), when the model predicts it clearly faster than the best
+    schedule of one sub-DAG per compnode; its plan (devices indexing ``devices``) and the choice."""
+    fast = sorted(dict.fromkeys(planned.devices), key=lambda d: -devices[d].speed)
+    used = [devices[d] for d in planned.devices]
+    link = {(a, b): links.get((a, b), default or LOOPBACK) for a in fast for b in fast if a != b}
+    among = {(i, j): link[a, b] for i, a in enumerate(fast) for j, b in enumerate(fast) if i != j}
+    order = planned.devices
+    by_index = {(i, j): link[a, b] for i, a in enumerate(order) for j, b in enumerate(order) if a != b}
+    best = choose_schedule(
+        AUTO, graph, prepared.partition, microbatches=microbatches, devices=used, links=by_index, **priced_by
+    )
+    best_step = best.predicted[best.name]
+    option = best_interleaved(
+        graph, [devices[d] for d in fast], microbatches=microbatches, links=among, **priced_by
+    )
+    if option is None or not interleaving_pays(best_step, option):
+        return None
+    chosen = ScheduleChoice(
+        "interleaved-1f1b",
+        why_interleaved(option, best.name, best_step),
+        {**best.predicted, "interleaved-1f1b": option.step_seconds},
+        chunks=option.chunks,
+    )
+    return replace(option.planned, devices=[fast[d] for d in option.planned.devices]), chosen
 
 
 def _interleaved_devices(
