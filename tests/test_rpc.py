@@ -370,6 +370,31 @@ def test_kept_streams_are_bounded_per_peer_and_garbage_on_one_ends_it() -> None:
     run(scenario())
 
 
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
+@pytest.mark.timeout(60)
+def test_a_kept_stream_that_carried_a_refusal_is_not_used_again() -> None:
+    """The server refuses a request over its limit on a kept stream and then drops what follows until it
+    closes the stream: the pool closes that stream instead of keeping it, so the next call goes on a
+    fresh stream at once and is not lost to the server's discarding."""
+
+    async def scenario() -> None:
+        async with pair(max_message_bytes=4096) as (server, _, _svc, b):
+            peer = server.p2p.peer_id
+            client = RPCClient(b, unary_limit=0, max_message_bytes=1 << 20, default_timeout=10.0)
+            assert (await client.call(peer, "echo", {"i": 0}))["echo"] == {"i": 0}
+            assert client.kept is not None and len(client.kept._idle[peer]) == 1
+            with pytest.raises(WireError, match="exceeds"):
+                await client.call(peer, "echo", {"blob": b"x" * 10_000})
+            assert not client.kept._idle.get(peer)  # the refused stream was closed, not kept
+            opened = client.kept.opened
+            assert (await client.call(peer, "echo", {"i": 1}))["echo"] == {"i": 1}
+            assert client.kept.opened == opened + 1
+            assert len(client.kept._idle[peer]) == 1  # and that one is kept, as any answered call's
+            client.close()
+
+    run(scenario())
+
+
 class _FakeWriter:
     def __init__(self) -> None:
         self.closed = False

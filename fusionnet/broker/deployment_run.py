@@ -230,10 +230,10 @@ class DeploymentRun(JobRun):
                 pick=picks,
                 keep=keep,
             )
-            # The output sub-DAG's answer is over the unary limit when it carries rows of logits (every
-            # row's, or the kept rows'); a stream costs a new libp2p stream per batch, so an answer of
-            # token ids only (no row kept: greedy decoding, a prompt's prefill) goes unary. Were it
-            # bigger after all, the server stashes it and the client fetches it: slower, never wrong.
+            # The output sub-DAG's answer is big when it carries rows of logits (every row's, or the
+            # kept rows'): asked on a stream, it comes back on it. (The daemons' client streams every
+            # call on kept streams, ``rpc.kept``, so the flag matters only to a client with a unary
+            # limit; there an answer over it is stashed and fetched: slower, never wrong.)
             out = self.partition is not None and self.partition.subdags[i].holds_output
             big = out and (keep is None or any(keep))
             calls.append(self.serving.call_serve_step(peer, request, timeout=BATCH_TIMEOUT, large_answer=big))

@@ -183,7 +183,7 @@ class RPCClient:
             return await read_frame(reader, self.max_message_bytes, timeout, what, progress)
 
         if self.kept is not None and self.kept.wanted(peer_id):
-            answer = await self.kept.call(peer_id, exchange)
+            answer = await self.kept.call(peer_id, exchange, left_open=_stream_left_open)
             if answer is not None:
                 return answer
         _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, STREAM_PROTOCOL)
@@ -199,3 +199,19 @@ class RPCClient:
         """Closes the streams kept for later calls (the daemon is going)."""
         if self.kept is not None:
             self.kept.close()
+
+
+REFUSAL_MAX_BYTES = 4096  # a refusal is a short error answer: larger answers are not looked into
+
+
+def _stream_left_open(answer: bytes) -> bool:
+    """Whether the server keeps a kept stream open after ``answer``. Not after a refusal of the request
+    itself (over a budget, malformed: a ``WireError`` answer): the server then drops whatever follows
+    for a while and closes, so a call sent on it meanwhile would be lost and wait for the close."""
+    if len(answer) > REFUSAL_MAX_BYTES:
+        return True
+    try:
+        response = decode_response(answer)
+    except WireError:
+        return False
+    return response.error is None or response.error[0] != "WireError"

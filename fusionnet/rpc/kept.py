@@ -9,8 +9,10 @@ training step and per served batch or token.
 
 A kept stream carries one call at a time, each answered before the next is written, so a stream in the
 pool is always between calls. Anything unexpected on one (a timeout, a cancel, an error while writing
-or reading) closes it: its state is unknown. The server closes a stream left idle for ``KEPT_IDLE``
-seconds; the pool forgets streams idle for half that, so it rarely hands out one being closed. When it
+or reading) closes it: its state is unknown. So does an answer that refuses the request itself (over a
+budget, malformed): the server drops what follows for a while, then closes it. The server closes a
+stream left idle for ``KEPT_IDLE`` seconds; the pool forgets streams idle for half that, so it rarely
+hands out one being closed. When it
 does, the call goes again on a fresh stream: every FusionNet method is safe to repeat. A peer that
 closes a fresh kept stream without an answer (at its limit of kept streams, or a version that does not
 serve the protocol) gets plain streams for ``PLAIN_FOR`` seconds.
@@ -62,9 +64,12 @@ class KeptStreams:
             return True
         return False
 
-    async def call(self, peer: PeerID, exchange: Exchange) -> bytes | None:
+    async def call(
+        self, peer: PeerID, exchange: Exchange, left_open: Callable[[bytes], bool] = lambda _: True
+    ) -> bytes | None:
         """``exchange(reader, writer)`` on a kept stream to ``peer`` (an idle one, else a new one): its
-        answer, or None when ``peer`` does not take kept streams (the caller goes plain)."""
+        answer, or None when ``peer`` does not take kept streams (the caller goes plain). The stream
+        goes back to the pool unless ``left_open(answer)`` says the server ends it after that answer."""
         self._sweep()
         while True:
             idle = self._take(peer)
@@ -92,7 +97,10 @@ class KeptStreams:
             except BaseException:  # a timeout, a cancel, a refusal: the stream's state is unknown
                 writer.close()
                 raise
-            self._give_back(peer, reader, writer)
+            if left_open(answer):
+                self._give_back(peer, reader, writer)
+            else:
+                writer.close()
             return answer
 
     def _take(self, peer: PeerID) -> _Idle | None:
