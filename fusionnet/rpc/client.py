@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -42,9 +43,16 @@ def as_peer_id(peer: str | PeerID) -> PeerID:
     if not isinstance(peer, str) or not peer:
         raise WireError(f"peer id must be a non-empty base58 string, got {peer!r}")
     try:
-        return PeerID.from_base58(peer)
+        return _decoded_peer_id(peer)
     except ValueError as e:
         raise WireError(f"peer id {peer!r} is not valid base58") from e
+
+
+@functools.lru_cache(maxsize=4096)
+def _decoded_peer_id(text: str) -> PeerID:
+    # Daemons name peers by their base58 text and call the same few peers for every step, batch and
+    # heartbeat; decoding base58 each time was a few percent of a serving broker's CPU.
+    return PeerID.from_base58(text)
 
 
 log = logging.getLogger("fusionnet.rpc")
