@@ -78,10 +78,9 @@ def iter_assignment_payloads(
 ) -> Iterator[PreparedAssignment]:
     """``assignment_payloads`` one at a time: the broker sends each before it reads the next slice of
     the checkpoint. ``schedule``, ``chunks``: the pipeline schedule the placement settled on (the job's
-    ``auto`` becomes a name here, and may become interleaved-1f1b with its chunks). A state or
-    optimizer slice over ``stage_over`` bytes is not packed: it is
-    staged part by part (``results.slice_stream``), so the broker holds one part at a time (issue 11);
-    ``None`` packs every slice inline."""
+    ``auto`` becomes a name here, and may become interleaved-1f1b with its chunks). A state or optimizer
+    slice over ``stage_over`` bytes is not packed: it is staged part by part (``results.slice_stream``),
+    so the broker holds one part at a time (issue 11); ``None`` packs every slice inline."""
     spec = job.spec
     if schedule is not None:  # ``chunks``: sub-DAGs per compnode of that schedule (auto may interleave)
         spec = spec.model_copy(

@@ -66,9 +66,8 @@ class JobShape:
     # data.microbatches auto: the counts to choose among on the placed cut (empty: ``microbatches``)
     microbatch_choices: tuple[int, ...] = ()
     chunks: int = 1  # interleaved-1f1b: sub-DAGs per compnode (cut evenly, sub-DAG s on compnode s mod p)
-    interleave_gain: float = (
-        MIN_GAIN  # ``auto`` interleaves when predicted this much faster (``--interleave-gain``)
-    )
+    # ``auto`` interleaves when predicted this much faster (the broker's ``--interleave-gain``)
+    interleave_gain: float = MIN_GAIN
 
     @property
     def priced(self) -> str:
