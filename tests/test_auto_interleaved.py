@@ -19,7 +19,13 @@ from fusionnet.planning.auto_interleaved import (
     best_interleaved,
     interleaving_pays,
 )
-from fusionnet.planning.placement import SCHEDULER, JobShape, plan_placement, predicted_step
+from fusionnet.planning.placement import (
+    SCHEDULER,
+    JobShape,
+    consider_growth,
+    plan_placement,
+    predicted_step,
+)
 from fusionnet.planning.planner import plan_interleaved
 from fusionnet.schedules import INTERLEAVED
 from tests.planning_support import cand, device
@@ -99,6 +105,10 @@ def test_auto_adopts_interleaving_only_when_predicted_clearly_faster(gpt: JobSha
     # a misprediction re-plan over an interleaved placement counts each compnode once
     _, now = replanning.prediction_replan("j", shape, chosen, pool, 0.1, None, 10.0, 100)
     assert now == pytest.approx(chosen.predicted_step)
+    # and so does the elastic join: the new compnode is offered beside the two, each once
+    growth = consider_growth(shape, chosen, [*pool, cand("c", 1e11)], 0.0)
+    assert growth is not None and growth.now == pytest.approx(chosen.predicted_step)
+    assert set(growth.proposed.peers) <= {"a", "b", "c"}
 
 
 def test_compnodes_get_the_chosen_chunks_in_their_spec() -> None:
