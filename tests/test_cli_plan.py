@@ -119,22 +119,11 @@ def test_plan_of_an_interleaved_job_is_the_brokers_placement(tmp_path: Path, cap
     """``fusionnet plan`` on interleaved-1f1b: the 2 fastest devices of the nodes file (the laptop is
     left out), the model cut evenly into 2 x 2 chunks, sub-DAG s on device s mod 2, and the step the
     broker's placement predicts for those devices (``planning.placement``): plan.json predicts what runs."""
-    from fusionnet.job.loader import load_job
-    from tests.jobfiles import example_job
-
     nodes = tmp_path / "nodes.yaml"
     nodes.write_text(NODES)
-    placement = {"compnodes": 2, "schedule": "interleaved-1f1b", "chunks": 2}
-    job_path = example_job("gpt", tmp_path, microbatches=4, **placement)
-    out = tmp_path / "plan.json"
-    try:
-        assert main(["plan", str(job_path), "--nodes", str(nodes), "--json", str(out)]) == 0
-        job = load_job(job_path)
-    finally:
-        job_path.unlink()
+    job, doc = _plan_gpt(tmp_path, nodes, compnodes=2, schedule="interleaved-1f1b", chunks=2)
     text = capsys.readouterr().out
     assert "interleaved-1f1b" in text and "2 fastest" in text and "chunk 1 of 2" in text
-    doc = json.loads(out.read_text())
     assert [d["device"] for d in doc["devices"]] == [0, 1, 0, 1]
     assert {d["name"] for d in doc["devices"]} == {"RTX 3080 #0", "RTX 3080 #1"}
     assert len(doc["subdags"]) == 4 and doc["plan"]["workload"]["schedule"] == "interleaved-1f1b"
@@ -151,9 +140,7 @@ def test_plan_of_an_auto_job_that_interleaves_is_the_brokers_placement(
     """``auto`` weighs interleaved-1f1b in ``fusionnet plan`` as the broker does: with a margin that
     lets it through, plan.json names the schedule, its chunks and the cut the broker would place, and
     predicts the broker's step for it."""
-    from fusionnet.job.loader import load_job
     from fusionnet.planning import auto_interleaved
-    from tests.jobfiles import example_job
 
     monkeypatch.setattr(auto_interleaved, "MIN_GAIN", -1.0)  # the broker's --interleave-gain -1
     nodes = tmp_path / "nodes.yaml"
@@ -161,15 +148,8 @@ def test_plan_of_an_auto_job_that_interleaves_is_the_brokers_placement(
         "nodes:\n  - {name: laptop, kind: cpu, peak_flops: 2G, mem_bandwidth: 2GB/s, d_cpu: 8GiB, count: 2}\n"
         "network: {latency: 50us, bandwidth: 10Gbps}\n"
     )
-    job_path = example_job("gpt", tmp_path, microbatches=4, compnodes=2, schedule="auto")
-    out = tmp_path / "plan.json"
-    try:
-        assert main(["plan", str(job_path), "--nodes", str(nodes), "--json", str(out)]) == 0
-        job = load_job(job_path)
-    finally:
-        job_path.unlink()
+    job, doc = _plan_gpt(tmp_path, nodes, compnodes=2, schedule="auto")
     assert "(interleaved-1f1b)" in capsys.readouterr().out
-    doc = json.loads(out.read_text())
     v = doc["schedule"]["chunks"]
     assert doc["schedule"]["name"] == "interleaved-1f1b" and v in (2, 3, 4)
     assert "auto: interleaved-1f1b with" in doc["schedule"]["why"]
@@ -178,6 +158,22 @@ def test_plan_of_an_auto_job_that_interleaves_is_the_brokers_placement(
     placed = _brokers_placement(job, nodes, schedule="auto", interleave_gain=-1.0)
     assert placed.chunks == v and placed.schedule is not None
     assert doc["predicted_step_seconds"] == pytest.approx(placed.predicted_step, rel=1e-9)
+
+
+def _plan_gpt(tmp_path: Path, nodes: Path, **placement: Any) -> tuple[Any, dict[str, Any]]:
+    """``fusionnet plan`` of the bundled GPT (4 micro-batches, ``placement`` keys) for ``nodes``: the job
+    as loaded, and plan.json."""
+    from fusionnet.job.loader import load_job
+    from tests.jobfiles import example_job
+
+    job_path = example_job("gpt", tmp_path, microbatches=4, **placement)
+    out = tmp_path / "plan.json"
+    try:
+        assert main(["plan", str(job_path), "--nodes", str(nodes), "--json", str(out)]) == 0
+        job = load_job(job_path)
+    finally:
+        job_path.unlink()
+    return job, json.loads(out.read_text())
 
 
 def _brokers_placement(job: Any, nodes: Path, **shape: Any) -> Any:
