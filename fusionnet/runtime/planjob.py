@@ -24,6 +24,7 @@ from fusionnet.profiling.calibration import local_device_spec
 from fusionnet.results.files import plan_document
 from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count, with_microbatches
 from fusionnet.runtime.prepare import PreparedJob, prepare_job, trace_job
+from fusionnet.schedules import INTERLEAVED
 
 
 @dataclass
@@ -175,9 +176,9 @@ def _interleaved_if_faster(
     if option is None or not interleaving_pays(best_step, option):
         return None
     chosen = ScheduleChoice(
-        "interleaved-1f1b",
+        INTERLEAVED,
         why_interleaved(option, best.name, best_step),
-        {**best.predicted, "interleaved-1f1b": option.step_seconds},
+        {**best.predicted, INTERLEAVED: option.step_seconds},
         chunks=option.chunks,
     )
     return replace(option.planned, devices=[fast[d] for d in option.planned.devices]), chosen
