@@ -50,7 +50,6 @@ def best_interleaved(
     batch_size: int | None = None,
     optimizer: str | Mapping[str, str] | None = None,
     links: Mapping[tuple[int, int], Link] | None = None,
-    default_link: Link | None = None,
     chunk_choices: Sequence[int] = CHUNK_CHOICES,
 ) -> InterleavedOption | None:
     """The interleaved-1f1b cut on ``devices`` (fastest first, sub-DAG s on device s mod p) with the
@@ -75,7 +74,6 @@ def best_interleaved(
                 batch_size=batch_size,
                 optimizer=optimizer,
                 links=links,
-                default_link=default_link,
             )
             check_schedule(
                 INTERLEAVED, build_partition(graph, planned.assignment), microbatches, graph.task, v

@@ -216,8 +216,8 @@ def _stream_left_open(answer: bytes) -> bool:
     """Whether the server keeps a kept stream open after ``answer``. Not after a refusal of the request
     itself (over a budget, malformed: a ``WireError`` answer): the server then drops whatever follows
     for a while and closes, so a call sent on it meanwhile would be lost and wait for the close."""
-    if len(answer) > REFUSAL_MAX_BYTES:
-        return True
+    if len(answer) > REFUSAL_MAX_BYTES or b"WireError" not in answer:
+        return True  # a byte search: most answers are small, and decoding each twice is on every call
     try:
         response = decode_response(answer)
     except WireError:
