@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable, Mapping
 
@@ -36,9 +37,16 @@ def parse_peer_id(peer_id: str) -> PeerID:
     if not isinstance(peer_id, str):
         raise WireError(f"peer id must be a base58 string, got {type(peer_id).__name__}")
     try:
-        return PeerID.from_base58(peer_id)
+        return _decoded(peer_id)
     except Exception as e:  # base58/multihash libraries raise assorted types
         raise WireError(f"{peer_id[:80]!r} is not a libp2p peer id ({type(e).__name__})") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _decoded(text: str) -> PeerID:
+    # Every frame on the fallback path names its peer in base58 (20 us to decode); a job has few peers.
+    # A text that does not decode raises, and lru_cache keeps nothing for it.
+    return PeerID.from_base58(text)
 
 
 class P2PDataPath:
