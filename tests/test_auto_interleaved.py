@@ -70,7 +70,10 @@ def test_interleaving_must_clear_the_margin(gpt: JobShape) -> None:
     assert interleaving_pays(t / (1 - MIN_GAIN) * 1.001, option)
     assert not interleaving_pays(t / (1 - MIN_GAIN) * 0.999, option)
     assert not interleaving_pays(None, option) and not interleaving_pays(t, None)
-    assert interleaving_pays(t * 0.6, option, gain=-1.0) and not interleaving_pays(t * 0.6, option, gain=0.0)
+    assert interleaving_pays(t * 0.6, option, gain=-0.9) and not interleaving_pays(t * 0.6, option, gain=0.0)
+    assert not interleaving_pays(t * 0.4, option, gain=-0.9)  # predicted 2.5x slower: beyond that margin
+    assert interleaving_pays(t * 0.01, option, gain=-1.0)  # -1 takes any interleaved cut that runs and fits
+    assert not interleaving_pays(t * 0.01, None, gain=-1.0)
 
 
 def test_auto_adopts_interleaving_only_when_predicted_clearly_faster(gpt: JobShape) -> None:

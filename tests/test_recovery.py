@@ -344,7 +344,8 @@ def test_a_compnode_holding_interleaved_chunks_killed_mid_step_loses_nothing(tmp
 @pytest.mark.timeout(420)
 def test_interleaving_chosen_by_auto_survives_a_killed_compnode(tmp_path: Path) -> None:
     """``placement.schedule: auto`` with a broker that lets interleaving through (``--interleave-gain
-    -1``: also when predicted up to twice as slow, so the choice does not hang on this machine's load):
+    -1``: whenever an interleaved cut runs and fits, so the choice does not hang on this machine's load,
+    nor on the survivor's measured speed after the kill):
     the broker cuts the GPT into 2 x v sub-DAGs, the compnodes get interleaved-1f1b with v chunks in
     their spec, one is SIGKILLed in a backward of its sixth step, the backup takes over after a re-plan
     (which decides the schedule again), and the job ends with plain PyTorch's weights, every step once."""

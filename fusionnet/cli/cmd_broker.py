@@ -94,7 +94,8 @@ def add_parser(subparsers: Any) -> None:
         help="placement.schedule auto: run interleaved-1f1b (each compnode looping over several "
         "sub-DAGs) only when the performance model predicts a step shorter by more than this fraction "
         "than the best schedule of one sub-DAG per compnode (default 0.05; 1 never interleaves; a "
-        "negative value interleaves even when predicted that much slower, to try the schedule)",
+        "negative value interleaves even when predicted that much slower; -1 whenever an interleaved "
+        "cut runs and fits, to try the schedule)",
     )
     p.add_argument(
         "--sd-file",

@@ -93,9 +93,14 @@ def interleaving_pays(
     best_step: float | None, option: InterleavedOption | None, gain: float | None = None
 ) -> bool:
     """Whether ``option`` is predicted faster than ``best_step`` (the best one-sub-DAG-per-compnode
-    schedule's step) by more than ``gain`` (the broker's ``--interleave-gain``; default ``MIN_GAIN``)."""
+    schedule's step) by more than ``gain`` (the broker's ``--interleave-gain``; default ``MIN_GAIN``).
+    A gain of -1, the lowest, takes any option there is, however slow: the way to try the schedule on
+    compnodes whose measured speeds differ so much that an even cut loses to the planned one by more
+    than any margin (a survivor of a failover measured on a loaded machine, say)."""
     if option is None or best_step is None or best_step <= 0:
         return False
+    if gain is not None and gain <= -1.0:
+        return True
     return option.step_seconds < best_step * (1.0 - (MIN_GAIN if gain is None else gain))
 
 
