@@ -66,7 +66,8 @@ def is_loopback_host(host: str) -> bool:
     """True for loopback addresses (and the name ``localhost``); any other name counts as remote.
 
     Cached: every frame sent or received asks up to four times (the policies of both ends), and
-    parsing the address was a tenth of a small frame's CPU on loopback. A swarm has few addresses."""
+    parsing the address (2.5 us) was about 6 % of a 16 KiB frame's CPU on loopback. A swarm has few
+    addresses."""
     if host == "localhost":
         return True
     try:
