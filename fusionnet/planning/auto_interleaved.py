@@ -99,9 +99,8 @@ def interleaving_pays(
     than any margin (a survivor of a failover measured on a loaded machine, say)."""
     if option is None or best_step is None or best_step <= 0:
         return False
-    if gain is not None and gain <= -1.0:
-        return True
-    return option.step_seconds < best_step * (1.0 - (MIN_GAIN if gain is None else gain))
+    margin = MIN_GAIN if gain is None else gain
+    return margin <= -1.0 or option.step_seconds < best_step * (1.0 - margin)
 
 
 def why_interleaved(
