@@ -114,7 +114,8 @@ def test_costly_rounds_are_spaced_to_a_share_of_the_time() -> None:
     """Steps of 0.5 s, and 1.5 s while a round is on its way (the step it is asked at and the next,
     which confirms it): a round costs 2 x 1.0 s over the clean steps' median, so the next starts no
     sooner than 2.0 / ``REPLICA_TIME_SHARE`` seconds after it, however short the interval. The first
-    round, before any clean step, is not priced; a new placement starts over at once."""
+    round, asked at once, is priced at the first request after a clean step; a new placement starts
+    over at once."""
     now = [0.0]
     book = ReplicaBook(interval=2.0, clock=lambda: now[0])
     book.reset(2, enabled=True)
@@ -127,11 +128,11 @@ def test_costly_rounds_are_spaced_to_a_share_of_the_time() -> None:
         now[0] += seconds
         done = asked[-1] + 1 if in_flight and step > asked[-1] else None
         book.observe([done, done], step=step, seconds=seconds)
-    # round 1 at once (steps 0-1, unpriced); round 2 after PACE and the interval, at step 3 (3.5 s);
-    # round 3 20 s after that: step 5 starts at 6.5 s, so step 5 + (23.5 - 6.5) / 0.5 = 39
-    assert asked == [0, 3, 39]
+    # round 1 at once (steps 0-1), priced at step 3 after the clean step 2: round 2 20 s after round 1
+    # started: step 2 starts at 3.0 s, so step 2 + (20 - 3.0) / 0.5 = 36; round 3 would be at 40 s
+    assert asked == [0, 36]
     assert round_cost([1.5, 1.5], baseline=0.5) == 2.0 and round_cost([0.4], baseline=0.5) == 0.0
-    assert book.not_before == pytest.approx(23.5 + 2.0 / REPLICA_TIME_SHARE)  # round 3's own price
+    assert book.not_before == pytest.approx(20.0 + 2.0 / REPLICA_TIME_SHARE)  # round 2's own price
     book.reset(2, enabled=True)
     assert book.request(100)[0] and book.not_before is None
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusionnet.broker.admission import AdmissionConfig
+from fusionnet.broker.churn import PRIOR_MTBF
 from fusionnet.daemon.config import DaemonConfig
 from fusionnet.planning.auto_interleaved import MIN_GAIN
 from fusionnet.planning.placement import BALANCED, SCHEDULER
@@ -36,6 +37,10 @@ class BrokerConfig:
     # Train jobs: a round of failover snapshots (``broker.replicas``) starts at most every this many
     # seconds, so fast steps are not slowed by replication; a failover replays at most this much more.
     replica_interval: float = 2.0
+    # And by Young's interval for a round's measured cost and the compnodes' failure rate, estimated
+    # from this prior (seconds between unplanned losses of one compnode) and what the registry saw;
+    # 0: off (``broker.churn``).
+    compnode_mtbf: float = PRIOR_MTBF
 
     def __post_init__(self) -> None:
         if not self.heartbeat_period > 0:
@@ -49,6 +54,8 @@ class BrokerConfig:
             raise ValueError(f"--stage-part-mb must be in [0.001, 1024] MB, got {self.stage_part_mb}")
         if not 0.0 <= self.replica_interval <= 86400:
             raise ValueError(f"--replica-interval must be in [0, 86400] seconds, got {self.replica_interval}")
+        if not 0.0 <= self.compnode_mtbf <= 1e8:
+            raise ValueError(f"--compnode-mtbf must be in [0, 1e8] seconds, got {self.compnode_mtbf}")
         if self.sync_every < 0:
             raise ValueError(f"--sync-every must be >= 0 steps, got {self.sync_every}")
         if not 0.0 <= self.replan_gain < 1.0:

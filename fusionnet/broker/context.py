@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fusionnet.broker.churn import ChurnBook
 from fusionnet.broker.config import BrokerConfig
 from fusionnet.broker.registry import CompnodeRegistry
 from fusionnet.broker.store import BrokerStore
@@ -39,6 +40,8 @@ class JobContext:
     # The jobs and deployments running now (their run task alive), shared by the services and the
     # heartbeat, which tells every compnode (``PingRequest.jobs``).
     live_jobs: set[str] = field(default_factory=set)
+    # How often compnodes fail, from the registry's events (spaces failover rounds: ``broker.churn``).
+    churn: ChurnBook = field(default_factory=ChurnBook)
 
     @property
     def store(self) -> BrokerStore:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fusionnet import __version__
+from fusionnet.broker.churn import ChurnBook
 from fusionnet.broker.config import BrokerConfig
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.registry import CompnodeEntry, CompnodeRegistry, RegistryEvent
@@ -76,6 +77,8 @@ class BrokerDaemon(Daemon):
         self._bad_metrics_addresses: set[tuple[str, str]] = set()
         self.live_jobs: set[str] = set()  # the services' running jobs and deployments (``JobContext``)
         self.registry.add_listener(self._persist_event)
+        self.churn = ChurnBook(config.compnode_mtbf)  # how often compnodes fail (``broker.churn``)
+        self.registry.add_listener(lambda event: self.churn.observe(event, time.time()))
         self.compnodes = CompnodeClient(self.call)
         # ``status`` lists what this returns (the deployment service sets it: issue 14)
         self.describe_deployments: Callable[[], list[dict[str, Any]]] = list
@@ -94,6 +97,7 @@ class BrokerDaemon(Daemon):
             jobs_folder=lambda: self.state_dir.path / "jobs",
             broker_id=lambda: self.peer_id,
             live_jobs=self.live_jobs,
+            churn=self.churn,
         )
 
     def _store(self) -> BrokerStore:

@@ -99,7 +99,10 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
         self.dead: set[str] = set()
         self.unfit: set[str] = set()  # alive, but the job's sub-DAG did not fit their device memory
         self.calls = JobCalls(context.compnodes, job.job_id)
-        self.replicas = ReplicaBook(context.settings.replica_interval)
+        self.replicas = ReplicaBook(
+            context.settings.replica_interval,
+            mtbf=lambda: context.churn.job_mtbf(len(set(self.peers)), time.time()),
+        )
         self._outputs: dict[int, dict[str, torch.Tensor]] = {}
         self._busy: dict[int, float] = {}  # sub-DAG -> FP+BP+Update seconds over the steps below
         self._busy_steps = 0

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
+from fusionnet.broker.churn import young_interval
 from fusionnet.broker.job_calls import JobCalls
 from fusionnet.broker.tensorfiles import StreamedFile, TensorFiles
 from fusionnet.errors import FusionNetError
@@ -62,7 +63,8 @@ REPLICA_LINK_SHARE = 0.25
 # compute on), and the next round starts no sooner than cost / share after the last one started. At a
 # realistic size (50M parameters, 0.6 s steps, 3 stages on 2 cores) a round cost 0.5-1.2 s, and one
 # every 2 s slowed every third step 2-3x: the pipeline benchmark's median step was 1.45x the one
-# without replication. A failover then replays up to cost / share seconds of steps more.
+# without replication. A failover then replays up to cost / share seconds of steps more. Where the
+# job's compnodes fail rarely, Young's interval (``churn``) spaces rounds farther still.
 REPLICA_TIME_SHARE = 0.1
 # Clean steps (no round in flight) whose median is the cost's baseline.
 BASELINE_STEPS = 9
@@ -83,9 +85,14 @@ def replicas_apart(peers: Sequence[str]) -> bool:
 
 class ReplicaBook:
     def __init__(
-        self, interval: float = REPLICA_INTERVAL, clock: Callable[[], float] = time.monotonic
+        self,
+        interval: float = REPLICA_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+        mtbf: Callable[[], float | None] = lambda: None,
     ) -> None:
-        self.interval, self.clock = interval, clock
+        """``mtbf()``: seconds between unplanned losses of the job's compnodes now (``churn``); None:
+        rounds are spaced by ``interval`` and ``REPLICA_TIME_SHARE`` only."""
+        self.interval, self.clock, self.mtbf = interval, clock, mtbf
         self.reset(0, enabled=False)
 
     def reset(self, n: int, *, enabled: bool) -> None:
@@ -114,6 +121,8 @@ class ReplicaBook:
         if self.round is None:
             if step < self.next_at or (waited is not None and waited < self.interval):
                 return False, self.committed
+            if self.not_before is None:  # the last round completed before any clean step: price it now
+                self.not_before = self._budgeted_start()
             if self.not_before is not None and now < self.not_before:
                 return False, self.committed
             self.retries, self.spanned = 0, []
@@ -148,12 +157,19 @@ class ReplicaBook:
         return True
 
     def _budgeted_start(self) -> float | None:
-        """When the round just completed has been paid for at ``REPLICA_TIME_SHARE``: its start plus
-        its cost / share (None before any clean step: the next round measures it)."""
+        """When the round just completed has been paid for: its start plus the longer of its cost /
+        ``REPLICA_TIME_SHARE`` and Young's interval for its cost and the job's ``mtbf``. None before
+        any clean step (the job's first round, asked at once): ``request`` asks again once there is one.
+        That first round's span holds the first steps, slower than the rest (buffers allocated, caches
+        cold): its price errs long, which at worst delays the second round, not a step."""
         if not self.clean or not self.spanned or self.started is None:
             return None
         cost = round_cost(self.spanned, statistics.median(self.clean))
-        return self.started + cost / REPLICA_TIME_SHARE
+        wait = cost / REPLICA_TIME_SHARE
+        mtbf = self.mtbf()
+        if mtbf is not None:
+            wait = max(wait, young_interval(cost, mtbf))
+        return self.started + wait
 
     def pointer(self, attempt: int, peers: Sequence[str], rows: Sequence[dict[str, Any]]) -> ReplicaPointer:
         """The committed step as a restarted broker finds it again."""

@@ -62,6 +62,16 @@ def add_parser(subparsers: Any) -> None:
         "newest complete round",
     )
     p.add_argument(
+        "--compnode-mtbf",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="train jobs: the seconds assumed between unplanned losses of one compnode before the broker "
+        "has seen any (default 3600); with what it sees, rounds of failover snapshots are spaced by "
+        "Young's interval sqrt(2 x a round's cost x the job's mean time between losses) when that is "
+        "longer, which loses the least time to rounds and replays together (0 = off)",
+    )
+    p.add_argument(
         "--stage-part-mb",
         type=float,
         default=32.0,
@@ -173,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
             sync_every=args.sync_every,
             steps_ahead=args.steps_ahead,
             replica_interval=args.replica_interval,
+            compnode_mtbf=args.compnode_mtbf,
             stage_part_mb=args.stage_part_mb,
             replan_gain=args.replan_gain,
             **({} if args.interleave_gain is None else {"interleave_gain": args.interleave_gain}),
