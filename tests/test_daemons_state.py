@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from fusionnet.broker.churn import PRIOR_MTBF
 from fusionnet.broker.config import BrokerConfig
 from fusionnet.broker.daemon import BrokerDaemon
 from fusionnet.broker.registry import CompnodeRegistry, RegistryEvent
@@ -210,6 +211,8 @@ def test_broker_metrics_and_scrape_targets_follow_registry_and_store(
     assert sample(swarm, {"role": "supernode", "state": "offline"}) == 1
     assert sample(swarm, {"role": "antnode", "state": "online"}) == 0
     assert sample("fusionnet_backup_pool_compnodes") == 1  # PEERS[2]; PEERS[1] is not answering
+    # PEERS[1] joined and turned unreachable: one loss beside the prior's one (``broker.churn``)
+    assert sample("fusionnet_compnode_mtbf_seconds") == pytest.approx(PRIOR_MTBF / 2, rel=0.01)
 
     with caplog.at_level(logging.WARNING, logger="fusionnet.broker"):
         asyncio.run(broker._update_scrape_targets())

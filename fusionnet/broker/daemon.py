@@ -192,6 +192,9 @@ class BrokerDaemon(Daemon):
         # The failover reserve: backups that take work (ONLINE, answering) and hold none now.
         pool = sum(1 for e in entries if e.schedulable and e.record.backup and e.record.running_tasks == 0)
         self.metrics.set_swarm(((e.record.role, e.effective_state) for e in entries), backup_pool=pool)
+        mtbf = self.churn.compnode_mtbf(time.time())
+        if mtbf is not None:
+            self.metrics.compnode_mtbf.set(mtbf)
 
     def refresh_job_metrics(self) -> None:
         """Recount ``fusionnet_jobs{state}`` from the store (the source of truth, whoever changed it)."""

@@ -67,6 +67,12 @@ class BrokerMetrics(BaseMetrics):
             "Online backup compnodes not assigned to any job: the failover reserve",
             registry=r,
         )
+        self.compnode_mtbf = Gauge(
+            "fusionnet_compnode_mtbf_seconds",
+            "Seconds between unplanned losses of one compnode, as the broker estimates them (the "
+            "--compnode-mtbf prior and the losses it saw): what spaces a train job's failover rounds",
+            registry=r,
+        )
         self.jobs = Gauge("fusionnet_jobs", "Jobs by state", ["state"], registry=r)
         self.jobs_submitted = Counter("fusionnet_jobs_submitted", "Jobs accepted by the broker", registry=r)
         self.steps = Counter(
