@@ -203,7 +203,10 @@ def run_fusionnet_swarms(
             "broker",
             "broker",
             swarm_dir,
-            ["--refresh-period", "1", "--heartbeat-period", "0.5", "--placement", cfg.placement]
+            # the daemons' own DHT refresh and heartbeat periods, as a user runs them: the tests' quick
+            # ones (refresh 1-2 s, pings every 0.5 s) cost an idle broker and 3 compnodes 0.08 of a core
+            # against 0.02, taken from the stages on 2 cores
+            ["--placement", cfg.placement]
             + ([] if cfg.replica_interval is None else ["--replica-interval", str(cfg.replica_interval)])
             + (["--steps-ahead"] if cfg.steps_ahead else []),
             cfg.threads,
@@ -219,7 +222,7 @@ def run_fusionnet_swarms(
             if broker_error:
                 raise RuntimeError(broker_error)
             while len(daemons) - 1 < n:
-                args = ["--initial-peers", maddr, "--threads", str(cfg.threads), "--refresh-period", "2"]
+                args = ["--initial-peers", maddr, "--threads", str(cfg.threads)]
                 args += ["--sandbox", cfg.sandbox, "--worker-sends", cfg.worker_sends]
                 args += ["--worker-receives", cfg.worker_receives]
                 if cfg.inline_compute_ms is not None:

@@ -54,6 +54,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from swarm_jobs import WORKDIR_HELP, run_main, work_folder  # noqa: E402
 
+from fusionnet.daemon.flags import DEFAULT_REFRESH_PERIOD  # noqa: E402
 from fusionnet.job.kv_decode import SlotDecoder  # noqa: E402
 from fusionnet.job.loader import load_job  # noqa: E402
 from fusionnet.messages.serving_rpc import ServingSettings  # noqa: E402
@@ -63,7 +64,7 @@ from fusionnet.perfmodel.generation_rate import (  # noqa: E402
     generation_rate,
 )
 from fusionnet.runtime.deploy import deploy  # noqa: E402
-from fusionnet.runtime.process_swarm import BlockingObserver, CompnodeSpec, ProcessSwarm, broker_args  # noqa: E402
+from fusionnet.runtime.process_swarm import BlockingObserver, CompnodeSpec, ProcessSwarm  # noqa: E402
 from fusionnet.serving.client import FusionNetClient  # noqa: E402
 
 # (vocab, width, layers, heads, window)
@@ -415,14 +416,15 @@ def main() -> int:
         "--worker-receives",
         args.worker_receives,
     ) + (() if args.inline_compute_ms is None else ("--inline-compute-ms", str(args.inline_compute_ms)))
-    specs = [CompnodeSpec(extra=extra) for _ in range(args.compnodes)]
-    specs.append(CompnodeSpec(backup=True, extra=extra))
+    # The daemons' own DHT refresh (and the broker's own heartbeat) periods, as a user runs them: the
+    # tests' quick ones cost an idle broker and 3 compnodes 0.08 of a core against 0.02, taken from
+    # the stages on 2 cores.
+    specs = [CompnodeSpec(refresh_period=DEFAULT_REFRESH_PERIOD, extra=extra) for _ in range(args.compnodes)]
+    specs.append(CompnodeSpec(backup=True, refresh_period=DEFAULT_REFRESH_PERIOD, extra=extra))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
     # balanced: the model cut in 3 stages whatever the performance model makes of this machine's load
-    argv = broker_args(
-        extra=["--http-port", "0", "--placement", args.placement], stage_part_mb=32.0
-    )  # the daemon's default part size
+    argv = ["--http-port", "0", "--placement", args.placement]  # the broker's own periods and parts
     with ProcessSwarm(work / "swarm", specs, argv) as sw:
         given = {"in_flight": args.in_flight, "max_wait_ms": args.max_wait_ms}
         settings = ServingSettings(

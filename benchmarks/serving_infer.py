@@ -43,12 +43,13 @@ from safetensors.torch import save_file  # noqa: E402
 from serving import batch_totals, pct  # noqa: E402
 from swarm_jobs import WORKDIR_HELP, run_main, work_folder  # noqa: E402
 
+from fusionnet.daemon.flags import DEFAULT_REFRESH_PERIOD  # noqa: E402
 from fusionnet.job.loader import load_job  # noqa: E402
 from fusionnet.messages.serving_rpc import ServingSettings  # noqa: E402
 from fusionnet.perfmodel.generation_rate import asymptote_tokens_per_s  # noqa: E402
 from fusionnet.perfmodel.timing import latency_eq3  # noqa: E402
 from fusionnet.runtime.deploy import deploy  # noqa: E402
-from fusionnet.runtime.process_swarm import BlockingObserver, CompnodeSpec, ProcessSwarm, broker_args  # noqa: E402
+from fusionnet.runtime.process_swarm import BlockingObserver, CompnodeSpec, ProcessSwarm  # noqa: E402
 from fusionnet.serving.client import FusionNetClient  # noqa: E402
 
 CLIENT_COUNTS = [1, 4, 16]
@@ -158,8 +159,11 @@ def main() -> int:
     model = load_job(job).model.eval()  # the deployed model, built as the job builds it (seed 0)
     want, plain_rows_per_s = plain_run(model, requests)
     del model
-    specs = [CompnodeSpec() for _ in range(args.compnodes)] + [CompnodeSpec(backup=True)]
-    argv = broker_args(extra=["--http-port", "0", "--placement", "balanced"], stage_part_mb=32.0)
+    # The daemons' own DHT refresh and heartbeat periods, as a user runs them (``serving.py``: the tests'
+    # quick ones take about 0.06 of a core from the stages).
+    specs = [CompnodeSpec(refresh_period=DEFAULT_REFRESH_PERIOD) for _ in range(args.compnodes)]
+    specs.append(CompnodeSpec(backup=True, refresh_period=DEFAULT_REFRESH_PERIOD))
+    argv = ["--http-port", "0", "--placement", "balanced"]
     runs = []
     given = {"in_flight": args.in_flight, "max_wait_ms": args.max_wait_ms}
     settings = ServingSettings(**{k: v for k, v in given.items() if v is not None})
