@@ -10,6 +10,7 @@ import pytest
 from fusionnet.broker.churn import PRIOR_MTBF, ChurnBook, young_interval
 from fusionnet.broker.registry import RegistryEvent
 from fusionnet.broker.replicas import REPLICA_TIME_SHARE, ReplicaBook
+from tests.test_replicas import spaced_rounds
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -51,21 +52,6 @@ def test_young_interval_minimises_the_time_lost_to_rounds_and_replays() -> None:
     assert young_interval(-1.0, mtbf) == 0.0
 
 
-def _spaced_rounds(book: ReplicaBook, now: list[float], steps: int) -> list[int]:
-    """Steps of 0.5 s, 1.5 s while a round is on its way (the step it is asked at and the next, which
-    confirms it): each round costs 2.0 s over the clean steps' median."""
-    asked: list[int] = []
-    for step in range(steps):
-        if book.request(step)[0]:
-            asked.append(step)
-        in_flight = bool(asked) and step - asked[-1] <= 1
-        seconds = 1.5 if in_flight else 0.5
-        now[0] += seconds
-        done = asked[-1] + 1 if in_flight and step > asked[-1] else None
-        book.observe([done, done], step=step, seconds=seconds)
-    return asked
-
-
 def test_rounds_are_spaced_by_young_interval_when_failures_are_rare() -> None:
     """The same job as ``test_costly_rounds_are_spaced_to_a_share_of_the_time``: with compnodes that
     fail once in 1600 s between them, a 2 s round waits sqrt(2 x 2 x 1600) = 80 s, not 2 / 0.1 = 20 s;
@@ -74,11 +60,11 @@ def test_rounds_are_spaced_by_young_interval_when_failures_are_rare() -> None:
     rare = ReplicaBook(interval=2.0, clock=lambda: now[0], mtbf=lambda: 1600.0)
     rare.reset(2, enabled=True)
     # round 1 starts at 0 s and step 2 at 3.0 s: round 2 at step 2 + (80 - 3.0) / 0.5 = 156
-    assert _spaced_rounds(rare, now, 200) == [0, 156]
+    assert spaced_rounds(rare, now, 200) == [0, 156]
     assert rare.not_before == pytest.approx(156 * 0.5 + 2 * 1.0 + 80.0)  # round 2's own price
 
     now = [0.0]
     often = ReplicaBook(interval=2.0, clock=lambda: now[0], mtbf=lambda: 50.0)
     often.reset(2, enabled=True)
-    assert _spaced_rounds(often, now, 80) == [0, 36, 72]  # as with the share alone: every 20 s
+    assert spaced_rounds(often, now, 80) == [0, 36, 72]  # as with the share alone: every 20 s
     assert often.not_before == pytest.approx(40.0 + 2.0 / REPLICA_TIME_SHARE)

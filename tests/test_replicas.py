@@ -110,6 +110,22 @@ def test_a_slow_round_of_fast_steps_is_asked_again_only_after_a_growing_wait() -
     assert book.request(320 + 2 * 96)[0] and book.retries == 0
 
 
+def spaced_rounds(book: ReplicaBook, now: list[float], steps: int) -> list[int]:
+    """The steps ``book`` asks a round at, for steps of 0.5 s that take 1.5 s while a round is on its way
+    (the step it is asked at and the next, which confirms it): each round costs 2.0 s over the clean
+    steps' median. ``now`` is the book's clock, advanced step by step."""
+    asked: list[int] = []
+    for step in range(steps):
+        if book.request(step)[0]:
+            asked.append(step)
+        in_flight = bool(asked) and step - asked[-1] <= 1
+        seconds = 1.5 if in_flight else 0.5
+        now[0] += seconds
+        done = asked[-1] + 1 if in_flight and step > asked[-1] else None
+        book.observe([done, done], step=step, seconds=seconds)
+    return asked
+
+
 def test_costly_rounds_are_spaced_to_a_share_of_the_time() -> None:
     """Steps of 0.5 s, and 1.5 s while a round is on its way (the step it is asked at and the next,
     which confirms it): a round costs 2 x 1.0 s over the clean steps' median, so the next starts no
@@ -119,15 +135,7 @@ def test_costly_rounds_are_spaced_to_a_share_of_the_time() -> None:
     now = [0.0]
     book = ReplicaBook(interval=2.0, clock=lambda: now[0])
     book.reset(2, enabled=True)
-    asked: list[int] = []
-    for step in range(60):
-        if book.request(step)[0]:
-            asked.append(step)
-        in_flight = bool(asked) and step - asked[-1] <= 1
-        seconds = 1.5 if in_flight else 0.5
-        now[0] += seconds
-        done = asked[-1] + 1 if in_flight and step > asked[-1] else None
-        book.observe([done, done], step=step, seconds=seconds)
+    asked = spaced_rounds(book, now, 60)
     # round 1 at once (steps 0-1), priced at step 3 after the clean step 2: round 2 20 s after round 1
     # started: step 2 starts at 3.0 s, so step 2 + (20 - 3.0) / 0.5 = 36; round 3 would be at 40 s
     assert asked == [0, 36]
