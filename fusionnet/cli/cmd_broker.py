@@ -64,7 +64,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--compnode-mtbf",
         type=float,
-        default=3600.0,
+        default=None,  # the broker's own (``broker.churn.PRIOR_MTBF``), kept in one place
         metavar="SECONDS",
         help="train jobs: the seconds assumed between unplanned losses of one compnode before the broker "
         "has seen any (default 3600); with what it sees, rounds of failover snapshots are spaced by "
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             sync_every=args.sync_every,
             steps_ahead=args.steps_ahead,
             replica_interval=args.replica_interval,
-            compnode_mtbf=args.compnode_mtbf,
+            **({} if args.compnode_mtbf is None else {"compnode_mtbf": args.compnode_mtbf}),
             stage_part_mb=args.stage_part_mb,
             replan_gain=args.replan_gain,
             **({} if args.interleave_gain is None else {"interleave_gain": args.interleave_gain}),
