@@ -68,3 +68,17 @@ def test_rounds_are_spaced_by_young_interval_when_failures_are_rare() -> None:
     often.reset(2, enabled=True)
     assert spaced_rounds(often, now, 80) == [0, 36, 72]  # as with the share alone: every 20 s
     assert often.not_before == pytest.approx(40.0 + 2.0 / REPLICA_TIME_SHARE)
+
+
+def test_history_resumed_by_a_restarted_broker_counts_beside_what_it_watches() -> None:
+    before = ChurnBook(prior_mtbf=1000.0)
+    before.observe(RegistryEvent("a", "joined"), now=0.0)
+    before.observe(RegistryEvent("a", "unreachable"), now=500.0)
+    assert before.history(now=600.0) == (1, 500.0)  # nothing up after the loss: no more seconds
+    after = ChurnBook(prior_mtbf=1000.0)
+    after.resume(*before.history(now=600.0))
+    after.observe(RegistryEvent("b", "joined"), now=10_000.0)  # the broker was down: not watched
+    assert after.compnode_mtbf(now=10_500.0) == pytest.approx((500.0 + 500.0 + 1000.0) / 2)
+    for losses, watched in ((-1, 0.0), (0, -1.0), (0, math.inf), (0, math.nan)):
+        with pytest.raises(ValueError, match="churn history needs"):
+            after.resume(losses, watched)

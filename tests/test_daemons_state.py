@@ -19,7 +19,7 @@ from fusionnet.broker.churn import PRIOR_MTBF
 from fusionnet.broker.config import BrokerConfig
 from fusionnet.broker.daemon import BrokerDaemon
 from fusionnet.broker.registry import CompnodeRegistry, RegistryEvent
-from fusionnet.broker.store import SCHEMA_VERSION, BrokerStore, CompnodeRow, JobState
+from fusionnet.broker.store import MIGRATIONS, SCHEMA_VERSION, BrokerStore, CompnodeRow, JobState
 from fusionnet.cli.cmd_status import CLEAR_BELOW, CLEAR_HOME, format_tables, merge_status, render_frame
 from fusionnet.compnode.daemon import CompnodeConfig, _maddr_host
 from fusionnet.daemon.base import Daemon
@@ -111,6 +111,62 @@ def test_store_refuses_a_newer_schema(tmp_path: Path) -> None:
     db.close()
     with pytest.raises(ValueError, match=f"schema version {SCHEMA_VERSION + 1} is newer"):
         BrokerStore(tmp_path / "b.sqlite3")
+
+
+def test_store_keeps_the_churn_history_and_upgrades_an_older_database(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "b.sqlite3"
+    old = sqlite3.connect(path)  # a database of the schema before the churn table (version 1)
+    for statement in MIGRATIONS[0].split(";"):
+        if statement.strip():
+            old.execute(statement)
+    old.execute("INSERT INTO jobs VALUES ('j0', 'old', 'SUCCEEDED', 5, 5, 0.1, NULL, NULL, 1.0, 2.0)")
+    old.execute("PRAGMA user_version = 1")
+    old.commit()
+    old.close()
+    store = BrokerStore(path)
+    assert store.schema_version == SCHEMA_VERSION and store.get_job("j0")["state"] == "SUCCEEDED"
+    assert store.churn() == (0, 0.0)  # nothing watched yet
+    store.save_churn(2, 7200.5)
+    store.save_churn(3, 9000.0)  # replaces, not adds: the book saves its totals
+    store.close()
+    store = BrokerStore(path)
+    assert store.churn() == (3, 9000.0)
+    with pytest.raises(sqlite3.IntegrityError, match="CHECK constraint"):  # the book never sends one
+        store.save_churn(-1, 5.0)
+    store._db.execute("UPDATE churn SET watched = 'soon' WHERE id = 1")  # a hand edit: ignored, said so
+    with caplog.at_level(logging.WARNING, logger="fusionnet.broker.store"):
+        assert store.churn() == (0, 0.0)
+    assert "churn history 3/'soon' is not a count and seconds" in caplog.text
+    store.close()
+
+
+def test_a_restarted_broker_resumes_how_often_compnodes_failed(tmp_path: Path) -> None:
+    """The churn estimate is of the swarm, not of one run of the broker: a loss and the compnode-seconds
+    watched survive a restart (``broker.churn``), so failover rounds stay spaced for what was seen."""
+    config = BrokerConfig(common=DaemonConfig(state_dir=tmp_path / "state"), heartbeat_timeout=3)
+    first = BrokerDaemon(config)
+    first.state_dir.acquire()
+    first.store = first._open_store()
+    first.churn.resume(0, 7000.0)  # as if it had watched two compnodes for almost an hour
+    first.registry.update_records([found(PEERS[0], NodeState.ONLINE, 1)], now=10)
+    first.registry.check_timeouts(now=14)  # never answered: a loss, saved at once
+    losses, watched = first.store.churn()
+    assert losses == 1 and watched >= 7000.0
+    first.store.close()  # a SIGKILL would leave the database just so
+    first.state_dir.release()
+
+    second = BrokerDaemon(config)
+    assert second.churn.compnode_mtbf(time.time()) == PRIOR_MTBF  # before it opens its state
+    second.state_dir.acquire()
+    try:
+        second.store = second._open_store()
+        assert second.churn.losses == 1
+        assert second.churn.compnode_mtbf(time.time()) == pytest.approx((watched + PRIOR_MTBF) / 2, rel=1e-3)
+        second.store.close()
+    finally:
+        second.state_dir.release()
 
 
 # ---- registry -------------------------------------------------------------------------------------------

@@ -15,7 +15,10 @@ of one compnode (so a broker that has watched little assumes the prior, and one 
 compnodes for hours without a loss spaces rounds farther). A compnode that leaves on purpose hands its
 sub-DAG over at a step boundary without replay, so it is not counted.
 
-Pure state, no I/O: the broker's registry listener feeds it (``observe``), the clock is passed in.
+Pure state, no I/O: the broker's registry listener feeds it (``observe``), the clock is passed in. The
+broker saves its ``history`` in its database and ``resume``s it at start-up (``broker.store``): the
+estimate is of the swarm, which outlives one run of the broker. Time the broker was down was not
+watched and is not counted.
 """
 
 from __future__ import annotations
@@ -53,6 +56,20 @@ class ChurnBook:
             self.up.discard(event.peer_id)
         elif event.kind == "left":
             self.up.discard(event.peer_id)
+
+    def history(self, now: float) -> tuple[int, float]:
+        """``(unplanned losses, compnode-seconds watched)`` up to ``now``: what a restarted broker resumes."""
+        self._advance(now)
+        return self.losses, self.watched
+
+    def resume(self, losses: int, watched: float) -> None:
+        """Adds what an earlier run of this broker watched (``history``) to what this one has."""
+        if losses < 0 or not 0 <= watched < math.inf:
+            raise ValueError(
+                f"churn history needs losses >= 0 and finite seconds >= 0, got {losses!r}, {watched!r}"
+            )
+        self.losses += losses
+        self.watched += watched
 
     def compnode_mtbf(self, now: float) -> float | None:
         """Seconds between unplanned losses of one compnode; None when the prior is 0 (Young's interval

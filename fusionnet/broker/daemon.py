@@ -76,9 +76,9 @@ class BrokerDaemon(Daemon):
         self._scrape_targets: tuple[ScrapeTarget, ...] = ()
         self._bad_metrics_addresses: set[tuple[str, str]] = set()
         self.live_jobs: set[str] = set()  # the services' running jobs and deployments (``JobContext``)
-        self.registry.add_listener(self._persist_event)
         self.churn = ChurnBook(config.compnode_mtbf)  # how often compnodes fail (``broker.churn``)
         self.registry.add_listener(lambda event: self.churn.observe(event, time.time()))
+        self.registry.add_listener(self._persist_event)  # after the churn book: a loss is saved at once
         self.compnodes = CompnodeClient(self.call)
         # ``status`` lists what this returns (the deployment service sets it: issue 14)
         self.describe_deployments: Callable[[], list[dict[str, Any]]] = list
@@ -109,7 +109,7 @@ class BrokerDaemon(Daemon):
 
     # ---- startup / shutdown ----------------------------------------------------------------------
     async def on_startup(self) -> None:
-        self.store = BrokerStore(self.state_dir.file(DB_FILE))
+        self.store = self._open_store()
         self.state = NodeState.ONLINE
         assert self.peer is not None
         # Bytes of weights/checkpoints still moving to or from a compnode count as signs of life: its
@@ -119,6 +119,12 @@ class BrokerDaemon(Daemon):
         await self.start_services()
         self.every(self.config.refresh_period, self._refresh, "dht refresh")
         self.every(self.settings.heartbeat_period, self._heartbeat, "heartbeat")
+
+    def _open_store(self) -> BrokerStore:
+        """The broker's database, and what its earlier runs saw of compnode failures (``broker.churn``)."""
+        store = BrokerStore(self.state_dir.file(DB_FILE))
+        self.churn.resume(*store.churn())
+        return store
 
     async def on_stopped(self) -> None:
         self.state = NodeState.OFFLINE
@@ -239,10 +245,13 @@ class BrokerDaemon(Daemon):
         entry = self.registry.get(event.peer_id)
         if self.store is not None and entry is not None:
             self.store.upsert_compnodes([self._row(entry)])
+        if self.store is not None and event.kind == "unreachable":
+            self.store.save_churn(*self.churn.history(time.time()))
 
     def _persist_all(self) -> None:
         if self.store is not None:
             self.store.upsert_compnodes(self._row(e) for e in self.registry.entries())
+            self.store.save_churn(*self.churn.history(time.time()))
 
     @staticmethod
     def _row(entry: CompnodeEntry) -> CompnodeRow:

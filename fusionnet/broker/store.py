@@ -1,9 +1,11 @@
 """The broker's persistent state: SQLite in its state dir (embedded, nothing to install).
 
-Three tables: ``compnodes`` (every compnode seen, last known state/hardware/heartbeat), ``jobs`` (state,
-step, loss, timestamps) and ``job_events`` (an append-only log per job). The schema is versioned with
-``PRAGMA user_version``; ``MIGRATIONS[i]`` upgrades version i to i+1, each in its own transaction, and a
-database newer than this code is refused rather than misread.
+Four tables: ``compnodes`` (every compnode seen, last known state/hardware/heartbeat), ``jobs`` (state,
+step, loss, timestamps), ``job_events`` (an append-only log per job) and ``churn`` (one row: the
+unplanned compnode losses and compnode-seconds the broker has watched, ``broker.churn``, so a restarted
+broker keeps its estimate of how often compnodes fail instead of starting again from the prior). The
+schema is versioned with ``PRAGMA user_version``; ``MIGRATIONS[i]`` upgrades version i to i+1, each in
+its own transaction, and a database newer than this code is refused rather than misread.
 
 All calls are synchronous and short (WAL journal, one connection owned by the broker's event loop).
 
@@ -65,6 +67,15 @@ MIGRATIONS: tuple[str, ...] = (
         detail TEXT NOT NULL DEFAULT '{}'
     );
     CREATE INDEX job_events_by_job ON job_events(job_id, id);
+    """,
+    # 1 -> 2
+    """
+    CREATE TABLE churn (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        losses INTEGER NOT NULL CHECK (losses >= 0),
+        watched REAL NOT NULL CHECK (watched >= 0),
+        updated_at REAL NOT NULL
+    );
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -173,6 +184,37 @@ class BrokerStore:
             )
             for r in rows
         ]
+
+    # ---- churn -----------------------------------------------------------------------------------
+    def save_churn(self, losses: int, watched: float) -> None:
+        """The churn history so far (``ChurnBook.history``): it replaces what was there."""
+        with self._transaction():
+            self._db.execute(
+                """INSERT INTO churn VALUES (1, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET
+                   losses=excluded.losses, watched=excluded.watched, updated_at=excluded.updated_at""",
+                (int(losses), float(watched), time.time()),
+            )
+
+    def churn(self) -> tuple[int, float]:
+        """``(losses, watched compnode-seconds)`` as last saved; ``(0, 0.0)`` for a new broker, or when
+        the row does not hold what ``save_churn`` writes (edited by hand), which is said in the log."""
+        row = self._db.execute("SELECT losses, watched FROM churn WHERE id = 1").fetchone()
+        if row is None:
+            return 0, 0.0
+        losses, watched = row
+        if (
+            not (isinstance(losses, int) and isinstance(watched, float | int))
+            or losses < 0
+            or not (0 <= watched < float("inf"))
+        ):
+            log.warning(
+                "%s: churn history %r/%r is not a count and seconds; starting from none",
+                self.path,
+                losses,
+                watched,
+            )
+            return 0, 0.0
+        return losses, float(watched)
 
     # ---- jobs ------------------------------------------------------------------------------------
     def create_job(
