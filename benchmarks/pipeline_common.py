@@ -88,13 +88,22 @@ class Result:
     # FusionNet: per step (aligned with ``times``), the share of the step its stages did not compute,
     # averaged over the stages (metrics.jsonl's ``compute_seconds`` against ``seconds``)
     bubbles: list[float] = field(default_factory=list)
+    # FusionNet: per step, the share of the step beyond its schedule run on its own measured compute with
+    # free messages (metrics.jsonl's ``compute_path_seconds``): what the network, the runtime's
+    # messaging and the broker's call cost on the critical path
+    beyond_path: list[float] = field(default_factory=list)
 
     def median(self, warmup: int) -> float | None:
-        timed = self.times[warmup:] or self.times
-        return statistics.median(timed) if timed and self.error is None else None
+        return self._median(self.times, warmup)
 
     def bubble(self, warmup: int) -> float | None:
-        timed = self.bubbles[warmup:] or self.bubbles
+        return self._median(self.bubbles, warmup)
+
+    def beyond(self, warmup: int) -> float | None:
+        return self._median(self.beyond_path, warmup)
+
+    def _median(self, values: list[float], warmup: int) -> float | None:
+        timed = values[warmup:] or values
         return statistics.median(timed) if timed and self.error is None else None
 
     def minimum(self, warmup: int) -> float | None:

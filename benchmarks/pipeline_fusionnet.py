@@ -73,6 +73,11 @@ def read_metrics(res: Result, path: Path, per_rank: int = 1) -> None:
         for r in rows
         if r.get("compute_seconds") and r["seconds"] > 0
     ]
+    res.beyond_path = [
+        max(0.0, 1.0 - r["compute_path_seconds"] / r["seconds"])
+        for r in rows
+        if "compute_path_seconds" in r and r["seconds"] > 0
+    ]
     res.losses = [float(r["loss"]) for r in rows if "loss" in r]
     peaks = [r["activation_peak_bytes"] for r in rows if "activation_peak_bytes" in r]
     res.activation_peak = [int(b) for b in peaks[-1]] if peaks else None

@@ -13,7 +13,10 @@ same number of torch threads per process (``--threads``, default 1).
 FusionNet's rows also give each stage's peak activation bytes (metrics.jsonl's ``activation_peak_bytes``)
 and the bubble: the share of the step its stages did not compute, averaged over the stages (1 -
 ``compute_seconds`` / ``seconds``; it includes waiting for the network and the broker's call, which the
-schedule's own bubble, (p - 1) / (m + p - 1), does not):
+schedule's own bubble, (p - 1) / (m + p - 1), does not); and "beyond path": the share of the step beyond
+its schedule run on its stages' own measured compute with free messages (metrics.jsonl's
+``compute_path_seconds``), which is what the network, the runtime's messaging and the broker's call cost
+it; the rest of the difference to torch's pipeline is the compute itself):
 
 - ``plain torch``       one process, the M micro-batches one after the other with gradient accumulation.
                         The reference for the ratios.
@@ -99,7 +102,7 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
     plain = med.get("plain torch")
     rows = [
         ("contender", "step ms", "min ms", "x plain", "x torch pipe N", "act. MB per stage", "bubble",
-         "loss first", "loss last", "notes")
+         "beyond path", "loss first", "loss last", "notes")
     ]  # fmt: skip
     for r in results:
         n = r.name.rsplit(" ", 1)[-1]
@@ -109,6 +112,7 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
             fmt_ratio(med[r.name], plain), fmt_ratio(med[r.name], pipe) if pipe else "",
             "/".join(f"{b / 1e6:.2f}" for b in r.activation_peak) if r.activation_peak else "",
             "" if r.bubble(cfg.warmup) is None else f"{r.bubble(cfg.warmup):.2f}",
+            "" if r.beyond(cfg.warmup) is None else f"{r.beyond(cfg.warmup):.3f}",
             f"{r.losses[0]:.5f}" if r.losses else "-", f"{r.losses[-1]:.5f}" if r.losses else "-",
             "FAILED (see below)" if r.error else r.note,
         ))  # fmt: skip
@@ -141,6 +145,8 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
             summary[f"{key_of(r.name)}_activation_peak_bytes"] = r.activation_peak
         if r.bubble(cfg.warmup) is not None:
             summary[f"{key_of(r.name)}_bubble"] = round(r.bubble(cfg.warmup), 4)
+        if r.beyond(cfg.warmup) is not None:
+            summary[f"{key_of(r.name)}_beyond_path"] = round(r.beyond(cfg.warmup), 4)
     summary["splits"] = {str(n): format_split(s) for n, (s, _) in splits.items()}
     summary["split_sources"] = {str(n): src for n, (_, src) in splits.items()}
     cfg_d = asdict(cfg)
@@ -350,6 +356,7 @@ def side_by_side(summaries: dict[str, dict[str, Any]], stages: list[int]) -> dic
             for k in ("fusionnet", "torchpipe"):
                 out[f"{k}_{n}_{tag}_ms"] = summary.get(f"{k}_{n}_ms")
             out[f"fusionnet_{n}_{tag}_bubble"] = summary.get(f"fusionnet_{n}_bubble")
+            out[f"fusionnet_{n}_{tag}_beyond_path"] = summary.get(f"fusionnet_{n}_beyond_path")
             if schedule != first:
                 v = summary.get(f"fusionnet_{n}_ms")
                 out[f"fusionnet_{n}_{tag}_over_{first.replace('-', '_')}"] = ratio(v, base)
@@ -359,17 +366,19 @@ def side_by_side(summaries: dict[str, dict[str, Any]], stages: list[int]) -> dic
 def print_side_by_side(figures: dict[str, Any], schedules: list[str], stages: list[int]) -> None:
     first = schedules[0]
     rows = [("schedule", "stages", "fusionnet ms", "torch pipe ms", "fusionnet / torch pipe",
-             f"fusionnet / fusionnet {first}", "bubble")]  # fmt: skip
+             f"fusionnet / fusionnet {first}", "bubble", "beyond path")]  # fmt: skip
     for n in stages:
         for schedule in schedules:
             tag = schedule.replace("-", "_")
             mine, pipe = figures[f"fusionnet_{n}_{tag}_ms"], figures[f"torchpipe_{n}_{tag}_ms"]
             over = figures.get(f"fusionnet_{n}_{tag}_over_{first.replace('-', '_')}")
             bubble = figures[f"fusionnet_{n}_{tag}_bubble"]
+            beyond = figures[f"fusionnet_{n}_{tag}_beyond_path"]
             rows.append((
                 schedule, str(n), fmt_ms(None if mine is None else mine / 1e3),
                 fmt_ms(None if pipe is None else pipe / 1e3), fmt_ratio(mine, pipe),
                 "" if over is None else f"{over:.2f}", "" if bubble is None else f"{bubble:.2f}",
+                "" if beyond is None else f"{beyond:.3f}",
             ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print("\nschedules side by side (the same rounds, in turn):")
@@ -434,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:  # a later round: its timed steps join the first round's (one median over all rounds)
                     earlier.times.extend(res.times[base.warmup :])
                     earlier.bubbles.extend(res.bubbles[base.warmup :])
+                    earlier.beyond_path.extend(res.beyond_path[base.warmup :])
                 return res
 
             return record

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from fusionnet.errors import PlanError
-from fusionnet.perfmodel.simulator import Hop, StageTimes, simulate, stage_program
+from fusionnet.perfmodel.simulator import Hop, StageTimes, compute_path, simulate, stage_program
 from fusionnet.perfmodel.timing import pipelined_eq4
 
 
@@ -116,3 +116,24 @@ def test_once_per_step_values_delay_the_first_forward_and_the_last_backward(sche
     assert once.step_seconds == pytest.approx(plain + 1.2)
     with pytest.raises(PlanError, match="negative"):
         simulate(stages, [Hop(0, 1, 0.1, 0.1, fwd_once=-1.0)], 4)
+
+
+def test_compute_path_is_the_step_had_messages_been_free():
+    """A step's measured FP / BP / Update per sub-DAG, run through its schedule with free messages: what
+    the broker writes to metrics.jsonl as ``compute_path_seconds`` beside the step's wall time."""
+    # the 1F1B step above, in the totals a step reports: 3 micro-batches of 1 s FP and 1 s BP each
+    assert compute_path([(3.0, 3.0, 0.0)] * 2, [[1], []], 3, schedule="1f1b", task="grad") == 8.0
+    # the GPipe step by hand above without its link's 1.5 s: stage 1 ends B0 at 11, stage 0 then
+    # runs B0 (2) and its update (0.5)
+    gpipe = compute_path([(2.0, 4.0, 0.5), (4.0, 6.0, 0.25)], [[1], []], 2, task="train")
+    assert gpipe == pytest.approx(13.5)
+    # sub-DAGs that exchange nothing do not wait for each other: the longer one's compute
+    assert compute_path([(2.0, 2.0, 0.0), (3.0, 3.0, 0.0)], [[], []], 2, task="grad") == 6.0
+    # a skip edge alone (0 -> 2) chains 0 and 2; readers out of range or backwards are ignored
+    skip = compute_path([(1.0, 1.0, 0.0)] * 3, [[2, 7], [0], []], 1, task="grad")
+    assert skip == pytest.approx(4.0)
+    # interleaved: 2 devices x 2 chunks; never shorter than a device's own compute
+    chunks = compute_path(
+        [(2.0, 2.0, 0.0)] * 4, [[1], [2], [3], []], 2, schedule="interleaved-1f1b", chunks=2
+    )
+    assert chunks >= 8.0

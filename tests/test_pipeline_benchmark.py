@@ -4,6 +4,7 @@ where torch's stages can hold the same cut."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def test_schedules_side_by_side_are_each_over_the_first() -> None:
 
     summaries = {
         "1f1b": {"fusionnet_2_ms": 400.0, "torchpipe_2_ms": 500.0, "fusionnet_2_bubble": 0.27,
-                 "fusionnet_3_ms": 450.0},
+                 "fusionnet_2_beyond_path": 0.012, "fusionnet_3_ms": 450.0},
         "zero-bubble": {"fusionnet_2_ms": 360.0, "torchpipe_2_ms": 480.0, "fusionnet_2_bubble": 0.18,
                         "fusionnet_3_ms": None},
     }  # fmt: skip
@@ -111,4 +112,29 @@ def test_schedules_side_by_side_are_each_over_the_first() -> None:
     assert figures["fusionnet_3_zero_bubble_over_1f1b"] is None
     assert figures["fusionnet_2_1f1b_ms"] == 400.0 and figures["torchpipe_2_zero_bubble_ms"] == 480.0
     assert figures["fusionnet_2_zero_bubble_bubble"] == 0.18
+    assert (
+        figures["fusionnet_2_1f1b_beyond_path"] == 0.012
+        and figures["fusionnet_2_zero_bubble_beyond_path"] is None
+    )
     assert "fusionnet_2_1f1b_over_1f1b" not in figures
+
+
+def test_metrics_rows_give_each_step_its_bubble_and_what_lies_beyond_its_compute_path(tmp_path: Path) -> None:
+    """A swarm's metrics.jsonl, out of step order: per step the stages' idle share (from
+    ``compute_seconds``) and the share beyond the schedule run on that compute (``compute_path_seconds``)."""
+    from pipeline_common import Result
+    from pipeline_fusionnet import read_metrics
+
+    rows = [
+        {"step": 1, "seconds": 0.5, "loss": 2.0, "compute_seconds": [0.3, 0.4], "compute_path_seconds": 0.45},
+        {"step": 0, "seconds": 0.8, "loss": 3.0, "compute_seconds": [0.4, 0.4], "compute_path_seconds": 0.8,
+         "activation_peak_bytes": [10, 5]},
+    ]  # fmt: skip
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = Result("fusionnet 2")
+    read_metrics(res, path)
+    assert res.times == [0.8, 0.5] and res.losses == [3.0, 2.0]
+    assert res.bubbles == pytest.approx([0.5, 0.3])
+    assert res.beyond_path == pytest.approx([0.0, 0.1])
+    assert res.beyond(0) == pytest.approx(0.05) and res.beyond(1) == pytest.approx(0.1)

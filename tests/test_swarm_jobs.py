@@ -135,6 +135,10 @@ def test_submitted_job_equals_local_run_and_plain_pytorch(
     assert all(len(r["sent_bytes"]) == stages and (sum(r["sent_bytes"]) > 0) == (stages > 1) for r in rows)
     computed = [r["compute_seconds"] for r in rows]  # per sub-DAG: FP + BP + Update of the step
     assert all(len(c) == len(plan["subdags"]) and min(c) >= 0 and sum(c) > 0 for c in computed)
+    # the schedule run on that compute with free messages: at least any sub-DAG's own compute, at most
+    # the step (which adds the network, the runtime and the broker's call)
+    for r, c in zip(rows, computed):
+        assert max(c) * 0.999 <= r["compute_path_seconds"] <= r["seconds"]
     # Placed by the performance model on the compnodes' announced hardware: predicted beside measured.
     assert plan["policy"] == "performance model" and plan["predicted_step_seconds"] > 0
     assert all(s["predicted_seconds"] is not None and s["predicted_seconds"] >= 0 for s in plan["subdags"])

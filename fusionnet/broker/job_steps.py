@@ -20,8 +20,11 @@ from fusionnet.broker.job_calls import JobCalls
 from fusionnet.broker.replanning import Replan
 from fusionnet.broker.replicas import REPLICA_LINK_SHARE, ReplicaBook
 from fusionnet.broker.submission import SubmittedJob
+from fusionnet.dag.partition import Partition
+from fusionnet.errors import PlanError
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.messages.compnode_rpc import StepReply
+from fusionnet.perfmodel.simulator import compute_path
 from fusionnet.planning.placement import Placement
 
 
@@ -36,6 +39,7 @@ class JobSteps:
     pending: Replan | None
     attempt: int
     _placement: Placement | None
+    partition: Partition | None
     _busy: dict[int, float]
     _busy_steps: int
     _planned_slowness: list[float]
@@ -47,6 +51,24 @@ class JobSteps:
     if TYPE_CHECKING:  # ``job_placement.JobPlacement``, beside this mixin in ``jobrun.JobRun``
 
         def _leavers(self) -> set[str]: ...
+
+    def _compute_path(self, replies: list[StepReply], microbatches: int) -> float | None:
+        """The step's schedule run on its sub-DAGs' measured compute alone (``simulator.compute_path``)."""
+        partition = self.partition
+        if self._placement is None or partition is None or len(partition.subdags) != len(replies):
+            return None
+        chosen = self._placement.schedule
+        try:
+            return compute_path(
+                [(r.fp_seconds, r.bp_seconds, r.update_seconds) for r in replies],
+                [s.compnode_users for s in partition.subdags],
+                microbatches,
+                schedule=self.job.spec.schedule if chosen is None else chosen.name,
+                task=self.job.spec.task,
+                chunks=self._placement.chunks,
+            )
+        except PlanError:  # a schedule the simulator cannot run here: the row goes without it
+            return None
 
     def _sync_due(self, step: int) -> bool:
         """Whether the broker collects the state after ``step`` steps (train jobs)."""
@@ -145,6 +167,9 @@ class JobSteps:
         # per sub-DAG: the seconds its compnode computed (FP, BP, Update); the rest of ``seconds`` it
         # waited (the schedule's bubble, the network, the broker's call)
         row["compute_seconds"] = [r.fp_seconds + r.bp_seconds + r.update_seconds for r in replies]
+        path = self._compute_path(replies, len(sizes))
+        if path is not None:  # the step had every message been free; the rest the network and calls added
+            row["compute_path_seconds"] = path
         if any(r.snapshot_seconds for r in replies):  # compute time of the last snapshot (runs in parallel)
             row["checkpoint_seconds"] = max(r.snapshot_seconds for r in replies)
         if self.replicas.observe([r.replicated for r in replies], step, seconds):  # for a restarted broker

@@ -252,3 +252,25 @@ def simulate(
         peak_inflight=tuple(peak),
         events=tuple(events),
     )
+
+
+def compute_path(
+    compute: Sequence[tuple[float, float, float]],
+    users: Sequence[Sequence[int]],
+    microbatches: int,
+    *,
+    schedule: str | Schedule = "gpipe",
+    task: str = "train",
+    chunks: int = 1,
+) -> float:
+    """How long a step that ran would have taken had every message been free: its schedule run on
+    the stages' measured compute alone. ``compute[s]``: sub-DAG ``s``'s FP, BP and Update seconds in
+    the step (all its micro-batches); ``users[s]``: the sub-DAGs that read its outputs. The step's
+    wall time minus this is what the network, the runtime and the broker's calls added. A split
+    backward (zero-bubble) is priced as half I, half W: the step reports their sum."""
+    m = microbatches
+    stages = [StageTimes(fp / m, bp / m, up) for fp, bp, up in compute]
+    hops = sorted({(s, u) for s, readers in enumerate(users) for u in readers if s < u < len(stages)})
+    return simulate(
+        stages, [Hop(s, u, 0.0) for s, u in hops], m, schedule=schedule, task=task, chunks=chunks
+    ).step_seconds
