@@ -444,3 +444,42 @@ def test_a_full_disk_fails_the_job_saying_so_and_releases_its_compnodes(
     asyncio.run(run.run())
     row = context.store.get_job("j1")
     assert (row["state"], row["error"]) == ("FAILED", str(refused))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("inline_actions", [128, 0])  # simulated on the loop, and in a thread
+def test_each_step_row_carries_its_schedule_run_on_its_measured_compute(
+    tmp_path: Path, submitted: SubmittedJob, monkeypatch: pytest.MonkeyPatch, inline_actions: int
+) -> None:
+    """metrics.jsonl's ``compute_path_seconds``: the step's schedule simulated on the FP, BP and Update
+    seconds its sub-DAGs reported, with free messages, over the partition's real edges."""
+    from fusionnet.broker import job_steps
+    from fusionnet.perfmodel.simulator import compute_path
+
+    monkeypatch.setattr(job_steps, "INLINE_PATH_ACTIONS", inline_actions)
+    fake = FakeCompnodes()
+    real = fake.call
+
+    async def call(peer: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
+        reply = await real(peer, method, payload, **kw)
+        if method == "step":  # sub-DAG s computes (s + 1) x 0.1 s of FP, twice that of BP
+            s = fake.held[peer].subdag
+            reply |= {"fp_seconds": 0.1 * (s + 1), "bp_seconds": 0.2 * (s + 1), "update_seconds": 0.01}
+        return reply
+
+    fake.call = call  # type: ignore[method-assign]
+    run, context = make_run(tmp_path, submitted, fake)
+    asyncio.run(run.run())
+    assert context.store.get_job("j1")["state"] == "SUCCEEDED", context.store.get_job("j1")["error"]
+    assert run.partition is not None and run._placement is not None
+    n = len(run.partition.subdags)
+    want = compute_path(
+        [(0.1 * (s + 1), 0.2 * (s + 1), 0.01) for s in range(n)],
+        [s.compnode_users for s in run.partition.subdags],
+        len(submitted.spec.microbatch_sizes(0)),
+        schedule=run._placement.schedule.name if run._placement.schedule else submitted.spec.schedule,
+        task="train",
+    )
+    rows = run.progress.metrics
+    assert [r["compute_path_seconds"] for r in rows] == [pytest.approx(want)] * STEPS
+    assert all(r["compute_path_seconds"] >= max(r["compute_seconds"]) for r in rows)

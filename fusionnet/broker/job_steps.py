@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +27,9 @@ from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.messages.compnode_rpc import StepReply
 from fusionnet.perfmodel.simulator import compute_path
 from fusionnet.planning.placement import Placement
+
+# Sub-DAGs x micro-batches up to which a step's compute path is simulated on the loop (about 1 ms)
+INLINE_PATH_ACTIONS = 128
 
 
 class JobSteps:
@@ -52,21 +56,26 @@ class JobSteps:
 
         def _leavers(self) -> set[str]: ...
 
-    def _compute_path(self, replies: list[StepReply], microbatches: int) -> float | None:
-        """The step's schedule run on its sub-DAGs' measured compute alone (``simulator.compute_path``)."""
+    async def _compute_path(self, replies: list[StepReply], microbatches: int) -> float | None:
+        """The step's schedule run on its sub-DAGs' measured compute alone (``simulator.compute_path``);
+        a long pipeline's simulation (64 sub-DAGs x 512 micro-batches: 0.2 s) runs off the event loop."""
         partition = self.partition
         if self._placement is None or partition is None or len(partition.subdags) != len(replies):
             return None
         chosen = self._placement.schedule
+        work = partial(
+            compute_path,
+            [(r.fp_seconds, r.bp_seconds, r.update_seconds) for r in replies],
+            [s.compnode_users for s in partition.subdags],
+            microbatches,
+            schedule=self.job.spec.schedule if chosen is None else chosen.name,
+            task=self.job.spec.task,
+            chunks=self._placement.chunks,
+        )
         try:
-            return compute_path(
-                [(r.fp_seconds, r.bp_seconds, r.update_seconds) for r in replies],
-                [s.compnode_users for s in partition.subdags],
-                microbatches,
-                schedule=self.job.spec.schedule if chosen is None else chosen.name,
-                task=self.job.spec.task,
-                chunks=self._placement.chunks,
-            )
+            if len(replies) * microbatches <= INLINE_PATH_ACTIONS:
+                return work()
+            return await asyncio.to_thread(work)
         except PlanError:  # a schedule the simulator cannot run here: the row goes without it
             return None
 
@@ -167,7 +176,7 @@ class JobSteps:
         # per sub-DAG: the seconds its compnode computed (FP, BP, Update); the rest of ``seconds`` it
         # waited (the schedule's bubble, the network, the broker's call)
         row["compute_seconds"] = [r.fp_seconds + r.bp_seconds + r.update_seconds for r in replies]
-        path = self._compute_path(replies, len(sizes))
+        path = await self._compute_path(replies, len(sizes))
         if path is not None:  # the step had every message been free; the rest the network and calls added
             row["compute_path_seconds"] = path
         if any(r.snapshot_seconds for r in replies):  # compute time of the last snapshot (runs in parallel)
