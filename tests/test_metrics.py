@@ -101,7 +101,15 @@ def test_unknown_label_values_are_refused() -> None:
 def test_step_series_exist_only_while_the_job_runs() -> None:
     m = BrokerMetrics(process=False)
     m.observe_step(
-        "job-1", step=4, seconds=0.5, samples=16, loss=0.25, predicted_seconds=0.4, compnodes=3, now=100.0
+        "job-1",
+        step=4,
+        seconds=0.5,
+        samples=16,
+        loss=0.25,
+        predicted_seconds=0.4,
+        compnodes=3,
+        compute_path_seconds=0.45,
+        now=100.0,
     )
     m.observe_step("job-2", step=0, seconds=2.0, samples=8, loss=float("inf"))
     r = m.registry
@@ -112,6 +120,8 @@ def test_step_series_exist_only_while_the_job_runs() -> None:
     assert value(r, "fusionnet_job_samples_per_second", job_id="job-1") == pytest.approx(32.0)
     assert value(r, "fusionnet_job_prediction_error_ratio", job_id="job-1") == pytest.approx(0.25)
     assert value(r, "fusionnet_job_compnodes", job_id="job-1") == 3
+    assert value(r, "fusionnet_job_step_beyond_compute_ratio", job_id="job-1") == pytest.approx(0.1)
+    assert ("fusionnet_job_step_beyond_compute_ratio", (("job_id", "job-2"),)) not in samples(r)  # unmeasured
     assert value(r, "fusionnet_steps_total") == 2
     assert value(r, "fusionnet_samples_total") == 24
     assert value(r, "fusionnet_step_duration_seconds_count") == 2

@@ -191,7 +191,9 @@ def values_by(result: list[dict[str, Any]], label: str) -> dict[str, float]:
 def test_http_sd_discovers_compnodes(tmp_path: Path) -> None:
     broker = BrokerMetrics(process=False)
     broker.set_jobs({"running": 1})
-    broker.observe_step("job-7", step=3, seconds=0.25, samples=8, loss=1.5, predicted_seconds=0.2)
+    broker.observe_step(
+        "job-7", step=3, seconds=0.25, samples=8, loss=1.5, predicted_seconds=0.2, compute_path_seconds=0.2
+    )
     compnodes: dict[str, CompnodeMetrics] = {}
     endpoints: dict[str, tuple[str, int]] = {}
     roles = {PEERS[0]: ("supernode", False), PEERS[1]: ("antnode", True), PEERS[2]: ("supernode", True)}
@@ -238,6 +240,8 @@ def test_http_sd_discovers_compnodes(tmp_path: Path) -> None:
             assert values_by(prom.query("fusionnet_job_prediction_error_ratio"), "job_id")[
                 "job-7"
             ] == pytest.approx(0.25)
+            beyond = values_by(prom.query("fusionnet_job_step_beyond_compute_ratio"), "job_id")
+            assert beyond == {"job-7": pytest.approx(0.2)}
             assert values_by(prom.query("sum(fusionnet_swarm_compnodes)"), "") == {"": 2.0}
 
             # A compnode joins mid-way: the broker lists it, Prometheus finds it through http_sd.

@@ -193,4 +193,5 @@ class JobSteps:
             loss=loss,
             compnodes=len(self.peers),
             predicted_seconds=None if self._placement is None else self._placement.predicted_step,
+            compute_path_seconds=path,
         )

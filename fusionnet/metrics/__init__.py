@@ -31,6 +31,7 @@ Broker (``BROKER_REGISTRY``)
     fusionnet_job_last_step_timestamp_seconds{job_id}  when it moved  } ends, so job_id stays bounded
     fusionnet_job_samples_per_second{job_id}     throughput of the latest step
     fusionnet_job_prediction_error_ratio{job_id} signed measured / predicted - 1 of the latest step
+    fusionnet_job_step_beyond_compute_ratio{job_id}  share of the latest step beyond its compute path
     fusionnet_job_compnodes{job_id}              compnodes running the job
     fusionnet_heartbeat_rtt_seconds              histogram: broker -> compnode ping round trip
     fusionnet_heartbeat_failures_total           pings lost or timed out

@@ -113,6 +113,13 @@ class BrokerMetrics(BaseMetrics):
             ["job_id"],
             registry=r,
         )
+        self.job_beyond_compute = Gauge(
+            "fusionnet_job_step_beyond_compute_ratio",
+            "Share of the job's latest step beyond its schedule run on its measured compute with free "
+            "messages: what the network, the messaging and the broker's call cost (0 = compute-bound)",
+            ["job_id"],
+            registry=r,
+        )
         self.job_compnodes = Gauge(
             "fusionnet_job_compnodes", "Compnodes running the job's sub-DAGs", ["job_id"], registry=r
         )
@@ -190,9 +197,10 @@ class BrokerMetrics(BaseMetrics):
         loss: float | None = None,
         predicted_seconds: float | None = None,
         compnodes: int | None = None,
+        compute_path_seconds: float | None = None,
         now: float | None = None,
     ) -> None:
-        """Record one completed step of a running job."""
+        """Record one completed step of a running job (``compute_path_seconds``: metrics.jsonl's)."""
         _check_job_id(job_id)
         if step < 0 or samples < 0:
             raise ValueError(f"metrics: job {job_id}: step and samples must be >= 0, got {step}, {samples}")
@@ -210,6 +218,11 @@ class BrokerMetrics(BaseMetrics):
             self.job_loss.labels(job_id=job_id).set(math.nan)  # diverged: visible as NaN, not as stale
         if compnodes is not None:
             self.job_compnodes.labels(job_id=job_id).set(compnodes)
+        if compute_path_seconds is not None and seconds > 0:
+            beyond = max(
+                0.0, 1.0 - _non_negative(compute_path_seconds, f"job {job_id} compute path") / seconds
+            )
+            self.job_beyond_compute.labels(job_id=job_id).set(beyond)
         if predicted_seconds is not None and predicted_seconds > 0:
             error = seconds / predicted_seconds - 1.0
             self.job_prediction_error.labels(job_id=job_id).set(error)
@@ -223,6 +236,7 @@ class BrokerMetrics(BaseMetrics):
             self.job_last_step_time,
             self.job_samples_rate,
             self.job_prediction_error,
+            self.job_beyond_compute,
             self.job_compnodes,
         ):
             # A job may never have set a series (no loss for infer, no prediction, ...).
