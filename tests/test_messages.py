@@ -132,3 +132,14 @@ def test_typed_clients_send_dicts_and_check_replies() -> None:
     assert sent[-1] == (PEER, "ping", {"nonce": "n", "jobs": None}, {"timeout": 2.0})
     with pytest.raises(WireError, match=rf"^rpc step reply from {PEER}: malformed message: step: "):
         asyncio.run(CompnodeClient(call).call_step(PEER, StepRequest(job_id="a1", step=0)))
+
+
+def test_a_step_reply_with_timings_that_are_not_finite_seconds_is_refused() -> None:
+    """A compnode's timings feed the broker's speed book, replica pacing, metrics.jsonl and the step's
+    compute path: infinite, NaN or negative seconds are a garbled reply, refused saying which field."""
+    from pydantic import ValidationError
+
+    for bad in (float("inf"), float("nan"), -0.5):
+        with pytest.raises(ValidationError, match="fp_seconds"):
+            StepReply(step=1, fp_seconds=bad)
+    assert StepReply(step=1, fp_seconds=0.25, bp_seconds=1e9).bp_seconds == 1e9

@@ -7,6 +7,7 @@ metrics.jsonl row, the compnodes' refined speeds, the replica books and the Prom
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -73,11 +74,11 @@ class JobSteps:
             chunks=self._placement.chunks,
         )
         try:
-            if len(replies) * microbatches <= INLINE_PATH_ACTIONS:
-                return work()
-            return await asyncio.to_thread(work)
+            inline = len(replies) * microbatches <= INLINE_PATH_ACTIONS
+            path = work() if inline else await asyncio.to_thread(work)
         except PlanError:  # a schedule the simulator cannot run here: the row goes without it
             return None
+        return path if math.isfinite(path) else None  # timings near the float limit add up to inf
 
     def _sync_due(self, step: int) -> bool:
         """Whether the broker collects the state after ``step`` steps (train jobs)."""

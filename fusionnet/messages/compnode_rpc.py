@@ -36,7 +36,8 @@ MAX_PROBE_BYTES = 8 << 20  # one link probe's payload (a compnode refuses larger
 MAX_PROBE_SIZES, MAX_PROBE_REPEATS = 8, 10
 
 NonNegative = Annotated[int, Field(ge=0)]
-Seconds = Annotated[float, Field(ge=0.0)]
+# A compnode's timings feed the speed book, the replica pacing and metrics.jsonl: finite or refused
+Seconds = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
 class JobRequest(Message):
