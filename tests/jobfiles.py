@@ -72,7 +72,7 @@ def example_job(name: str, tmp: Path, **overrides: Any) -> Path:
     for key, value in overrides.items():
         if key in ("batch_size", "microbatches"):
             doc["data"][key] = value
-        elif key in ("compnodes", "schedule", "chunks"):
+        elif key in ("compnodes", "schedule", "chunks", "cuts"):
             doc.setdefault("placement", {})[key] = value
         else:
             doc[key] = value

@@ -133,6 +133,27 @@ def test_plan_of_an_interleaved_job_is_the_brokers_placement(tmp_path: Path, cap
     assert doc["predicted_step_seconds"] == pytest.approx(placed.predicted_step, rel=1e-9)
 
 
+@pytest.mark.timeout(180)
+def test_plan_of_a_job_with_its_own_cuts_is_the_brokers_placement(tmp_path: Path, capsys) -> None:
+    """``placement.cuts``: ``fusionnet plan`` prices the job's cut on the fastest devices, sub-DAG i on
+    the i-th fastest, and predicts the step the broker's placement predicts for them."""
+    from fusionnet.dag.cuts import cut_assignment
+
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(NODES)
+    job, doc = _plan_gpt(tmp_path, nodes, compnodes=2, schedule="1f1b", cuts=["blocks.1"])
+    assert "cut at placement.cuts" in capsys.readouterr().out
+    assert {d["name"] for d in doc["devices"]} == {"RTX 3080 #0", "RTX 3080 #1"}
+    placed = _brokers_placement(job, nodes, schedule="1f1b", cuts=("blocks.1",))
+    want = cut_assignment(placed_graph := _traced(job), ["blocks.1"])
+    for sd in doc["subdags"]:
+        ops = [
+            n for n in sd["nodes"] if placed_graph.node(n).kind not in ("placeholder", "variable", "output")
+        ]
+        assert {want[n] for n in ops} == {sd["subdag"]}
+    assert doc["predicted_step_seconds"] == pytest.approx(placed.predicted_step, rel=1e-9)
+
+
 @pytest.mark.timeout(120)
 def test_plan_of_an_auto_job_that_interleaves_is_the_brokers_placement(
     tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
@@ -174,6 +195,12 @@ def _plan_gpt(tmp_path: Path, nodes: Path, **placement: Any) -> tuple[Any, dict[
     finally:
         job_path.unlink()
     return job, json.loads(out.read_text())
+
+
+def _traced(job: Any) -> Any:
+    from fusionnet.runtime.prepare import trace_job
+
+    return trace_job(job).graph
 
 
 def _brokers_placement(job: Any, nodes: Path, **shape: Any) -> Any:

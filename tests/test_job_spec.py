@@ -209,6 +209,13 @@ CASES: list[tuple[str, Callable[[Doc, Path], None], str]] = [
     ("placement unknown key", _set("placement.nodes", 3), "placement.nodes: unknown key"),
     ("compnodes zero", _set("placement.compnodes", 0), "placement.compnodes: must be > 0"),
     ("compnodes bool", _set("placement.compnodes", True), "placement.compnodes: must be an integer"),
+    (
+        "cuts for other sub-DAGs",
+        _set("placement.cuts", ["linear"]),
+        "placement.cuts: 1 cut(s) make 2 sub-DAGs, but placement.compnodes asks for 3",
+    ),
+    ("cut empty name", _set("placement.cuts", [""]), "placement.cuts.0: "),
+    ("cuts not a list", _set("placement.cuts", "blocks.1"), "placement.cuts: "),
 ]
 
 

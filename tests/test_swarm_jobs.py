@@ -83,6 +83,15 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProcessSwa
         ("figure3", {"task": "grad", "steps": 2}),
         ("mlp", {"task": "infer", "placement": {"compnodes": 3}}),
         ("gpt", {"steps": 3, "microbatches": "auto", "schedule": "auto"}),
+        (
+            "gpt",
+            {
+                "steps": 2,
+                "schedule": "1f1b",
+                "cuts": ["blocks.1", "ln_f"],
+                "optimizer": {"name": "sgd", "lr": 0.05, "kwargs": {"momentum": 0.9}},
+            },
+        ),
     ],
 )
 def test_submitted_job_equals_local_run_and_plain_pytorch(
@@ -140,7 +149,11 @@ def test_submitted_job_equals_local_run_and_plain_pytorch(
     for r, c in zip(rows, computed):
         assert max(c) * 0.999 <= r["compute_path_seconds"] <= r["seconds"]
     # Placed by the performance model on the compnodes' announced hardware: predicted beside measured.
-    assert plan["policy"] == "performance model" and plan["predicted_step_seconds"] > 0
+    assert plan["policy"] == ("job's cuts" if "cuts" in overrides else "performance model")
+    assert plan["predicted_step_seconds"] > 0
+    if "cuts" in overrides:  # sub-DAG 1 begins at block 1, sub-DAG 2 at the final norm
+        params = [sd["params"] for sd in sorted(plan["subdags"], key=lambda sd: sd["subdag"])]
+        assert {p.split(".")[1] for p in params[1]} == {"1"} and min(params[2]).startswith(("ln_f.", "wte."))
     assert all(s["predicted_seconds"] is not None and s["predicted_seconds"] >= 0 for s in plan["subdags"])
     assert set(plan["slowness"]) == {s["compnode"] for s in plan["subdags"]}
     # Every link that carries activations was probed over the data path after the assignment.

@@ -121,6 +121,7 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
             microbatch_choices=tuple(job.spec.microbatch_choices),
             chunks=job.spec.chunks,
             interleave_gain=context.settings.interleave_gain,
+            cuts=tuple(job.spec.cuts),
         )
         self._planned_slowness: list[float] = []  # per sub-DAG: its compnode's slowness when planned
         self.prediction = PredictionWatch()  # measured steps against the plan (issue 16: re-plan when off)

@@ -1,7 +1,8 @@
 """A job as the broker received it, and the checks a submission must pass before it is accepted.
 
 ``check_submission`` refuses a submission whose parts disagree (state against the IR's parameters and
-buffers, data against the spec) with a message naming the part, before anything is planned.
+buffers, the job's cuts against the IR's ops and modules, data against the spec) with a message naming
+the part, before anything is planned.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from fusionnet.dag.cuts import cut_positions
 from fusionnet.dag.ir import IRGraph
-from fusionnet.errors import JobError
+from fusionnet.errors import JobError, PartitionError
 from fusionnet.messages.jobwire import RunSpec
 
 
@@ -39,6 +41,11 @@ def check_submission(
                 raise JobError(
                     f"submission: state {k!r} has shape {list(state[k].shape)}, the IR says {meta['shape']}"
                 )
+    if spec.cuts:
+        try:
+            cut_positions(graph, spec.cuts)
+        except PartitionError as e:
+            raise JobError(f"submission: {e}") from None
     if "inputs" not in data:
         raise JobError("submission: data lacks the 'inputs' tensor")
     needs_labels = any(n.kind == "placeholder" and n.target == "labels" for n in graph.nodes)

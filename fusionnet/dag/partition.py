@@ -228,8 +228,7 @@ def _topological_labels(
 
 def balanced_assignment(graph: IRGraph, pieces: int) -> dict[str, int]:
     """Default policy: cuts the topological order into ``pieces`` contiguous runs of ops balanced by
-    FP+BP FLOPs (min-max, exact for contiguous runs). Placeholders and variables go with their first
-    user, as in Table 3 (labels are fed where the loss is computed)."""
+    FP+BP FLOPs (min-max, exact for contiguous runs)."""
     ops = [n for n in graph.nodes if n.kind not in ("placeholder", "variable", "output")]
     if pieces < 1:
         raise PartitionError(f"cannot cut a graph into {pieces} pieces")
@@ -238,9 +237,17 @@ def balanced_assignment(graph: IRGraph, pieces: int) -> dict[str, int]:
     # A tiny per-op floor so that runs of zero-FLOP ops (views) still spread instead of piling up.
     weights = [int(n.cost.get("flops_fwd", 0)) + int(n.cost.get("flops_bwd", 0)) + 1 for n in ops]
     cuts = _min_max_segments(weights, pieces)
+    return contiguous_assignment(graph, cuts)
+
+
+def contiguous_assignment(graph: IRGraph, starts: list[int]) -> dict[str, int]:
+    """Every IR node -> its piece, for pieces that begin at the op positions ``starts`` (ascending,
+    excluding 0) of the topological op order. Placeholders and variables go with their first user, as
+    in Table 3 (labels are fed where the loss is computed)."""
+    ops = [n for n in graph.nodes if n.kind not in ("placeholder", "variable", "output")]
     assignment: dict[str, int] = {}
     for i, n in enumerate(ops):
-        assignment[n.name] = sum(1 for c in cuts if c <= i)
+        assignment[n.name] = sum(1 for c in starts if c <= i)
     for n in graph.nodes:
         if n.kind in ("placeholder", "variable"):
             first_user = next((u for u in n.users if u in assignment), None)

@@ -188,6 +188,8 @@ class OptimizerSpec(_Strict):
 # Pipeline schedules (``fusionnet.schedules``); ``auto`` lets the performance model choose.
 SCHEDULE_NAMES = ("gpipe", "1f1b", "zero-bubble", "interleaved-1f1b", "auto")
 MAX_CHUNKS = 16
+MAX_CUTS = MAX_COMPNODES * MAX_CHUNKS
+CutName = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
 Schedule = Literal["gpipe", "1f1b", "zero-bubble", "interleaved-1f1b", "auto"]
 
 
@@ -201,6 +203,9 @@ class PlacementSpec(_Strict):
     # interleaved-1f1b only: sub-DAGs (virtual stages) per compnode; the model is cut into compnodes x
     # chunks sub-DAGs, compnode d holding sub-DAGs d, compnodes + d, ... (default 2)
     chunks: _bounded(MAX_CHUNKS) | None = None
+    # Where sub-DAGs 1, 2, ... begin (``fusionnet.dag.cuts``): an op's IR name or a module's path each,
+    # compnodes x chunks - 1 of them, in the model's order. Unset: the broker's placement policy cuts.
+    cuts: Annotated[list[CutName], Field(max_length=MAX_CUTS)] | None = None
 
     @model_validator(mode="after")
     def _chunks_go_with_interleaving(self) -> PlacementSpec:
@@ -212,6 +217,17 @@ class PlacementSpec(_Strict):
         if self.chunks is not None and self.chunks < 2:
             raise KeyProblem(
                 ("chunks",), f"interleaved-1f1b needs >= 2 chunks per compnode, got {self.chunks}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _cuts_make_the_subdags(self) -> PlacementSpec:
+        if self.cuts is not None and len(self.cuts) + 1 != self.subdags:
+            raise KeyProblem(
+                ("cuts",),
+                f"{len(self.cuts)} cut(s) make {len(self.cuts) + 1} sub-DAGs, but placement.compnodes"
+                + (" x chunks" if self.chunks_per_compnode > 1 else "")
+                + f" asks for {self.subdags}",
             )
         return self
 

@@ -10,7 +10,7 @@ does).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -20,6 +20,7 @@ from fusionnet.job.loader import LoadedJob
 from fusionnet.job.schema import (
     MAX_BATCH_SIZE,
     MAX_COMPNODES,
+    MAX_CUTS,
     MAX_MICROBATCHES,
     MAX_NAME_CHARS,
     MAX_STEPS,
@@ -55,6 +56,11 @@ class RunSpec(BaseModel):
     # ``placement.wire_compression`` / ``placement.wire_encryption``; older peers omit them: the defaults.
     wire_compression: Literal["none", "bf16", "fp16", "int8-ef"] = "none"
     wire_encryption: Literal["auto", "on", "off"] = "auto"
+    # ``placement.cuts``: where sub-DAGs 1, 2, ... begin (op names or module paths, ``dag.cuts``), checked
+    # against the IR on arrival; empty: the broker's placement policy cuts. Older peers omit it: empty.
+    cuts: list[Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_CUTS
+    )
 
     @model_validator(mode="after")
     def _optimizer_fits_task(self) -> RunSpec:
@@ -69,6 +75,10 @@ class RunSpec(BaseModel):
             raise ValueError(f"microbatch_choices: each must be 1..batch_size ({self.batch_size})")
         if (self.chunks > 1) != (self.schedule == "interleaved-1f1b"):
             raise ValueError("chunks: > 1 with schedule interleaved-1f1b only, which needs it")
+        if self.cuts and len(self.cuts) + 1 != self.subdags:
+            raise ValueError(
+                f"cuts: {len(self.cuts)} cut(s) for {self.subdags} sub-DAGs (compnodes x chunks)"
+            )
         return self
 
     @property
@@ -138,6 +148,7 @@ def run_spec_of(
         chunks=spec.placement.chunks_per_compnode,
         wire_compression=spec.placement.wire_compression,
         wire_encryption=spec.placement.wire_encryption,
+        cuts=list(spec.placement.cuts or ()),
     )
 
 

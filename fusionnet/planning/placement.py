@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from fusionnet.dag.cuts import cut_assignment
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.errors import PlanError
@@ -40,6 +41,7 @@ PeerLinks = Mapping[tuple[str, str], Link]  # measured links by (from, to); othe
 
 SCHEDULER = "performance model"
 BALANCED = "balanced"
+CUTS = "job's cuts"  # placement.cuts named where the sub-DAGs begin: the policy only picks compnodes
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,14 @@ class JobShape:
     chunks: int = 1  # interleaved-1f1b: sub-DAGs per compnode (cut evenly, sub-DAG s on compnode s mod p)
     # ``auto`` interleaves when predicted this much faster (the broker's ``--interleave-gain``)
     interleave_gain: float = MIN_GAIN
+    cuts: tuple[str, ...] = ()  # placement.cuts: where sub-DAGs 1, 2, ... begin (``dag.cuts``); () none
+
+    def cut_assignment(self, subdags: int) -> dict[str, int] | None:
+        """The IR assignment at the job's cuts, when it names them for ``subdags`` sub-DAGs (a placement
+        over fewer compnodes than the cuts need, after a loss, is cut by the policy instead)."""
+        if len(self.cuts) + 1 != subdags or not self.cuts:
+            return None
+        return cut_assignment(self.graph, self.cuts)
 
     @property
     def priced(self) -> str:
@@ -83,7 +93,7 @@ class JobShape:
 class Placement:
     peers: tuple[str, ...]  # sub-DAG i runs on peers[i]
     assignment: dict[str, int]  # IR node -> sub-DAG
-    policy: str  # SCHEDULER or BALANCED
+    policy: str  # SCHEDULER, BALANCED or CUTS
     predicted: dict[int, float] | None = None  # sub-DAG -> predicted FP+BP+Update seconds per step
     predicted_step: float | None = None  # predicted seconds per step (schedule simulator)
     schedule: ScheduleChoice | None = None  # the pipeline schedule this placement runs
@@ -244,7 +254,8 @@ def _place(
         raise PlanError(f"cannot place {k} sub-DAG(s) on {len(pool)} compnode(s)")
     if shape.chunks > 1:
         return _place_interleaved(shape, _fastest(pool)[:k], links)
-    if policy == SCHEDULER and all(c.device is not None for c in pool):
+    cut = shape.cut_assignment(k)
+    if cut is None and policy == SCHEDULER and all(c.device is not None for c in pool):
         planned = _schedule(shape, pool, links, stages=k)
         while stages is None and len(planned.devices) > 1 and idle_stages(planned.predicted_seconds):
             # Forced to k stages, the model left some without work (slow links: one compnode does it
@@ -259,15 +270,16 @@ def _place(
             predicted_step=planned.predicted_step_seconds,
             stage_timing=dict(planned.stage_timing),
         )
+    # The job's cuts, or the balanced split: sub-DAG i on the i-th fastest compnode.
     chosen = _fastest(pool)[:k]
     placement = Placement(
         peers=tuple(c.peer_id for c in chosen),
-        assignment=balanced_assignment(shape.graph, k),
-        policy=BALANCED,
+        assignment=balanced_assignment(shape.graph, k) if cut is None else cut,
+        policy=BALANCED if cut is None else CUTS,
     )
     if any(c.device is None for c in chosen):
         return placement
-    # Known hardware: predict the balanced split too, so that plan.json compares it with what ran.
+    # Known hardware: predict this split too, so that plan.json compares it with what ran.
     predicted = predict_assignment(
         shape.graph,
         placement.assignment,
@@ -287,13 +299,16 @@ def _place(
 
 
 def _place_interleaved(shape: JobShape, chosen: Sequence[Candidate], links: PeerLinks | None) -> Placement:
-    """interleaved-1f1b: the model cut evenly into p x chunks sub-DAGs, compnode d (of the p fastest)
-    holding d, p + d, ...; the performance model prices that cut when every compnode's hardware is known
-    (``planner.plan_interleaved``, which ``fusionnet plan`` shows too)."""
+    """interleaved-1f1b: the model cut into p x chunks sub-DAGs (evenly, or at the job's cuts), compnode d
+    (of the p fastest) holding d, p + d, ...; the performance model prices that cut when every compnode's
+    hardware is known (``planner.plan_interleaved``, which ``fusionnet plan`` shows too)."""
     p, v = len(chosen), shape.chunks
     peers = tuple(chosen[s % p].peer_id for s in range(p * v))
+    cut = shape.cut_assignment(p * v)
+    policy = BALANCED if cut is None else CUTS
     if any(c.device is None for c in chosen):
-        return Placement(peers=peers, assignment=balanced_assignment(shape.graph, p * v), policy=BALANCED)
+        assignment = cut or balanced_assignment(shape.graph, p * v)
+        return Placement(peers=peers, assignment=assignment, policy=policy)
     planned = plan_interleaved(
         shape.graph,
         [c.device for c in chosen],  # type: ignore[misc]
@@ -302,11 +317,12 @@ def _place_interleaved(shape: JobShape, chosen: Sequence[Candidate], links: Peer
         batch_size=shape.batch_size,
         optimizer=shape.optimizer,
         links=index_links((c.peer_id for c in chosen), links),
+        assignment=cut,
     )
     return Placement(
         peers=peers,
         assignment=planned.assignment,
-        policy=BALANCED,
+        policy=policy,
         predicted=planned.predicted_seconds,
         predicted_step=planned.predicted_step_seconds,
         stage_timing=planned.stage_timing,

@@ -121,6 +121,53 @@ def plan_graph(
     )
 
 
+def plan_cuts(
+    graph: IRGraph,
+    devices: Sequence[DeviceSpec],
+    assignment: Mapping[str, int],
+    *,
+    microbatches: int,
+    batch_size: int | None = None,
+    optimizer: str | Mapping[str, str] | None = None,
+    links: Links = None,
+    default_link: Link | None = None,
+    pipeline_schedule: str = "gpipe",
+) -> PlannedJob:
+    """The job's own cuts (``placement.cuts``, ``dag.cuts.cut_assignment``) on the fastest of ``devices``,
+    sub-DAG i on the i-th fastest, as the broker places them (``placement._place``), priced as the
+    scheduler prices the cuts it picks. ``links``: (i, j) indices into ``devices`` -> ``Link``, or one
+    ``Link`` for every pair. ``PlanError`` when there are fewer devices than sub-DAGs, or a sub-DAG does
+    not fit its device's memories."""
+    k = max(assignment.values(), default=0) + 1
+    if len(devices) < k:
+        raise PlanError(f"placement.cuts make {k} sub-DAGs, but there are {len(devices)} device(s)")
+    order = sorted(range(len(devices)), key=lambda d: -devices[d].speed)[:k]
+    every = make_swarm(devices, links, default_link)  # the explanation numbers devices as given
+    if isinstance(links, Mapping):
+        links = {
+            (a, b): links[order[a], order[b]]
+            for a in range(k)
+            for b in range(k)
+            if (order[a], order[b]) in links
+        }
+    swarm = make_swarm([devices[d] for d in order], links, default_link)
+    cg = cost_graph(
+        graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches), microbatches=microbatches
+    )
+    workload = Workload(microbatches, graph.task, pipeline_schedule)
+    plan = plan_for_assignment(cg, swarm, workload, {op.name: assignment[op.name] for op in cg.ops})
+    predicted = {s.device: s.compute_seconds for s in plan.stages}
+    return PlannedJob(
+        assignment=dict(assignment),
+        devices=order,
+        predicted_seconds=predicted,
+        predicted_step_seconds=plan.predicted_step_seconds,
+        stage_timing={s.device: stage_timing(s) for s in plan.stages},
+        explanation=_explain(plan, every, order, predicted, k) + "\ncut at placement.cuts",
+        plan=plan,
+    )
+
+
 def plan_interleaved(
     graph: IRGraph,
     devices: Sequence[DeviceSpec],
@@ -131,19 +178,21 @@ def plan_interleaved(
     optimizer: str | Mapping[str, str] | None = None,
     links: Mapping[tuple[int, int], Link] | None = None,
     default_link: Link | None = None,
+    assignment: Mapping[str, int] | None = None,
 ) -> PlannedJob:
     """interleaved-1f1b on ``devices`` (p of them): ``graph`` cut evenly into p x ``chunks`` sub-DAGs
-    (``balanced_assignment``), sub-DAG s on device s mod p, priced by the performance model with the
-    interleaved schedule. The broker places such a job the same way (``placement._place_interleaved``):
-    the scheduler's search cuts for one sub-DAG per device, so it prices this cut but does not choose
-    it. ``links``: (i, j) device indices -> ``Link`` (``default_link`` for the pairs not given); two
-    sub-DAGs of one device are priced at loopback, as on the broker. ``PlanError`` when a device's chunks
-    do not fit in its memory (``_check_chunks_fit``)."""
+    (``balanced_assignment``; or ``assignment``, the job's cuts), sub-DAG s on device s mod p, priced by
+    the performance model with the interleaved schedule. The broker places such a job the same way
+    (``placement._place_interleaved``): the scheduler's search cuts for one sub-DAG per device, so it
+    prices this cut but does not choose it. ``links``: (i, j) device indices -> ``Link``
+    (``default_link`` for the pairs not given); two sub-DAGs of one device are priced at loopback, as on
+    the broker. ``PlanError`` when a device's chunks do not fit in its memory (``_check_chunks_fit``)."""
     p = len(devices)
     if p < 1 or chunks < 2:
         raise PlanError(f"interleaved-1f1b needs >= 1 device and >= 2 chunks, got {p} and {chunks}")
     k = p * chunks
-    assignment = balanced_assignment(graph, k)
+    how = "evenly" if assignment is None else "at the job's cuts"
+    assignment = assignment or balanced_assignment(graph, k)
     device_of = [s % p for s in range(k)]
     between = dict(links or {})
     by_subdag = {
@@ -175,7 +224,8 @@ def plan_interleaved(
             f"{i // p} of {chunks}, predicted FP+BP+Update {predicted[i]:.6g} s per step"
         )
     lines.append(
-        f"cut evenly into {p} device(s) x {chunks} chunks (interleaved-1f1b); predicted step time: "
+        f"cut {how} into {p} device(s) x {chunks} chunks "
+        "(interleaved-1f1b); predicted step time: "
         f"{plan.predicted_step_seconds:.6g} s"
     )
     return PlannedJob(

@@ -19,11 +19,11 @@ from fusionnet.perfmodel.types import DeviceSpec, Link
 from fusionnet.planning.auto_interleaved import best_interleaved, interleaving_pays, why_interleaved
 from fusionnet.planning.optimizers import job_optimizers
 from fusionnet.planning.pipeline_schedule import AUTO, ScheduleChoice, choose_schedule
-from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph, plan_interleaved
+from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_cuts, plan_graph, plan_interleaved
 from fusionnet.profiling.calibration import local_device_spec
 from fusionnet.results.files import plan_document
 from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count, with_microbatches
-from fusionnet.runtime.prepare import PreparedJob, prepare_job, trace_job
+from fusionnet.runtime.prepare import PreparedJob, job_assignment, prepare_job, trace_job
 from fusionnet.schedules import INTERLEAVED
 
 
@@ -47,7 +47,8 @@ def plan_job(
 ) -> JobPlan:
     """``fusionnet plan``: traces ``job`` (a ``LoadedJob`` or a job file path) and plans it for the
     swarm in ``nodes_file`` or, without one, for ``placement.compnodes`` compnodes like this machine
-    (profiled once, cached) on loopback links. Nothing runs."""
+    (profiled once, cached) on loopback links; at the job's ``placement.cuts`` when it names them (then
+    only priced). Nothing runs."""
     if not isinstance(job, LoadedJob):
         job = load_job(job)
     spec = job.spec
@@ -69,6 +70,8 @@ def plan_job(
     if chunks > 1:
         devices, links, where = _interleaved_devices(devices, links, spec.placement.compnodes, where)
     traced = trace_job(job)
+    cuts = spec.placement.cuts
+    cut = job_assignment(job, traced.graph, len(cuts) + 1) if cuts else None
     optimizer = job_optimizers(job, traced.graph)
     priced_by = {"batch_size": spec.data.batch_size, "optimizer": optimizer}
 
@@ -80,10 +83,14 @@ def plan_job(
             "links": links,
             "default_link": default,
         }
-        if chunks > 1:  # interleaved-1f1b: cut evenly, as the broker does (``plan_interleaved``)
-            return plan_interleaved(traced.graph, devices, chunks, **priced)
+        if chunks > 1:  # interleaved-1f1b: cut evenly (or at the job's cuts), as the broker does
+            return plan_interleaved(traced.graph, devices, chunks, assignment=cut, **priced)
         # priced with the job's schedule, as the broker prices its cuts (``auto``: 1f1b's, GPipe's step)
         wanted = spec.placement.schedule
+        if cut is not None:
+            return plan_cuts(
+                traced.graph, devices, cut, pipeline_schedule="1f1b" if wanted == AUTO else wanted, **priced
+            )
         return plan_graph(
             traced.graph,
             devices,
@@ -117,7 +124,7 @@ def plan_job(
             prepared = prepare_job(job, len(planned.devices), traced=traced, assignment=planned.assignment)
             used = [devices[d] for d in planned.devices]
             m = choice.microbatches
-    if spec.placement.schedule == AUTO and chunks == 1 and spec.task != "infer":
+    if spec.placement.schedule == AUTO and chunks == 1 and spec.task != "infer" and cut is None:
         interleaved = _interleaved_if_faster(
             traced.graph, prepared, planned, devices, links, default, m, priced_by
         )

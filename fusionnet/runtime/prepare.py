@@ -7,8 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from fusionnet.dag.cuts import cut_assignment
+from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition, balanced_assignment, build_partition
 from fusionnet.dag.trace import TracedModel, trace_model
+from fusionnet.errors import JobError, PartitionError
 from fusionnet.job.loader import LoadedJob
 from fusionnet.runtime.batches import iter_steps
 from fusionnet.runtime.microbatch_sizes import check_every_microbatch_size, traced_count
@@ -62,5 +65,22 @@ def prepare_job(
     compnode, or ``placement.chunks`` per compnode for interleaved-1f1b (a chain of pieces x chunks)."""
     traced = traced or trace_job(job)
     pieces = (pieces or job.spec.placement.compnodes) * job.spec.placement.chunks_per_compnode
-    assignment = assignment or balanced_assignment(traced.graph, pieces)
+    assignment = assignment or job_assignment(job, traced.graph, pieces)
     return PreparedJob(job=job, traced=traced, partition=build_partition(traced.graph, assignment))
+
+
+def job_assignment(job: LoadedJob, graph: IRGraph, subdags: int) -> dict[str, int]:
+    """``subdags`` pieces of ``graph``: at the job's ``placement.cuts`` when it names them (``JobError``
+    when they make another number of pieces, or do not fit the graph), else ``balanced_assignment``."""
+    cuts = job.spec.placement.cuts
+    if not cuts:
+        return balanced_assignment(graph, subdags)
+    if len(cuts) + 1 != subdags:
+        raise JobError(
+            f"job {job.spec.name!r}: placement.cuts make {len(cuts) + 1} sub-DAGs, "
+            f"this run asks for {subdags}"
+        )
+    try:
+        return cut_assignment(graph, cuts)
+    except PartitionError as e:
+        raise JobError(f"job {job.spec.name!r}: {e}") from None

@@ -40,7 +40,7 @@ from fusionnet.runtime.jobcontrol import (
     wait_for_compnodes,
 )
 from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count
-from fusionnet.runtime.prepare import loss_reduction_of, trace_job
+from fusionnet.runtime.prepare import job_assignment, loss_reduction_of, trace_job
 from fusionnet.runtime.submitter import Signer, load_or_create_key
 
 SUBMIT_TIMEOUT = 300.0
@@ -69,6 +69,8 @@ def submission_payload(job: LoadedJob, *, deployment: bool = False) -> SubmitJob
             "only add hops: leave placement.schedule out"
         )
     traced = trace_job(job, every_size=not deployment)
+    if job.spec.placement.cuts:  # refused here, before anything is sent, as the broker would refuse it
+        job_assignment(job, traced.graph, job.spec.placement.subdags)
     loss_reduction = loss_reduction_of(job)
     # data.microbatches auto: the counts the graph runs, for the broker to choose from at its placement
     choices = [] if deployment else runnable_counts(job, traced)

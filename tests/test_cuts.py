@@ -1,0 +1,197 @@
+"""The job's own cuts (``placement.cuts``): resolved on the IR as pure functions, checked where a job is
+submitted, honoured by the broker's placement and by ``fusionnet run --local`` (exact against plain
+PyTorch). ``fusionnet plan`` of such a job is in ``test_cli_plan.py``, a swarm run in
+``test_swarm_jobs.py``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from fusionnet.broker.submission import check_submission
+from fusionnet.dag.cuts import cut_assignment, cut_positions
+from fusionnet.dag.partition import build_partition
+from fusionnet.errors import JobError, PartitionError
+from fusionnet.job.loader import load_job
+from fusionnet.messages.blobs import unpack_tensors
+from fusionnet.messages.jobwire import RunSpec
+from fusionnet.planning.placement import CUTS, SCHEDULER, JobShape, plan_placement, predicted_step
+from fusionnet.reference import run_reference
+from fusionnet.runtime.local import run_local
+from fusionnet.runtime.prepare import prepare_job
+from fusionnet.runtime.submit import submission_payload
+from tests.jobfiles import example_job
+from tests.planning_support import cand
+
+BLOCKS = ("blocks.1", "ln_f")  # the bundled GPT: embeddings + block 0 | block 1 | final norm + head
+SGD = {"name": "sgd", "lr": 0.05, "kwargs": {"momentum": 0.9}}
+TOL = 1e-5
+
+
+def _ops(shape: JobShape) -> list[str]:
+    return [n.name for n in shape.graph.nodes if n.kind not in ("placeholder", "variable", "output")]
+
+
+def _modules(graph, partition, index: int) -> set[str]:
+    """The modules whose parameters sub-DAG ``index`` reads (``blocks.1``, ``ln_f``, ...)."""
+    keys = [k for n in partition.subdags[index].nodes for k in graph.node(n).param_keys()]
+    return {".".join(k.split(".")[:2]) if k.startswith("blocks.") else k.split(".")[0] for k in keys}
+
+
+def test_module_cuts_begin_a_sub_dag_at_each_module(gpt: JobShape) -> None:
+    partition = build_partition(gpt.graph, cut_assignment(gpt.graph, BLOCKS))
+    assert len(partition.subdags) == 3
+    assert _modules(gpt.graph, partition, 0) == {"wpe", "blocks.0"}
+    assert _modules(gpt.graph, partition, 1) == {"blocks.1"}
+    assert _modules(gpt.graph, partition, 2) == {
+        "wte",
+        "ln_f",
+    }  # the tied embedding's variable: with its first user
+
+
+def test_pieces_are_contiguous_runs_of_the_op_order(gpt: JobShape) -> None:
+    assignment = cut_assignment(gpt.graph, ("blocks.0.attn", "blocks.0.fc", "blocks.1", "ln_f"))
+    labels = [assignment[name] for name in _ops(gpt)]
+    assert labels == sorted(labels) and sorted(set(labels)) == [0, 1, 2, 3, 4]
+    leaves = [n.name for n in gpt.graph.nodes if n.kind in ("placeholder", "variable")]
+    assert leaves and all(assignment[name] in range(5) for name in leaves)
+
+
+def test_an_op_name_cuts_where_its_module_does(gpt: JobShape) -> None:
+    ops = _ops(gpt)
+    positions = cut_positions(gpt.graph, BLOCKS)
+    by_name = [ops[p] for p in positions]
+    assert gpt.graph.node(by_name[0]).param_keys()[0].startswith("blocks.1.")
+    assert cut_assignment(gpt.graph, by_name) == cut_assignment(gpt.graph, BLOCKS)
+    mixed = (by_name[0], "ln_f")
+    assert cut_assignment(gpt.graph, mixed) == cut_assignment(gpt.graph, BLOCKS)
+
+
+@pytest.mark.parametrize(
+    ("cuts", "message"),
+    [
+        (
+            ("lm.h.1", "ln_f"),
+            r"placement\.cuts\[0\] 'lm\.h\.1' names no op of the traced graph and no module "
+            r"with parameters \(modules: wte, wpe, blocks, blocks\.0",
+        ),
+        (
+            ("ln_f", "blocks.1"),
+            r"placement\.cuts\[1\] 'blocks\.1' begins at op #\d+ \(layer_norm_2\), not after "
+            r"placement\.cuts\[0\] 'ln_f'",
+        ),
+        (("blocks.1", "blocks.1"), r"placement\.cuts\[1\] 'blocks\.1' begins at op #\d+ .* not after"),
+        (
+            ("size", "ln_f"),
+            r"placement\.cuts\[0\] 'size' begins at the graph's first op \(size\): sub-DAG 0 "
+            r"would be empty",
+        ),
+    ],
+)
+def test_a_cut_that_cannot_be_is_refused_by_its_index(
+    gpt: JobShape, cuts: tuple[str, ...], message: str
+) -> None:
+    with pytest.raises(PartitionError, match=message):
+        cut_assignment(gpt.graph, cuts)
+
+
+def test_the_run_spec_carries_as_many_cuts_as_sub_dags_less_one() -> None:
+    doc = {"name": "j", "task": "grad", "batch_size": 4, "microbatches": 2, "steps": 1, "n_samples": 8}
+    assert RunSpec.parse({**doc, "compnodes": 3, "cuts": list(BLOCKS)}).cuts == list(BLOCKS)
+    assert RunSpec.parse({**doc, "compnodes": 3}).cuts == []  # an older submitter sends none
+    with pytest.raises(JobError, match=r"cuts: 2 cut\(s\) for 2 sub-DAGs"):
+        RunSpec.parse({**doc, "compnodes": 2, "cuts": list(BLOCKS)})
+    with pytest.raises(JobError, match="cuts"):
+        RunSpec.parse({**doc, "compnodes": 2, "cuts": [""]})
+
+
+@pytest.mark.timeout(120)
+def test_a_submission_whose_cuts_miss_the_ir_is_refused_on_both_sides(tmp_path: Path) -> None:
+    path = example_job("gpt", tmp_path, steps=1, cuts=["blocks.1", "ln_f"])
+    bad = example_job("gpt", tmp_path / "bad", steps=1, cuts=["blocks.7", "ln_f"])
+    try:
+        payload = submission_payload(load_job(path))
+        with pytest.raises(JobError, match=r"job 'gpt': placement\.cuts\[0\] 'blocks\.7' names no op"):
+            submission_payload(load_job(bad))
+    finally:
+        path.unlink()
+        bad.unlink()
+    from fusionnet.dag.codec import decode_ir
+
+    graph = decode_ir(payload.ir)
+    state = unpack_tensors(payload.state, "state")
+    data = unpack_tensors(payload.data, "data")
+    check_submission(graph, state, data, payload.spec)
+    forged = payload.spec.model_copy(
+        update={"cuts": ["blocks.1", "nope"]}
+    )  # a submitter that skips the check
+    with pytest.raises(JobError, match=r"submission: placement\.cuts\[1\] 'nope' names no op"):
+        check_submission(graph, state, data, forged)
+
+
+def test_the_broker_places_the_jobs_cuts_on_the_fastest_compnodes(gpt: JobShape) -> None:
+    shape = replace(gpt, cuts=BLOCKS)
+    pool = [cand("slow", 5e10), cand("fast", 2e11), cand("mid", 1e11), cand("spare", 1e10)]
+    placement = plan_placement(shape, pool)
+    assert placement.policy == CUTS and placement.peers == ("fast", "mid", "slow")
+    assert placement.assignment == cut_assignment(gpt.graph, BLOCKS)
+    assert placement.predicted is not None and set(placement.predicted) == {0, 1, 2}
+    assert placement.predicted_step == pytest.approx(predicted_step(shape, placement, pool), rel=1e-9)
+    assert placement.schedule is not None and placement.schedule.name == "gpipe"
+    # compnodes that announced no hardware: the same cuts, unpriced
+    unknown = plan_placement(shape, [cand("x", None), cand("y", None), cand("z", None)])
+    assert unknown.policy == CUTS and unknown.assignment == placement.assignment
+    assert unknown.predicted_step is None
+
+
+def test_fewer_compnodes_than_the_cuts_need_are_cut_by_the_policy(gpt: JobShape) -> None:
+    """After a loss with no backup, the job goes on over the survivors: the cuts make too many sub-DAGs
+    for them, so the performance model cuts the graph for as many as are left."""
+    shape = replace(gpt, cuts=BLOCKS)
+    placement = plan_placement(shape, [cand("a"), cand("b")], stages=2)
+    assert placement.policy == SCHEDULER and len(placement.peers) == 2
+    assert set(placement.assignment.values()) == {0, 1}
+
+
+def test_interleaved_chunks_at_the_jobs_cuts(gpt: JobShape) -> None:
+    cuts = ("blocks.0.fc", "blocks.1", "blocks.1.fc")
+    shape = replace(gpt, wanted=2, cuts=cuts, schedule="interleaved-1f1b", chunks=2)
+    placement = plan_placement(shape, [cand("a", 1e11), cand("b", 2e11)])
+    assert placement.policy == CUTS and placement.peers == ("b", "a", "b", "a")
+    assert placement.assignment == cut_assignment(gpt.graph, cuts)
+    assert placement.predicted_step is not None and placement.chunks == 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("placement", "cuts"),
+    [
+        ({"compnodes": 3, "schedule": "1f1b"}, ["blocks.1", "ln_f"]),
+        ({"compnodes": 2, "schedule": "interleaved-1f1b", "chunks": 2}, ["blocks.0.fc", "blocks.1", "ln_f"]),
+    ],
+)
+def test_run_local_at_the_jobs_cuts_equals_plain_pytorch(
+    placement: dict, cuts: list[str], tmp_path: Path
+) -> None:
+    path = example_job("gpt", tmp_path, steps=2, optimizer=SGD, microbatches=4, cuts=cuts, **placement)
+    try:
+        job = load_job(path)
+        prepared = prepare_job(job)
+        want = cut_assignment(prepared.traced.graph, cuts)
+        ops = [
+            n.name for n in prepared.traced.graph.nodes if n.kind not in ("placeholder", "variable", "output")
+        ]
+        assert [prepared.partition.assignment[op] for op in ops] == [want[op] for op in ops]
+        got = run_local(load_job(path), placement["compnodes"])
+        ref = run_reference(load_job(path))
+        with pytest.raises(JobError, match=r"placement\.cuts make \d sub-DAGs, this run asks for"):
+            prepare_job(job, placement["compnodes"] + 1)
+    finally:
+        path.unlink()
+    assert (
+        max((got.weights[k].double() - ref.weights[k].double()).abs().max().item() for k in ref.weights)
+        <= TOL
+    )
+    assert max(abs(a["loss"] - b) for a, b in zip(got.metrics, ref.losses)) <= 1e-5
