@@ -45,7 +45,9 @@ class Config:
     )
     worker_receives: str = "direct"  # the compnodes' --worker-receives: workers read values, or daemons relay
     inline_compute_ms: float | None = None  # the compnodes' --inline-compute-ms (None: their default)
-    placement: str = "model"  # the broker's --placement: the performance model, or the balanced split
+    # the broker's --placement: the performance model, or the balanced split; or "blocks": the job names
+    # its cuts (placement.cuts) at the balanced block split, the very cut torch's pipeline runs
+    placement: str = "model"
     replica_interval: float | None = None  # the broker's --replica-interval (None: its default)
     steps_ahead: bool = False  # the broker's --steps-ahead: each step's call sent while the one before runs
     # The torch contenders' allocator: glibc's defaults (what a user of torch gets), or "kept", the setting
@@ -221,6 +223,13 @@ def split_from_plan(
 def balanced_split(layers: int, stages: int) -> list[tuple[int, int]]:
     bounds = [round(i * layers / stages) for i in range(stages + 1)]
     return [(bounds[i], bounds[i + 1] - 1) for i in range(stages)]
+
+
+def block_cuts(cfg: Config, pieces: int) -> list[str]:
+    """``placement.cuts`` that begin each piece of the balanced block split but the first at its first
+    block (module paths: ``blocks.K``, or GPT-2's ``lm.transformer.h.K``)."""
+    prefix = "lm.transformer.h." if cfg.model == "gpt2" else "blocks."
+    return [f"{prefix}{first}" for first, _ in balanced_split(cfg.layers, pieces)[1:]]
 
 
 def format_split(split: list[tuple[int, int]]) -> str:

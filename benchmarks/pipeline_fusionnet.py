@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline_common import FUSIONNET, MODEL_FILE, Config, Result
+from pipeline_common import FUSIONNET, MODEL_FILE, Config, Result, block_cuts
 
 # ---- (a) FusionNet ------------------------------------------------------------------------------------
 LOSS = "loss:\n  name: cross_entropy\n"  # the MLP blocks' (GPT-2's forward returns its loss itself)
@@ -44,6 +44,8 @@ placement:
 """
     if cfg.per_rank > 1:
         job += f"  chunks: {cfg.per_rank}\n"
+    if cfg.placement == "blocks":
+        job += f"  cuts: {json.dumps(block_cuts(cfg, compnodes * cfg.per_rank))}\n"
     path = workdir / f"job{compnodes}.yaml"
     path.write_text(job)
     return path
@@ -211,7 +213,7 @@ def run_fusionnet_swarms(
             # the daemons' own DHT refresh and heartbeat periods, as a user runs them: the tests' quick
             # ones (refresh 1-2 s, pings every 0.5 s) cost an idle broker and 3 compnodes 0.08 of a core
             # against 0.02, taken from the stages on 2 cores
-            ["--placement", cfg.placement]
+            ["--placement", "model" if cfg.placement == "blocks" else cfg.placement]
             + ([] if cfg.replica_interval is None else ["--replica-interval", str(cfg.replica_interval)])
             + (["--steps-ahead"] if cfg.steps_ahead else []),
             cfg.threads,

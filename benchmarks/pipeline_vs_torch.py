@@ -235,11 +235,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--placement",
-        choices=("model", "balanced"),
+        choices=("model", "balanced", "blocks"),
         default="model",
         help="the broker's --placement: the performance model's cut (default; where it cuts inside a block "
         "the torch pipeline cannot mirror it and runs the balanced block split) or the balanced split, the "
-        "same cut for both pipelines where it falls between blocks",
+        "same cut for both pipelines where it falls between blocks; or blocks: the job's placement.cuts at "
+        "the balanced block split, the very cut the torch pipeline runs",
     )
     ap.add_argument(
         "--replica-interval",

@@ -138,3 +138,27 @@ def test_metrics_rows_give_each_step_its_bubble_and_what_lies_beyond_its_compute
     assert res.bubbles == pytest.approx([0.5, 0.3])
     assert res.beyond_path == pytest.approx([0.0, 0.1])
     assert res.beyond(0) == pytest.approx(0.05) and res.beyond(1) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt2"])
+@pytest.mark.parametrize("pieces", [2, 3])
+def test_placement_blocks_cuts_fusionnet_where_torch_cuts(model: str, pieces: int, tmp_path: Path) -> None:
+    """``--placement blocks``: the FusionNet job names its cuts at the balanced block split, and its plan
+    is mirrored by torch's stages as it is, no cut moved."""
+    from pipeline_common import Config, balanced_split, make_data
+    from pipeline_fusionnet import write_job
+
+    from fusionnet.job.loader import load_job
+    from fusionnet.results.files import plan_document
+    from fusionnet.runtime.prepare import prepare_job
+
+    cfg = Config(
+        dim=32, hidden=64, layers=6, batch_size=4, microbatches=2, steps=1, warmup=0, lr=0.1, seed=0,
+        threads=1, data_path=str(tmp_path / "data.safetensors"), placement="blocks", model=model,
+        vocab=300, seq=12, heads=4,
+    )  # fmt: skip
+    make_data(cfg, 8)
+    job = load_job(write_job(tmp_path, cfg, pieces))
+    assert len(job.spec.placement.cuts or ()) == pieces - 1
+    plan = plan_document(prepare_job(job).partition)
+    assert split_from_plan(plan, cfg.layers, model) == balanced_split(cfg.layers, pieces)
