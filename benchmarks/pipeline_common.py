@@ -47,7 +47,7 @@ class Config:
     inline_compute_ms: float | None = None  # the compnodes' --inline-compute-ms (None: their default)
     # the broker's --placement: the performance model, or the balanced split; or "blocks": the job names
     # its cuts (placement.cuts) at the balanced block split, the very cut torch's pipeline runs
-    placement: str = "model"
+    placement: str = "blocks"
     replica_interval: float | None = None  # the broker's --replica-interval (None: its default)
     steps_ahead: bool = False  # the broker's --steps-ahead: each step's call sent while the one before runs
     # The torch contenders' allocator: glibc's defaults (what a user of torch gets), or "kept", the setting

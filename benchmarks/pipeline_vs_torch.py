@@ -31,10 +31,12 @@ it; the rest of the difference to torch's pipeline is the compute itself):
 
 Step times are medians over the steps after ``--warmup``. Each torch contender times a step from a barrier
 before it to a barrier after the optimizer step (so the slowest stage counts); FusionNet times it in its
-driver. The split of the torch pipeline is read from FusionNet's ``plan.json`` (per sub-DAG its nodes,
-mapped to blocks; a cut inside a block is refused, or for GPT-2 moved to the nearest block boundary and
-marked so) and printed; without a FusionNet plan the balanced block split is used and marked as assumed. The
-first and last losses are printed per contender as a check that they all train the same thing.
+driver. By default (``--placement blocks``) FusionNet's job names its cuts (``placement.cuts``) at the
+balanced block split. The split of the torch pipeline is read from FusionNet's ``plan.json`` (per sub-DAG
+its nodes, mapped to blocks; a cut inside a block is refused, or for GPT-2 moved to the nearest block
+boundary and marked so) and printed; without a FusionNet plan the balanced block split is used and marked
+as assumed. The first and last losses are printed per contender as a check that they all train the same
+thing.
 
 FusionNet's sandbox workers keep freed memory in their heap (``fusionnet.daemon.memory.keep_freed_memory``):
 a step's tensors reuse the last step's pages instead of faulting fresh ones in. The torch contenders run
@@ -48,7 +50,8 @@ Several ``--schedule``s run in turn within each round (plain PyTorch once per ro
 step is held against another's measured at the same time; a last table sets them side by side.
 
     python benchmarks/pipeline_vs_torch.py [--schedule gpipe 1f1b zero-bubble] [--steps 20]
-        [--microbatches 4] [--stages 2 3] [--model mlp|gpt2] [--placement balanced] [--repeat 3] [--quick]
+        [--microbatches 4] [--stages 2 3] [--model mlp|gpt2] [--placement blocks|model|balanced]
+        [--repeat 3] [--quick]
 """
 
 from __future__ import annotations
@@ -236,11 +239,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--placement",
         choices=("model", "balanced", "blocks"),
-        default="model",
-        help="the broker's --placement: the performance model's cut (default; where it cuts inside a block "
-        "the torch pipeline cannot mirror it and runs the balanced block split) or the balanced split, the "
-        "same cut for both pipelines where it falls between blocks; or blocks: the job's placement.cuts at "
-        "the balanced block split, the very cut the torch pipeline runs",
+        default="blocks",
+        help="blocks (default): the FusionNet job names its cuts (placement.cuts) at the balanced block "
+        "split, the very cut torch's stages run, so both pipelines do the same work per stage; model: the "
+        "broker's performance model cuts (where it cuts inside a block the torch pipeline runs the nearest "
+        "block boundaries); balanced: the broker's FLOP-balanced split, mirrored the same way",
     )
     ap.add_argument(
         "--replica-interval",

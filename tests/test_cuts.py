@@ -11,19 +11,20 @@ from pathlib import Path
 import pytest
 
 from fusionnet.broker.submission import check_submission
-from fusionnet.dag.cuts import cut_assignment, cut_positions
+from fusionnet.dag.cuts import cut_assignment, cut_positions, piece_work
 from fusionnet.dag.partition import build_partition
-from fusionnet.errors import JobError, PartitionError
+from fusionnet.errors import JobError, PartitionError, PlanError
 from fusionnet.job.loader import load_job
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.messages.jobwire import RunSpec
+from fusionnet.planning.cut_plan import plan_cuts
 from fusionnet.planning.placement import CUTS, SCHEDULER, JobShape, plan_placement, predicted_step
 from fusionnet.reference import run_reference
 from fusionnet.runtime.local import run_local
 from fusionnet.runtime.prepare import prepare_job
 from fusionnet.runtime.submit import submission_payload
 from tests.jobfiles import example_job
-from tests.planning_support import cand
+from tests.planning_support import cand, device
 
 BLOCKS = ("blocks.1", "ln_f")  # the bundled GPT: embeddings + block 0 | block 1 | final norm + head
 SGD = {"name": "sgd", "lr": 0.05, "kwargs": {"momentum": 0.9}}
@@ -146,6 +147,23 @@ def test_the_broker_places_the_jobs_cuts_on_the_fastest_compnodes(gpt: JobShape)
     assert unknown.predicted_step is None
 
 
+def test_the_heaviest_piece_goes_to_the_fastest_compnode(gpt: JobShape) -> None:
+    """Pieces of unequal work: the block's MLP and the next block in the middle, the embeddings and one
+    attention first, the final norm and a 41-token head last. Matched by work, the middle piece gets the
+    fastest compnode, and the model predicts that order faster than piece i on the i-th fastest."""
+    cuts = ("blocks.0.ln2", "ln_f")
+    shape = replace(gpt, cuts=cuts)
+    work = piece_work(gpt.graph, cut_assignment(gpt.graph, cuts), 3)
+    assert work[1] > work[0] > work[2]
+    pool = [cand("slow", 2e10), cand("fast", 2e11), cand("mid", 1e11)]
+    placement = plan_placement(shape, pool)
+    assert placement.policy == CUTS and placement.peers == ("mid", "fast", "slow")
+    in_speed_order = replace(placement, peers=("fast", "mid", "slow"))
+    assert placement.predicted_step < predicted_step(shape, in_speed_order, pool)
+    # equal compnodes: nothing to match, piece i on the i-th in the pool's order
+    assert plan_placement(shape, [cand("a"), cand("b"), cand("c")]).peers == ("a", "b", "c")
+
+
 def test_fewer_compnodes_than_the_cuts_need_are_cut_by_the_policy(gpt: JobShape) -> None:
     """After a loss with no backup, the job goes on over the survivors: the cuts make too many sub-DAGs
     for them, so the performance model cuts the graph for as many as are left."""
@@ -195,3 +213,14 @@ def test_run_local_at_the_jobs_cuts_equals_plain_pytorch(
         <= TOL
     )
     assert max(abs(a["loss"] - b) for a, b in zip(got.metrics, ref.losses)) <= 1e-5
+
+
+def test_cuts_no_order_of_the_compnodes_can_hold_are_refused(gpt: JobShape) -> None:
+    cut = cut_assignment(gpt.graph, ("blocks.1",))
+    tiny = [device(f"tiny{i}", memory=64 << 10, disk=0) for i in range(2)]
+    with pytest.raises(PlanError, match=r"placement\.cuts: the assignment does not fit"):
+        plan_cuts(gpt.graph, tiny, cut, microbatches=2, batch_size=8, optimizer=gpt.optimizer)
+    with pytest.raises(PlanError, match=r"placement\.cuts make 2 sub-DAGs, but there are 1 device"):
+        plan_cuts(gpt.graph, [device()], cut, microbatches=2)
+    planned = plan_cuts(gpt.graph, [device("a"), device("b")], cut, microbatches=2, optimizer=gpt.optimizer)
+    assert planned.devices == [0, 1] and "cut at placement.cuts" in planned.explanation

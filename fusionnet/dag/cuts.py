@@ -17,7 +17,7 @@ Pure functions of the IR; errors name the cut by its index, as the job file's ke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from fusionnet.dag.ir import IRGraph, IRNode
 from fusionnet.dag.partition import contiguous_assignment
@@ -99,3 +99,11 @@ def cut_positions(graph: IRGraph, cuts: Sequence[str]) -> list[int]:
 def cut_assignment(graph: IRGraph, cuts: Sequence[str]) -> dict[str, int]:
     """Every IR node -> its sub-DAG (0..len(cuts)) for the job's ``cuts`` (see the module's text)."""
     return contiguous_assignment(graph, cut_positions(graph, cuts))
+
+
+def piece_work(graph: IRGraph, assignment: Mapping[str, int], pieces: int) -> list[int]:
+    """Each piece's FP + BP FLOPs (the traced costs) under ``assignment``."""
+    work = [0] * pieces
+    for op in _ops(graph):
+        work[assignment[op.name]] += int(op.cost.get("flops_fwd", 0)) + int(op.cost.get("flops_bwd", 0))
+    return work

@@ -13,8 +13,10 @@ without a swarm. Every placement is two steps, propose then plan:
 2. ``plan_placement`` cuts the graph into ``min(wanted, pool, ops)`` sub-DAGs: with the scheduler of
    problem (2) and the performance model when every compnode of the pool has announced usable
    hardware (which devices, where to cut, predicted seconds), else the cost-balanced default policy on
-   the fastest compnodes. Since every sub-DAG restarts from the broker's checkpoint at a new
-   placement, a re-plan may move any cut: nothing but the checkpoint ties a sub-DAG to its compnode.
+   the fastest compnodes; a job that names its own cuts (``placement.cuts``) is cut there and its pieces
+   matched to the fastest compnodes by their work (``cut_plan``). Since every sub-DAG restarts
+   from the broker's checkpoint at a new placement, a re-plan may move any cut (but the job's own):
+   nothing but the checkpoint ties a sub-DAG to its compnode.
 
 ``worth_replanning`` is the elastic-join rule: a new plan is adopted only when the model predicts a
 step time shorter by more than a threshold (moving costs an assignment round).
@@ -25,106 +27,42 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from fusionnet.dag.cuts import cut_assignment
-from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import balanced_assignment, build_partition
 from fusionnet.errors import PlanError
-from fusionnet.perfmodel.types import DeviceSpec, Link
-from fusionnet.planning.auto_interleaved import MIN_GAIN, best_interleaved, interleaving_pays, why_interleaved
+from fusionnet.planning.auto_interleaved import best_interleaved, interleaving_pays, why_interleaved
+from fusionnet.planning.cut_plan import plan_cuts
 from fusionnet.planning.links import index_links
-from fusionnet.planning.pipeline_schedule import AUTO, ScheduleChoice, choose_schedule
+from fusionnet.planning.pipeline_schedule import AUTO, choose_schedule
+from fusionnet.planning.placement_types import (
+    BALANCED,
+    CUTS,
+    SCHEDULER,
+    Candidate,
+    JobShape,
+    PeerLinks,
+    Placement,
+    fastest_first,
+)
 from fusionnet.planning.planner import PlannedJob, plan_graph, plan_interleaved
 from fusionnet.planning.predict import predict_assignment
 from fusionnet.schedules import INTERLEAVED
 
-PeerLinks = Mapping[tuple[str, str], Link]  # measured links by (from, to); others: index_links
-
-SCHEDULER = "performance model"
-BALANCED = "balanced"
-CUTS = "job's cuts"  # placement.cuts named where the sub-DAGs begin: the policy only picks compnodes
-
-
-@dataclass(frozen=True)
-class Candidate:
-    peer_id: str
-    backup: bool
-    device: DeviceSpec | None  # None: hardware not announced (or unusable for the model)
-
-    @property
-    def speed(self) -> float:
-        return 0.0 if self.device is None else self.device.speed
-
-
-@dataclass(frozen=True)
-class JobShape:
-    """What placement needs to know of a job."""
-
-    graph: IRGraph
-    wanted: int  # placement.compnodes
-    microbatches: int
-    batch_size: int
-    optimizer: Mapping[str, str] | None  # parameter key -> optimizer profile (train), else None
-    schedule: str = "gpipe"  # placement.schedule (``auto``: settled per placement)
-    # data.microbatches auto: the counts to choose among on the placed cut (empty: ``microbatches``)
-    microbatch_choices: tuple[int, ...] = ()
-    chunks: int = 1  # interleaved-1f1b: sub-DAGs per compnode (cut evenly, sub-DAG s on compnode s mod p)
-    # ``auto`` interleaves when predicted this much faster (the broker's ``--interleave-gain``)
-    interleave_gain: float = MIN_GAIN
-    cuts: tuple[str, ...] = ()  # placement.cuts: where sub-DAGs 1, 2, ... begin (``dag.cuts``); () none
-
-    def cut_assignment(self, subdags: int) -> dict[str, int] | None:
-        """The IR assignment at the job's cuts, when it names them for ``subdags`` sub-DAGs (a placement
-        over fewer compnodes than the cuts need, after a loss, is cut by the policy instead)."""
-        if len(self.cuts) + 1 != subdags or not self.cuts:
-            return None
-        return cut_assignment(self.graph, self.cuts)
-
-    @property
-    def priced(self) -> str:
-        """The schedule the search prices cuts with (``auto``: 1f1b, whose step is GPipe's)."""
-        return "1f1b" if self.schedule == AUTO else self.schedule
-
-    @property
-    def ops(self) -> int:
-        return sum(1 for n in self.graph.nodes if n.kind not in ("placeholder", "variable", "output"))
-
-
-@dataclass(frozen=True)
-class Placement:
-    peers: tuple[str, ...]  # sub-DAG i runs on peers[i]
-    assignment: dict[str, int]  # IR node -> sub-DAG
-    policy: str  # SCHEDULER, BALANCED or CUTS
-    predicted: dict[int, float] | None = None  # sub-DAG -> predicted FP+BP+Update seconds per step
-    predicted_step: float | None = None  # predicted seconds per step (schedule simulator)
-    schedule: ScheduleChoice | None = None  # the pipeline schedule this placement runs
-    # sub-DAG -> (C_p, R_p): predicted FP and activations-received seconds per micro-batch
-    stage_timing: dict[int, tuple[float, float]] | None = None
-
-    @property
-    def chunks(self) -> int:
-        """Sub-DAGs per compnode: > 1 for interleaved-1f1b (named by the job, or chosen by ``auto``)."""
-        return 1 if self.schedule is None else self.schedule.chunks
-
-    def describe(self) -> str:
-        text = f"{len(self.peers)} sub-DAG(s) by the {self.policy} policy"
-        if self.predicted_step is not None:
-            text += f", predicted step {self.predicted_step:.4g} s"
-        if self.schedule is not None:
-            text += f", schedule {self.schedule.name}"
-            if self.chunks > 1:
-                text += f" ({self.chunks} chunks per compnode)"
-        return text
-
-
-def _fastest(cands: Sequence[Candidate]) -> list[Candidate]:
-    return sorted(cands, key=lambda c: (-c.speed, c.peer_id))
+__all__ = [  # the types live in ``placement_types``; callers import them from here too
+    "BALANCED",
+    "CUTS",
+    "SCHEDULER",
+    "Candidate",
+    "JobShape",
+    "PeerLinks",
+    "Placement",
+]
 
 
 def first_pool(candidates: Sequence[Candidate]) -> list[Candidate]:
     if not candidates:
         raise PlanError("no ONLINE compnode with a data path is registered with the broker")
-    regular = _fastest([c for c in candidates if not c.backup])
-    return regular or _fastest([c for c in candidates if c.backup])
+    regular = fastest_first([c for c in candidates if not c.backup])
+    return regular or fastest_first([c for c in candidates if c.backup])
 
 
 def pool_after_loss(
@@ -137,8 +75,8 @@ def pool_after_loss(
     survivors = [by_id[p] for p in current if p not in lost and p in by_id]
     busy = set(current) | lost
     free = [c for c in candidates if c.peer_id not in busy]
-    backups = _fastest([c for c in free if c.backup])
-    regular = _fastest([c for c in free if not c.backup])
+    backups = fastest_first([c for c in free if c.backup])
+    regular = fastest_first([c for c in free if not c.backup])
     pool = survivors + backups
     short = len(current) - len(pool)
     if short > 0:
@@ -150,7 +88,7 @@ def pool_after_loss(
 
 def fastest_free(current: Sequence[str], candidates: Sequence[Candidate]) -> list[Candidate]:
     """The regular compnodes not in ``current``, fastest first."""
-    return _fastest([c for c in candidates if c.peer_id not in set(current) and not c.backup])
+    return fastest_first([c for c in candidates if c.peer_id not in set(current) and not c.backup])
 
 
 def grown_pool(current: Sequence[str], candidates: Sequence[Candidate]) -> list[Candidate] | None:
@@ -210,7 +148,7 @@ def _interleaved_if_faster(
     choice = placement.schedule
     assert choice is not None
     by_id = {c.peer_id: c for c in pool}
-    chosen = _fastest([by_id[p] for p in dict.fromkeys(placement.peers)])
+    chosen = fastest_first([by_id[p] for p in dict.fromkeys(placement.peers)])
     m = choice.microbatches or shape.microbatches
     option = best_interleaved(
         shape.graph,
@@ -253,7 +191,7 @@ def _place(
     if not 1 <= k <= len(pool):
         raise PlanError(f"cannot place {k} sub-DAG(s) on {len(pool)} compnode(s)")
     if shape.chunks > 1:
-        return _place_interleaved(shape, _fastest(pool)[:k], links)
+        return _place_interleaved(shape, fastest_first(pool)[:k], links)
     cut = shape.cut_assignment(k)
     if cut is None and policy == SCHEDULER and all(c.device is not None for c in pool):
         planned = _schedule(shape, pool, links, stages=k)
@@ -270,8 +208,10 @@ def _place(
             predicted_step=planned.predicted_step_seconds,
             stage_timing=dict(planned.stage_timing),
         )
-    # The job's cuts, or the balanced split: sub-DAG i on the i-th fastest compnode.
-    chosen = _fastest(pool)[:k]
+    # The balanced split (or the job's cuts on unknown hardware): sub-DAG i on the i-th fastest compnode.
+    chosen = fastest_first(pool)[:k]
+    if cut is not None and all(c.device is not None for c in chosen):
+        return _place_cuts(shape, chosen, cut, links)
     placement = Placement(
         peers=tuple(c.peer_id for c in chosen),
         assignment=balanced_assignment(shape.graph, k) if cut is None else cut,
@@ -295,6 +235,31 @@ def _place(
         predicted=predicted.per_subdag,
         predicted_step=predicted.step_seconds,
         stage_timing=predicted.stage_timing,
+    )
+
+
+def _place_cuts(
+    shape: JobShape, chosen: Sequence[Candidate], cut: dict[str, int], links: PeerLinks | None
+) -> Placement:
+    """The job's own cuts on the k fastest compnodes, each piece on the one ``cut_plan.plan_cuts``
+    picks (``fusionnet plan`` shows the same)."""
+    planned = plan_cuts(
+        shape.graph,
+        [c.device for c in chosen],  # type: ignore[misc]  # all known (the caller checked)
+        cut,
+        microbatches=shape.microbatches,
+        batch_size=shape.batch_size,
+        optimizer=shape.optimizer,
+        links=index_links((c.peer_id for c in chosen), links),
+        pipeline_schedule=shape.priced,
+    )
+    return Placement(
+        peers=tuple(chosen[d].peer_id for d in planned.devices),
+        assignment=dict(planned.assignment),
+        policy=CUTS,
+        predicted=dict(planned.predicted_seconds),
+        predicted_step=planned.predicted_step_seconds,
+        stage_timing=dict(planned.stage_timing),
     )
 
 

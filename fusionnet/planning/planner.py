@@ -116,54 +116,7 @@ def plan_graph(
         predicted_seconds=predicted,
         predicted_step_seconds=plan.predicted_step_seconds,
         stage_timing=timing,
-        explanation=_explain(plan, swarm, plan_devices, predicted, max_devices),
-        plan=plan,
-    )
-
-
-def plan_cuts(
-    graph: IRGraph,
-    devices: Sequence[DeviceSpec],
-    assignment: Mapping[str, int],
-    *,
-    microbatches: int,
-    batch_size: int | None = None,
-    optimizer: str | Mapping[str, str] | None = None,
-    links: Links = None,
-    default_link: Link | None = None,
-    pipeline_schedule: str = "gpipe",
-) -> PlannedJob:
-    """The job's own cuts (``placement.cuts``, ``dag.cuts.cut_assignment``) on the fastest of ``devices``,
-    sub-DAG i on the i-th fastest, as the broker places them (``placement._place``), priced as the
-    scheduler prices the cuts it picks. ``links``: (i, j) indices into ``devices`` -> ``Link``, or one
-    ``Link`` for every pair. ``PlanError`` when there are fewer devices than sub-DAGs, or a sub-DAG does
-    not fit its device's memories."""
-    k = max(assignment.values(), default=0) + 1
-    if len(devices) < k:
-        raise PlanError(f"placement.cuts make {k} sub-DAGs, but there are {len(devices)} device(s)")
-    order = sorted(range(len(devices)), key=lambda d: -devices[d].speed)[:k]
-    every = make_swarm(devices, links, default_link)  # the explanation numbers devices as given
-    if isinstance(links, Mapping):
-        links = {
-            (a, b): links[order[a], order[b]]
-            for a in range(k)
-            for b in range(k)
-            if (order[a], order[b]) in links
-        }
-    swarm = make_swarm([devices[d] for d in order], links, default_link)
-    cg = cost_graph(
-        graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches), microbatches=microbatches
-    )
-    workload = Workload(microbatches, graph.task, pipeline_schedule)
-    plan = plan_for_assignment(cg, swarm, workload, {op.name: assignment[op.name] for op in cg.ops})
-    predicted = {s.device: s.compute_seconds for s in plan.stages}
-    return PlannedJob(
-        assignment=dict(assignment),
-        devices=order,
-        predicted_seconds=predicted,
-        predicted_step_seconds=plan.predicted_step_seconds,
-        stage_timing={s.device: stage_timing(s) for s in plan.stages},
-        explanation=_explain(plan, every, order, predicted, k) + "\ncut at placement.cuts",
+        explanation=explain_plan(plan, swarm, plan_devices, predicted, max_devices),
         plan=plan,
     )
 
@@ -258,7 +211,7 @@ def _check_chunks_fit(plan: Plan, devices: Sequence[DeviceSpec], device_of: list
             )
 
 
-def _explain(
+def explain_plan(
     plan: Plan, swarm: Swarm, devices: list[int], predicted: Mapping[int, float], max_devices: int | None
 ) -> str:
     allowed = min(max_devices or len(swarm.devices), len(swarm.devices))

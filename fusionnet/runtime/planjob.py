@@ -17,9 +17,10 @@ from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.perfmodel.nodes import load_nodes_file
 from fusionnet.perfmodel.types import DeviceSpec, Link
 from fusionnet.planning.auto_interleaved import best_interleaved, interleaving_pays, why_interleaved
+from fusionnet.planning.cut_plan import plan_cuts
 from fusionnet.planning.optimizers import job_optimizers
 from fusionnet.planning.pipeline_schedule import AUTO, ScheduleChoice, choose_schedule
-from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_cuts, plan_graph, plan_interleaved
+from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph, plan_interleaved
 from fusionnet.profiling.calibration import local_device_spec
 from fusionnet.results.files import plan_document
 from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count, with_microbatches
