@@ -200,14 +200,7 @@ def _place(
             # all). A compnode that gets no work goes back to the pool: the model picks fewer stages
             # (free to, it may still keep a stub that saves it a millisecond: then fewer again).
             planned = _schedule(shape, pool, links, max_devices=len(planned.devices) - 1)
-        return Placement(
-            peers=tuple(pool[d].peer_id for d in planned.devices),
-            assignment=dict(planned.assignment),
-            policy=SCHEDULER,
-            predicted=dict(planned.predicted_seconds),
-            predicted_step=planned.predicted_step_seconds,
-            stage_timing=dict(planned.stage_timing),
-        )
+        return _placed(planned, pool, SCHEDULER)
     # The balanced split (or the job's cuts on unknown hardware): sub-DAG i on the i-th fastest compnode.
     chosen = fastest_first(pool)[:k]
     if cut is not None and all(c.device is not None for c in chosen):
@@ -253,10 +246,15 @@ def _place_cuts(
         links=index_links((c.peer_id for c in chosen), links),
         pipeline_schedule=shape.priced,
     )
+    return _placed(planned, chosen, CUTS)
+
+
+def _placed(planned: PlannedJob, pool: Sequence[Candidate], policy: str) -> Placement:
+    """The planner's answer as a placement: sub-DAG i on ``pool[planned.devices[i]]``."""
     return Placement(
-        peers=tuple(chosen[d].peer_id for d in planned.devices),
+        peers=tuple(pool[d].peer_id for d in planned.devices),
         assignment=dict(planned.assignment),
-        policy=CUTS,
+        policy=policy,
         predicted=dict(planned.predicted_seconds),
         predicted_step=planned.predicted_step_seconds,
         stage_timing=dict(planned.stage_timing),
