@@ -77,10 +77,9 @@ def job_assignment(job: LoadedJob, graph: IRGraph, subdags: int) -> dict[str, in
         return balanced_assignment(graph, subdags)
     if len(cuts) + 1 != subdags:
         raise JobError(
-            f"job {job.spec.name!r}: placement.cuts make {len(cuts) + 1} sub-DAGs, "
-            f"this run asks for {subdags}"
+            f"placement.cuts: {len(cuts)} cut(s) make {len(cuts) + 1} sub-DAGs, this run asks for {subdags}"
         )
     try:
         return cut_assignment(graph, cuts)
     except PartitionError as e:
-        raise JobError(f"job {job.spec.name!r}: {e}") from None
+        raise JobError(str(e)) from None

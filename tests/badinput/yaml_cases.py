@@ -254,4 +254,14 @@ STRINGS = [
     variant("strings", "data-path-empty", "data.path", setter(**{"data.path": ""})),
 ]
 
-CASES: list[Variant] = SYNTAX + KEYS + TYPES + RANGES + STRINGS
+CUTS = "placement.cuts"
+# placement.cuts (the MLP example: 2 compnodes, so 1 cut; modules fc1, fc2, fc3): the first two are refused
+# as keys, the others once the model is traced (names are checked against its graph)
+CUT_CASES = [
+    variant("cuts", "one-too-many", CUTS, setter(**{CUTS: ["fc2", "fc3"]}), says="2 cut(s) make 3 sub-DAGs"),
+    variant("cuts", "a-string", CUTS, setter(**{CUTS: "fc2"}), says="list"),
+    variant("cuts", "names-nothing", CUTS, setter(**{CUTS: ["fc9"]}), says="names no op"),
+    variant("cuts", "the-first-op", CUTS, setter(**{CUTS: ["fc1"]}), says="sub-DAG 0 would be empty"),
+]
+
+CASES: list[Variant] = SYNTAX + KEYS + TYPES + RANGES + STRINGS + CUT_CASES
