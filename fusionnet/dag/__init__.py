@@ -9,6 +9,7 @@ Map of the package:
                      the per-operator rules of ``flop_rules.py``.
 - ``codec.py``       IR <-> msgpack bytes, with the checks a compnode applies to IR from a peer.
 - ``partition.py``   an assignment IR node -> sub-DAG turned into sub-DAGs (FusionAI Table 3).
+- ``cuts.py``        a job's own cuts (``placement.cuts``: op names or module paths) -> an assignment.
 - ``rebuild.py``     IR nodes -> callables; a sub-DAG -> ``torch.fx.GraphModule``; the one IR interpreter
                      (``run_whole_graph``, with a per-node hook the tracer uses).
 - ``executor.py``    FP, BP and Update of one sub-DAG (``SubDagExecutor``), inline or on a compute thread,

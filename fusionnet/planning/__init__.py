@@ -16,6 +16,8 @@ Map of the package:
 - ``pipeline_schedule.py`` ``placement.schedule``: a named schedule checked on the cut, or ``auto``.
 - ``auto_interleaved.py``  ``auto`` weighing interleaved-1f1b (p x v even chunks) against that choice.
 - ``placement.py``         which compnodes run a job: first placement, failover, hand-over, growth.
+- ``placement_types.py``   what placement works on and answers: candidates, the job's shape, a placement.
+- ``cut_plan.py``          a job's own cuts (``placement.cuts``) on devices: each piece's device, priced.
 - ``links.py``             ``LinkBook``: measured alpha-beta links per compnode pair, blended over jobs.
 - ``speeds.py``            ``SpeedBook``: per-compnode slowness refined from measured step times.
 - ``scheduler.py``         ``schedule``: the search over device orders and cuts (entry point).
