@@ -173,6 +173,18 @@ def test_fewer_compnodes_than_the_cuts_need_are_cut_by_the_policy(gpt: JobShape)
     assert set(placement.assignment.values()) == {0, 1}
 
 
+def test_auto_chooses_a_schedule_for_the_cut_but_never_recuts_it(gpt: JobShape) -> None:
+    """``schedule: auto`` prices the schedules on the job's cut; interleaving would cut the graph again
+    into p x chunks even pieces, so a job with its own cuts is never interleaved, however much faster."""
+    shape = replace(gpt, wanted=2, cuts=("blocks.1",), schedule="auto", interleave_gain=-1.0)  # any gain
+    placement = plan_placement(shape, [cand("a"), cand("b")])
+    assert placement.policy == CUTS and placement.assignment == cut_assignment(gpt.graph, ("blocks.1",))
+    assert placement.schedule is not None and placement.schedule.name in ("gpipe", "1f1b", "zero-bubble")
+    assert placement.chunks == 1
+    free = plan_placement(replace(shape, cuts=()), [cand("a"), cand("b")])
+    assert free.chunks > 1  # the same job without cuts does interleave at that margin
+
+
 def test_interleaved_chunks_at_the_jobs_cuts(gpt: JobShape) -> None:
     cuts = ("blocks.0.fc", "blocks.1", "blocks.1.fc")
     shape = replace(gpt, wanted=2, cuts=cuts, schedule="interleaved-1f1b", chunks=2)
