@@ -86,7 +86,7 @@ def add_parser(subparsers: Any) -> None:
         default="model",
         help="how jobs are cut and placed: 'model' = the scheduler of problem (2) with the performance "
         "model (default); 'balanced' = FLOP-balanced pieces on the fastest compnodes (the plain policy, "
-        "for comparison)",
+        "for comparison); a job that names placement.cuts is cut there either way",
     )
     p.add_argument(
         "--replan-gain",

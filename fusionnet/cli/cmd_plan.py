@@ -14,7 +14,8 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "plan",
         help="print the sub-DAG plan and predicted step time without running anything",
-        description="Traces JOB.yaml, lets the scheduler cut it into sub-DAGs and place them, and prints "
+        description="Traces JOB.yaml, lets the scheduler cut it into sub-DAGs (or cuts it at the job's "
+        "placement.cuts) and place them, and prints "
         "FusionAI's Table 3 for the plan with the performance model's predictions: FP, BP and Update "
         "seconds per sub-DAG, memory per device, the bottleneck and the predicted step time. With --nodes, "
         "plans for the swarm described in NODES.yaml (catalog devices such as 'RTX 3080' or explicit "
