@@ -20,15 +20,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from fusionnet.dag.ir import IRGraph, IRNode
-from fusionnet.dag.partition import contiguous_assignment
+from fusionnet.dag.partition import contiguous_assignment, op_nodes
 from fusionnet.errors import PartitionError
 
-_NOT_OPS = ("placeholder", "variable", "output")
 _SHOWN = 6  # module paths listed in an error about a cut that names nothing
-
-
-def _ops(graph: IRGraph) -> list[IRNode]:
-    return [n for n in graph.nodes if n.kind not in _NOT_OPS]
 
 
 def _keys_read(graph: IRGraph, op: IRNode, tied: dict[str, list[str]]) -> list[str]:
@@ -60,7 +55,7 @@ def cut_positions(graph: IRGraph, cuts: Sequence[str]) -> list[int]:
     """Each cut's position in the graph's op order (the first op of the sub-DAG it begins), strictly
     increasing. ``PartitionError`` naming ``placement.cuts[i]`` when a cut names no op and no module
     with parameters, begins the first sub-DAG, or does not come after the cut before it."""
-    ops = _ops(graph)
+    ops = op_nodes(graph)
     index = {n.name: i for i, n in enumerate(ops)}
     tied: dict[str, list[str]] = {}
     for alias, owner in graph.aliases.items():
@@ -104,6 +99,6 @@ def cut_assignment(graph: IRGraph, cuts: Sequence[str]) -> dict[str, int]:
 def piece_work(graph: IRGraph, assignment: Mapping[str, int], pieces: int) -> list[int]:
     """Each piece's FP + BP FLOPs (the traced costs) under ``assignment``."""
     work = [0] * pieces
-    for op in _ops(graph):
+    for op in op_nodes(graph):
         work[assignment[op.name]] += int(op.cost.get("flops_fwd", 0)) + int(op.cost.get("flops_bwd", 0))
     return work

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from fusionnet.dag.ir import IRGraph
+from fusionnet.dag.ir import IRGraph, IRNode
 from fusionnet.dag.row_lookup import rehome_row_weights, row_lookups, traded
 from fusionnet.errors import PartitionError
 
@@ -226,10 +226,15 @@ def _topological_labels(
     return order
 
 
+def op_nodes(graph: IRGraph) -> list[IRNode]:
+    """The graph's operators in topological order: every node but placeholders, variables and output."""
+    return [n for n in graph.nodes if n.kind not in ("placeholder", "variable", "output")]
+
+
 def balanced_assignment(graph: IRGraph, pieces: int) -> dict[str, int]:
     """Default policy: cuts the topological order into ``pieces`` contiguous runs of ops balanced by
     FP+BP FLOPs (min-max, exact for contiguous runs)."""
-    ops = [n for n in graph.nodes if n.kind not in ("placeholder", "variable", "output")]
+    ops = op_nodes(graph)
     if pieces < 1:
         raise PartitionError(f"cannot cut a graph into {pieces} pieces")
     if pieces > len(ops):
@@ -244,7 +249,7 @@ def contiguous_assignment(graph: IRGraph, starts: list[int]) -> dict[str, int]:
     """Every IR node -> its piece, for pieces that begin at the op positions ``starts`` (ascending,
     excluding 0) of the topological op order. Placeholders and variables go with their first user, as
     in Table 3 (labels are fed where the loss is computed)."""
-    ops = [n for n in graph.nodes if n.kind not in ("placeholder", "variable", "output")]
+    ops = op_nodes(graph)
     assignment: dict[str, int] = {}
     for i, n in enumerate(ops):
         assignment[n.name] = sum(1 for c in starts if c <= i)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fusionnet.dag.ir import IRGraph
-from fusionnet.dag.partition import build_partition
+from fusionnet.dag.partition import build_partition, op_nodes
 from fusionnet.errors import PlanError
 from fusionnet.perfmodel.types import DeviceSpec, Link
 from fusionnet.planning.pipeline_schedule import check_schedule
@@ -58,7 +58,7 @@ def best_interleaved(
     p = len(devices)
     if p < 2 or graph.task == "infer" or microbatches % p:
         return None
-    ops = sum(1 for n in graph.nodes if n.kind not in ("placeholder", "variable", "output"))
+    ops = len(op_nodes(graph))
     best: tuple[float, int, PlannedJob] | None = None
     tried: dict[int, str] = {}
     for v in chunk_choices:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from fusionnet.dag.cuts import cut_assignment
 from fusionnet.dag.ir import IRGraph
+from fusionnet.dag.partition import op_nodes
 from fusionnet.perfmodel.types import DeviceSpec, Link
 from fusionnet.planning.auto_interleaved import MIN_GAIN
 from fusionnet.planning.pipeline_schedule import AUTO, ScheduleChoice
@@ -63,7 +64,7 @@ class JobShape:
 
     @property
     def ops(self) -> int:
-        return sum(1 for n in self.graph.nodes if n.kind not in ("placeholder", "variable", "output"))
+        return len(op_nodes(self.graph))
 
 
 @dataclass(frozen=True)
