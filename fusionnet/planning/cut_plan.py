@@ -11,13 +11,14 @@ plan`` both call ``plan_cuts``, so plan.json predicts what runs. Pure.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from fusionnet.dag.cuts import piece_work
 from fusionnet.dag.ir import IRGraph
 from fusionnet.errors import PlanError
 from fusionnet.perfmodel.types import DeviceSpec, Link, Workload
 from fusionnet.planning.costgraph import cost_graph, micro_batch_scale
-from fusionnet.planning.planner import Links, PlannedJob, explain_plan, make_swarm, stage_timing
+from fusionnet.planning.planner import Links, PlannedJob, explain_plan, make_swarm, per_subdag
 from fusionnet.planning.scheduler import Plan, plan_for_assignment
 
 
@@ -79,14 +80,7 @@ def plan_cuts(
         raise PlanError(f"placement.cuts: {refusal}") from None
     # the speed order unless the matched one is predicted strictly faster
     order, plan = min(priced, key=lambda op: op[1].predicted_step_seconds)
-    predicted = {s.device: s.compute_seconds for s in plan.stages}
-    explanation = explain_plan(plan, make_swarm(devices, links, default_link), order, predicted, k)
-    return PlannedJob(
-        assignment=dict(assignment),
-        devices=order,
-        predicted_seconds=predicted,
-        predicted_step_seconds=plan.predicted_step_seconds,
-        stage_timing={s.device: stage_timing(s) for s in plan.stages},
-        explanation=explanation + "\ncut at placement.cuts",
-        plan=plan,
-    )
+    planned = per_subdag(plan, assignment, order)
+    every = make_swarm(devices, links, default_link)  # the explanation numbers devices as given
+    explanation = explain_plan(plan, every, order, planned.predicted_seconds, k)
+    return replace(planned, explanation=explanation + "\ncut at placement.cuts")

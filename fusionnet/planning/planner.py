@@ -10,7 +10,7 @@ inputs.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition, balanced_assignment, build_partition
@@ -121,6 +121,20 @@ def plan_graph(
     )
 
 
+def per_subdag(plan: Plan, assignment: Mapping[str, int], devices: list[int]) -> PlannedJob:
+    """A plan priced on a swarm of one device per sub-DAG (stage i = sub-DAG i) as the planner's answer,
+    sub-DAG i on ``devices[i]``; its ``explanation`` is left for the caller to write."""
+    return PlannedJob(
+        assignment=dict(assignment),
+        devices=devices,
+        predicted_seconds={s.device: s.compute_seconds for s in plan.stages},
+        predicted_step_seconds=plan.predicted_step_seconds,
+        stage_timing={s.device: stage_timing(s) for s in plan.stages},
+        explanation="",
+        plan=plan,
+    )
+
+
 def plan_interleaved(
     graph: IRGraph,
     devices: Sequence[DeviceSpec],
@@ -168,7 +182,8 @@ def plan_interleaved(
         check_memory=False,
     )
     _check_chunks_fit(plan, devices, device_of, chunks)
-    predicted = {s.device: s.compute_seconds for s in plan.stages}
+    planned = per_subdag(plan, assignment, device_of)
+    predicted = planned.predicted_seconds
     lines = [plan.describe(), ""]
     for i, d in enumerate(device_of):
         dev = devices[d]
@@ -181,15 +196,7 @@ def plan_interleaved(
         "(interleaved-1f1b); predicted step time: "
         f"{plan.predicted_step_seconds:.6g} s"
     )
-    return PlannedJob(
-        assignment=dict(assignment),
-        devices=device_of,
-        predicted_seconds=predicted,
-        predicted_step_seconds=plan.predicted_step_seconds,
-        stage_timing={s.device: stage_timing(s) for s in plan.stages},
-        explanation="\n".join(lines),
-        plan=plan,
-    )
+    return replace(planned, explanation="\n".join(lines))
 
 
 def _check_chunks_fit(plan: Plan, devices: Sequence[DeviceSpec], device_of: list[int], chunks: int) -> None:
