@@ -5,6 +5,7 @@ PyTorch). ``fusionnet plan`` of such a job is in ``test_cli_plan.py``, a swarm r
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,8 +18,12 @@ from fusionnet.errors import JobError, PartitionError, PlanError
 from fusionnet.job.loader import load_job
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.messages.jobwire import RunSpec
+from fusionnet.perfmodel.types import Workload
+from fusionnet.planning import cut_plan
+from fusionnet.planning.costgraph import cost_graph
 from fusionnet.planning.cut_plan import plan_cuts
-from fusionnet.planning.placement import CUTS, SCHEDULER, JobShape, plan_placement, predicted_step
+from fusionnet.planning.placement import CUTS, SCHEDULER, Candidate, JobShape, plan_placement, predicted_step
+from fusionnet.planning.scheduler import plan_for_assignment
 from fusionnet.reference import run_reference
 from fusionnet.runtime.local import run_local
 from fusionnet.runtime.prepare import prepare_job
@@ -232,9 +237,75 @@ def test_run_local_at_the_jobs_cuts_equals_plain_pytorch(
 def test_cuts_no_order_of_the_compnodes_can_hold_are_refused(gpt: JobShape) -> None:
     cut = cut_assignment(gpt.graph, ("blocks.1",))
     tiny = [device(f"tiny{i}", memory=64 << 10, disk=0) for i in range(2)]
-    with pytest.raises(PlanError, match=r"placement\.cuts: the assignment does not fit"):
+    with pytest.raises(
+        PlanError, match=r"placement\.cuts: no 2 of the 2 device\(s\) hold the pieces: stage \d"
+    ):
         plan_cuts(gpt.graph, tiny, cut, microbatches=2, batch_size=8, optimizer=gpt.optimizer)
     with pytest.raises(PlanError, match=r"placement\.cuts make 2 sub-DAGs, but there are 1 device"):
         plan_cuts(gpt.graph, [device()], cut, microbatches=2)
     planned = plan_cuts(gpt.graph, [device("a"), device("b")], cut, microbatches=2, optimizer=gpt.optimizer)
     assert planned.devices == [0, 1] and "cut at placement.cuts" in planned.explanation
+
+
+def _priced(gpt: JobShape, devices: list, cut: dict[str, int], order: tuple[int, ...]) -> float:
+    """The predicted step of piece i on ``devices[order[i]]``; infinity when it does not fit."""
+    cg = cost_graph(gpt.graph, gpt.optimizer, microbatches=2)
+    swarm = cut_plan.make_swarm([devices[d] for d in order], None, None)
+    try:
+        ops = {op.name: cut[op.name] for op in cg.ops}
+        plan = plan_for_assignment(cg, swarm, Workload(2, gpt.graph.task, "gpipe"), ops)
+    except PlanError:
+        return float("inf")
+    return plan.predicted_step_seconds
+
+
+def _best_of_every_order(gpt: JobShape, devices: list, cut: dict[str, int]) -> float:
+    """The brute force: every order of k of ``devices`` priced, the fastest that fits."""
+    k = max(cut.values()) + 1
+    return min(_priced(gpt, devices, cut, order) for order in itertools.permutations(range(len(devices)), k))
+
+
+def test_the_pieces_get_the_fastest_order_of_any_k_compnodes(gpt: JobShape) -> None:
+    """Few compnodes: every order of k of them is priced, so the answer is the brute force's."""
+    cut = cut_assignment(gpt.graph, ("blocks.0.ln2", "ln_f"))
+    devices = [
+        device("a", flops=2e10),
+        device("b", flops=2e11),
+        device("c", flops=1e11),
+        device("d", flops=7e10),
+    ]
+    planned = plan_cuts(gpt.graph, devices, cut, microbatches=2, optimizer=gpt.optimizer)
+    assert planned.predicted_step_seconds == pytest.approx(_best_of_every_order(gpt, devices, cut), rel=1e-9)
+    assert len(set(planned.devices)) == 3 and 0 not in planned.devices  # the slowest one sits out
+
+
+def test_a_fast_compnode_too_small_for_any_piece_sits_out(gpt: JobShape) -> None:
+    """The two fastest cannot hold the cut (the fastest has no room), so the pieces go to two that can:
+    the broker looks beyond the k fastest, and so does ``fusionnet plan``."""
+    shape = replace(gpt, wanted=2, cuts=("blocks.1",))
+    tiny = device("fast", flops=4e11, memory=64 << 10, disk=0)
+    pool = [Candidate("fast", False, tiny), cand("mid", 1e11), cand("slow", 5e10)]
+    placement = plan_placement(shape, pool)
+    assert placement.policy == CUTS and set(placement.peers) == {"mid", "slow"}
+    assert placement.predicted_step == pytest.approx(predicted_step(shape, placement, pool), rel=1e-9)
+
+
+@pytest.mark.parametrize("budget", [3, 40, 1000])
+def test_many_compnodes_are_searched_by_a_climb_that_finds_room(
+    gpt: JobShape, budget: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More orders than the budget prices: a hill-climb from the speed order, the order matched by work
+    and the roomiest devices. Ranked by the bytes they lack first, it climbs out of orders that do not
+    fit, and it never ends slower than where it started."""
+    monkeypatch.setattr(cut_plan, "SEARCH_BUDGET", budget)
+    cut = cut_assignment(gpt.graph, ("blocks.0.ln2", "ln_f"))
+    devices = [
+        device("fast", flops=4e11, memory=64 << 10, disk=0),
+        device("quick", flops=3e11, memory=64 << 10, disk=0),
+        *(device(f"d{i}", flops=(i + 1) * 1e10) for i in range(4)),
+    ]
+    planned = plan_cuts(gpt.graph, devices, cut, microbatches=2, optimizer=gpt.optimizer)
+    assert sorted(planned.devices) == [3, 4, 5]  # the three fastest that have room
+    speed_order_with_room = _priced(gpt, devices, cut, (5, 4, 3))
+    assert speed_order_with_room < float("inf")
+    assert planned.predicted_step_seconds <= speed_order_with_room * (1 + 1e-9)

@@ -14,7 +14,7 @@ without a swarm. Every placement is two steps, propose then plan:
    problem (2) and the performance model when every compnode of the pool has announced usable
    hardware (which devices, where to cut, predicted seconds), else the cost-balanced default policy on
    the fastest compnodes; a job that names its own cuts (``placement.cuts``) is cut there and its pieces
-   matched to the fastest compnodes by their work (``cut_plan``). Since every sub-DAG restarts
+   given the k compnodes the model predicts fastest for them (``cut_plan``). Since every sub-DAG restarts
    from the broker's checkpoint at a new placement, a re-plan may move any cut (but the job's own):
    nothing but the checkpoint ties a sub-DAG to its compnode.
 
@@ -202,7 +202,10 @@ def _place(
             planned = _schedule(shape, pool, links, max_devices=len(planned.devices) - 1)
         return _placed(planned, pool, SCHEDULER)
     # The balanced split (or the job's cuts on unknown hardware): sub-DAG i on the i-th fastest compnode.
+    # Cuts on known hardware: any k of the pool (by the model), else the k fastest when they are known.
     chosen = fastest_first(pool)[:k]
+    if cut is not None and all(c.device is not None for c in pool):
+        return _place_cuts(shape, fastest_first(pool), cut, links)  # any k of them: by the model
     if cut is not None and all(c.device is not None for c in chosen):
         return _place_cuts(shape, chosen, cut, links)
     placement = Placement(
@@ -234,8 +237,8 @@ def _place(
 def _place_cuts(
     shape: JobShape, chosen: Sequence[Candidate], cut: dict[str, int], links: PeerLinks | None
 ) -> Placement:
-    """The job's own cuts on the k fastest compnodes, each piece on the one ``cut_plan.plan_cuts``
-    picks (``fusionnet plan`` shows the same)."""
+    """The job's own cuts on k of ``chosen``, each piece on the one ``cut_plan.plan_cuts`` picks
+    (``fusionnet plan`` shows the same)."""
     planned = plan_cuts(
         shape.graph,
         [c.device for c in chosen],  # type: ignore[misc]  # all known (the caller checked)
