@@ -24,7 +24,7 @@ import asyncio
 import logging
 import socket
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fusionnet.errors import WireError
@@ -34,7 +34,7 @@ from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.handoff import GO, WORKER_HELLO, hello_job, hello_size, worker_hello
 from fusionnet.wire.header import MAX_ID_LEN, check_text
 from fusionnet.wire.pool import StreamPool
-from fusionnet.wire.receiver import FrameHandler, FrameReceiver, JobStats, Timeouts
+from fusionnet.wire.receiver import FrameReceiver, ReceivesFrames, Timeouts
 from fusionnet.wire.refusal import FrameRefused
 from fusionnet.wire.sources import BufferedSource
 
@@ -102,7 +102,7 @@ async def close_connections(sources: Iterable[BufferedSource], tasks: Iterable[a
     await asyncio.gather(*running, return_exceptions=True)
 
 
-class DataPathServer:
+class DataPathServer(ReceivesFrames):
     """Accepts frame streams on a TCP port and delivers each job's frames to its callback."""
 
     def __init__(
@@ -130,25 +130,6 @@ class DataPathServer:
         self._stopping = False
         self.handoff: Handoff | None = None  # who reads a sandbox worker's connection (None: we do)
         self.handed_off = 0
-
-    @property
-    def stats(self) -> dict[str, JobStats]:
-        """Per job id (and ``receiver.NO_JOB`` for frames no registered job can be charged with)."""
-        return self.receiver.stats
-
-    def register_job(
-        self,
-        job_id: str,
-        key: bytes | Mapping[str, bytes],
-        allowed_senders: Iterable[str],
-        on_frame: FrameHandler,
-        encryption: str = "auto",
-        lanes: Iterable[int] | None = None,
-    ) -> None:
-        self.receiver.register_job(job_id, key, allowed_senders, on_frame, encryption, lanes)
-
-    def unregister_job(self, job_id: str) -> None:
-        self.receiver.unregister_job(job_id)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> Address:
         """Listens; returns the bound ``(host, port)`` (port 0 picks a free one)."""

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Iterable, Mapping
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
@@ -25,7 +24,7 @@ from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from fusionnet.errors import WireError
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.pool import StreamPool
-from fusionnet.wire.receiver import FrameHandler, FrameReceiver, JobStats
+from fusionnet.wire.receiver import FrameReceiver, ReceivesFrames
 from fusionnet.wire.sources import StreamReaderSource
 
 log = logging.getLogger("fusionnet.wire")
@@ -49,8 +48,9 @@ def _decoded(text: str) -> PeerID:
     return PeerID.from_base58(text)
 
 
-class P2PDataPath:
-    """Sends and receives frames over hivemind P2P streams of one ``P2P`` instance."""
+class P2PDataPath(ReceivesFrames):
+    """Sends and receives frames over hivemind P2P streams of one ``P2P`` instance. libp2p encrypts
+    its connections: frames on this path are never refused as plaintext."""
 
     def __init__(
         self,
@@ -72,25 +72,6 @@ class P2PDataPath:
         self._pool = StreamPool(self._open, describe=lambda dest: f"p2p:{dest}")
         self._tasks: set[asyncio.Task[object]] = set()
         self._started = False
-
-    @property
-    def stats(self) -> dict[str, JobStats]:
-        return self.receiver.stats
-
-    def register_job(
-        self,
-        job_id: str,
-        key: bytes | Mapping[str, bytes],
-        allowed_senders: Iterable[str],
-        on_frame: FrameHandler,
-        encryption: str = "auto",
-        lanes: Iterable[int] | None = None,
-    ) -> None:
-        # libp2p encrypts its connections: frames on this path are never refused as plaintext.
-        self.receiver.register_job(job_id, key, allowed_senders, on_frame, encryption, lanes)
-
-    def unregister_job(self, job_id: str) -> None:
-        self.receiver.unregister_job(job_id)
 
     async def start(self) -> None:
         """Registers the stream handler with the daemon; frames are accepted from then on."""

@@ -310,3 +310,29 @@ class FrameReceiver:
             return
         stats.frames_accepted += 1
         stats.bytes_accepted += nbytes
+
+
+class ReceivesFrames:
+    """What a data path that reads frames with a ``FrameReceiver`` offers its daemon: the receiver's
+    routes and statistics (``DataPathServer`` over TCP, ``P2PDataPath`` over libp2p streams)."""
+
+    receiver: FrameReceiver
+
+    @property
+    def stats(self) -> dict[str, JobStats]:
+        """Per job id (and ``NO_JOB`` for frames no registered job can be charged with)."""
+        return self.receiver.stats
+
+    def register_job(
+        self,
+        job_id: str,
+        key: bytes | Mapping[str, bytes],
+        allowed_senders: Iterable[str],
+        on_frame: FrameHandler,
+        encryption: str = "auto",
+        lanes: Iterable[int] | None = None,
+    ) -> None:
+        self.receiver.register_job(job_id, key, allowed_senders, on_frame, encryption, lanes)
+
+    def unregister_job(self, job_id: str) -> None:
+        self.receiver.unregister_job(job_id)
