@@ -244,7 +244,11 @@ def test_cuts_no_order_of_the_compnodes_can_hold_are_refused(gpt: JobShape) -> N
     with pytest.raises(PlanError, match=r"placement\.cuts make 2 sub-DAGs, but there are 1 device"):
         plan_cuts(gpt.graph, [device()], cut, microbatches=2)
     planned = plan_cuts(gpt.graph, [device("a"), device("b")], cut, microbatches=2, optimizer=gpt.optimizer)
-    assert planned.devices == [0, 1] and "cut at placement.cuts" in planned.explanation
+    assert planned.devices == [0, 1]
+    # equal devices: one order of them, and the order matched by work (the pieces' work differs)
+    assert "cut at placement.cuts; devices chosen from 2 orders priced (every one there is)" in (
+        planned.explanation
+    )
 
 
 def _priced(gpt: JobShape, devices: list, cut: dict[str, int], order: tuple[int, ...]) -> float:
@@ -277,6 +281,7 @@ def test_the_pieces_get_the_fastest_order_of_any_k_compnodes(gpt: JobShape) -> N
     planned = plan_cuts(gpt.graph, devices, cut, microbatches=2, optimizer=gpt.optimizer)
     assert planned.predicted_step_seconds == pytest.approx(_best_of_every_order(gpt, devices, cut), rel=1e-9)
     assert len(set(planned.devices)) == 3 and 0 not in planned.devices  # the slowest one sits out
+    assert "devices chosen from 24 orders priced (every one there is)" in planned.explanation
 
 
 def test_a_fast_compnode_too_small_for_any_piece_sits_out(gpt: JobShape) -> None:
@@ -306,6 +311,9 @@ def test_many_compnodes_are_searched_by_a_climb_that_finds_room(
     ]
     planned = plan_cuts(gpt.graph, devices, cut, microbatches=2, optimizer=gpt.optimizer)
     assert sorted(planned.devices) == [3, 4, 5]  # the three fastest that have room
+    every = "from 120 orders priced (every one there is)"  # 6 kinds of device, 3 pieces: 6 x 5 x 4
+    assert (every in planned.explanation) == (budget >= 120)
+    assert ("(a hill-climb from three starts)" in planned.explanation) == (budget < 120)
     speed_order_with_room = _priced(gpt, devices, cut, (5, 4, 3))
     assert speed_order_with_room < float("inf")
     assert planned.predicted_step_seconds <= speed_order_with_room * (1 + 1e-9)

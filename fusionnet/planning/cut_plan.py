@@ -19,7 +19,7 @@ plan.json predicts what runs. Pure.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from fusionnet.dag.cuts import piece_work
 from fusionnet.dag.ir import IRGraph
@@ -33,6 +33,7 @@ from fusionnet.planning.scheduler_dp import device_classes
 
 SEARCH_BUDGET = 1000  # orders priced at most (a 12-block GPT-2: about 0.7 ms each)
 IMPROVE = 1e-9  # relative gain an order must bring over an earlier one (no float ping-pong)
+NO_PIPELINE = 1 << 62  # the bytes lacking of an order whose sub-DAG graph has a cycle
 Key = tuple[int, float]  # (bytes the devices lack, predicted step seconds): smaller is better
 
 
@@ -67,8 +68,8 @@ class _OrderCost:
     def _price(self, assign: list[int]) -> Key:
         try:
             cost = evaluate_assignment(self.cg, self.swarm, self.workload, assign, self.op_times)
-        except PartitionError:
-            return (1 << 62, float("inf"))
+        except PartitionError:  # cannot be for contiguous pieces; ranked below any order that can run
+            return (NO_PIPELINE, float("inf"))
         return (_lacking(cost, self.swarm), cost.objective("step_time"))
 
 
@@ -156,9 +157,21 @@ def _by_memory(devices: Sequence[DeviceSpec], price: _OrderCost, fastest: list[i
     return order
 
 
+@dataclass(frozen=True)
+class DeviceChoice:
+    order: list[int]  # the device index of each piece
+    priced: int  # device orders the performance model priced
+    every: bool  # whether those were all of them (up to interchangeable devices), or a climb's
+
+    def explain(self) -> str:
+        how = "every one there is" if self.every else "a hill-climb from three starts"
+        orders = f"{self.priced} order{'' if self.priced == 1 else 's'}"
+        return f"cut at placement.cuts; devices chosen from {orders} priced ({how})"
+
+
 def choose_devices(
     graph: IRGraph, cg: CostGraph, swarm: Swarm, workload: Workload, assignment: Mapping[str, int]
-) -> list[int]:
+) -> DeviceChoice:
     """The device of each piece of ``assignment`` (op -> piece): the search of the module's text.
     ``PlanError`` naming the constraint when no order fits the devices' memories."""
     k = max(assignment.values(), default=0) + 1
@@ -176,11 +189,13 @@ def choose_devices(
     for order in candidates:
         if _better(price(order), price(best)):
             best = order
+    if price(best)[0] >= NO_PIPELINE:
+        raise PlanError(f"placement.cuts: the {k} pieces do not make a pipeline on any device order")
     if price(best)[0]:
         assign = [best[p] for p in price.pieces]
         why = evaluate_assignment(cg, swarm, workload, assign, price.op_times).memory_violation(swarm)
         raise PlanError(f"placement.cuts: no {k} of the {len(devices)} device(s) hold the pieces: {why}")
-    return best
+    return DeviceChoice(best, len(price.priced), every is not None)
 
 
 def _by_piece(links: Links, order: Sequence[int]) -> Links:
@@ -214,10 +229,11 @@ def plan_cuts(
     )
     workload = Workload(microbatches, graph.task, pipeline_schedule)
     every = make_swarm(devices, links, default_link)  # the explanation numbers devices as given
-    order = choose_devices(graph, cg, every, workload, assignment)
+    choice = choose_devices(graph, cg, every, workload, assignment)
+    order = choice.order
     ops = {op.name: assignment[op.name] for op in cg.ops}
     swarm = make_swarm([devices[d] for d in order], _by_piece(links, order), default_link)
     plan = plan_for_assignment(cg, swarm, workload, ops)
     planned = per_subdag(plan, assignment, order)
     explanation = explain_plan(plan, every, order, planned.predicted_seconds, k)
-    return replace(planned, explanation=explanation + "\ncut at placement.cuts")
+    return replace(planned, explanation=f"{explanation}\n{choice.explain()}")
