@@ -94,6 +94,9 @@ class Result:
     # free messages (metrics.jsonl's ``compute_path_seconds``): what the network, the runtime's
     # messaging and the broker's call cost on the critical path
     beyond_path: list[float] = field(default_factory=list)
+    # per round of ``--repeat`` (set by ``pipeline_vs_torch``): its timed steps, kept apart so that each
+    # round can be held against the other contenders' same round (``paired_ratio``)
+    round_times: list[list[float]] = field(default_factory=list)
 
     def median(self, warmup: int) -> float | None:
         return self._median(self.times, warmup)

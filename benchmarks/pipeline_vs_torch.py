@@ -49,6 +49,11 @@ the cores; the ratios then measure that too. Prints a table, then one JSON line.
 Several ``--schedule``s run in turn within each round (plain PyTorch once per round), so one schedule's
 step is held against another's measured at the same time; a last table sets them side by side.
 
+With ``--repeat`` R, every contender's steps of all rounds make its median, and each FusionNet row also
+shows its ratio to torch's pipeline round by round ("rounds", paired in time) and a 95 % bootstrap
+interval of the pooled ratio that resamples each round's steps on its own (``paired_ratio.py``): on a
+shared machine one run's ratio moves by several percent, and these say by how much.
+
     python benchmarks/pipeline_vs_torch.py [--schedule gpipe 1f1b zero-bubble] [--steps 20]
         [--microbatches 4] [--stages 2 3] [--model mlp|gpt2] [--placement blocks|model|balanced]
         [--repeat 3] [--quick]
@@ -67,6 +72,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from paired_ratio import fmt_interval, fmt_rounds, ratio_interval, round_ratios
 from pipeline_common import KINDS, Config, Result, balanced_split, format_split, make_data, split_from_plan
 from pipeline_fusionnet import run_fusionnet_local, run_fusionnet_swarms
 from pipeline_torch import run_plain, run_torchpipe
@@ -103,16 +109,21 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
     med = {r.name: r.median(cfg.warmup) for r in results}
     low = {r.name: r.minimum(cfg.warmup) for r in results}
     plain = med.get("plain torch")
+    by_name = {r.name: r for r in results}
     rows = [
-        ("contender", "step ms", "min ms", "x plain", "x torch pipe N", "act. MB per stage", "bubble",
-         "beyond path", "loss first", "loss last", "notes")
+        ("contender", "step ms", "min ms", "x plain", "x torch pipe N", "rounds", "95% interval",
+         "act. MB per stage", "bubble", "beyond path", "loss first", "loss last", "notes")
     ]  # fmt: skip
     for r in results:
         n = r.name.rsplit(" ", 1)[-1]
         pipe = med.get(f"torch pipe {n}") if n.isdigit() and r.name.startswith("fusionnet") else None
+        theirs = by_name.get(f"torch pipe {n}") if pipe else None
+        paired = theirs is not None and r.error is None and theirs.error is None
         rows.append((
             r.name, fmt_ms(med[r.name]), fmt_ms(low[r.name]),
             fmt_ratio(med[r.name], plain), fmt_ratio(med[r.name], pipe) if pipe else "",
+            fmt_rounds(round_ratios(r.round_times, theirs.round_times)) if paired else "",
+            fmt_interval(ratio_interval(r.round_times, theirs.round_times)) if paired else "",
             "/".join(f"{b / 1e6:.2f}" for b in r.activation_peak) if r.activation_peak else "",
             "" if r.bubble(cfg.warmup) is None else f"{r.bubble(cfg.warmup):.2f}",
             "" if r.beyond(cfg.warmup) is None else f"{r.beyond(cfg.warmup):.3f}",
@@ -143,6 +154,14 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
             summary[f"{k}_over_torchpipe_{n}_min"] = ratio(
                 low.get(f"{prefix} {n}"), low.get(f"torch pipe {n}")
             )
+            ours, theirs = by_name.get(f"{prefix} {n}"), by_name.get(f"torch pipe {n}")
+            if ours is not None and theirs is not None and ours.error is None and theirs.error is None:
+                rounds = round_ratios(ours.round_times, theirs.round_times)
+                summary[f"{k}_over_torchpipe_{n}_rounds"] = [round(x, 4) for x in rounds]
+                interval = ratio_interval(ours.round_times, theirs.round_times)
+                summary[f"{k}_over_torchpipe_{n}_interval95"] = (
+                    None if interval is None else [round(x, 4) for x in interval]
+                )
     for r in results:
         if r.activation_peak:
             summary[f"{key_of(r.name)}_activation_peak_bytes"] = r.activation_peak
@@ -361,6 +380,8 @@ def side_by_side(summaries: dict[str, dict[str, Any]], stages: list[int]) -> dic
                 out[f"{k}_{n}_{tag}_ms"] = summary.get(f"{k}_{n}_ms")
             out[f"fusionnet_{n}_{tag}_bubble"] = summary.get(f"fusionnet_{n}_bubble")
             out[f"fusionnet_{n}_{tag}_beyond_path"] = summary.get(f"fusionnet_{n}_beyond_path")
+            interval = summary.get(f"fusionnet_{n}_over_torchpipe_{n}_interval95")
+            out[f"fusionnet_{n}_{tag}_interval95"] = interval
             if schedule != first:
                 v = summary.get(f"fusionnet_{n}_ms")
                 out[f"fusionnet_{n}_{tag}_over_{first.replace('-', '_')}"] = ratio(v, base)
@@ -369,7 +390,7 @@ def side_by_side(summaries: dict[str, dict[str, Any]], stages: list[int]) -> dic
 
 def print_side_by_side(figures: dict[str, Any], schedules: list[str], stages: list[int]) -> None:
     first = schedules[0]
-    rows = [("schedule", "stages", "fusionnet ms", "torch pipe ms", "fusionnet / torch pipe",
+    rows = [("schedule", "stages", "fusionnet ms", "torch pipe ms", "fusionnet / torch pipe", "95% interval",
              f"fusionnet / fusionnet {first}", "bubble", "beyond path")]  # fmt: skip
     for n in stages:
         for schedule in schedules:
@@ -378,9 +399,11 @@ def print_side_by_side(figures: dict[str, Any], schedules: list[str], stages: li
             over = figures.get(f"fusionnet_{n}_{tag}_over_{first.replace('-', '_')}")
             bubble = figures[f"fusionnet_{n}_{tag}_bubble"]
             beyond = figures[f"fusionnet_{n}_{tag}_beyond_path"]
+            interval = figures.get(f"fusionnet_{n}_{tag}_interval95")
             rows.append((
                 schedule, str(n), fmt_ms(None if mine is None else mine / 1e3),
                 fmt_ms(None if pipe is None else pipe / 1e3), fmt_ratio(mine, pipe),
+                fmt_interval(None if interval is None else tuple(interval)),
                 "" if over is None else f"{over:.2f}", "" if bubble is None else f"{bubble:.2f}",
                 "" if beyond is None else f"{beyond:.3f}",
             ))  # fmt: skip
@@ -439,12 +462,14 @@ def main(argv: list[str] | None = None) -> int:
                 key = ("" if res.name == "plain torch" else schedule, res.name)
                 earlier = by_name.get(key)
                 if earlier is None:
+                    res.round_times.append(res.times[base.warmup :] or res.times)
                     by_name[key] = res
                     for kept in results.values() if res.name == "plain torch" else [results[schedule]]:
                         kept.append(res)  # plain PyTorch: one run per round, the reference of every schedule
                 elif res.error is not None:
                     earlier.error = earlier.error or res.error
                 else:  # a later round: its timed steps join the first round's (one median over all rounds)
+                    earlier.round_times.append(res.times[base.warmup :])
                     earlier.times.extend(res.times[base.warmup :])
                     earlier.bubbles.extend(res.bubbles[base.warmup :])
                     earlier.beyond_path.extend(res.beyond_path[base.warmup :])

@@ -162,3 +162,52 @@ def test_placement_blocks_cuts_fusionnet_where_torch_cuts(model: str, pieces: in
     assert len(job.spec.placement.cuts or ()) == pieces - 1
     plan = plan_document(prepare_job(job).partition)
     assert split_from_plan(plan, cfg.layers, model) == balanced_split(cfg.layers, pieces)
+
+
+def test_paired_ratios_hold_each_round_against_the_same_round() -> None:
+    from paired_ratio import fmt_interval, fmt_rounds, ratio_interval, round_ratios
+
+    ours = [[1.0, 2.0, 3.0], [2.0, 2.0, 2.0], []]
+    theirs = [[2.0, 2.0, 2.0], [4.0, 4.0, 4.0], [1.0]]
+    assert round_ratios(ours, theirs) == [1.0, 0.5]  # a round one side did not time is left out
+    assert fmt_rounds(round_ratios(ours, theirs)) == "1.00/0.50"
+    assert ratio_interval([[]], theirs) is None and fmt_interval(None) == ""
+
+
+def test_the_ratio_interval_is_seeded_and_separates_what_differs() -> None:
+    import random
+
+    from paired_ratio import ratio_interval
+
+    rng = random.Random(1)
+    slow = [[1.0 + rng.random() * 0.1 for _ in range(9)] for _ in range(3)]
+    same = [[1.0 + rng.random() * 0.1 for _ in range(9)] for _ in range(3)]
+    fast = [[0.8 + rng.random() * 0.1 for _ in range(9)] for _ in range(3)]
+    low, high = ratio_interval(same, slow)
+    assert low < 1.0 < high  # one distribution against itself: par is inside
+    assert ratio_interval(same, slow) == (low, high)  # seeded: the same steps give the same interval
+    low, high = ratio_interval(fast, slow)
+    assert high < 1.0 and low > 0.7  # clearly faster: the whole interval below par
+    with pytest.raises(ValueError, match="level"):
+        ratio_interval(same, slow, level=1.0)
+
+
+def test_report_prints_and_keeps_the_rounds_and_the_interval(capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline_common import Config, Result
+    from pipeline_vs_torch import report
+
+    def result(name: str, rounds: list[list[float]]) -> Result:
+        return Result(name, times=[t for r in rounds for t in r], losses=[2.0, 1.0], round_times=rounds)
+
+    results = [
+        result("plain torch", [[2.0, 2.0], [2.0, 2.0]]),
+        result("torch pipe 2", [[1.0, 1.0], [1.2, 1.2]]),
+        result("fusionnet 2", [[0.9, 0.9], [1.2, 1.2]]),
+    ]
+    cfg = Config(dim=8, hidden=8, layers=2, batch_size=4, microbatches=2, steps=4, warmup=0, lr=0.1, seed=0,
+                 threads=1, data_path="x")  # fmt: skip
+    summary = report(results, cfg, [2], {})
+    assert summary["fusionnet_2_over_torchpipe_2_rounds"] == [0.9, 1.0]
+    low, high = summary["fusionnet_2_over_torchpipe_2_interval95"]
+    assert 0.75 <= low <= high <= 1.0
+    assert "0.90/1.00" in capsys.readouterr().out
