@@ -142,12 +142,13 @@ def _climb(start: list[int], price: _OrderCost, classes: list[list[int]], budget
     return best
 
 
-def _by_memory(devices: Sequence[DeviceSpec], price: _OrderCost, fastest: list[int]) -> list[int]:
+def _by_memory(price: _OrderCost, fastest: list[int]) -> list[int]:
     """The k devices with the most memory (the faster first among equals), the roomiest for the piece
     that needs the most there (measured on the k fastest, in speed order: what a piece needs hardly
     depends on where it runs)."""
     first = evaluate_assignment(price.cg, price.swarm, price.workload, [fastest[p] for p in price.pieces])
     need = {fastest.index(s.device): s.demand.gpu + s.demand.cpu for s in first.stages}
+    devices = price.swarm.devices
     room = sorted(
         range(len(devices)), key=lambda d: (-(devices[d].d_gpu + devices[d].d_cpu), -devices[d].speed, d)
     )
@@ -181,7 +182,7 @@ def choose_devices(
     starts = device_orders(graph, devices, assignment)
     every = _class_sequences(classes, k, SEARCH_BUDGET)
     if every is None:
-        starts.append(_by_memory(devices, price, starts[0]))
+        starts.append(_by_memory(price, starts[0]))
         candidates = [_climb(s, price, classes, SEARCH_BUDGET) for s in starts]
     else:
         candidates = [*starts, *every]
