@@ -164,7 +164,9 @@ def test_results_of_a_job_whose_submitter_was_killed_are_kept_for_fusionnet_resu
     swarm: tuple[ProcessSwarm, BlockingObserver], tmp_path: Path, submitters: list[Submitter]
 ) -> None:
     sw, observer = swarm
-    job_path = example_job("mlp", tmp_path, steps=30)
+    # Long enough to be caught running (30 steps once ended between two polls of a loaded CI machine),
+    # short enough to run to its end here.
+    job_path = example_job("mlp", tmp_path, steps=400)
     try:
         submitter = Submitter(job_path, sw, tmp_path / "gone")
         submitters.append(submitter)
@@ -177,7 +179,7 @@ def test_results_of_a_job_whose_submitter_was_killed_are_kept_for_fusionnet_resu
             state = _job(observer, sw, job_id)["job"]["state"]
             return state if state in ("SUCCEEDED", "FAILED", "CANCELLED") else None
 
-        assert wait_until(ended, 90, f"job {job_id} to end", interval=0.3) == "SUCCEEDED"
+        assert wait_until(ended, 180, f"job {job_id} to end", interval=0.3) == "SUCCEEDED"
         out = tmp_path / "fetched"
         done = _run("results", job_id, "--initial-peers", *sw.initial_peers, "--output", str(out))
         assert done.returncode == 0, done.stderr
