@@ -1,4 +1,5 @@
-"""A job's calls to its compnodes, typed: assign, step, collect, release and link probes, all at once.
+"""A job's calls to its compnodes, typed: assign, step, collect, release and link probes, all at once
+(assignments: each slice staged, then its compnode set up while the next is staged).
 
 Every call names the compnode and the method when it fails (``compnode <peer> (step): ...``), and a
 batch of calls ends at the first failure with the rest cancelled (their compnodes get a release when
@@ -9,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fusionnet.errors import DeviceMemoryError, FusionNetError
 from fusionnet.messages.compnode_rpc import (
@@ -29,12 +30,18 @@ from fusionnet.messages.compnode_rpc import (
 )
 from fusionnet.results.slice_stream import SliceStream
 
+if TYPE_CHECKING:
+    from fusionnet.broker.assignment_payloads import PreparedAssignment
+
 log = logging.getLogger("fusionnet.broker.jobs")
 
 ASSIGN_TIMEOUT = 120.0
 STEP_TIMEOUT = 600.0
 RELEASE_TIMEOUT = 5.0
 PROBE_TIMEOUT = 10.0  # ``replicas``: a listing of a few files
+# Assign calls in flight while the next slices are staged (``stage_and_assign``): a slice under
+# ``--stage-part-mb`` rides in its assign request, so this bounds what the broker holds.
+ASSIGN_WINDOW = 4
 
 T = TypeVar("T")
 
@@ -52,6 +59,42 @@ class JobCalls:
                 for p, r in zip(peers, requests, strict=True)
             ]
         )
+
+    async def stage_and_assign(
+        self,
+        peers: Sequence[str],
+        prepare: Callable[[], Awaitable[PreparedAssignment]],
+        part_bytes: int,
+        window: int = ASSIGN_WINDOW,
+    ) -> None:
+        """Sub-DAG ``i`` to ``peers[i]``: its slice staged (``prepare``: the next sub-DAG's, read from disk
+        as it is needed), then its ``assign``. A compnode's assign (its worker started, the slice unpacked
+        and loaded: seconds at 100M parameters) runs while the next slices are staged to the others, at
+        most ``window`` at once; a compnode holding several sub-DAGs gets them in order. The first
+        failure cancels the assigns in flight and is raised before anything more is sent."""
+        assigning: list[tuple[str, asyncio.Task[None]]] = []
+        try:
+            for peer in peers:
+                for other, task in assigning:
+                    if other == peer:
+                        await task
+                while sum(not task.done() for _, task in assigning) >= window:
+                    running = [task for _, task in assigning if not task.done()]
+                    await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for _, task in assigning:
+                    if task.done():
+                        task.result()
+                prepared = await prepare()
+                for kind, stream in prepared.staged.items():  # a large slice goes ahead in parts
+                    await self.stage(peer, prepared.request, kind, stream, part_bytes)
+                assigning.append((peer, asyncio.ensure_future(self.assign([peer], [prepared.request]))))
+                del prepared
+            await asyncio.gather(*(task for _, task in assigning))
+        except BaseException:
+            for _, task in assigning:
+                task.cancel()
+            await asyncio.gather(*(task for _, task in assigning), return_exceptions=True)
+            raise
 
     async def stage(
         self, peer: str, request: AssignRequest, kind: str, stream: SliceStream, part_bytes: int

@@ -1,9 +1,10 @@
 """Placing a job's sub-DAGs on compnodes (a mixin of ``jobrun.JobRun``): plan with the performance
 model's policy (``planning.placement``) for the pending ``replanning.Replan``, release the old placement,
-adopt the new one (partition, peers, replica ring, events) and assign every sub-DAG, one compnode at a
-time, its slice read from the checkpoint just before it is sent. A compnode that dies before it got its
-sub-DAG is excluded and the job planned again. Also: which compnodes are candidates, and telling a
-compnode declared lost to drop its sub-DAG.
+adopt the new one (partition, peers, replica ring, events) and assign every sub-DAG, its slice read from
+the checkpoint just before it is sent, one slice at a time, each compnode setting up its sub-DAG while
+the next slice is sent to another. A compnode that dies before it got its sub-DAG is excluded and the job
+planned again. Also: which compnodes are candidates, and telling a compnode declared lost to drop its
+sub-DAG.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fusionnet.broker import replanning
@@ -192,11 +194,5 @@ class JobPlacement:
             replica_holders=self.replicas.holders(),
             stage_over=part_bytes,
         )
-        # One compnode at a time, each slice read from disk and packed just before it is sent: the
-        # broker never holds the whole model (issue 11).
-        for peer in self.peers:
-            prepared = await asyncio.to_thread(next, requests)
-            for kind, stream in prepared.staged.items():  # a large slice goes ahead in parts
-                await self.calls.stage(peer, prepared.request, kind, stream, part_bytes)
-            await self.calls.assign([peer], [prepared.request])
-            del prepared
+        # The broker never holds the whole model (issue 11): one slice at a time is read and sent.
+        await self.calls.stage_and_assign(self.peers, partial(asyncio.to_thread, next, requests), part_bytes)
