@@ -1,4 +1,5 @@
-"""What the sandbox fork server imports before it forks any worker (``sandbox_client.PRELOAD``).
+"""What the sandbox fork server imports before it forks any worker (``sandbox_client.PRELOAD``): the
+worker's modules and what torch would import lazily inside a worker's first assignment.
 
 It first lowers its own CPU priority, which every worker inherits: importing torch (seconds) while
 other daemons on the machine profile their hardware must not skew their measurements, and a job's
@@ -16,4 +17,10 @@ NICENESS = 10
 with contextlib.suppress(OSError):
     os.nice(NICENESS)
 
-import fusionnet.compnode.sandbox_worker  # noqa: E402, F401  (the point of this module)
+# torch imports its compiler stack the first time any optimizer is built (``Optimizer.__init__`` goes
+# through ``torch._disable_dynamo``): about 1 s on an idle core and 2-3 s on a busy 2-core machine, paid
+# by every train job's worker inside its assignment (py-spy on a 125M Llama job: the largest share of
+# its setup). Imported here, once per compnode, and shared copy-on-write by every worker forked after.
+import torch._dynamo  # noqa: E402, F401
+
+import fusionnet.compnode.sandbox_worker  # noqa: E402, F401  (the worker's modules: the point of this module)
