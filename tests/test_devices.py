@@ -114,7 +114,11 @@ def test_the_irs_devices_become_the_executors(tmp_path: Path) -> None:
 
 
 # ---- the executor on an explicit device --------------------------------------------------------------
-def _pipeline(device: str, pieces: int = 2) -> tuple[list[SubDagExecutor], list[Any]]:
+def _pipeline(
+    device: str, pieces: int = 2, own_state: bool = False
+) -> tuple[list[SubDagExecutor], list[Any]]:
+    """``own_state``: each executor gets a copy of the state of its own and keeps it (a compnode's
+    unpacked slice), instead of copying what it reads of the one model's state."""
     torch.manual_seed(0)
     x, y = make_data("skip", n=8)
     traced = trace_model(SkipEverywhere(), x, y, F.cross_entropy, "train")
@@ -128,12 +132,13 @@ def _pipeline(device: str, pieces: int = 2) -> tuple[list[SubDagExecutor], list[
         SubDagExecutor(
             traced.graph,
             s,
-            traced.state,
+            {k: v.clone() for k, v in traced.state.items()} if own_state else traced.state,
             hub.channel(s.index),
             task="train",
             make_optimizers=sgd,
             subdags=pieces,
             device=torch.device(device),
+            own_state=own_state,
         )
         for s in partition.subdags
     ]
@@ -175,6 +180,24 @@ def test_an_explicit_cpu_device_gives_the_default_bits() -> None:
     assert _train(executors, steps) == losses
     default = {k: v for ex in executors for k, v in ex.state().items()}
     assert all(torch.equal(default[k], state[k]) for k in state)
+
+
+def test_an_executor_that_owns_its_state_keeps_it_uncopied_and_trains_the_same_bits() -> None:
+    torch.manual_seed(0)
+    x, y = make_data("skip", n=8)
+    traced = trace_model(SkipEverywhere(), x, y, F.cross_entropy, "train")
+    (subdag,) = build_partition(traced.graph, balanced_assignment(traced.graph, 1)).subdags
+    mine = {k: v.clone() for k, v in traced.state.items()}
+    owner = SubDagExecutor(traced.graph, subdag, mine, LocalHub(1).channel(0), task="train", own_state=True)
+    reader = SubDagExecutor(traced.graph, subdag, traced.state, LocalHub(1).channel(0), task="train")
+    for key, param in owner.named_params.items():
+        assert param.data_ptr() == mine[key].data_ptr()  # one copy of a slice, not two
+        assert reader.named_params[key].data_ptr() != traced.state[key].data_ptr()  # the model untouched
+    losses, state = _trained("cpu")
+    executors, steps = _pipeline("cpu", own_state=True)
+    assert _train(executors, steps) == losses
+    owned = {k: v for ex in executors for k, v in ex.state().items()}
+    assert all(torch.equal(owned[k], state[k]) for k in state)
 
 
 def test_a_device_oom_fails_the_sub_task_with_a_clear_error_and_frees_the_step() -> None:

@@ -206,6 +206,7 @@ def _executor(
         schedule=spec.schedule,
         device=device,
         chunks=spec.chunks,
+        own_state=True,  # unpacked for it alone: a 100M-parameter slice is not held twice
     )
     if request.optim is not None:
         what = f"assign {request.job_id}: optimizer state"

@@ -84,7 +84,9 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
     ``precision`` the job's autocast (``subdags``, the job's sub-DAG count, is who shares fp16's flag);
     ``device`` where parameters, buffers, gradients and optimizer state live and FP/BP/Update run
     (``fusionnet.dag.devices``: values come in and go out as CPU tensors); ``chunks`` the sub-DAGs each
-    device runs (an interleaved schedule: ``schedule_loop.run_device_step`` runs them together)."""
+    device runs (an interleaved schedule: ``schedule_loop.run_device_step`` runs them together);
+    ``own_state``: ``state``'s tensors are the executor's alone (a compnode's freshly unpacked slice), used
+    as they are; otherwise they are copied (a local run's executors read one model's state)."""
 
     def __init__(
         self,
@@ -103,6 +105,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         schedule: str | Schedule = "gpipe",
         device: torch.device = HOST,
         chunks: int = 1,
+        own_state: bool = False,
     ) -> None:
         self.graph = graph
         self.subdag = subdag
@@ -142,6 +145,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
             {k: state[k] for k in subdag.buffers},
             self.device,
             self.compact_lookups(),
+            copy_state=not own_state,
         )
         self.module.train(task != "infer")
         try:  # built on the CPU (cloned from the state), then moved: the device holds one copy

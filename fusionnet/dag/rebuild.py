@@ -77,17 +77,21 @@ def _attr_name(key: str) -> str:
 class SubDagModule(nn.Module):
     """Holds a sub-DAG's parameters (trainable) and buffers; the GraphModule's root."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], copy: bool = True
+    ) -> None:
         super().__init__()
         self.attr_of: dict[str, str] = {}
+
+        def own(value: torch.Tensor) -> torch.Tensor:
+            return value.detach().clone() if copy else value.detach()
+
         for key, value in params.items():
             self.attr_of[key] = _attr_name(key)
-            self.register_parameter(
-                self.attr_of[key], nn.Parameter(value.detach().clone(), requires_grad=True)
-            )
+            self.register_parameter(self.attr_of[key], nn.Parameter(own(value), requires_grad=True))
         for key, value in buffers.items():
             self.attr_of[key] = _attr_name(key)
-            self.register_buffer(self.attr_of[key], value.detach().clone())
+            self.register_buffer(self.attr_of[key], own(value))
 
     def param(self, key: str) -> nn.Parameter:
         return getattr(self, self.attr_of[key])
@@ -102,6 +106,7 @@ def build_subdag_module(
     buffers: Mapping[str, torch.Tensor],
     device: torch.device | None = None,
     compact_lookups: Mapping[str, int] | None = None,
+    copy_state: bool = True,
 ) -> tuple[fx.GraphModule, SubDagModule]:
     """Rebuilds the sub-DAG ``node_names`` as a GraphModule whose constant devices are ``device`` (the
     executor's; default the CPU): the IR's ``device=cpu`` arguments were the tracer's, not the model's.
@@ -112,8 +117,11 @@ def build_subdag_module(
     ``compact_lookups`` (embedding node -> the full weight's row count): lookups whose weight input holds
     only the step's rows (``row_trade``); each gets one more positional input after ``input_names``, in
     that mapping's order: the sorted ids of the rows it holds (``compact_embedding``).
+
+    ``copy_state=False``: ``params`` and ``buffers`` are the caller's to give away (freshly unpacked from
+    an assignment), so the module uses them as they are instead of holding a second copy.
     """
-    root = SubDagModule(params, buffers)
+    root = SubDagModule(params, buffers, copy=copy_state)
     where = device if device is not None else torch.device("cpu")
     g = fx.Graph()
     env: dict[str, fx.Node] = {}
