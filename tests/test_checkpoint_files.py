@@ -4,14 +4,17 @@ reload (broker restart) and the deletion of the one before it, and garbage from 
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
+from fusionnet.broker.replicas import assemble_checkpoint
 from fusionnet.broker.tensorfiles import TensorFiles
-from fusionnet.errors import WireError
+from fusionnet.errors import FusionNetError, WireError
 from fusionnet.messages.blobs import pack_tensors
 
 pytestmark = pytest.mark.timeout(60)
@@ -120,3 +123,71 @@ def test_the_settled_spec_replaces_the_submitted_one_and_the_rest_stays(tmp_path
         and torch.equal(data["inputs"], torch.arange(6).reshape(3, 2))
     )
     assert not list(files.submission.glob("*.tmp"))
+
+
+def _blob_parts(tensors: dict[str, torch.Tensor], size: int) -> list[bytes]:
+    blob = pack_tensors(tensors)
+    return [blob[i : i + size] for i in range(0, len(blob), size)]
+
+
+def test_sub_dags_are_collected_side_by_side_and_merged_in_sub_dag_order(tmp_path: Path) -> None:
+    """``assemble_checkpoint``: every sub-DAG's answers come at once (each waits for the others' first
+    answer before it goes on), the files read back as sent, and a tensor two sub-DAGs hold is the later
+    sub-DAG's, as when they came one after the other."""
+    files = _files(tmp_path)
+    held = [
+        {"a.weight": torch.full((3, 4), 1.0), "c.weight": torch.full((3, 4), 5.0)},
+        {"b.weight": torch.full((3, 4), 2.0), "c.weight": torch.full((3, 4), 6.0)},
+        {"unused": torch.full((3, 4), 3.0)},
+    ]
+    optim = {"opt::a.weight::momentum_buffer": torch.full((3, 4), 0.5)}
+    started: set[int] = set()
+    everyone = asyncio.Event()
+
+    async def parts(i: int, peer: str) -> Any:
+        assert peer == f"peer{i}"
+        state_parts = _blob_parts(held[i], 64)
+        for n, data in enumerate(state_parts):
+            yield "state", data, n == len(state_parts) - 1
+            started.add(i)
+            if len(started) == len(held):
+                everyone.set()
+            await asyncio.wait_for(everyone.wait(), 5)
+        if i == 0:
+            yield "optim", pack_tensors(optim), True
+
+    base = Checkpoint(0, files.submitted_state())
+    peers = [f"peer{i}" for i in range(3)]
+    ckpt = asyncio.run(assemble_checkpoint(files, 1, base, peers, parts, "a1"))
+    assert torch.equal(ckpt.state["a.weight"], held[0]["a.weight"])
+    assert torch.equal(ckpt.state["b.weight"], held[1]["b.weight"])
+    assert torch.equal(ckpt.state["c.weight"], held[1]["c.weight"])  # the later sub-DAG's
+    assert torch.equal(ckpt.state["unused"], held[2]["unused"])
+    assert torch.equal(ckpt.optim["opt::a.weight::momentum_buffer"], optim["opt::a.weight::momentum_buffer"])
+
+
+def test_a_compnode_failing_mid_file_fails_the_collection_and_leaves_no_partial_file(tmp_path: Path) -> None:
+    files = _files(tmp_path)
+    going = asyncio.Event()
+    cancelled: list[int] = []
+
+    async def parts(i: int, peer: str) -> Any:
+        first, *rest = _blob_parts({"a.weight": torch.ones(30, 40)}, 256)
+        yield "state", first, False
+        if i == 1:
+            await asyncio.wait_for(going.wait(), 5)
+            raise FusionNetError(f"compnode {peer} (collect): connection lost")
+        going.set()
+        try:
+            await asyncio.Event().wait()  # the others are still coming when one fails
+        except asyncio.CancelledError:
+            cancelled.append(i)
+            raise
+        for n, data in enumerate(rest):
+            yield "state", data, n == len(rest) - 1
+
+    base = Checkpoint(0, files.submitted_state())
+    with pytest.raises(FusionNetError, match=r"compnode peer1 \(collect\): connection lost"):
+        asyncio.run(assemble_checkpoint(files, 1, base, ["peer0", "peer1", "peer2"], parts, "a1"))
+    assert sorted(cancelled) == [0, 2]
+    assert not list(files.checkpoint_dir(1).glob("a1-*"))  # every file cut short was abandoned

@@ -33,7 +33,7 @@ from typing import Any
 
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
 from fusionnet.broker.churn import young_interval
-from fusionnet.broker.job_calls import JobCalls
+from fusionnet.broker.job_calls import JobCalls, gather
 from fusionnet.broker.tensorfiles import StreamedFile, TensorFiles
 from fusionnet.errors import FusionNetError
 from fusionnet.messages.blobs import pack_tensors
@@ -50,6 +50,9 @@ ROUND_RETRY = 4
 # at most about 1 / PACE of the steps (every PACE-th step on a fast link; sparser on a slow one) and a
 # failover replays at most a few steps more.
 PACE = 3
+# Sub-DAGs whose state the broker collects at once (``assemble_checkpoint``): each holds one answer
+# (a compnode's ``COLLECT_CHUNK_BYTES``, 32 MiB) in the broker's memory while it is written.
+COLLECT_WINDOW = 4
 # And a round starts at most every this many seconds (the broker's ``--replica-interval``): with steps
 # of tens of milliseconds, a round every PACE steps made a third of the steps 2-3x slower (measured in
 # ``benchmarks/pipeline_vs_torch.py``); a failover replays at most this long of steps more.
@@ -239,36 +242,56 @@ async def assemble_checkpoint(
     files: JobFiles, step: int, last: Checkpoint, sources: Sequence[str], parts: Parts, prefix: str
 ) -> Checkpoint:
     """The checkpoint before ``step`` from each sub-DAG's blobs (sub-DAG ``i`` from ``sources[i]``),
-    written to disk as they come, one blob at a time: the broker holds one blob (at most a sub-DAG's
-    state) at a time, never the model. Tensors no sub-DAG holds keep their value from ``last``.
-    Metrics: the caller's."""
+    written to disk as they come: the broker holds one blob (at most a sub-DAG's state) per sub-DAG in
+    flight, never the model. Up to ``COLLECT_WINDOW`` sub-DAGs come at once: each answer is a request and
+    a reply through its compnode's daemon and worker, so one compnode at a time left the broker's link
+    idle while each prepared its next part. Tensors no sub-DAG holds keep their value from ``last``; a
+    tensor two sub-DAGs hold is the later sub-DAG's, as when they came one after the other. Metrics: the
+    caller's."""
     state = last.state if isinstance(last.state, TensorFiles) else None
     if state is None:  # an in-memory state (tests): on disk first, like the submission
         blob = await asyncio.to_thread(pack_tensors, last.state)
         state = await asyncio.to_thread(files.write_part, step, "base-state", blob, "state")
+    window = asyncio.Semaphore(COLLECT_WINDOW)
+
+    async def one(i: int, peer: str) -> dict[str, list[TensorFiles]]:
+        async with window:
+            return await _fetch_subdag(files, step, i, peer, parts, prefix)
+
+    fetched = await gather([one(i, peer) for i, peer in enumerate(sources)])
     optim = TensorFiles()
-    for i, peer in enumerate(sources):
-        k = 0
-        current: StreamedFile | None = None
-        try:
-            async for part, data, ends_file in parts(i, peer):
-                if current is None:
-                    current = files.streamed_part(step, f"{prefix}-s{i:03d}-{part}-{k:05d}")
-                await asyncio.to_thread(current.append, data)
-                del data
-                if not ends_file:
-                    continue
-                what = f"{'state' if part == 'state' else 'optimizer state'} of sub-DAG {i} from {peer}"
-                written = await asyncio.to_thread(current.finish, what)
-                current, k = None, k + 1
-                if part == "state":
-                    state = state.merged(written)
-                else:
-                    optim = optim.merged(written)
-        finally:
-            if current is not None:  # the peer failed in the middle of a file
-                current.abandon()
+    for got in fetched:  # in sub-DAG order
+        for written in got["state"]:
+            state = state.merged(written)
+        for written in got["optim"]:
+            optim = optim.merged(written)
     return Checkpoint(step, state, optim, [])
+
+
+async def _fetch_subdag(
+    files: JobFiles, step: int, i: int, peer: str, parts: Parts, prefix: str
+) -> dict[str, list[TensorFiles]]:
+    """Sub-DAG ``i``'s files from ``peer``, each written as its parts come (a file cut short is
+    abandoned)."""
+    out: dict[str, list[TensorFiles]] = {"state": [], "optim": []}
+    k = 0
+    current: StreamedFile | None = None
+    try:
+        async for part, data, ends_file in parts(i, peer):
+            if current is None:
+                current = files.streamed_part(step, f"{prefix}-s{i:03d}-{part}-{k:05d}")
+            await asyncio.to_thread(current.append, data)
+            del data
+            if not ends_file:
+                continue
+            what = f"{'state' if part == 'state' else 'optimizer state'} of sub-DAG {i} from {peer}"
+            written = await asyncio.to_thread(current.finish, what)
+            current, k = None, k + 1
+            out["state" if part == "state" else "optim"].append(written)
+    finally:
+        if current is not None:  # the peer failed in the middle of a file
+            current.abandon()
+    return out
 
 
 async def checkpoint_from_replicas(
