@@ -71,7 +71,7 @@ class JobCalls:
         as it is needed), then its ``assign``. A compnode's assign (its worker started, the slice unpacked
         and loaded: seconds at 100M parameters) runs while the next slices are staged to the others, at
         most ``window`` at once; a compnode holding several sub-DAGs gets them in order. The first
-        failure cancels the assigns in flight and is raised before anything more is sent."""
+        failure cancels the assigns in flight and is raised before the next slice is staged."""
         assigning: list[tuple[str, asyncio.Task[None]]] = []
         try:
             for peer in peers:

@@ -148,7 +148,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
             copy_state=not own_state,
         )
         self.module.train(task != "infer")
-        try:  # built on the CPU (cloned from the state), then moved: the device holds one copy
+        try:  # built on the CPU (the state, cloned unless owned), then moved: the device holds one copy
             self.module.to(self.device)
             self.root.to(self.device)
         except Exception as e:
