@@ -73,6 +73,14 @@ def _preparer(count: int, staged_bytes: int = 10) -> Any:
     return prepare
 
 
+def _start(peers: list[str], part_bytes: int, **window: int) -> tuple[_Client, asyncio.Task[None]]:
+    """``stage_and_assign`` of one sub-DAG per entry of ``peers`` against a fake client, running."""
+    client = _Client()
+    calls = JobCalls(client, "job")  # type: ignore[arg-type]
+    prepare = _preparer(len(peers))
+    return client, asyncio.create_task(calls.stage_and_assign(peers, prepare, part_bytes, **window))
+
+
 async def _quiet() -> None:
     """Lets every runnable task run until it waits (the fake calls never wait on time)."""
     for _ in range(100):
@@ -87,9 +95,7 @@ async def _until(condition: Any) -> None:
 
 def test_the_next_slices_are_staged_while_a_compnode_sets_up() -> None:
     async def main() -> None:
-        client = _Client()
-        calls = JobCalls(client, "job")  # type: ignore[arg-type]
-        run = asyncio.create_task(calls.stage_and_assign(["a", "b", "c"], _preparer(3), part_bytes=4))
+        client, run = _start(["a", "b", "c"], part_bytes=4)
         # Every slice is staged (3 parts each) and every assign sent before the first one has ended.
         await _until(lambda: client.in_flight == 3)
         assert [e for e in client.events if e[0] == "stage"] == [
@@ -106,10 +112,7 @@ def test_the_next_slices_are_staged_while_a_compnode_sets_up() -> None:
 
 def test_at_most_a_window_of_assigns_is_in_flight() -> None:
     async def main() -> None:
-        client = _Client()
-        calls = JobCalls(client, "job")  # type: ignore[arg-type]
-        peers = [f"p{i}" for i in range(6)]
-        run = asyncio.create_task(calls.stage_and_assign(peers, _preparer(6), part_bytes=100, window=2))
+        client, run = _start([f"p{i}" for i in range(6)], part_bytes=100, window=2)
         await _until(lambda: client.in_flight == 2)
         await _quiet()  # nothing more may start while the window is full
         assert client.events[-1] == ("assign", 1) and ("stage", 2) not in client.events
@@ -124,9 +127,7 @@ def test_at_most_a_window_of_assigns_is_in_flight() -> None:
 
 def test_a_compnode_with_several_sub_dags_gets_them_one_after_the_other() -> None:
     async def main() -> None:
-        client = _Client()
-        calls = JobCalls(client, "job")  # type: ignore[arg-type]
-        run = asyncio.create_task(calls.stage_and_assign(["a", "b", "a"], _preparer(3), part_bytes=100))
+        client, run = _start(["a", "b", "a"], part_bytes=100)
         await _until(lambda: client.in_flight == 2)
         await _quiet()
         assert ("stage", 2) not in client.events  # sub-DAG 2 is a's too: it waits for a's first assign
@@ -142,10 +143,7 @@ def test_a_compnode_with_several_sub_dags_gets_them_one_after_the_other() -> Non
 
 def test_a_failed_assign_stops_the_staging_and_cancels_the_rest() -> None:
     async def main() -> None:
-        client = _Client()
-        calls = JobCalls(client, "job")  # type: ignore[arg-type]
-        peers = [f"p{i}" for i in range(5)]
-        run = asyncio.create_task(calls.stage_and_assign(peers, _preparer(5), part_bytes=100, window=2))
+        client, run = _start([f"p{i}" for i in range(5)], part_bytes=100, window=2)
         await _until(lambda: client.in_flight == 2)
         client.finish(0, FusionNetError("the worker could not start"))
         with pytest.raises(FusionNetError, match=r"compnode p0 \(assign\): the worker could not start"):
