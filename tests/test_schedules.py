@@ -144,3 +144,15 @@ def test_action_validation() -> None:
         Action("U", 2)
     with pytest.raises(ScheduleError, match="must be one of"):
         make_schedule("pipedream", 2, 2)
+
+
+def test_make_schedule_is_built_once_per_arguments_and_errors_every_time() -> None:
+    # every executor asks for its program every step: the same arguments give the same (immutable) object
+    first = make_schedule("1f1b", 3, 6, "train")
+    assert make_schedule("1f1b", 3, 6, "train") is first
+    assert make_schedule("1f1b", 3, 6, "infer") is not first
+    forwards = tuple(a for a in first.program(0) if a.kind == "F")
+    assert make_schedule("1f1b", 3, 6, "infer").program(0) == forwards
+    for _ in range(2):  # a refusal is not remembered as a result
+        with pytest.raises(ScheduleError, match="must be one of"):
+            make_schedule("pipedream", 2, 2)

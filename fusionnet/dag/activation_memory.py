@@ -101,6 +101,8 @@ def activation_key(mb: int, inputs: Sequence[Any]) -> tuple[Any, ...]:
     """What an FP's saved bytes depend on: the micro-batch's place in the step and its inputs' shapes.
     The same key saves the same bytes, so it is counted once (the hooks cost a few percent of a small
     model's step)."""
+    if all(isinstance(v, torch.Tensor) for v in inputs):  # most FPs: no tree to flatten
+        return (mb, *(tuple(v.shape) for v in inputs))
     leaves, _ = tree_flatten(list(inputs))
     return (mb, *(tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for v in leaves))
 

@@ -235,4 +235,6 @@ class BackwardPass:
         return roots, seeds
 
     def expects_grad(self, value: Any) -> bool:
+        if isinstance(value, torch.Tensor):  # most values: no tree to flatten
+            return is_float(value)
         return any(is_float(v) for v in tree_flatten(value)[0])

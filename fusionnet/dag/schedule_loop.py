@@ -7,7 +7,7 @@ its loss (the size-weighted sum of micro-batch losses) and, for infer, the outpu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -183,6 +183,14 @@ class ScheduleLoop:
         return size / batch if self.loss_reduction == "mean" else 1.0
 
 
+async def together(calls: Sequence[Awaitable[T]]) -> list[T]:
+    """``asyncio.gather`` of ``calls``, a single one awaited in place: most devices run one sub-DAG, and
+    a gather wraps each call in a task that costs two turns of the event loop per step phase."""
+    if len(calls) == 1:
+        return [await calls[0]]
+    return list(await asyncio.gather(*calls))
+
+
 def _detach(value: Any) -> Any:
     return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, value)
 
@@ -217,7 +225,7 @@ async def run_device_step(
     for ex in executors:
         ex._open_step(step)
     try:
-        await asyncio.gather(*(ex._begin_actions(step, microbatches) for ex in executors))
+        await together([ex._begin_actions(step, microbatches) for ex in executors])
         for i, (action, who) in enumerate(program):
             if action.kind == "U":
                 continue  # every sub-DAG's update closes the step, below
@@ -231,10 +239,8 @@ async def run_device_step(
                 last_bp=i == last_bp[who],
                 last_seeded=i == last_seeded[who],
             )
-        await asyncio.gather(
-            *(ex._end_actions(step, r, lost) for ex, r, lost in zip(executors, reports, losses))
-        )
-        await asyncio.gather(*(ex.outbox.drain() for ex in executors))
+        await together([ex._end_actions(step, r, lost) for ex, r, lost in zip(executors, reports, losses)])
+        await together([ex.outbox.drain() for ex in executors])
     finally:
         for ex in executors:
             ex.outbox.cancel()  # a failed step leaves no send behind

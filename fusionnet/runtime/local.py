@@ -26,7 +26,7 @@ from fusionnet.dag.executor import SubDagExecutor
 from fusionnet.dag.hooks import StepReport
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition
-from fusionnet.dag.schedule_loop import run_device_step
+from fusionnet.dag.schedule_loop import run_device_step, together
 from fusionnet.errors import JobError
 from fusionnet.job.loader import LoadedJob
 from fusionnet.job.optim import OptimizerFactory, optimizer_factory
@@ -150,12 +150,11 @@ class InMemorySwarm:
         """Runs one batch on every virtual compnode (one loop per compnode over its sub-DAGs, in the
         schedule's order); reports in sub-DAG order."""
         if self.chunks == 1:
-            reports: list[StepReport] = await asyncio.gather(
-                *(
-                    ex.run_step(data.step, _fields_for(ex, data.microbatches), data.sizes)
-                    for ex in self.executors
-                )
-            )
+            calls = [
+                ex.run_step(data.step, _fields_for(ex, data.microbatches), data.sizes)
+                for ex in self.executors
+            ]
+            reports: list[StepReport] = await together(calls)
         else:
             reports = await self._interleaved_step(data)
         for ex in self.executors:
