@@ -34,6 +34,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -112,6 +113,8 @@ class SwarmRun:
 
     steps: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl rows
     submit_s: float = float("nan")
+    upload_s: float = float("nan")  # of which the state's upload (``submit`` prints it)
+    download_s: float = float("nan")  # the results' download after the job (``submit`` prints it)
     max_diff: float = float("nan")
     placement: list[dict[str, Any]] = field(default_factory=list)  # plan.json's sub-DAGs
     compnodes: dict[str, str] = field(default_factory=dict)  # sub-DAG -> peer id
@@ -153,15 +156,21 @@ def write_job(
 
 
 class TimedStream(io.StringIO):
-    """Records when ``submit`` printed that the broker accepted the job."""
+    """Records when ``submit`` printed that the broker accepted the job, and the seconds it printed for
+    the state's upload and the results' download."""
 
     def __init__(self) -> None:
         super().__init__()
         self.accepted_at: float | None = None
+        self.seconds: dict[str, float] = {}
 
     def write(self, s: str) -> int:
         if self.accepted_at is None and " submitted to broker " in s:
             self.accepted_at = time.monotonic()
+        for what in ("state uploaded", "results downloaded"):
+            found = re.search(rf"{what}: \d+ MB in ([0-9.]+) s", s)
+            if found:
+                self.seconds[what] = float(found.group(1))
         return super().write(s)
 
 
@@ -204,6 +213,8 @@ async def submit_job(
         run.killed = killer.result() if killer is not None else None
     run.wall_s = time.monotonic() - started
     run.submit_s = (stream.accepted_at or float("nan")) - started
+    run.upload_s = stream.seconds.get("state uploaded", float("nan"))
+    run.download_s = stream.seconds.get("results downloaded", float("nan"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     run.steps = rows
     plan = json.loads((out / "plan.json").read_text())
@@ -404,6 +415,8 @@ def report(
         ("results collection", "-", f"{sync_ms:.0f} ms once (final state to the broker)"),
         ("exact", "-", f"max diff {run.max_diff:.1e} (bound {tol:g})"),
         ("submission", "-", f"{run.submit_s:.1f} s (trace, pack, send, accepted)"),
+        ("of which the state's upload", "-", f"{run.upload_s:.1f} s"),
+        ("results download (broker to submitter)", "-", f"{run.download_s:.1f} s"),
     ]
     for m in memory:
         rows.append(
@@ -444,6 +457,8 @@ def report(
         "checkpoint_ms_per_step": round(ckpt_ms, 1),
         "results_collection_ms": round(sync_ms, 1),
         "submission_s": round(run.submit_s, 2),
+        "upload_s": run.upload_s,
+        "download_s": run.download_s,
         "max_diff": run.max_diff,
         "memory": memory,
         "memory_within_bounds": all(m["within"] for m in memory),

@@ -48,23 +48,37 @@ async def _download_in_chunks(service: JobService, job_id: str, whole: dict[str,
     not have is refused."""
     from fusionnet.broker import jobs
     from fusionnet.messages.broker_rpc import BrokerClient
+    from fusionnet.runtime import jobcontrol
     from fusionnet.runtime.jobcontrol import download_results
 
     calls: list[dict[str, Any]] = []
+    flying = [0, 0]  # calls in flight now, the most at once
 
     async def call(peer: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
         calls.append(payload or {})
-        return await getattr(service, f"rpc_{method}")(payload, ctx(method))
+        flying[0] += 1
+        flying[1] = max(flying)
+        try:
+            return await getattr(service, f"rpc_{method}")(payload, ctx(method))
+        finally:
+            flying[0] -= 1
 
-    saved, jobs.RESULTS_CHUNK_BYTES = jobs.RESULTS_CHUNK_BYTES, 100
+    saved = jobs.RESULTS_CHUNK_BYTES
+    jobs.RESULTS_CHUNK_BYTES = jobcontrol.RESULTS_CHUNK_BYTES = 100  # type: ignore[misc]
     try:
         names = await download_results(BrokerClient(call), "broker", job_id, out, SIGNER)
+        # a broker whose chunks are not the ones asked for: refused by name, no file left behind
+        jobcontrol.RESULTS_CHUNK_BYTES = 200  # type: ignore[misc]
+        with pytest.raises(JobError, match=r"the broker sent 100 bytes at byte 0 of \d+, not 200"):
+            await download_results(BrokerClient(call), "broker", job_id, tmp := out / "again", SIGNER)
+        assert not list(tmp.glob(".*.part"))
     finally:
-        jobs.RESULTS_CHUNK_BYTES = saved
+        jobs.RESULTS_CHUNK_BYTES = jobcontrol.RESULTS_CHUNK_BYTES = saved  # type: ignore[misc]
     assert names == sorted(whole)
     assert {n: (out / n).read_bytes() for n in names} == whole
     biggest = max(len(b) for b in whole.values())
     assert len(calls) >= 1 + biggest // 100  # the big files came in chunks
+    assert biggest > 300 and flying[1] == jobcontrol.RESULTS_WINDOW  # ... several at once
     assert not list(out.glob(".*.part"))
     with pytest.raises(JobError, match=r"has no result file 'outputs\.safetensors'"):
         await service.rpc_job_results(

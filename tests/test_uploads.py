@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from fusionnet.broker.jobs import JobService
-from fusionnet.broker.uploads import MAX_UPLOADS_PER_SUBMITTER, StateUploads
+from fusionnet.broker.uploads import MAX_SPANS, MAX_UPLOADS_PER_SUBMITTER, StateUploads
 from fusionnet.errors import JobError
 from fusionnet.job.loader import load_job
 from fusionnet.messages.broker_rpc import BrokerClient, SubmitJobRequest, UploadStateRequest
@@ -25,21 +25,27 @@ from tests.test_jobrun_decisions import FakeCompnodes, make_context
 UID = "0" * 32
 
 
-def test_chunks_in_order_repeats_are_harmless_and_everything_else_is_refused(tmp_path: Path) -> None:
+def test_chunks_in_any_order_after_the_first_repeats_are_harmless_and_the_rest_is_refused(
+    tmp_path: Path,
+) -> None:
     uploads = StateUploads(tmp_path / "uploads")
-    assert uploads.append("s", UID, 0, 10, b"01234", 100) == 5
-    assert uploads.append("s", UID, 0, 10, b"01234", 100) == 5  # a retried call
-    with pytest.raises(JobError, match=f"upload {UID}: a chunk at byte 7, the broker holds 5 bytes"):
-        uploads.append("s", UID, 7, 10, b"789", 100)
+    assert uploads.append("s", UID, 0, 10, b"012", 100) == 3
+    assert uploads.append("s", UID, 0, 10, b"012", 100) == 3  # a retried call
+    assert uploads.append("s", UID, 7, 10, b"789", 100) == 6  # ahead of the gap: the calls overlap
+    assert uploads.append("s", UID, 8, 10, b"89", 100) == 6  # within what is held: a repeat
+    with pytest.raises(JobError, match=f"upload {UID}: a chunk at bytes 2-5 overlaps bytes the broker"):
+        uploads.append("s", UID, 2, 10, b"234", 100)
+    with pytest.raises(JobError, match="a chunk at bytes 5-8 overlaps"):
+        uploads.append("s", UID, 5, 10, b"567", 100)
     with pytest.raises(JobError, match="no such upload"):  # another submitter cannot add to it
-        uploads.append("t", UID, 5, 10, b"56789", 100)
+        uploads.append("t", UID, 3, 10, b"3456", 100)
     with pytest.raises(JobError, match="11 bytes announced, 10 at its start"):
-        uploads.append("s", UID, 5, 11, b"56789", 100)
+        uploads.append("s", UID, 3, 11, b"3456", 100)
     with pytest.raises(JobError, match="a chunk ending at byte 11 of 10"):
-        uploads.append("s", UID, 5, 10, b"567890", 100)
-    with pytest.raises(JobError, match=r"incomplete \(5 of 10 bytes\)"):
+        uploads.append("s", UID, 7, 10, b"7890", 100)
+    with pytest.raises(JobError, match=r"incomplete \(6 of 10 bytes\)"):
         uploads.sha256(UID)
-    assert uploads.append("s", UID, 5, 10, b"56789", 100) == 10
+    assert uploads.append("s", UID, 3, 10, b"3456", 100) == 10  # the gap filled: one span
     submitter, size, digest = uploads.sha256(UID)
     assert (submitter, size) == ("s", 10) and digest == __import__("hashlib").sha256(b"0123456789").digest()
     with pytest.raises(JobError, match="no such upload"):
@@ -63,6 +69,17 @@ def test_chunks_in_order_repeats_are_harmless_and_everything_else_is_refused(tmp
     uploads.ttl = 0.0
     uploads.expire()  # untouched uploads go, with their files
     assert not list((tmp_path / "uploads").iterdir())
+    uploads.ttl = 3600.0
+    wide = 2 * MAX_SPANS + 2
+    uploads.append("s", "8" * 32, 0, wide, b"x", wide)
+    for offset in range(2, 2 * MAX_SPANS, 2):  # every other byte: a gap before each
+        uploads.append("s", "8" * 32, offset, wide, b"x", wide)
+    with pytest.raises(JobError, match=f"would leave more than {MAX_SPANS} gaps"):
+        uploads.append("s", "8" * 32, 2 * MAX_SPANS, wide, b"x", wide)
+    assert uploads.append("s", "8" * 32, 1, wide, b"x", wide) == MAX_SPANS + 1  # a gap filled: one fewer
+    uploads.ttl = 0.0
+    uploads.expire()
+    assert not list((tmp_path / "uploads").iterdir())
     assert uploads.append("s", "9" * 32, 0, 10, b"x", 100) == 1
 
 
@@ -82,9 +99,16 @@ def test_a_job_submitted_on_an_uploaded_state_runs_and_bad_uploads_are_refused(
     state = request_.state
     assert len(state) > 3 * 256
 
+    flying = [0, 0]  # upload calls in flight now, the most at once
+
     def client(peer: str) -> BrokerClient:
         async def call(_: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
-            return await getattr(service, f"rpc_{method}")(payload, ctx(method, peer))
+            flying[0] += 1
+            flying[1] = max(flying)
+            try:
+                return await getattr(service, f"rpc_{method}")(payload, ctx(method, peer))
+            finally:
+                flying[0] -= 1
 
         return BrokerClient(call)
 
@@ -93,6 +117,7 @@ def test_a_job_submitted_on_an_uploaded_state_runs_and_bad_uploads_are_refused(
         log = io.StringIO()
         upload = await upload_state(client(SIGNER.caller), "broker", SIGNER, state, log)
         assert "state uploaded" in log.getvalue()
+        assert flying[1] == submit_module.UPLOAD_WINDOW  # the chunks after the first overlap
         other = await upload_state(client(OTHER_PEER), "broker", OTHER, state, log)
         with pytest.raises(JobError, match="not this submitter's upload"):  # someone else's bytes
             await service.rpc_submit_job(

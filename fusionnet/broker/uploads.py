@@ -6,6 +6,13 @@ most ``UPLOAD_CHUNK_BYTES``, it goes to a file as it comes; the submission then 
 broker hashes the file (the submitter's signature covers that hash, as it would the inline state's)
 and moves it into the job's folder. Nothing of it is held in memory beyond one chunk.
 
+The first chunk starts the upload at byte 0; the others may come in any order (a submitter keeps a
+few calls in flight: one after the other, each chunk's trip through p2pd, its decoding and its write
+left the others idle). Each is written at its offset; the broker keeps the spans it holds, takes a
+chunk that lies within them as a repeat (a retried call) without writing it, and refuses one that
+overlaps them partly or would leave more than ``MAX_SPANS`` separate spans. The upload is complete
+when one span covers it. Calls run on worker threads, so the books are kept under a lock.
+
 Each upload belongs to the submitter who started it (only that key may add to it or submit it), is
 bounded by ``--max-submission-mb``, and is dropped when untouched for ``UPLOAD_TTL`` seconds; a
 submitter has at most ``MAX_UPLOADS_PER_SUBMITTER`` under way. Uploads live in memory and on disk
@@ -19,9 +26,11 @@ job the first call made instead of "no such upload".
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +41,7 @@ UPLOAD_TTL = 3600.0
 TAKEN_KEPT = 64  # uploads taken into jobs whose (submitter, size, hash) a repeated submission may ask for
 MAX_UPLOADS_PER_SUBMITTER = 2
 HASH_BLOCK = 8 << 20
+MAX_SPANS = 64  # separate spans of bytes one upload may hold at once (chunks in flight leave gaps)
 
 
 @dataclass
@@ -39,9 +49,36 @@ class Upload:
     submitter: str
     total: int
     path: Path
-    size: int = 0
+    spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) held, sorted, apart
     touched: float = field(default_factory=time.monotonic)
     digest: bytes | None = None  # sha256 of the complete upload, once computed
+
+    @property
+    def size(self) -> int:
+        """Bytes held."""
+        return sum(end - start for start, end in self.spans)
+
+    def holds(self, start: int, end: int) -> bool:
+        i = bisect.bisect_right(self.spans, (start, float("inf"))) - 1
+        return i >= 0 and self.spans[i][0] <= start and end <= self.spans[i][1]
+
+    def add(self, start: int, end: int, where: str) -> None:
+        """Notes ``[start, end)`` as held, merged with the spans it touches; ``JobError`` when it
+        overlaps a held span or would leave more than ``MAX_SPANS`` of them."""
+        i = bisect.bisect_left(self.spans, (start, start))
+        before = self.spans[i - 1] if i else None
+        after = self.spans[i] if i < len(self.spans) else None
+        if (before is not None and before[1] > start) or (after is not None and after[0] < end):
+            raise JobError(f"{where}: a chunk at bytes {start}-{end} overlaps bytes the broker holds")
+        lo, hi, first, last = start, end, i, i
+        if before is not None and before[1] == start:
+            lo, first = before[0], i - 1
+        if after is not None and after[0] == end:
+            hi, last = after[1], i + 1
+        spans = [*self.spans[:first], (lo, hi), *self.spans[last:]]
+        if len(spans) > MAX_SPANS:
+            raise JobError(f"{where}: a chunk at byte {start} would leave more than {MAX_SPANS} gaps")
+        self.spans = spans
 
 
 class StateUploads:
@@ -49,15 +86,22 @@ class StateUploads:
         self.folder, self.ttl = folder, ttl
         shutil.rmtree(folder, ignore_errors=True)  # a restarted broker's uploads are gone with it
         folder.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()  # calls run on worker threads, several at once
         self._uploads: dict[str, Upload] = {}
         self._taken: dict[str, tuple[str, int, bytes]] = {}  # upload id -> (submitter, size, sha256)
 
     def append(
         self, submitter: str, upload_id: str, offset: int, total: int, data: bytes, max_bytes: int
     ) -> int:
-        """Writes ``data`` at ``offset``; returns the bytes held. A chunk out of order is refused, a
-        repeated one (its call was retried) accepted without change."""
-        self.expire()
+        """Writes ``data`` at ``offset``; returns the bytes held. The first chunk must start at 0, the
+        others come in any order; a repeated one (its call was retried) is accepted without change."""
+        with self._lock:
+            return self._append(submitter, upload_id, offset, total, data, max_bytes)
+
+    def _append(
+        self, submitter: str, upload_id: str, offset: int, total: int, data: bytes, max_bytes: int
+    ) -> int:
+        self._expire()
         where = f"upload {upload_id}"
         if total > max_bytes:
             raise JobError(
@@ -82,21 +126,21 @@ class StateUploads:
         if end > upload.total:
             raise JobError(f"{where}: a chunk ending at byte {end} of {upload.total}")
         upload.touched = time.monotonic()
-        if end <= upload.size:
+        if upload.holds(offset, end):
             return upload.size  # a repeat of a chunk already written
-        if offset != upload.size:
-            raise JobError(f"{where}: a chunk at byte {offset}, the broker holds {upload.size} bytes")
-        with upload.path.open("ab") as f:
+        upload.add(offset, end, where)  # (refused before a byte is written)
+        with upload.path.open("r+b") as f:
+            f.seek(offset)
             f.write(data)
-        upload.size = end
         return upload.size
 
     def sha256(self, upload_id: str) -> tuple[str, int, bytes]:
         """The submitter, size and hash of a complete upload (read from disk, a block at a time), or of
         one taken into a job lately (a repeated submission)."""
-        if upload_id not in self._uploads and upload_id in self._taken:
-            return self._taken[upload_id]
-        upload = self._complete(upload_id)
+        with self._lock:
+            if upload_id not in self._uploads and upload_id in self._taken:
+                return self._taken[upload_id]
+            upload = self._complete(upload_id)  # complete: no chunk writes to it any more
         h = hashlib.sha256()
         with upload.path.open("rb") as f:
             while block := f.read(HASH_BLOCK):
@@ -106,6 +150,10 @@ class StateUploads:
 
     def take(self, upload_id: str, submitter: str, dest: Path) -> None:
         """Moves the complete upload to ``dest`` (the job's state file); the upload is gone after."""
+        with self._lock:
+            self._take(upload_id, submitter, dest)
+
+    def _take(self, upload_id: str, submitter: str, dest: Path) -> None:
         upload = self._complete(upload_id)
         if upload.submitter != submitter:
             raise JobError(f"upload {upload_id}: no such upload (expired, or the broker restarted)")
@@ -118,14 +166,22 @@ class StateUploads:
                 del self._taken[old]
 
     def drop(self, upload_id: str) -> None:
+        with self._lock:
+            self._drop(upload_id)
+
+    def _drop(self, upload_id: str) -> None:
         upload = self._uploads.pop(upload_id, None)
         if upload is not None:
             upload.path.unlink(missing_ok=True)
 
     def expire(self) -> None:
+        with self._lock:
+            self._expire()
+
+    def _expire(self) -> None:
         now = time.monotonic()
         for upload_id in [k for k, u in self._uploads.items() if now - u.touched > self.ttl]:
-            self.drop(upload_id)
+            self._drop(upload_id)
 
     def _complete(self, upload_id: str) -> Upload:
         upload = self._uploads.get(upload_id)

@@ -75,12 +75,13 @@ class SubmitJobRequest(Message):
 
 class UploadStateRequest(Message):
     """``data`` at ``offset`` of an upload of ``total`` bytes of submission state (a safetensors blob too
-    big for one message). Chunks come in order; a repeated chunk (a retried call) changes nothing."""
+    big for one message). The first chunk starts at 0, the others come in any order; a repeated chunk (a
+    retried call) changes nothing."""
 
     upload_id: UploadId
     offset: Annotated[int, Field(ge=0)]
     total: Annotated[int, Field(ge=1)]
-    data: Annotated[bytes, Field(max_length=UPLOAD_CHUNK_BYTES)]
+    data: Annotated[bytes, Field(min_length=1, max_length=UPLOAD_CHUNK_BYTES)]
     auth: SubmitterAuth | None = None  # scope "upload_state", subject the upload id
 
 

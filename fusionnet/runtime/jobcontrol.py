@@ -11,12 +11,16 @@ to the broker anyway (it places the job on what it has), with none it is not sen
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from collections.abc import Awaitable, Callable, Iterable
+from functools import partial
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from fusionnet.errors import ExecutionError, JobError
 from fusionnet.messages.broker_rpc import (
+    RESULTS_CHUNK_BYTES,
     BrokerClient,
     CancelJobReply,
     CancelJobRequest,
@@ -27,10 +31,14 @@ from fusionnet.messages.broker_rpc import (
 )
 from fusionnet.runtime.submitter import Signer
 
+T = TypeVar("T")
+R = TypeVar("R")
+
 DEFAULT_WAIT_COMPNODES = 60.0
 WAIT_POLL = 0.25
 CANCEL_TIMEOUT = 30.0  # the broker answers once the job's compnodes are released (at most ~10 s)
 RESULTS_TIMEOUT = 300.0
+RESULTS_WINDOW = 3  # chunks of a result file in flight at once (each call's trip overlaps the others')
 
 
 def ready_compnodes(compnodes: list[dict[str, Any]]) -> tuple[int, int]:
@@ -114,14 +122,55 @@ async def download_results(
     for name, blob in first.files.items():
         (output / name).write_bytes(blob)
     for name, size in first.sizes.items():
-        if name in first.files:
-            continue
-        part = output / f".{name}.part"
-        with part.open("wb") as f:
-            while f.tell() < size:
-                got = await client.call_job_results(broker, request(name, f.tell()), timeout=RESULTS_TIMEOUT)
-                if not got.data:
-                    raise JobError(f"result file {name} ended at {f.tell()} of {size} bytes on the broker")
-                await asyncio.to_thread(f.write, got.data)
-        part.replace(output / name)
+        if name not in first.files:
+            await _download_file(client, broker, partial(request, name), output / name, size)
     return sorted(first.sizes)
+
+
+async def _download_file(
+    client: BrokerClient,
+    broker: str,
+    request: Callable[[int], JobResultsRequest],
+    path: Path,
+    size: int,
+) -> None:
+    """One big result file in chunks of ``RESULTS_CHUNK_BYTES``, up to ``RESULTS_WINDOW`` in flight,
+    each written at its offset of a temporary file that takes ``path``'s name once complete (and is
+    gone when the download fails)."""
+    part = path.with_name(f".{path.name}.part")
+    with part.open("wb") as f:
+
+        async def fetch(offset: int) -> None:
+            got = await client.call_job_results(broker, request(offset), timeout=RESULTS_TIMEOUT)
+            expected = min(RESULTS_CHUNK_BYTES, size - offset)
+            if len(got.data) != expected:
+                raise JobError(
+                    f"result file {path.name}: the broker sent {len(got.data)} bytes at byte {offset} "
+                    f"of {size}, not {expected}"
+                )
+            await asyncio.to_thread(os.pwrite, f.fileno(), got.data, offset)
+
+        try:
+            await in_window(fetch, range(0, size, RESULTS_CHUNK_BYTES), RESULTS_WINDOW)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+    part.replace(path)
+
+
+async def in_window(work: Callable[[T], Awaitable[R]], items: Iterable[T], window: int) -> list[R]:
+    """``work(item)`` for every item, at most ``window`` at once (chunks of a transfer: each call's trip
+    overlaps the others' while the memory they hold stays bounded), results in order. The first
+    failure cancels the calls in flight and is raised as it is."""
+    gate = asyncio.Semaphore(window)
+
+    async def one(item: T) -> R:
+        async with gate:
+            return await work(item)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(item)) for item in items]
+    except ExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return [task.result() for task in tasks]

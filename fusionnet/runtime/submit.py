@@ -37,6 +37,7 @@ from fusionnet.runtime.jobcontrol import (
     DEFAULT_WAIT_COMPNODES,
     cancel_job,
     download_results,
+    in_window,
     wait_for_compnodes,
 )
 from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count
@@ -45,6 +46,7 @@ from fusionnet.runtime.submitter import Signer, load_or_create_key
 
 SUBMIT_TIMEOUT = 300.0
 UPLOAD_TIMEOUT = 300.0  # one chunk (32 MB on a slow uplink)
+UPLOAD_WINDOW = 3  # chunks of an upload in flight at once
 POLL_INTERVAL = 0.2
 POLL_RETRIES = 5
 RETRYABLE = ("IncompleteReadError", "ConnectionError", "ConnectionResetError", "Timeout", "P2PDaemonError")
@@ -173,7 +175,10 @@ async def submit_and_wait(
             raise ExecutionError(f"job {job_id} was cancelled: {why}")
         if state != "SUCCEEDED":
             raise JobError(f"job {job_id} {state}: {why}")
-        await download_results(client, broker, job_id, output, signer)
+        started = time.perf_counter()
+        names = await download_results(client, broker, job_id, output, signer)
+        size, took = sum((output / n).stat().st_size for n in names), time.perf_counter() - started
+        print(f"results downloaded: {size / 1e6:.0f} MB in {took:.1f} s", file=stream)
     return SubmitOutcome(job_id, state, output, follow.metrics, follow.placement)
 
 
@@ -181,20 +186,27 @@ async def upload_state(
     client: BrokerClient, broker: str, signer: Signer, state: bytes, stream: TextIO
 ) -> str:
     """Sends a state too big for one message in chunks of ``UPLOAD_CHUNK_BYTES`` (``broker.uploads``);
-    returns the upload id the submission names. The broker then never holds more than a chunk of it."""
+    returns the upload id the submission names. The first chunk opens the upload; then up to
+    ``UPLOAD_WINDOW`` calls are in flight, so one chunk's trip, decoding and write on the broker overlap
+    the next ones'. Neither side holds more than that many chunks of it."""
     upload_id = secrets.token_hex(16)
     auth = signer.auth("upload_state", upload_id)
     view = memoryview(state)
     started = time.perf_counter()
-    for offset in range(0, len(state), UPLOAD_CHUNK_BYTES):
+
+    async def send(offset: int) -> int:
         chunk = bytes(view[offset : offset + UPLOAD_CHUNK_BYTES])
-        end = offset + len(chunk)
         request = UploadStateRequest(
             upload_id=upload_id, offset=offset, total=len(state), data=chunk, auth=auth
         )
         reply = await client.call_upload_state(broker, request, timeout=UPLOAD_TIMEOUT)
-        if reply.received != end:
-            raise ExecutionError(f"upload {upload_id}: the broker holds {reply.received} of {end} bytes sent")
+        return reply.received
+
+    held = await send(0)
+    rest = await in_window(send, range(UPLOAD_CHUNK_BYTES, len(state), UPLOAD_CHUNK_BYTES), UPLOAD_WINDOW)
+    held = max([held, *rest])
+    if held != len(state):
+        raise ExecutionError(f"upload {upload_id}: the broker holds {held} of {len(state)} bytes sent")
     print(f"state uploaded: {len(state) / 1e6:.0f} MB in {time.perf_counter() - started:.1f} s", file=stream)
     return upload_id
 
