@@ -46,6 +46,9 @@ def test_chunks_in_any_order_after_the_first_repeats_are_harmless_and_the_rest_i
     with pytest.raises(JobError, match=r"incomplete \(6 of 10 bytes\)"):
         uploads.sha256(UID)
     assert uploads.append("s", UID, 3, 10, b"3456", 100) == 10  # the gap filled: one span
+    # hashed as the prefix grew (the chunk ahead of the gap read back once it joined): the submission
+    # does not read the whole upload again
+    assert uploads._uploads[UID].hashed == 10
     submitter, size, digest = uploads.sha256(UID)
     assert (submitter, size) == ("s", 10) and digest == __import__("hashlib").sha256(b"0123456789").digest()
     with pytest.raises(JobError, match="no such upload"):

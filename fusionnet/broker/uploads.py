@@ -11,7 +11,9 @@ few calls in flight: one after the other, each chunk's trip through p2pd, its de
 left the others idle). Each is written at its offset; the broker keeps the spans it holds, takes a
 chunk that lies within them as a repeat (a retried call) without writing it, and refuses one that
 overlaps them partly or would leave more than ``MAX_SPANS`` separate spans. The upload is complete
-when one span covers it. Calls run on worker threads, so the books are kept under a lock.
+when one span covers it. Calls run on worker threads, so the books are kept under a lock. The bytes
+from 0 up to the first gap are hashed as that prefix grows (``_hash_prefix``), so the submission
+finds the upload's SHA-256 ready instead of reading it all back.
 
 Each upload belongs to the submitter who started it (only that key may add to it or submit it), is
 bounded by ``--max-submission-mb``, and is dropped when untouched for ``UPLOAD_TTL`` seconds; a
@@ -34,6 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from fusionnet.errors import JobError
 
@@ -52,6 +55,9 @@ class Upload:
     spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) held, sorted, apart
     touched: float = field(default_factory=time.monotonic)
     digest: bytes | None = None  # sha256 of the complete upload, once computed
+    # SHA-256 of the bytes from 0 up to ``hashed``, fed as the held prefix grows
+    hasher: Any = field(default_factory=hashlib.sha256)
+    hashed: int = 0
 
     @property
     def size(self) -> int:
@@ -132,6 +138,7 @@ class StateUploads:
         with upload.path.open("r+b") as f:
             f.seek(offset)
             f.write(data)
+            _hash_prefix(upload, f, offset, data)
         return upload.size
 
     def sha256(self, upload_id: str) -> tuple[str, int, bytes]:
@@ -141,11 +148,14 @@ class StateUploads:
             if upload_id not in self._uploads and upload_id in self._taken:
                 return self._taken[upload_id]
             upload = self._complete(upload_id)  # complete: no chunk writes to it any more
-        h = hashlib.sha256()
-        with upload.path.open("rb") as f:
-            while block := f.read(HASH_BLOCK):
-                h.update(block)
-        upload.digest = h.digest()
+            if upload.digest is None and upload.hashed == upload.total:  # hashed as it came
+                upload.digest = upload.hasher.digest()
+        if upload.digest is None:
+            h = hashlib.sha256()
+            with upload.path.open("rb") as f:
+                while block := f.read(HASH_BLOCK):
+                    h.update(block)
+            upload.digest = h.digest()
         return upload.submitter, upload.total, upload.digest
 
     def take(self, upload_id: str, submitter: str, dest: Path) -> None:
@@ -190,3 +200,19 @@ class StateUploads:
         if upload.size != upload.total:
             raise JobError(f"upload {upload_id}: incomplete ({upload.size} of {upload.total} bytes)")
         return upload
+
+
+def _hash_prefix(upload: Upload, f: BinaryIO, offset: int, data: bytes) -> None:
+    """Feeds ``upload.hasher`` what the chunk just written at ``offset`` adds to the held prefix: the
+    chunk itself when it starts where the hash stands, then any chunks written ahead of it (read back),
+    so the submission finds the upload hashed instead of reading it all again (seconds per GB)."""
+    if offset != upload.hashed:
+        return  # ahead of the prefix: hashed when the chunks before it come
+    upload.hasher.update(data)
+    upload.hashed += len(data)
+    prefix_end = upload.spans[0][1]  # the span from 0, which this chunk joined
+    f.seek(upload.hashed)
+    while upload.hashed < prefix_end:
+        block = f.read(min(HASH_BLOCK, prefix_end - upload.hashed))
+        upload.hasher.update(block)
+        upload.hashed += len(block)

@@ -149,10 +149,19 @@ async def submit_and_wait(
         broker = await observer.find_broker()
         signer = Signer(key, broker, observer.peer_id)
         await wait_for_compnodes(client, broker, request.spec.compnodes, wait_compnodes, stream)
-        request = await asyncio.to_thread(signed, request, signer)
-        if len(request.state) > UPLOAD_CHUNK_BYTES:  # the signature covers it as if it were inline
-            upload_id = await upload_state(client, broker, signer, request.state, stream)
-            request = request.model_copy(update={"state": b"", "state_upload": upload_id})
+        # A big state travels in chunks while it is hashed for the signature, which covers it as if it
+        # were inline (the hash of a GB of state takes seconds; so does its upload).
+        upload = None
+        if len(request.state) > UPLOAD_CHUNK_BYTES:
+            upload = asyncio.create_task(upload_state(client, broker, signer, request.state, stream))
+        try:
+            request = await asyncio.to_thread(signed, request, signer)
+            if upload is not None:
+                request = request.model_copy(update={"state": b"", "state_upload": await upload})
+        finally:
+            if upload is not None and not upload.done():  # signing failed: the upload is of no use
+                upload.cancel()
+                await asyncio.gather(upload, return_exceptions=True)
         reply = await client.call_submit_job(broker, request, timeout=SUBMIT_TIMEOUT)
         job_id = reply.job_id
         print(
