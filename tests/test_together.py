@@ -19,16 +19,17 @@ def test_one_call_runs_in_the_callers_task_several_concurrently_in_order() -> No
         assert await together([whose()]) == [caller]  # no task of its own: no turns of the loop
 
         started: list[int] = []
-        release = asyncio.Event()
+        all_started, release = asyncio.Event(), asyncio.Event()
 
         async def wait_then(i: int) -> int:
             started.append(i)
+            if len(started) == 3:
+                all_started.set()
             await release.wait()  # every call must have started before any can finish
             return i * 10
 
         gathered = asyncio.ensure_future(together([wait_then(i) for i in range(3)]))
-        while len(started) < 3:
-            await asyncio.sleep(0)  # yields to the calls; gathered is not done until release
+        await asyncio.wait_for(all_started.wait(), 5)  # one at a time would never start the second
         assert not gathered.done()
         release.set()
         assert await gathered == [0, 10, 20]
