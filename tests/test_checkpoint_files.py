@@ -169,6 +169,7 @@ def test_sub_dags_are_collected_side_by_side_and_merged_in_sub_dag_order(tmp_pat
 def test_a_compnode_failing_mid_file_fails_the_collection_and_leaves_no_partial_file(tmp_path: Path) -> None:
     files = _files(tmp_path)
     going = asyncio.Event()
+    waiting: list[int] = []
     cancelled: list[int] = []
 
     async def parts(i: int, peer: str) -> Any:
@@ -177,7 +178,9 @@ def test_a_compnode_failing_mid_file_fails_the_collection_and_leaves_no_partial_
         if i == 1:
             await asyncio.wait_for(going.wait(), 5)
             raise FusionNetError(f"compnode {peer} (collect): connection lost")
-        going.set()
+        waiting.append(i)
+        if len(waiting) == 2:  # fail only once both others wait in here (not in a write's thread)
+            going.set()
         try:
             await asyncio.Event().wait()  # the others are still coming when one fails
         except asyncio.CancelledError:

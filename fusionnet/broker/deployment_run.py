@@ -32,7 +32,6 @@ from fusionnet.broker import replanning
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.failures import PeerFailure
-from fusionnet.broker.job_calls import gather
 from fusionnet.broker.jobrun import JobRun
 from fusionnet.broker.store import JobState
 from fusionnet.broker.submission import SubmittedJob
@@ -40,6 +39,7 @@ from fusionnet.errors import ComputeError, ExecutionError, FusionNetError
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest, ServingClient
 from fusionnet.results.assemble import join_outputs
+from fusionnet.rpc.windows import gather
 from fusionnet.serving.batching import Answer, RowAnswers, RowsFailed
 from fusionnet.serving.kv_sessions import CacheLost
 

@@ -29,6 +29,7 @@ from fusionnet.messages.compnode_rpc import (
     StepRequest,
 )
 from fusionnet.results.slice_stream import SliceStream
+from fusionnet.rpc.windows import gather
 
 if TYPE_CHECKING:
     from fusionnet.broker.assignment_payloads import PreparedAssignment
@@ -228,15 +229,3 @@ class JobCalls:
             raise DeviceMemoryError(f"compnode {peer} ({method}): {e}", peer=peer) from e
         except FusionNetError as e:
             raise type(e)(f"compnode {peer} ({method}): {e}") from e
-
-
-async def gather(calls: list[Awaitable[T]]) -> list[T]:
-    """All calls, or the first failure (the rest are cancelled: their compnodes get a release)."""
-    tasks = [asyncio.ensure_future(c) for c in calls]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise

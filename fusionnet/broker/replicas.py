@@ -33,10 +33,11 @@ from typing import Any
 
 from fusionnet.broker.checkpoints import Checkpoint, JobFiles
 from fusionnet.broker.churn import young_interval
-from fusionnet.broker.job_calls import JobCalls, gather
+from fusionnet.broker.job_calls import JobCalls
 from fusionnet.broker.tensorfiles import StreamedFile, TensorFiles
 from fusionnet.errors import FusionNetError
 from fusionnet.messages.blobs import pack_tensors
+from fusionnet.rpc.windows import in_window
 
 log = logging.getLogger("fusionnet.broker.jobs")
 
@@ -252,13 +253,11 @@ async def assemble_checkpoint(
     if state is None:  # an in-memory state (tests): on disk first, like the submission
         blob = await asyncio.to_thread(pack_tensors, last.state)
         state = await asyncio.to_thread(files.write_part, step, "base-state", blob, "state")
-    window = asyncio.Semaphore(COLLECT_WINDOW)
 
-    async def one(i: int, peer: str) -> dict[str, list[TensorFiles]]:
-        async with window:
-            return await _fetch_subdag(files, step, i, peer, parts, prefix)
+    async def one(source: tuple[int, str]) -> dict[str, list[TensorFiles]]:
+        return await _fetch_subdag(files, step, *source, parts, prefix)
 
-    fetched = await gather([one(i, peer) for i, peer in enumerate(sources)])
+    fetched = await in_window(one, enumerate(sources), COLLECT_WINDOW)
     optim = TensorFiles()
     for got in fetched:  # in sub-DAG order
         for written in got["state"]:

@@ -11,6 +11,8 @@ Map of the package:
 - ``limits.py``     per-peer and total caps on calls and request bytes in flight, request deadlines.
 - ``client.py``    ``RPCClient.call(peer_id, "name", payload, timeout=)``.
 - ``kept.py``      the client's pool of streams kept open between calls to the same peer.
+- ``windows.py``   ``in_window``: calls kept a few at a time in flight (a transfer's chunks, a
+                   collection's sub-DAGs).
 
 Handlers have the signature ``async def rpc_name(self, payload: dict, context: RPCContext) -> dict``;
 the daemons write theirs typed (``fusionnet.messages.base.handles``: a request model in, a reply model

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
 from fusionnet.errors import ExecutionError, JobError
 from fusionnet.messages.broker_rpc import (
@@ -29,10 +29,8 @@ from fusionnet.messages.broker_rpc import (
     JobStatusRequest,
     StatusRequest,
 )
+from fusionnet.rpc.windows import in_window
 from fusionnet.runtime.submitter import Signer
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 DEFAULT_WAIT_COMPNODES = 60.0
 WAIT_POLL = 0.25
@@ -156,21 +154,3 @@ async def _download_file(
             part.unlink(missing_ok=True)
             raise
     part.replace(path)
-
-
-async def in_window(work: Callable[[T], Awaitable[R]], items: Iterable[T], window: int) -> list[R]:
-    """``work(item)`` for every item, at most ``window`` at once (chunks of a transfer: each call's trip
-    overlaps the others' while the memory they hold stays bounded), results in order. The first
-    failure cancels the calls in flight and is raised as it is."""
-    gate = asyncio.Semaphore(window)
-
-    async def one(item: T) -> R:
-        async with gate:
-            return await work(item)
-
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(one(item)) for item in items]
-    except ExceptionGroup as failed:
-        raise failed.exceptions[0] from None
-    return [task.result() for task in tasks]

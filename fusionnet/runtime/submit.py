@@ -33,11 +33,11 @@ from fusionnet.messages.broker_rpc import (
 )
 from fusionnet.messages.jobwire import run_spec_of
 from fusionnet.rpc.protocol import RPCError
+from fusionnet.rpc.windows import in_window
 from fusionnet.runtime.jobcontrol import (
     DEFAULT_WAIT_COMPNODES,
     cancel_job,
     download_results,
-    in_window,
     wait_for_compnodes,
 )
 from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count
