@@ -14,6 +14,7 @@ from fusionnet.compnode.valuepack import ALIGN, MAGIC, PACK_MAX, is_packed, pack
 from fusionnet.errors import WireError
 from fusionnet.wire.compression import Compressor, check_codec, decompress
 from fusionnet.wire.frames import TensorFrame
+from fusionnet.wire.header import ALLOWED_DTYPES
 from tests.wire_support import frame_bytes, read_bytes
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,6 +75,23 @@ def test_packed_parts_take_in_place_ops_like_the_senders_tensors() -> None:
     torch.ops.aten.detach_.default(first)
     first.add_(10)  # in place on one part leaves the other as it was
     assert first.tolist() == [11.0, 12.0] and second.tolist() == [3.0, 4.0, 5.0]
+
+
+@pytest.mark.parametrize("dtype", sorted(ALLOWED_DTYPES.values(), key=str))
+def test_every_dtype_and_odd_layouts_pack_exactly(dtype: torch.dtype) -> None:
+    # numpy views most dtypes in place; bfloat16 has no numpy dtype and takes torch's way: both exact
+    gen = torch.Generator().manual_seed(0)
+    numbers = torch.rand(5, 6, generator=gen) * 100 - 50
+    base = numbers > 0 if dtype == torch.bool else numbers.to(dtype)
+    tensors = [base, base.t(), base[1:4, ::2], base[0, 0], base[:0], base.reshape(2, 15)[:, 3]]
+    tree, parts, _ = unpack_value(pack_value(None, tensors, [None] * len(tensors)))
+    assert tree is None and len(parts) == len(tensors)
+    for i, sent in enumerate(tensors):
+        got = parts[i]
+        assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent), i
+        assert not got._is_view()
+    parts[0].fill_(0)  # parts are spans of their own
+    assert torch.equal(parts[1], base.t())
 
 
 def _send_all(items: list, compression: str = "none", validate=None) -> tuple[list, list, NetChannel]:
