@@ -16,7 +16,7 @@ import torch
 from fusionnet.dag.rebuild import run_whole_graph
 from fusionnet.dag.trace import trace_model
 from fusionnet.job.kv_decode import SlotDecoder, example_rows, find_causal_lm
-from fusionnet.serving.batching import Overloaded
+from fusionnet.serving.batching import DynamicBatcher, Overloaded
 from fusionnet.serving.kv_sessions import CacheLost, SlotPool, generate_cached
 from fusionnet.serving.sampling import SamplingParams
 from tests.serving_support import answer_rows
@@ -211,6 +211,49 @@ def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> 
     assert lost.rows == [3, 1, 5, 1, 1, 1]  # each loss: everything again in one batch, nothing resampled
     with pytest.raises(CacheLost):
         asyncio.run(tokens(Fake({2, 3, 4, 5})))  # lost on every placement: the session gives up
+
+
+def test_a_session_that_stops_early_withdraws_the_row_it_asked_for_ahead() -> None:
+    """Each token's next row goes to the batcher before the token is handed on (``ask_ahead``). A
+    session that stops there takes it back: out of the queue if no batch took it, its answer dropped if
+    one did; the slot is free at once and the batcher serves the next session as before."""
+
+    async def scenario() -> None:
+        gate, batches = asyncio.Event(), []
+
+        async def run_batch(rows: torch.Tensor, pick: list[int] | None, keep: list[bool]) -> Any:
+            batches.append([tuple(r) for r in rows[:, 1:].tolist()])  # (position, slot) per row
+            if len(batches) == 2:
+                await gate.wait()  # the first session's asked-ahead row, held in the pipeline
+            logits = torch.zeros(len(rows), 10)
+            logits[:, 3] = 1.0
+            return answer_rows(logits, keep)
+
+        batcher = DynamicBatcher(run_batch, max_batch=4, max_wait=0.001, queue_limit=16)
+        batcher.start()
+        pool = SlotPool(1, waiting=2)
+        greedy = SamplingParams(0.0)
+        try:
+            async with batcher.caller() as submit:
+                first = generate_cached(submit, pool, lambda: 0, [1, 2], 5, greedy, None, 0)
+                assert await first.__anext__() == 3
+                async with asyncio.timeout(5):
+                    while len(batches) < 2:
+                        await asyncio.sleep(0)
+                assert batches == [[(0, 0), (1, 0)], [(2, 0)]]  # the prefill, then the next row already
+                await first.aclose()
+                assert pool.in_use == 0 and batcher.queued_rows == 0
+            gate.set()
+            async with batcher.caller() as submit:  # the slot again, from position 0
+                second = generate_cached(submit, pool, lambda: 0, [4], 3, greedy, None, 0)
+                async with asyncio.timeout(5):
+                    assert [t async for t in second] == [3, 3, 3]
+            assert batches[2:] == [[(0, 0)], [(1, 0)], [(2, 0)]]  # nothing asked ahead after the last token
+        finally:
+            gate.set()
+            await batcher.close()
+
+    asyncio.run(scenario())
 
 
 class _Logits(torch.nn.Module):

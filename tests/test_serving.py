@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from safetensors.torch import load as load_st
 from safetensors.torch import save as save_st
@@ -547,6 +548,45 @@ def test_greedy_completion_through_padding_equals_generate_and_streams() -> None
         "gpt", "generate", lambda rows: lm(rows).logits, (32,), torch.long, Window(context=32, vocab=40)
     )
     _run(_with_app(local, body))
+
+
+def test_the_next_batch_starts_before_the_streamed_chunks_of_the_tokens_that_asked_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each token's chunk is written after the batch its choice's next row rides in has started: the
+    # chunks' writes are off the decode loop's critical path (``stream_choices``).
+    events: list[str] = []
+    original_write = web.StreamResponse.write
+
+    async def write(self: web.StreamResponse, data: bytes) -> None:
+        if b'"token_ids": [' in data and b'"token_ids": []' not in data:
+            events.append("chunk")
+        await original_write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    local = _Local()
+    flat = Window(context=8, vocab=40)
+    local.add("gpt", "generate", lambda rows: torch.ones(*rows.shape, 40), (8,), torch.long, flat)
+    model = local.served["gpt"]
+    original = model.batcher.run_batch
+
+    async def logged(rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None = None) -> Any:
+        events.append(f"batch of {len(rows)}")
+        return await (original(rows, pick) if keep is None else original(rows, pick, keep))
+
+    model.batcher.run_batch = logged
+
+    async def body(client: TestClient) -> None:
+        body = {"prompt": [[1, 2], [3, 4]], "max_tokens": 3, "temperature": 0, "stream": True}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status == 200
+        await r.text()
+
+    _run(_with_app(local, body))
+    # 2 choices in one stream, 3 tokens each: every batch carries both rows, and each token's chunk
+    # comes after the next batch has started (the last tokens ask for none)
+    batch = "batch of 2"
+    assert events == [batch, batch, "chunk", "chunk", batch, "chunk", "chunk", "chunk", "chunk"], events
 
 
 def test_echo_scores_the_prompt_and_puts_it_before_the_answer() -> None:

@@ -7,15 +7,16 @@ keeps up to ``in_flight`` batches in the pipeline at once: while batch ``k`` is 
 batch ``k + 1`` already runs in the first one, so throughput approaches the bottleneck stage (FusionAI
 eq. (4)) rather than the whole pipeline's latency (eq. (3)).
 
-A caller that asks again right after each answer (a generating session: its next token's row) takes
-its ``submit`` from ``caller()``. Between an answer and its next rows such a caller is "away", and a
-pipeline with nothing in it waits for the away callers instead of running the first row that comes
-back alone: the sessions of one batch come back a few event-loop turns apart (each samples its token
-and hands it to its stream first), and without the wait they would split into batches of one or two
-rows, each paying a batch's whole fixed cost. The wait lasts at most a batch's time (measured), or
+A caller that asks again right after each answer (a generating session: its next token's row) takes its
+``submit`` from ``caller()``. Between an answer and its next rows such a caller is "away", and a
+pipeline with nothing in it waits for the away callers instead of running the first row that comes back
+alone: the sessions of one batch come back a few event-loop turns apart (each samples its token first),
+and without the wait they would split into batches of one or two rows, each paying a batch's whole fixed
+cost. A session queues its next row (``enqueue``) before it hands its token to its stream, so the next
+batch starts before the streams write their chunks. The wait lasts at most a batch's time (measured), or
 ``max_wait`` if longer; a caller that once does not come back in that time (a stalled stream) is not
-waited for again. And while batches run, another goes beside them only when the live sessions cannot
-all ride in the running ones (more sessions than ``max_batch`` per running batch): 16 sessions and
+waited for again. And while batches run, another goes beside them only when the live sessions cannot all
+ride in the running ones (more sessions than ``max_batch`` per running batch): 16 sessions and
 ``max_batch`` 16 make one full batch at a time, not two half ones.
 
 Overload is answered, never queued without bound: when more than ``queue_limit`` rows wait,
@@ -173,7 +174,7 @@ class DynamicBatcher:
         handle = object()
         self._callers += 1
         try:
-            yield partial(self.submit, caller=handle)
+            yield partial(self.enqueue, caller=handle)
         finally:
             self._callers -= 1
             self._arrived.set()  # fewer sessions: a held batch may now go
@@ -192,6 +193,22 @@ class DynamicBatcher:
     ) -> Answer:
         """The outputs for ``rows`` (one per row, in order), or with ``keep`` (one flag per row) their
         ``RowAnswers``; ``Overloaded`` when the queue is full."""
+        return await self.enqueue(rows, pick, keep, caller=caller)
+
+    def enqueue(
+        self,
+        rows: torch.Tensor,
+        pick: list[int] | None = None,
+        keep: list[bool] | None = None,
+        *,
+        caller: object | None = None,
+    ) -> asyncio.Future[Answer]:
+        """``submit``, with the rows queued now, before this returns: the future of their answer.
+        Cancelling it withdraws rows no batch has taken yet (a batch running them drops the answer).
+
+        Why: a session asks for its next token's row this way before it hands the last token on, so
+        the batch that row completes can start before the streams write their chunks
+        (``generation.ask_ahead``)."""
         self._away.discard(caller)
         if self._closed:
             raise Closed("the deployment was undeployed")
@@ -211,15 +228,9 @@ class DynamicBatcher:
             self._queued_rows += stop - start
             futures.append(item.future)
         self._arrived.set()
-        parts = await asyncio.gather(*futures)
-        if len(parts) == 1:
-            return parts[0]
-        if keep is None:
-            return torch.cat(parts)  # type: ignore[arg-type]
-        return RowAnswers(
-            torch.cat([p.ids for p in parts]),  # type: ignore[union-attr]
-            torch.cat([p.outputs for p in parts]),  # type: ignore[union-attr]
-        )
+        if len(futures) == 1:
+            return futures[0]
+        return asyncio.ensure_future(_joined(futures, keep is not None))
 
     # ---- the collector -------------------------------------------------------------------------
     async def _collect(self) -> None:
@@ -356,6 +367,17 @@ def _keep_of(batch: list[_Item]) -> list[bool] | None:
     if all(i.keep is None for i in batch):
         return None
     return [k for i in batch for k in (i.keep if i.keep is not None else [True] * int(i.rows.shape[0]))]
+
+
+async def _joined(futures: list[asyncio.Future[Answer]], kept: bool) -> Answer:
+    """The answers of a request cut into several batches, joined in order (``enqueue``)."""
+    parts = await asyncio.gather(*futures)
+    if not kept:
+        return torch.cat(parts)  # type: ignore[arg-type]
+    return RowAnswers(
+        torch.cat([p.ids for p in parts]),  # type: ignore[union-attr]
+        torch.cat([p.outputs for p in parts]),  # type: ignore[union-attr]
+    )
 
 
 def _part(out: Answer, start: int, stop: int, keep: list[bool] | None, as_answers: bool) -> Answer:

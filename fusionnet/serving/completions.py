@@ -325,6 +325,12 @@ async def stream_choices(
         sent = [0] * len(runs)  # characters of each choice's text sent so far
         while live:
             index, item = await queue.get()
+            # One turn of the loop before the chunk is written: with this token its choice also asked
+            # for its next row, and the batch those rows complete (a task the batcher's collector
+            # creates in this very turn) then starts before the chunks are written, not after. With 16
+            # streams, writing their chunks first held every decode batch back by about 0.4 ms (a
+            # batch takes about 19 ms at the serving benchmark's small size).
+            await asyncio.sleep(0)
             if isinstance(item, BaseException):
                 error = ApiError(503, f"generation failed: {item}"[:300], "server_error").body()
                 await response.write(f"data: {json.dumps(error)}\n\n".encode())

@@ -17,12 +17,13 @@ fails on a lost compnode is simply run again on the replacement with the same ou
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import torch
 
-from fusionnet.serving.batching import RowAnswers, Submit
+from fusionnet.serving.batching import Answer, RowAnswers, Submit
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
 
 
@@ -79,6 +80,26 @@ def check_prompt(prompt: list[int], max_tokens: int, window: Window) -> str | No
     return None
 
 
+def ask_ahead(
+    submit: Submit, rows: torch.Tensor, pick: list[int], keep: list[bool]
+) -> asyncio.Future[Answer]:
+    """``submit(rows, ...)`` started now: the batcher's ``enqueue`` (what ``DynamicBatcher.caller``
+    hands out) queues the rows before this returns, any other ``submit`` once the loop turns.
+
+    Why: a session asks for its next token's row before it hands the token on. The stream then writes
+    that token's chunk while the batch carrying the row already runs, instead of the batch waiting
+    for every stream's chunk first (about 0.4 ms of each decode pass with 16 streams)."""
+    return asyncio.ensure_future(submit(rows, pick, keep))
+
+
+def withdraw(pending: asyncio.Future[Answer] | None) -> None:
+    """A row asked ahead that nobody will read (the choice stopped early): out of the queue if no batch
+    took it yet; a batch that did drops its answer."""
+    if pending is not None and not pending.done():
+        pending.cancel()
+        pending.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
 async def generate(
     submit: Submit,
     window: Window,
@@ -90,15 +111,22 @@ async def generate(
     on_logits: Callable[[torch.Tensor], None] | None = None,
 ) -> AsyncIterator[int]:
     """The generated token ids, one at a time (``check_prompt`` must have passed); ``on_logits`` sees
-    the logits each one was sampled from, just before it comes."""
+    the logits each one was sampled from, just before it comes. The row of the next token is asked for
+    before each token is handed on (``ask_ahead``)."""
     generator = generator_for(seed, choice)
     tokens = list(prompt)
     row = torch.full((1, window.context), window.pad_id, dtype=window.dtype)
     row[0, : len(tokens)] = torch.tensor(tokens, dtype=window.dtype)
     need = needs_logits(params, on_logits)
-    for _ in range(max_tokens):
-        answer = await submit(row.clone(), [len(tokens) - 1], [need])
-        token = next_of(answer, need, params, generator, tokens, len(prompt), on_logits)
-        row[0, len(tokens)] = token
-        tokens.append(token)
-        yield token
+    pending = ask_ahead(submit, row.clone(), [len(tokens) - 1], [need]) if max_tokens > 0 else None
+    try:
+        while pending is not None:
+            answer = await pending
+            token = next_of(answer, need, params, generator, tokens, len(prompt), on_logits)
+            row[0, len(tokens)] = token
+            tokens.append(token)
+            last = len(tokens) - len(prompt) == max_tokens
+            pending = None if last else ask_ahead(submit, row.clone(), [len(tokens) - 1], [need])
+            yield token
+    finally:
+        withdraw(pending)

@@ -8,7 +8,8 @@ each layer every row's keys and values are written before any row reads its slot
 positions up to its own, so this is the causal forward pass of the whole prompt; a prompt longer than a
 batch is cut into batches that run in order); then it feeds one row per token it samples. The rows of
 all live sessions share the batcher, so every batch carries the sessions' next tokens wherever each one
-is (continuous batching at iteration level).
+is (continuous batching at iteration level). Each row is asked for before the token that made it is
+handed on (``generation.ask_ahead``), and taken back if the session stops there.
 
 Placements and caches. Caches live only on the compnodes of the placement that filled them. Every row
 is sent with the placement number ("epoch") its session's cache was built on; a batch carrying a row of
@@ -27,8 +28,8 @@ from contextlib import asynccontextmanager
 import torch
 
 from fusionnet.errors import ExecutionError
-from fusionnet.serving.batching import Overloaded, Submit
-from fusionnet.serving.generation import needs_logits, next_of
+from fusionnet.serving.batching import Answer, Overloaded, Submit
+from fusionnet.serving.generation import ask_ahead, needs_logits, next_of, withdraw
 from fusionnet.serving.sampling import SamplingParams, generator_for
 
 REPLAYS = 3  # placements a session may lose its cache on before it fails
@@ -106,23 +107,38 @@ async def generate_cached(
     need = needs_logits(params, on_logits)
     async with slots.session() as slot:
         position, built_on, replays = 0, epoch(), 0
-        while produced < max_tokens:
+
+        def ask() -> asyncio.Future[Answer]:
             # the tokens the cache lacks: the whole prompt (or everything, after a lost cache), then one
             rows = torch.tensor(
                 [[tokens[p], p, slot] for p in range(position, len(tokens))], dtype=torch.long
             )
             # only the last row's answer is read: the others' outputs are not sent (``keep``)
             keep = [False] * (len(rows) - 1) + [need]
-            try:
-                answer = await submit(rows, [built_on] * len(rows), keep)
-            except CacheLost:
-                replays += 1
-                if replays > REPLAYS:
-                    raise
-                position, built_on = 0, epoch()  # the cache is gone: fill it again on this placement
-                continue
-            position = len(tokens)
-            token = next_of(answer, need, params, generator, tokens, len(prompt), on_logits)
-            tokens.append(token)
-            produced += 1
-            yield token
+            return ask_ahead(submit, rows, [built_on] * len(rows), keep)
+
+        pending = ask() if max_tokens > 0 else None
+        try:
+            while pending is not None:
+                try:
+                    answer = await pending
+                except CacheLost:
+                    replays += 1
+                    if replays > REPLAYS:
+                        raise
+                    position, built_on = 0, epoch()  # the cache is gone: fill it again on this placement
+                    pending = ask()
+                    continue
+                position = len(tokens)
+                token = next_of(answer, need, params, generator, tokens, len(prompt), on_logits)
+                tokens.append(token)
+                produced += 1
+                # the next row goes to the batcher before the token is handed on (``ask_ahead``)
+                pending = ask() if produced < max_tokens else None
+                yield token
+        finally:
+            # a row asked ahead and not read: withdrawn before the slot is free. One a batch already
+            # took writes its keys at a position past the session's tokens, which a later holder of
+            # the slot writes again before any row of it reads that far (rows read their own
+            # positions and earlier ones only).
+            withdraw(pending)
