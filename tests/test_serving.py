@@ -26,7 +26,7 @@ from fusionnet.serving.batching import (
     RowAnswers,
     RowsFailed,
 )
-from fusionnet.serving.generation import Window
+from fusionnet.serving.generation import Window, generate
 from fusionnet.serving.http import build_app
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
 from fusionnet.serving.served import ServedModel
@@ -587,6 +587,30 @@ def test_the_next_batch_starts_before_the_streamed_chunks_of_the_tokens_that_ask
     # comes after the next batch has started (the last tokens ask for none)
     batch = "batch of 2"
     assert events == [batch, batch, "chunk", "chunk", batch, "chunk", "chunk", "chunk", "chunk"], events
+
+
+def test_a_row_asked_ahead_and_refused_fails_the_next_token_not_the_one_in_hand() -> None:
+    calls = 0
+
+    def submit(rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None = None) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the batcher's ``enqueue`` refuses at once when its queue is full
+            raise Overloaded("128 rows already wait")
+        answer = asyncio.get_running_loop().create_future()
+        answer.set_result(answer_rows(torch.ones(len(rows), 10), keep or [False] * len(rows)))
+        return answer
+
+    async def tokens() -> list[int]:
+        got: list[int] = []
+        with pytest.raises(Overloaded, match="already wait"):
+            async for token in generate(
+                submit, Window(context=8, vocab=10), [1], 3, SamplingParams(0.0), None, 0
+            ):
+                got.append(token)
+        return got
+
+    assert asyncio.run(tokens()) == [0]  # the first token came; the refusal ended the choice after it
 
 
 def test_echo_scores_the_prompt_and_puts_it_before_the_answer() -> None:
