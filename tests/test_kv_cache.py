@@ -219,11 +219,12 @@ def test_a_session_that_stops_early_withdraws_the_row_it_asked_for_ahead() -> No
     one did; the slot is free at once and the batcher serves the next session as before."""
 
     async def scenario() -> None:
-        gate, batches = asyncio.Event(), []
+        gate, held, batches = asyncio.Event(), asyncio.Event(), []
 
         async def run_batch(rows: torch.Tensor, pick: list[int] | None, keep: list[bool]) -> Any:
             batches.append([tuple(r) for r in rows[:, 1:].tolist()])  # (position, slot) per row
             if len(batches) == 2:
+                held.set()
                 await gate.wait()  # the first session's asked-ahead row, held in the pipeline
             logits = torch.zeros(len(rows), 10)
             logits[:, 3] = 1.0
@@ -237,9 +238,7 @@ def test_a_session_that_stops_early_withdraws_the_row_it_asked_for_ahead() -> No
             async with batcher.caller() as submit:
                 first = generate_cached(submit, pool, lambda: 0, [1, 2], 5, greedy, None, 0)
                 assert await first.__anext__() == 3
-                async with asyncio.timeout(5):
-                    while len(batches) < 2:
-                        await asyncio.sleep(0)
+                await asyncio.wait_for(held.wait(), 5)
                 assert batches == [[(0, 0), (1, 0)], [(2, 0)]]  # the prefill, then the next row already
                 await first.aclose()
                 assert pool.in_use == 0 and batcher.queued_rows == 0
