@@ -767,7 +767,7 @@ def test_a_repeated_serve_step_call_gets_the_first_answer_and_runs_once() -> Non
 
     async def scenario() -> None:
         order = StepOrder()
-        ask = lambda step: serve_step(job, order, ServeStepRequest(job_id="j1", step=step, sizes=[2]), None)
+        ask = lambda step: serve_step(job, order, ServeStepRequest(job_id="j1", step=step, sizes=[2]))
         first, again = await asyncio.gather(ask(0), ask(0))  # the repeat comes while the first runs
         assert first == again and first.fp_seconds == 0.5 and runs == [0]
         for step in range(1, KEPT_ANSWERS + 2):

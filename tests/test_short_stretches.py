@@ -139,3 +139,28 @@ def test_a_busy_compute_thread_takes_the_next_stretch_itself() -> None:
     first = next(e for e in log if e[1] == "before")
     assert first[-1].startswith("compute"), "a stretch ran inline while the compute thread was busy"
     assert any(e[-1] == threading.current_thread().name for e in log if e[1] == "before")
+
+
+def test_work_beside_the_graph_is_routed_like_a_stretch_of_its_own_phase() -> None:
+    """A served batch's output packing (``run_routed("pack", ...)``, ``compnode/serve_steps``): timed on
+    the compute thread first, then inline while its packs stay short, back on the thread after a long
+    one; the graph's own phases keep their own timings."""
+    here = threading.current_thread().name
+
+    def where(seconds: float = 0.0) -> str:
+        time.sleep(seconds)
+        return threading.current_thread().name
+
+    with ThreadPoolExecutor(1, thread_name_prefix="compute") as pool:
+        swarm, _, _ = _routed(0.05, pool, [])
+        ex = swarm.executors[0]
+
+        async def run() -> list[str]:
+            names = [await ex.run_routed("pack", where) for _ in range(3)]
+            names.append(await ex.run_routed("pack", lambda: where(0.1)))  # ran inline, timed long
+            names.append(await ex.run_routed("pack", where))
+            return names
+
+        names = asyncio.run(run())
+    assert names[0].startswith("compute") and names[1:4] == [here] * 3 and names[4].startswith("compute")
+    assert ex.short_stretches is not None and not ex.short_stretches.short("fp")

@@ -134,7 +134,7 @@ class JobHost:
             await self._on_compute(job.executor.drop_inflight)
 
     async def serve(self, request: ServeStepRequest) -> ServeStepReply:
-        return await serve_step(self.job, self._order, request, self.compute)
+        return await serve_step(self.job, self._order, request)
 
     async def collect(self, part: str, chunk: int, subdag: int | None = None) -> CollectReply:
         job = self._of(subdag)

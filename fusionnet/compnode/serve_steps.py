@@ -17,7 +17,6 @@ be refused as out of order and, with KV caches, write a session's cache twice.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import torch
 
@@ -139,18 +138,16 @@ def kept(
     return out, ids
 
 
-async def serve_step(
-    job: JobAssignment, order: StepOrder, request: ServeStepRequest, compute: Any
-) -> ServeStepReply:
+async def serve_step(job: JobAssignment, order: StepOrder, request: ServeStepRequest) -> ServeStepReply:
     """Runs one request batch (FP of each micro-batch) in step order; the output sub-DAG answers with
-    the outputs, picked as asked, packed on the compute thread."""
+    the outputs, picked as asked, packed where the executor routes a short stretch."""
     step = request.step
     kept = order.answer_of(step)
     if kept is not None:  # a repeated call: the first one's answer
         return await asyncio.shield(kept)
     answer = order.keep(step)
     try:
-        reply = await _run_batch(job, order, request, compute)
+        reply = await _run_batch(job, order, request)
     except BaseException as e:
         answer.set_exception(e if isinstance(e, Exception) else JobError(f"batch {step} was cancelled"))
         raise
@@ -158,9 +155,7 @@ async def serve_step(
     return reply
 
 
-async def _run_batch(
-    job: JobAssignment, order: StepOrder, request: ServeStepRequest, compute: Any
-) -> ServeStepReply:
+async def _run_batch(job: JobAssignment, order: StepOrder, request: ServeStepRequest) -> ServeStepReply:
     step = request.step
     sizes = list(request.sizes)
     microbatches = split_batch(job, request.data, sizes, step)
@@ -172,12 +167,12 @@ async def _run_batch(
         await order.done(step)
     outputs = None
     if report.outputs:
-        loop = asyncio.get_running_loop()
 
         def pack() -> tuple[bytes, bytes | None]:
             rows, ids = kept(picked(output_tensors(report.outputs), request.pick), request.keep)
             return pack_tensors(rows), None if ids is None else pack_tensors(ids)
 
-        outputs, ids = await loop.run_in_executor(compute, pack)
+        # on the compute thread, or inline where this phase's packs have been short (a decode pass's)
+        outputs, ids = await job.executor.run_routed("pack", pack)
         return ServeStepReply(step=step, fp_seconds=report.fp_seconds, outputs=outputs, ids=ids)
     return ServeStepReply(step=step, fp_seconds=report.fp_seconds)

@@ -178,8 +178,15 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
     async def _run(self, phase: Phase, step: int, mb: int, work: Callable[[], T]) -> T:
         """One compute stretch, between the hooks, on the compute pool (or inline without one, or inline
         when ``short_stretches`` says it is short and nothing is pending)."""
-        call = partial(self.hooks.run, phase, step, mb, work)
         await self.outbox.let_go()  # the last stretch's values leave before this one takes the core
+        return await self.run_routed(phase, partial(self.hooks.run, phase, step, mb, work))
+
+    async def run_routed(self, phase: str, call: Callable[[], T]) -> T:
+        """``call`` where a stretch of ``phase`` runs: on the compute pool, or inline without one or
+        when ``short_stretches`` says the phase is short and nothing is pending. Also for work beside
+        the graph that the step waits for, such as packing a served batch's outputs (phase ``pack``):
+        on the thread it costs the critical path two wake-ups, measured 0.7 ms of an 18 ms decode pass
+        on a shared 2-core host, for 0.1 ms of work."""
         if self.compute is None:
             return call()
         short = self.short_stretches
@@ -387,7 +394,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         return host_copy(out) if copy else {k: v.detach().to(HOST) for k, v in out.items()}
 
 
-def _timed(short: ShortStretches, phase: Phase, call: Callable[[], T]) -> T:
+def _timed(short: ShortStretches, phase: str, call: Callable[[], T]) -> T:
     """``call``, its seconds noted for ``short``'s choice of the next stretches' route."""
     started = time.perf_counter()
     try:
