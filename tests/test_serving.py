@@ -819,3 +819,50 @@ def test_logprobs_are_the_models_own_plain_and_streamed() -> None:
         assert r.status == 400 and "logprobs" in (await r.json())["error"]["message"]
 
     _run(_with_app(local, body))
+
+
+def test_a_stream_whose_client_goes_away_frees_its_cache_slots_and_queued_rows() -> None:
+    """A streaming client that closes its connection mid-generation: its sessions end at the next chunk
+    the server cannot write, their KV-cache slots are free and none of their rows stays queued, and the
+    next request gets every slot and runs to its end."""
+    from fusionnet.serving.kv_sessions import SlotPool
+
+    vocab = 10
+    batches: list[int] = []
+
+    async def run_batch(rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None = None) -> Any:
+        batches.append(len(rows))
+        await asyncio.sleep(0.005)  # a decode pass takes a while: the client leaves between tokens
+        logits = torch.nn.functional.one_hot((rows[:, 0] + 1) % vocab, vocab).float()  # next = token + 1
+        assert keep is not None  # a KV-cached session always sends its flags
+        return answer_rows(logits, keep)
+
+    local = _Local()
+    batcher = DynamicBatcher(run_batch, max_batch=4, max_wait=0.005, queue_limit=64)
+    model = ServedModel(
+        "gpt", "generate", "job0", (3,), torch.long, batcher, Window(context=64, vocab=vocab),
+        kv=SlotPool(slots=2, waiting=4),
+    )  # fmt: skip
+    local.served["gpt"] = model
+
+    async def body(client: TestClient) -> None:
+        request = {"prompt": [[1, 2], [3, 4]], "max_tokens": 50, "temperature": 0, "stream": True}
+        r = await client.post("/v1/completions", json=request)
+        assert r.status == 200
+        chunks = 0
+        async for line in r.content:
+            if line.startswith(b"data: ") and b'"token_ids": [' in line and b'"token_ids": []' not in line:
+                chunks += 1
+                if chunks == 4:
+                    break
+        assert model.kv is not None and model.kv.in_use == 2
+        r.close()  # gone mid-stream, 46 tokens short of each choice's end
+        await _until(lambda: model.kv is not None and model.kv.in_use == 0 and batcher.queued_rows == 0)
+        assert len(batches) < 40, "the sessions went on generating for a client that had left"
+        again = {"prompt": [[5], [6]], "max_tokens": 3, "temperature": 0}
+        r = await client.post("/v1/completions", json=again)
+        doc = await r.json()
+        assert r.status == 200, doc
+        assert [c["token_ids"] for c in doc["choices"]] == [[6, 7, 8], [7, 8, 9]]
+
+    _run(_with_app(local, body))
