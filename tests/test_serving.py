@@ -27,7 +27,7 @@ from fusionnet.serving.batching import (
     RowsFailed,
 )
 from fusionnet.serving.generation import Window, generate
-from fusionnet.serving.http import build_app
+from fusionnet.serving.http import CLIENT_GONE, build_app, start_api
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
 from fusionnet.serving.served import ServedModel
 from fusionnet.serving.tokenizers import CharTokenizer
@@ -821,13 +821,30 @@ def test_logprobs_are_the_models_own_plain_and_streamed() -> None:
     _run(_with_app(local, body))
 
 
-def test_a_stream_whose_client_goes_away_frees_its_cache_slots_and_queued_rows() -> None:
-    """A streaming client that closes its connection mid-generation: its sessions end at the next chunk
-    the server cannot write, their KV-cache slots are free and none of their rows stays queued, and the
-    next request gets every slot and runs to its end."""
+class _Requests:
+    """A ``ServingObserver`` that notes each request's status and ignores the rest."""
+
+    def __init__(self) -> None:
+        self.statuses: list[int] = []
+
+    def observe_request(self, deployment: str, endpoint: str, status: int) -> None:
+        self.statuses.append(status)
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_goes_away_frees_its_sessions_cache_slots_and_queued_rows(stream: bool) -> None:
+    """A client that leaves mid-generation (a closed stream, or its own timeout on a plain request): its
+    sessions end (a stream's at the next chunk the server cannot write, a plain request's handler is
+    cancelled), their KV-cache slots are free and none of their rows stays queued, it is counted as
+    499, and the next request gets every slot and runs to its end."""
+    import aiohttp
+
     from fusionnet.serving.kv_sessions import SlotPool
 
-    vocab = 10
+    vocab, tokens = 10, 50  # both choices ride in the same batches: a full generation takes 50 of them
     batches: list[int] = []
 
     async def run_batch(rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None = None) -> Any:
@@ -837,32 +854,52 @@ def test_a_stream_whose_client_goes_away_frees_its_cache_slots_and_queued_rows()
         assert keep is not None  # a KV-cached session always sends its flags
         return answer_rows(logits, keep)
 
-    local = _Local()
     batcher = DynamicBatcher(run_batch, max_batch=4, max_wait=0.005, queue_limit=64)
     model = ServedModel(
         "gpt", "generate", "job0", (3,), torch.long, batcher, Window(context=64, vocab=vocab),
         kv=SlotPool(slots=2, waiting=4),
     )  # fmt: skip
+    local = _Local()
     local.served["gpt"] = model
+    requests = _Requests()
 
-    async def body(client: TestClient) -> None:
-        request = {"prompt": [[1, 2], [3, 4]], "max_tokens": 50, "temperature": 0, "stream": True}
-        r = await client.post("/v1/completions", json=request)
-        assert r.status == 200
-        chunks = 0
-        async for line in r.content:
-            if line.startswith(b"data: ") and b'"token_ids": [' in line and b'"token_ids": []' not in line:
-                chunks += 1
-                if chunks == 4:
-                    break
-        assert model.kv is not None and model.kv.in_use == 2
-        r.close()  # gone mid-stream, 46 tokens short of each choice's end
-        await _until(lambda: model.kv is not None and model.kv.in_use == 0 and batcher.queued_rows == 0)
-        assert len(batches) < 40, "the sessions went on generating for a client that had left"
-        again = {"prompt": [[5], [6]], "max_tokens": 3, "temperature": 0}
-        r = await client.post("/v1/completions", json=again)
-        doc = await r.json()
-        assert r.status == 200, doc
-        assert [c["token_ids"] for c in doc["choices"]] == [[6, 7, 8], [7, 8, 9]]
+    async def leave(http: aiohttp.ClientSession, url: str) -> None:
+        request = {"prompt": [[1, 2], [3, 4]], "max_tokens": tokens, "temperature": 0, "stream": stream}
+        if not stream:
+            with pytest.raises(asyncio.TimeoutError):
+                await http.post(url, json=request, timeout=aiohttp.ClientTimeout(total=0.1))
+            return
+        async with http.post(url, json=request) as r:
+            assert r.status == 200
+            chunks = 0
+            async for line in r.content:
+                token = line.startswith(b"data: ") and b'"token_ids": [' in line
+                if token and b'"token_ids": []' not in line:
+                    chunks += 1
+                    if chunks == 4:
+                        break
+            assert model.kv is not None and model.kv.in_use == 2
+            r.close()  # gone mid-stream, 46 tokens short of each choice's end
 
-    _run(_with_app(local, body))
+    async def scenario() -> None:
+        batcher.start()
+        runner, base = await start_api(local, requests, "127.0.0.1", 0)  # as the broker serves it
+        try:
+            async with aiohttp.ClientSession() as http:
+                url = f"{base}/v1/completions"
+                await leave(http, url)
+                assert model.kv is not None
+                await _until(lambda: model.kv.in_use == 0 and batcher.queued_rows == 0)
+                assert len(batches) < tokens - 5, "the sessions went on generating for a client that had left"
+                await _until(lambda: requests.statuses == [CLIENT_GONE])
+                again = {"prompt": [[5], [6]], "max_tokens": 3, "temperature": 0}
+                async with http.post(url, json=again) as r:
+                    doc = await r.json()
+                    assert r.status == 200, doc
+                assert [c["token_ids"] for c in doc["choices"]] == [[6, 7, 8], [7, 8, 9]]
+                assert requests.statuses == [CLIENT_GONE, 200]
+        finally:
+            await runner.cleanup()
+            await batcher.close()
+
+    _run(scenario())

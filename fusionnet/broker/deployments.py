@@ -40,7 +40,7 @@ from fusionnet.messages.serving_rpc import (
 from fusionnet.rpc.server import RPCContext
 from fusionnet.serving.batching import BatchStats, DynamicBatcher
 from fusionnet.serving.generation import Window
-from fusionnet.serving.http import build_app
+from fusionnet.serving.http import start_api
 from fusionnet.serving.kv_sessions import SlotPool
 from fusionnet.serving.served import ServedModel, ServingObserver
 from fusionnet.serving.tokenizers import CharTokenizer, load_tokenizer
@@ -110,14 +110,7 @@ class DeploymentService:
     async def start(self) -> None:
         if self.http_port is None:
             return
-        self._runner = web.AppRunner(build_app(self, self.observer), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.http_host, self.http_port)
-        await site.start()
-        sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
-        port = sockets[0].getsockname()[1] if sockets else self.http_port
-        host = self.http_host if ":" not in self.http_host else f"[{self.http_host}]"
-        self.url = f"http://{host}:{port}"
+        self._runner, self.url = await start_api(self, self.observer, self.http_host, self.http_port)
         log.info("HTTP API on %s", self.url)
 
     async def stop(self) -> None:

@@ -7,6 +7,12 @@ with it are served), 404 for an unknown deployment or route, 405 for a wrong met
 over the limit, 503 when the deployment's queue is full (``Overloaded``) or it is going away, 500 for a
 failure of ours. Nothing a client sends can make a handler wait without bound: the batcher's queue is
 bounded and every batch call to the swarm has a timeout.
+
+A client that goes away before its answer (a closed connection, its own timeout) has its handler
+cancelled (``start_api``: aiohttp does not cancel it unless asked to). Its rows leave the batcher's
+queue and its sessions give back their KV cache slots at once, instead of generating to ``max_tokens``
+for nobody while live clients get 503. It is counted with status 499 (nginx's "client closed
+request"). A stream notices it at its next chunk.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ log = logging.getLogger("fusionnet.serving")
 MAX_BODY = 64 << 20  # bytes of one request body
 SAFETENSORS = "application/octet-stream"
 DEPLOYMENT = web.RequestKey("deployment", str)  # which deployment a request went to (for the metrics)
+CLIENT_GONE = 499  # the status a request is counted with when its client left before the answer
 
 
 def build_app(deployments: Deployments, observer: ServingObserver | None = None) -> web.Application:
@@ -56,6 +63,21 @@ def build_app(deployments: Deployments, observer: ServingObserver | None = None)
     return app
 
 
+async def start_api(
+    deployments: Deployments, observer: ServingObserver | None, host: str, port: int
+) -> tuple[web.AppRunner, str]:
+    """The API served on ``host:port`` (0: any free port): its runner (``cleanup()`` stops it) and URL."""
+    # handler_cancellation: a handler whose client went away is cancelled; without it a generation
+    # nobody reads holds its cache slots to ``max_tokens`` (aiohttp's default since 3.9)
+    runner = web.AppRunner(build_app(deployments, observer), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+    bound = sockets[0].getsockname()[1] if sockets else port
+    return runner, f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
+
+
 class _Api:
     def __init__(self, deployments: Deployments, observer: ServingObserver | None) -> None:
         self.deployments = deployments
@@ -66,6 +88,12 @@ class _Api:
     async def errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             response = await handler(request)
+        except asyncio.CancelledError:  # the client went away (``start_api``), or the broker stops
+            self._count(request, CLIENT_GONE)
+            raise
+        except ConnectionResetError:  # a stream's client went away and a chunk could not be written
+            self._count(request, CLIENT_GONE)
+            raise
         except ApiError as e:
             response = web.json_response(e.body(), status=e.status)
         except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
@@ -83,11 +111,14 @@ class _Api:
         except Exception as e:
             log.exception("%s %s failed", request.method, request.path)
             response = _error(500, f"internal error: {type(e).__name__}", "server_error")
+        self._count(request, response.status)
+        return response
+
+    def _count(self, request: web.Request, status: int) -> None:
         if self.observer is not None and request.path.startswith("/v1/"):
             name = request.get(DEPLOYMENT)
             if name is not None:
-                self.observer.observe_request(name, request.path, response.status)
-        return response
+                self.observer.observe_request(name, request.path, status)
 
     def _lookup(self, request: web.Request, name: str | None) -> ServedModel:
         if name is None:
