@@ -67,8 +67,8 @@ async def start_api(
     deployments: Deployments, observer: ServingObserver | None, host: str, port: int
 ) -> tuple[web.AppRunner, str]:
     """The API served on ``host:port`` (0: any free port): its runner (``cleanup()`` stops it) and URL."""
-    # handler_cancellation: a handler whose client went away is cancelled; without it a generation
-    # nobody reads holds its cache slots to ``max_tokens`` (aiohttp's default since 3.9)
+    # handler_cancellation: a handler whose client went away is cancelled (aiohttp stopped doing so by
+    # default in 3.9); without it a generation nobody reads holds its cache slots to ``max_tokens``
     runner = web.AppRunner(build_app(deployments, observer), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
