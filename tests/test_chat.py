@@ -15,6 +15,7 @@ import torch
 from aiohttp.test_utils import TestClient
 
 from fusionnet.errors import JobError
+from fusionnet.serving.batching import DynamicBatcher
 from fusionnet.serving.generation import Window
 from fusionnet.serving.tokenizers import CharTokenizer, load_tokenizer, tokenizer_files
 from tests.test_serving import _gpt2, _Local, _run, _with_app
@@ -195,3 +196,24 @@ def test_the_openai_client_chats_unchanged(tokenizer: Any) -> None:
 
 def test_a_folder_without_tokenizer_files_has_none(tmp_path: Path) -> None:
     assert tokenizer_files(tmp_path) is None
+
+
+def test_an_unsaid_max_tokens_is_what_a_big_window_leaves_capped_at_the_request_limit(tokenizer: Any) -> None:
+    """Without ``max_tokens`` a chat may use what the window leaves, but never more than a request may
+    ask for: a window of 8192 tokens once made that 8000-odd, which the completion request refused (500)."""
+    from fusionnet.serving.chat import ChatRequest, encode_chat
+    from fusionnet.serving.completions import MAX_NEW_TOKENS
+    from fusionnet.serving.served import ServedModel
+
+    def model(context: int) -> ServedModel:
+        batcher = DynamicBatcher(lambda *a: None, max_batch=1, max_wait=0.0, queue_limit=1)  # type: ignore
+        window = Window(context, 40)
+        return ServedModel("chat", "generate", "j", (context,), torch.long, batcher, window, tokenizer)
+
+    async def unsaid(context: int) -> int:
+        _, request = await encode_chat(ChatRequest(messages=MESSAGES), model(context))
+        return request.max_tokens
+
+    assert _run(unsaid(8192)) == MAX_NEW_TOKENS
+    ids, _ = _run(encode_chat(ChatRequest(messages=MESSAGES), model(32)))
+    assert _run(unsaid(32)) == 32 - len(ids)

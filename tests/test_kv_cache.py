@@ -156,6 +156,46 @@ def test_sessions_wait_for_a_slot_and_the_queue_is_bounded() -> None:
     asyncio.run(scenario())
 
 
+def test_a_freed_slot_goes_to_a_waiting_session_even_when_the_one_woken_leaves() -> None:
+    """A slot freed while the waiter it wakes is cancelled in the same loop turn (its client left):
+    another waiter takes it. With one notification per release, Python 3.11's ``Condition`` lost it
+    that way, and the other waiter slept on beside a free slot."""
+
+    async def scenario() -> None:
+        pool = SlotPool(1, waiting=4)
+        release = asyncio.Event()
+        got: list[str] = []
+        waiters: list[asyncio.Future[None]] = []
+
+        async def session(name: str) -> None:
+            async with pool.session():
+                got.append(name)
+                await release.wait()
+
+        async def holder() -> None:
+            await session("holder")
+            waiters[0].cancel()  # in the very turn the slot came back and the first waiter was woken
+
+        held = asyncio.ensure_future(holder())
+        async with asyncio.timeout(5):
+            while got != ["holder"]:
+                await asyncio.sleep(0)
+        waiters += [asyncio.ensure_future(session("first")), asyncio.ensure_future(session("second"))]
+        async with asyncio.timeout(5):
+            while pool.waiting < 2:
+                await asyncio.sleep(0)
+        release.set()
+        await held
+        async with asyncio.timeout(5):
+            while got[-1:] != ["second"]:
+                await asyncio.sleep(0)
+        await asyncio.gather(waiters[0], return_exceptions=True)
+        await waiters[1]
+        assert got == ["holder", "second"] and pool.in_use == 0 and pool.waiting == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> None:
     """A fake deployment: the next token is a function of the cache contents, which a 'placement'
     loses; the session replays from position 0 and samples nothing twice."""

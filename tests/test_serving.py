@@ -23,6 +23,7 @@ from fusionnet.serving.batching import (
     BatchStats,
     DynamicBatcher,
     Overloaded,
+    Oversized,
     RowAnswers,
     RowsFailed,
 )
@@ -234,6 +235,34 @@ def test_batcher_refuses_beyond_its_queue_and_keeps_at_most_in_flight_batches() 
     _run(main())
 
 
+def test_the_queue_limit_admits_new_work_and_never_ends_a_session_it_admitted() -> None:
+    """A full queue refuses new requests and new sessions (503: retry later), but an admitted session's
+    next row still gets in: refusing it would end a generation half-way. A request larger than the
+    limit itself could never get in: ``Oversized`` (400), not a busy queue."""
+
+    async def main() -> None:
+        b = DynamicBatcher(lambda rows, pick: rows, max_batch=2, max_wait=0.0, queue_limit=4)  # not started
+        try:
+            async with b.caller() as session, b.caller() as late:
+                first = session(torch.zeros(2, 1), None)  # the session's prefill: admitted
+                others = b.enqueue(torch.zeros(2, 1))  # a plain request fills the queue
+                assert b.queued_rows == 4
+                with pytest.raises(Overloaded):
+                    b.enqueue(torch.zeros(1, 1))  # new work: refused
+                with pytest.raises(Overloaded):
+                    late(torch.zeros(1, 1), None)  # a new session's first row too
+                second = session(torch.zeros(1, 1), None)  # the admitted session's next row: in
+                assert b.queued_rows == 5
+                with pytest.raises(Oversized, match="--queue-limit 4"):
+                    b.enqueue(torch.zeros(5, 1))
+                for f in (first, others, second):
+                    f.cancel()
+        finally:
+            await b.close()
+
+    _run(main())
+
+
 def test_batcher_splits_a_request_larger_than_a_batch() -> None:
     async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
         assert rows.shape[0] <= 3
@@ -336,6 +365,11 @@ def test_sampling_greedy_seeded_and_top_p() -> None:
     assert {next_token(logits, nucleus, g) for _ in range(50)} == {1}
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1.0)
+    # a temperature so small the logits overflow: its limit (the most likely tokens), not a NaN's error
+    tiny = SamplingParams(temperature=1e-40)
+    assert {next_token(logits, tiny, g) for _ in range(20)} == {1}
+    tied = torch.tensor([0.1, 2.0, 2.0, -1.0])
+    assert {next_token(tied, tiny, g) for _ in range(200)} == {1, 2}
 
 
 def test_pick_keeps_each_rows_position_over_the_micro_batches() -> None:
@@ -446,6 +480,10 @@ async def _with_app(deployments: _Local, body: Callable[[TestClient], Awaitable[
             await m.batcher.close()
 
 
+JSON = {"Content-Type": "application/json"}
+ODD_CHARSET = {"Content-Type": "application/json; charset=no-such-charset"}
+
+
 def test_infer_models_and_errors_over_http() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(3, 2)
@@ -466,6 +504,13 @@ def test_infer_models_and_errors_over_http() -> None:
             (client.post("/v1/completions", json={"model": "lin", "prompt": [1]}), 400, "not a text"),
             (client.post("/v1/completions", json={"prompt": [1], "max_tokens": -1}), 400, "max_tokens"),
             (client.post("/v1/completions", data=b"{"), 400, "JSON"),
+            (client.post("/v1/completions", data=b"[" * 100_000 + b"]" * 100_000, headers=JSON), 400, "JSON"),
+            (client.post("/v1/completions", data=b'{"prompt": [1]}', headers=ODD_CHARSET), 400, "JSON"),
+            (
+                client.post("/v1/completions", json={"prompt": [1], "logit_bias": {"\u00b2": 1}}),
+                400,
+                "token ids",
+            ),
             (client.get("/v1/infer"), 405, ""),
             (client.get("/nothing"), 404, ""),
         ]
@@ -903,3 +948,53 @@ def test_a_client_that_goes_away_frees_its_sessions_cache_slots_and_queued_rows(
             await batcher.close()
 
     _run(scenario())
+
+
+def test_a_choice_that_fails_ends_its_siblings_and_a_stream_still_ends_with_done() -> None:
+    """One choice of a request fails (its batch, here): the request is answered with the error at once
+    and its other choices stop, their cache slots back, instead of generating to ``max_tokens`` for an
+    answer already sent. A stream says the error in a chunk and ends with ``[DONE]``; a request that
+    can never fit the queue is told so (400), in a stream too."""
+    from fusionnet.errors import ExecutionError
+    from fusionnet.serving.kv_sessions import SlotPool
+
+    vocab, tokens = 10, 50
+    batches: list[int] = []
+
+    async def run_batch(rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None = None) -> Any:
+        batches.append(len(rows))
+        await asyncio.sleep(0.002)
+        if int(rows[0, 2]) == 1 and int(rows[0, 1]) >= 4:  # slot 1's fourth token: its compnode fails
+            raise ExecutionError("sub-DAG 1 failed")
+        logits = torch.nn.functional.one_hot((rows[:, 0] + 1) % vocab, vocab).float()
+        assert keep is not None
+        return answer_rows(logits, keep)
+
+    batcher = DynamicBatcher(run_batch, max_batch=1, max_wait=0.0, queue_limit=8)
+    model = ServedModel(
+        "gpt", "generate", "job0", (3,), torch.long, batcher, Window(context=64, vocab=vocab),
+        kv=SlotPool(slots=2, waiting=4),
+    )  # fmt: skip
+    local = _Local()
+    local.served["gpt"] = model
+
+    async def body(client: TestClient) -> None:
+        request = {"prompt": [[1, 2], [3, 4]], "max_tokens": tokens, "temperature": 0}
+        r = await client.post("/v1/completions", json=request)
+        doc = await r.json()
+        assert r.status == 503 and "sub-DAG 1 failed" in doc["error"]["message"], doc
+        assert model.kv is not None and model.kv.in_use == 0 and batcher.queued_rows == 0
+        assert len(batches) < tokens, "the other choice went on generating for an answered request"
+        r = await client.post("/v1/completions", json=request | {"stream": True})
+        events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+        assert "sub-DAG 1 failed" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+        long = {"prompt": list(range(1, 10)), "max_tokens": 1, "stream": True}  # 9 prefill rows, limit 8
+        r = await client.post("/v1/completions", json=long)
+        events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
+        error = json.loads(events[-2])["error"]
+        assert error["type"] == "invalid_request_error" and "--queue-limit 8" in error["message"]
+        assert events[-1] == "[DONE]"
+        r = await client.post("/v1/completions", json=long | {"stream": False})
+        assert r.status == 400 and "--queue-limit 8" in (await r.json())["error"]["message"]
+
+    _run(_with_app(local, body))

@@ -20,8 +20,13 @@ ride in the running ones (more sessions than ``max_batch`` per running batch): 1
 ``max_batch`` 16 make one full batch at a time, not two half ones.
 
 Overload is answered, never queued without bound: when more than ``queue_limit`` rows wait,
-``submit`` raises ``Overloaded`` at once (the HTTP layer answers 503). A request larger than
-``max_batch`` rows is cut into several batches and joined again.
+``submit`` raises ``Overloaded`` at once (the HTTP layer answers 503). The limit admits new work; a
+session already admitted (a caller whose rows got in once) keeps going: its next token's row is queued
+beyond the limit, since refusing it would end a generation half-way. Such rows stay bounded, one per
+live session at a time (a session's replay after a lost cache: its tokens so far). A request larger than
+the limit itself could never get in, and is refused as ``Oversized`` (HTTP 400), not as a busy queue that
+a retry might find free. A request larger than ``max_batch`` rows is cut into several batches and joined
+again.
 
 A request may say which of its rows' outputs it needs (``keep``): the others are answered with the
 argmax of their output only (``RowAnswers``), computed where the output is. A greedy session needs its
@@ -81,6 +86,10 @@ class Overloaded(Exception):
     """The deployment's queue is full: try again later (HTTP 503)."""
 
 
+class Oversized(Exception):
+    """A request of more rows than the deployment ever queues at once (HTTP 400: no retry helps)."""
+
+
 class Closed(Exception):
     """The deployment is going away: no more requests."""
 
@@ -138,6 +147,7 @@ class DynamicBatcher:
         self.away_timeouts = 0  # batches that waited for callers that did not come back in time
         self._missed = 0  # callers given up on since the last batch's stats
         self._callers = 0  # ``caller()`` blocks open: the live sessions
+        self._admitted: set[object] = set()  # callers whose rows got in once: queued past the limit
         # a moving average of a batch's wall time: how long the away callers are waited for
         self._batch_seconds = 0.0
         self._loop_task: asyncio.Task[None] | None = None
@@ -177,6 +187,7 @@ class DynamicBatcher:
             yield partial(self.enqueue, caller=handle)
         finally:
             self._callers -= 1
+            self._admitted.discard(handle)
             self._arrived.set()  # fewer sessions: a held batch may now go
             self._slow.discard(handle)
             if handle in self._away:
@@ -215,8 +226,16 @@ class DynamicBatcher:
         n = int(rows.shape[0])
         if keep is not None and len(keep) != n:
             raise ValueError(f"keep: {len(keep)} flags for {n} rows")
-        if self._queued_rows + n > self.queue_limit:
-            raise Overloaded(f"{self._queued_rows} rows already wait (limit {self.queue_limit})")
+        if caller not in self._admitted:  # new work; an admitted session's next rows always get in
+            if n > self.queue_limit:
+                raise Oversized(
+                    f"the request needs {n} rows at once (a prompt's tokens, or samples), more than this "
+                    f"deployment queues (deploy --queue-limit {self.queue_limit})"
+                )
+            if self._queued_rows + n > self.queue_limit:
+                raise Overloaded(f"{self._queued_rows} rows already wait (limit {self.queue_limit})")
+            if caller is not None:
+                self._admitted.add(caller)
         loop = asyncio.get_running_loop()
         futures = []
         for start in range(0, n, self.max_batch):  # a big request: several batches, joined again

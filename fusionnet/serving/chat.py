@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from fusionnet.serving.completions import (
+    MAX_NEW_TOKENS,
     ChoiceRun,
     CompletionRequest,
     GenerationParams,
@@ -85,7 +86,8 @@ async def encode_chat(req: ChatRequest, model: ServedModel) -> tuple[list[int], 
         raise ApiError(
             400, f"messages: the chat template refused them: {e}"[:300], param="messages"
         ) from None
-    new = req.max_completion_tokens or req.max_tokens or max(1, window.context - len(ids))
+    left = max(1, min(MAX_NEW_TOKENS, window.context - len(ids)))  # unsaid: what the window leaves, capped
+    new = req.max_completion_tokens or req.max_tokens or left
     problem = check_prompt(ids, new, window)
     if problem is not None:
         raise ApiError(400, f"messages: {problem}", param="messages")

@@ -30,6 +30,7 @@ from pydantic import (
     field_validator,
 )
 
+from fusionnet.serving.batching import Overloaded, Oversized, RowsFailed
 from fusionnet.serving.generation import check_prompt, generate
 from fusionnet.serving.kv_sessions import generate_cached, score_cached
 from fusionnet.serving.logprobs import MAX_TOP, TokenLogprob, completion_logprobs, logprob_of
@@ -83,7 +84,8 @@ class GenerationParams(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, bias: dict[str, float]) -> dict[str, float]:
-        bad = next((k for k in bias if not k.isdigit()), None)  # JSON keys are strings: "50256"
+        # JSON keys are strings: "50256"; ASCII digits only ("²" is a digit to ``isdigit``, not to ``int``)
+        bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
         if bad is not None:
             raise ValueError(f"keys must be token ids, got {bad!r}")
         return bias
@@ -290,13 +292,23 @@ class TextChunks:
 TEXT_CHUNKS = TextChunks()
 
 
+def stream_error(e: BaseException) -> ApiError:
+    """What a stream says when a choice fails after its 200 went out: the error the same failure gets
+    without ``stream`` (the HTTP layer's statuses)."""
+    if isinstance(e, RowsFailed | Oversized):  # the request's own rows: sending it again fails again
+        return ApiError(400, str(e)[:300])
+    if isinstance(e, Overloaded):
+        return ApiError(503, f"the deployment is overloaded: {e}; retry later", "server_overloaded")
+    return ApiError(503, f"generation failed: {e}"[:300], "server_error")
+
+
 async def stream_choices(
     request: web.Request, model: ServedModel, runs: list[ChoiceRun], shape: TextChunks = TEXT_CHUNKS
 ) -> web.StreamResponse:
     """Server-sent events: one ``data:`` chunk per token (any choice, as they come; ``text`` is what
     became certain with it), a last chunk per choice with its ``finish_reason`` (and any text held back),
     then ``data: [DONE]``. A failure mid-stream is sent as an ``error`` chunk (the status line has gone
-    out already)."""
+    out already: ``stream_error`` gives it the status the request would have had), then ``[DONE]``."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
@@ -332,8 +344,7 @@ async def stream_choices(
             # batch takes about 19 ms at the serving benchmark's small size).
             await asyncio.sleep(0)
             if isinstance(item, BaseException):
-                error = ApiError(503, f"generation failed: {item}"[:300], "server_error").body()
-                await response.write(f"data: {json.dumps(error)}\n\n".encode())
+                await response.write(f"data: {json.dumps(stream_error(item).body())}\n\n".encode())
                 break
             if item is None:
                 live -= 1
@@ -348,8 +359,7 @@ async def stream_choices(
                 await send(shape.chunk(index, item.tokens, item.text, finish if done else None, logprobs))
             if finish is not None and item.tokens:  # ended by this token (a stop string): say so
                 await send(shape.chunk(index, [], "", finish))
-        else:
-            await response.write(b"data: [DONE]\n\n")
+        await response.write(b"data: [DONE]\n\n")  # also after an error: the stream ends as streams do
     finally:
         for t in tasks:
             t.cancel()

@@ -18,17 +18,17 @@ request"). A stream notices it at its next chunk.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
 
 import torch
 from aiohttp import web
 
 from fusionnet.errors import FusionNetError
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
-from fusionnet.serving.batching import Closed, Overloaded, RowsFailed
+from fusionnet.serving.batching import Closed, Overloaded, Oversized, RowsFailed
 from fusionnet.serving.chat import CHAT_CHUNKS, ChatRequest, chat_reply, encode_chat
 from fusionnet.serving.completions import (
     TEXT_CHUNKS,
@@ -50,6 +50,7 @@ MAX_BODY = 64 << 20  # bytes of one request body
 SAFETENSORS = "application/octet-stream"
 DEPLOYMENT = web.RequestKey("deployment", str)  # which deployment a request went to (for the metrics)
 CLIENT_GONE = 499  # the status a request is counted with when its client left before the answer
+T = TypeVar("T")
 
 
 def build_app(deployments: Deployments, observer: ServingObserver | None = None) -> web.Application:
@@ -101,6 +102,8 @@ class _Api:
             response = web.json_response(ApiError(e.status, e.reason, kind).body(), status=e.status)
         except Overloaded as e:
             response = _error(503, f"the deployment is overloaded: {e}; retry later", "server_overloaded")
+        except Oversized as e:
+            response = _error(400, str(e), "invalid_request_error")
         except Closed as e:
             response = _error(503, str(e), "server_error")
         except RowsFailed as e:  # the model raised on this request's own rows, alone
@@ -172,20 +175,18 @@ class _Api:
             outputs = await model.batcher.submit(inputs.contiguous())
         else:  # rows of a KV deployment address caches: each sequence is scored as a prefill of its own
             submit, kv, epoch = model.batcher.submit, model.kv, model.epoch
-            outputs = torch.stack(
-                await asyncio.gather(*(score_cached(submit, kv, epoch, r.tolist()) for r in inputs))
-            )
+            outputs = torch.stack(await _all_of(score_cached(submit, kv, epoch, r.tolist()) for r in inputs))
         return web.Response(body=pack_tensors({"outputs": outputs.contiguous()}), content_type=SAFETENSORS)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_completion(await _json(request))
         model = self._generator(request, req.model)
-        prompts = encode_prompts(req, model)
+        prompts = await asyncio.to_thread(encode_prompts, req, model)  # a long text: not on the loop
         params = req.sampling()
         runs = [ChoiceRun(model, prompt, req, params, i, self.observer) for i, prompt in enumerate(prompts)]
         if req.stream:
             return await stream_choices(request, model, runs)
-        choices = await asyncio.gather(*(run.run() for run in runs))
+        choices = await _all_of(run.run() for run in runs)
         docs = [
             choice_doc(
                 i,
@@ -215,7 +216,7 @@ class _Api:
         runs = [ChoiceRun(model, prompt, as_completion, params, i, self.observer) for i in range(req.n)]
         if req.stream:
             return await stream_choices(request, model, runs, CHAT_CHUNKS)
-        await asyncio.gather(*(run.run() for run in runs))
+        await _all_of(run.run() for run in runs)
         return web.json_response(chat_reply(completion_id("chatcmpl"), int(time.time()), model, prompt, runs))
 
     def _generator(self, request: web.Request, name: str | None) -> ServedModel:
@@ -225,11 +226,25 @@ class _Api:
         return model
 
 
+async def _all_of(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """Every call's result, in order; at the first failure the others are cancelled before it is raised.
+    (``asyncio.gather`` leaves them running: one choice refused would leave its siblings generating to
+    ``max_tokens``, holding cache slots, for a request already answered with an error.)"""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()  # nothing for those done
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _json(request: web.Request) -> Any:
     try:
         return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "the body must be a JSON object") from None
+    except (ValueError, UnicodeDecodeError, LookupError, RecursionError) as e:
+        # not JSON, not in its charset, a charset nobody knows, nested deeper than the parser goes
+        raise ApiError(400, f"the body must be a JSON object ({type(e).__name__})") from None
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:

@@ -69,7 +69,10 @@ class SlotPool:
         finally:
             async with self._changed:
                 self._free.append(slot)
-                self._changed.notify()
+                # every waiter, not one: on Python 3.11 a waiter notified and cancelled in the same turn
+                # (its client left) swallows the notification, and the next waiter would sleep on
+                # beside a free slot; each re-checks ``_free`` and at most one takes it
+                self._changed.notify_all()
 
 
 async def score_cached(

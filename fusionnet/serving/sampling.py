@@ -109,7 +109,11 @@ def next_token(
     logits = adjusted_logits(logits, params, tokens, prompt_len) if params.adjusts else logits.float()
     if params.greedy:
         return int(torch.argmax(logits).item())
-    logits = logits / params.temperature
+    scaled = logits / params.temperature
+    if torch.isposinf(scaled).any():  # a temperature so small the top logits overflow: its limit, the
+        # most likely tokens alone (greedy, ties drawn at random), not the NaNs of inf - inf
+        scaled = torch.where(logits == logits.max(), 0.0, float("-inf"))
+    logits = scaled
     if 0 < params.top_k < logits.shape[0]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
