@@ -17,7 +17,7 @@ from fusionnet.dag.rebuild import run_whole_graph
 from fusionnet.dag.trace import trace_model
 from fusionnet.job.kv_decode import SlotDecoder, example_rows, find_causal_lm
 from fusionnet.serving.batching import DynamicBatcher, Overloaded
-from fusionnet.serving.kv_sessions import CacheLost, SlotPool, generate_cached
+from fusionnet.serving.kv_sessions import CacheLost, SlotPool, StaleRows, generate_cached
 from fusionnet.serving.sampling import SamplingParams
 from tests.serving_support import answer_rows
 
@@ -202,8 +202,8 @@ def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> 
     vocab = 50
 
     class Fake:
-        def __init__(self, lose_at: set[int]) -> None:
-            self.epoch, self.calls, self.lose_at = 0, 0, lose_at
+        def __init__(self, lose_at: set[int], stale_at: frozenset[int] | set[int] = frozenset()) -> None:
+            self.epoch, self.calls, self.lose_at, self.stale_at = 0, 0, lose_at, stale_at
             self.rows: list[int] = []  # rows of each batch run
             self.kept: list[int] = []  # rows of each batch whose logits came back
             self.cache: dict[int, list[int]] = {}
@@ -215,8 +215,8 @@ def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> 
                 self.cache = {}
                 raise CacheLost("lost")
             assert epochs is not None
-            if set(epochs) != {self.epoch}:
-                raise CacheLost("stale")
+            if set(epochs) != {self.epoch} or self.calls in self.stale_at:  # as ``DeploymentRun`` refuses
+                raise StaleRows("a row of an older placement")
             logits = torch.zeros(len(rows), vocab)
             for r, (token, position, slot) in enumerate(rows.tolist()):
                 seen = self.cache.setdefault(slot, [])
@@ -251,6 +251,11 @@ def test_a_session_that_loses_its_cache_replays_and_yields_the_same_tokens() -> 
     assert lost.rows == [3, 1, 5, 1, 1, 1]  # each loss: everything again in one batch, nothing resampled
     with pytest.raises(CacheLost):
         asyncio.run(tokens(Fake({2, 3, 4, 5})))  # lost on every placement: the session gives up
+    # batches refused unrun because another session's row was stale (rows left queued across a failover):
+    # this session's own rows stand, so they are asked again, neither replayed nor counted as replays
+    crowded = Fake(set(), stale_at={2, 3, 4, 5})
+    assert asyncio.run(tokens(crowded)) == want
+    assert crowded.rows == [3, 1, 1, 1, 1, 1] and crowded.calls == 10
 
 
 def test_a_session_that_stops_early_withdraws_the_row_it_asked_for_ahead() -> None:

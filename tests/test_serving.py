@@ -255,7 +255,10 @@ def test_the_queue_limit_admits_new_work_and_never_ends_a_session_it_admitted() 
                 assert b.queued_rows == 5
                 with pytest.raises(Oversized, match="--queue-limit 4"):
                     b.enqueue(torch.zeros(5, 1))
-                for f in (first, others, second):
+                others.cancel()  # its client went away: its rows no longer count, though still queued
+                assert b.queued_rows == 3
+                again = b.enqueue(torch.zeros(1, 1))
+                for f in (first, second, again):
                     f.cancel()
         finally:
             await b.close()

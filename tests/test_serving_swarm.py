@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -330,3 +331,48 @@ def test_generation_survives_a_compnode_sigkill_with_the_same_tokens(tmp_path: P
         backup = sw.compnodes[2].peer_id
         assert backup in deployment["peers"]
         assert not {d.peer_id for d in sw.compnodes[:2] if d.name in died} & set(deployment["peers"])
+
+
+@pytest.mark.timeout(300)
+def test_a_deployment_that_lost_every_compnode_answers_at_once_and_comes_back_on_a_new_one(
+    tmp_path: Path,
+) -> None:
+    """Its only compnode SIGKILLed and no backup: each request gets a 503 that says why, at once (not a
+    500 after a 120 s wait, as when the failed re-placement left the deployment waiting for good), and the
+    deployment stays listed. A compnode that joins later takes it up again, with PyTorch's outputs."""
+    path = example_job("mlp", tmp_path, task="infer", compnodes=1)
+    job = load_job(path)
+    inputs = job.inputs[:3]
+    with torch.no_grad():
+        want = job.model.eval()(inputs)
+    with running_swarm(tmp_path / "swarm", [{}], broker_kw={"extra": BROKER_EXTRA}) as sw:
+        observer = BlockingObserver(sw.initial_peers)
+        try:
+            observer.wait_online(1)
+        finally:
+            observer.close()
+        reply = asyncio.run(deploy(path, sw.initial_peers, name="mlp", wait_compnodes=60))
+        assert reply.url is not None
+        client = FusionNetClient(reply.url)
+        assert (client.infer(inputs, model="mlp") - want).abs().max().item() <= TOL
+        sw.compnodes[0].proc.kill()
+        sw.compnodes[0].proc.wait()
+        for _ in range(3):
+            started = time.monotonic()
+            with pytest.raises(ServingError) as refused:
+                client.infer(inputs, model="mlp")
+            assert refused.value.status == 503 and time.monotonic() - started < 30, refused.value
+        assert "has no compnodes" in refused.value.message, refused.value
+        assert [m["id"] for m in client.models()] == ["mlp"]
+        assert _status(sw)["deployments"][0]["unplaced"], "status says why it has no placement"
+        sw.add_compnode("late")
+        deadline = time.monotonic() + 90
+        while True:  # each try answers at once: 503 until the broker knows the new compnode
+            try:
+                got = client.infer(inputs, model="mlp")
+                break
+            except ServingError as e:
+                assert e.status == 503 and time.monotonic() < deadline, e
+            time.sleep(0.2)
+        assert (got - want).abs().max().item() <= TOL
+        assert "placed again" in sw.dump_logs() and _status(sw)["deployments"][0]["unplaced"] is None

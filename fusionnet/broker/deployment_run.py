@@ -17,6 +17,11 @@ forward passes), so the retried batch gives the same outputs; a generation sessi
 same tokens. A batch on which an op of the model raised (``ComputeError``: the rows are at fault) is
 not run again as a whole: it fails with ``RowsFailed`` and the batcher runs its requests one by one, so
 only the request that brought the bad rows gets the error.
+
+A placement that cannot be made (every compnode gone, no backup left) does not end the deployment: the
+batches of that moment fail (HTTP 503), and so does each later batch at once, with the reason, while
+the deployment tries to place itself afresh at most once per ``REPLACE_EVERY`` seconds, as batches come.
+Compnodes that join (or come back) take it up again; until then nothing waits out a timeout.
 """
 
 from __future__ import annotations
@@ -41,12 +46,13 @@ from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest, Ser
 from fusionnet.results.assemble import join_outputs
 from fusionnet.rpc.windows import gather
 from fusionnet.serving.batching import Answer, RowAnswers, RowsFailed
-from fusionnet.serving.kv_sessions import CacheLost
+from fusionnet.serving.kv_sessions import CacheLost, StaleRows
 
 log = logging.getLogger("fusionnet.broker.deployments")
 
 BATCH_TIMEOUT = 120.0  # one batch's calls; a hung pipeline ends in a failover, never a hung request
 BATCH_ATTEMPTS = 3  # placements a batch is tried on before its requests get an error
+REPLACE_EVERY = 1.0  # seconds between two tries to place a deployment no placement could be made for
 
 
 class DeploymentRun(JobRun):
@@ -74,6 +80,8 @@ class DeploymentRun(JobRun):
         self.stage_seconds: list[float] = []  # per sub-DAG: FP seconds of the batches served, summed
         self._next_step = 0  # per placement: compnodes run batches in this order
         self._replacing = asyncio.Lock()
+        self.unplaced: FusionNetError | None = None  # why the last placement could not be made
+        self._unplaced_at = 0.0  # when it was tried
         meta = job.graph.node(self._input_placeholder()).meta
         self.mb_rows = int(meta["shape"][0])  # the traced example micro-batch
         self.row_shape = tuple(int(d) for d in meta["shape"][1:])
@@ -164,7 +172,35 @@ class DeploymentRun(JobRun):
             self.ctx.store.add_job_event(
                 self.job.job_id, "failover", {"dead": sorted(dead), "why": str(error)[:300]}
             )
-            await self._place(replanning.failure(dead))  # no one dead: the same compnodes, assigned afresh
+            await self._place_or_note(replanning.failure(dead))  # no one dead: the same, assigned afresh
+
+    async def _place_or_note(self, replan: replanning.Replan) -> None:
+        """``_place``; a placement that cannot be made is noted (``unplaced``) before it is raised, for
+        the next batches to answer with at once and to try again (``_place_again``)."""
+        try:
+            await self._place(replan)
+        except FusionNetError as e:
+            self.unplaced, self._unplaced_at = e, time.monotonic()
+            log.warning(
+                "deployment %s: no placement (%s); trying again as batches come", self.job.spec.name, e
+            )
+            self.ctx.store.add_job_event(self.job.job_id, "unplaced", {"why": str(e)[:300]})
+            raise
+        self.unplaced = None
+
+    async def _place_again(self) -> None:
+        """After a placement that could not be made: a fresh one over whichever compnodes there are now,
+        tried at most once per ``REPLACE_EVERY`` seconds; until one is made, ``ExecutionError`` at once."""
+        async with self._replacing:
+            if self.placed.is_set() or self.unplaced is None or self.stopping.is_set():
+                return
+            if time.monotonic() - self._unplaced_at < REPLACE_EVERY:
+                raise ExecutionError(f"deployment {self.job.spec.name} has no compnodes: {self.unplaced}")
+            try:
+                await self._place_or_note(replanning.FIRST)
+            except FusionNetError as e:
+                raise ExecutionError(f"deployment {self.job.spec.name} has no compnodes: {e}") from e
+            log.info("deployment %s: placed again on %d compnodes", self.job.spec.name, len(self.peers))
 
     # ---- batches ---------------------------------------------------------------------------------
     async def run_batch(
@@ -189,10 +225,16 @@ class DeploymentRun(JobRun):
             epochs, picks = set(pick or ()), None
         error: Exception | None = None
         for _ in range(BATCH_ATTEMPTS):
-            await asyncio.wait_for(self.placed.wait(), BATCH_TIMEOUT)
+            if self.unplaced is not None and not self.placed.is_set():
+                await self._place_again()
+            try:
+                await asyncio.wait_for(self.placed.wait(), BATCH_TIMEOUT)
+            except TimeoutError:  # a placement under way for that long (assignments of a big model)
+                why = f"deployment {self.job.spec.name}: not placed within {BATCH_TIMEOUT:g} s"
+                raise ExecutionError(why) from None
             attempt, step = self.attempt, self._next_step
             if epochs is not None and epochs != {attempt}:
-                raise CacheLost(f"deployment {self.job.spec.name}: placed again since the session began")
+                raise StaleRows(f"deployment {self.job.spec.name}: placed again since a row's session began")
             started = time.perf_counter()
             self._next_step += 1
             try:

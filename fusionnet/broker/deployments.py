@@ -70,6 +70,9 @@ class DeploymentService:
         self.observer = observer
         self.served: dict[str, ServedModel] = {}
         self.runs: dict[str, DeploymentRun] = {}
+        # names of deployments being accepted: a second deploy of one (a retried call, say) while the
+        # first awaits its submission must be refused, not overwrite it and leave its compnodes held
+        self._arriving: set[str] = set()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         # name -> who undeployed it, for the last few: a repeated undeploy (the RPC client retries a
         # stream that closed before its answer) gets the first one's answer, not "no deployment"
@@ -100,6 +103,8 @@ class DeploymentService:
                     "predicted_step_seconds": run.predicted_step,
                     "max_batch": model.batcher.max_batch,
                     "in_flight": model.batcher.in_flight,
+                    # why it has no placement now (every compnode gone): requests get 503 until one joins
+                    "unplaced": None if run.unplaced is None else str(run.unplaced)[:300],
                     "model": run.model_figures(),
                     **run.timing(),
                 }
@@ -137,10 +142,17 @@ class DeploymentService:
     @handles(DeployRequest)
     async def rpc_deploy(self, request: DeployRequest, context: RPCContext) -> DeployReply:
         name = request.name
-        if name in self.served:
+        if name in self.served or name in self._arriving:
             raise JobError(f"a deployment named {name!r} exists already; undeploy it first or pick --name")
-        if len(self.served) >= MAX_DEPLOYMENTS:
+        if len(self.served.keys() | self._arriving) >= MAX_DEPLOYMENTS:
             raise JobError(f"the broker already serves {MAX_DEPLOYMENTS} deployments")
+        self._arriving.add(name)
+        try:
+            return await self._deploy(name, request, context)
+        finally:
+            self._arriving.discard(name)
+
+    async def _deploy(self, name: str, request: DeployRequest, context: RPCContext) -> DeployReply:
         job = await self._accept(request, context.remote_peer)
         try:
             run = DeploymentRun(

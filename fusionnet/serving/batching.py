@@ -155,7 +155,15 @@ class DynamicBatcher:
 
     @property
     def queued_rows(self) -> int:
+        self._purge()
         return self._queued_rows
+
+    def _purge(self) -> None:
+        """Drops the queued requests whose clients went away (their futures cancelled): their rows no
+        longer count against the limit, nor in the queue depth the metrics show."""
+        if any(i.future.done() for i in self._queue):
+            self._queue[:] = [i for i in self._queue if not i.future.done()]
+            self._queued_rows = sum(int(i.rows.shape[0]) for i in self._queue)
 
     @property
     def running(self) -> int:
@@ -232,6 +240,8 @@ class DynamicBatcher:
                     f"the request needs {n} rows at once (a prompt's tokens, or samples), more than this "
                     f"deployment queues (deploy --queue-limit {self.queue_limit})"
                 )
+            if self._queued_rows + n > self.queue_limit:
+                self._purge()  # the rows of clients that went away leave only when a batch is taken
             if self._queued_rows + n > self.queue_limit:
                 raise Overloaded(f"{self._queued_rows} rows already wait (limit {self.queue_limit})")
             if caller is not None:

@@ -13,10 +13,11 @@ handed on (``generation.ask_ahead``), and taken back if the session stops there.
 
 Placements and caches. Caches live only on the compnodes of the placement that filled them. Every row
 is sent with the placement number ("epoch") its session's cache was built on; a batch carrying a row of
-another placement is refused with ``CacheLost`` before it runs, and so is a batch whose placement fails
-(the deployment places itself again). A session that gets ``CacheLost`` replays its tokens from
-position 0 on the current placement (without sampling again: the tokens are known), then goes on; the
-computation is the same, so the output is the same as without the failure.
+another placement is refused with ``StaleRows`` before it runs, and a batch whose placement fails (the
+deployment places itself again) with ``CacheLost``. A session that gets ``CacheLost``, or ``StaleRows``
+for its own rows, replays its tokens from position 0 on the current placement (without sampling again:
+the tokens are known), then goes on; the computation is the same, so the output is the same as without
+the failure. A session whose rows were current and only rode with another's stale row asks them again.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ REPLAYS = 3  # placements a session may lose its cache on before it fails
 
 class CacheLost(ExecutionError):
     """The session's cache is not on the current placement (a compnode was lost): replay."""
+
+
+class StaleRows(CacheLost):
+    """The batch was refused before it ran: a row in it was asked on an older placement. A session whose
+    own rows were asked on the current one lost nothing and asks them again, without a replay; counted as
+    one, the rows another session left queued across a failover could use up a session's replays."""
 
 
 class SlotPool:
@@ -125,11 +132,14 @@ async def generate_cached(
             while pending is not None:
                 try:
                     answer = await pending
-                except CacheLost:
-                    replays += 1
-                    if replays > REPLAYS:
-                        raise
-                    position, built_on = 0, epoch()  # the cache is gone: fill it again on this placement
+                except CacheLost as e:
+                    # refused unrun for another session's stale row: nothing of ours ran, and our rows
+                    # stand on this placement; ask them again. Otherwise our cache is gone: replay.
+                    if not (isinstance(e, StaleRows) and built_on == epoch()):
+                        replays += 1
+                        if replays > REPLAYS:
+                            raise
+                        position, built_on = 0, epoch()  # fill the cache again on this placement
                     pending = ask()
                     continue
                 position = len(tokens)
