@@ -18,7 +18,7 @@ from safetensors.torch import load as load_st
 from safetensors.torch import save as save_st
 
 from fusionnet.compnode.serve_steps import kept, picked
-from fusionnet.errors import JobError
+from fusionnet.errors import ExecutionError, JobError
 from fusionnet.serving.batching import (
     BatchStats,
     DynamicBatcher,
@@ -29,6 +29,7 @@ from fusionnet.serving.batching import (
 )
 from fusionnet.serving.generation import Window, generate
 from fusionnet.serving.http import CLIENT_GONE, build_app, start_api
+from fusionnet.serving.kv_sessions import SlotPool
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
 from fusionnet.serving.served import ServedModel
 from fusionnet.serving.tokenizers import CharTokenizer
@@ -869,6 +870,35 @@ def test_logprobs_are_the_models_own_plain_and_streamed() -> None:
     _run(_with_app(local, body))
 
 
+def _next_token_decoder(
+    vocab: int, batches: list[int], seconds: float, fails: Callable[[torch.Tensor], bool] = lambda rows: False
+) -> Callable[..., Awaitable[Any]]:
+    """A KV deployment's ``run_batch`` stand-in: each row's next token is its token + 1; every batch's
+    row count goes to ``batches``; a batch takes ``seconds``, and fails where ``fails(rows)``."""
+
+    async def run_batch(rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None = None) -> Any:
+        batches.append(len(rows))
+        await asyncio.sleep(seconds)
+        if fails(rows):
+            raise ExecutionError("sub-DAG 1 failed")
+        logits = torch.nn.functional.one_hot((rows[:, 0] + 1) % vocab, vocab).float()
+        assert keep is not None  # a KV-cached session always sends its flags
+        return answer_rows(logits, keep)
+
+    return run_batch
+
+
+def _kv_deployment(batcher: DynamicBatcher, vocab: int) -> tuple[_Local, ServedModel]:
+    """``_Local`` serving one KV-cached generator (2 cache slots) over ``batcher``."""
+    model = ServedModel(
+        "gpt", "generate", "job0", (3,), torch.long, batcher, Window(context=64, vocab=vocab),
+        kv=SlotPool(slots=2, waiting=4),
+    )  # fmt: skip
+    local = _Local()
+    local.served["gpt"] = model
+    return local, model
+
+
 class _Requests:
     """A ``ServingObserver`` that notes each request's status and ignores the rest."""
 
@@ -890,25 +920,13 @@ def test_a_client_that_goes_away_frees_its_sessions_cache_slots_and_queued_rows(
     499, and the next request gets every slot and runs to its end."""
     import aiohttp
 
-    from fusionnet.serving.kv_sessions import SlotPool
-
     vocab, tokens = 10, 50  # both choices ride in the same batches: a full generation takes 50 of them
     batches: list[int] = []
-
-    async def run_batch(rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None = None) -> Any:
-        batches.append(len(rows))
-        await asyncio.sleep(0.005)  # a decode pass takes a while: the client leaves between tokens
-        logits = torch.nn.functional.one_hot((rows[:, 0] + 1) % vocab, vocab).float()  # next = token + 1
-        assert keep is not None  # a KV-cached session always sends its flags
-        return answer_rows(logits, keep)
-
-    batcher = DynamicBatcher(run_batch, max_batch=4, max_wait=0.005, queue_limit=64)
-    model = ServedModel(
-        "gpt", "generate", "job0", (3,), torch.long, batcher, Window(context=64, vocab=vocab),
-        kv=SlotPool(slots=2, waiting=4),
-    )  # fmt: skip
-    local = _Local()
-    local.served["gpt"] = model
+    # a decode pass takes a while: the client leaves between tokens
+    batcher = DynamicBatcher(
+        _next_token_decoder(vocab, batches, 0.005), max_batch=4, max_wait=0.005, queue_limit=64
+    )
+    local, model = _kv_deployment(batcher, vocab)
     requests = _Requests()
 
     async def leave(http: aiohttp.ClientSession, url: str) -> None:
@@ -958,28 +976,16 @@ def test_a_choice_that_fails_ends_its_siblings_and_a_stream_still_ends_with_done
     and its other choices stop, their cache slots back, instead of generating to ``max_tokens`` for an
     answer already sent. A stream says the error in a chunk and ends with ``[DONE]``; a request that
     can never fit the queue is told so (400), in a stream too."""
-    from fusionnet.errors import ExecutionError
-    from fusionnet.serving.kv_sessions import SlotPool
 
     vocab, tokens = 10, 50
     batches: list[int] = []
 
-    async def run_batch(rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None = None) -> Any:
-        batches.append(len(rows))
-        await asyncio.sleep(0.002)
-        if int(rows[0, 2]) == 1 and int(rows[0, 1]) >= 4:  # slot 1's fourth token: its compnode fails
-            raise ExecutionError("sub-DAG 1 failed")
-        logits = torch.nn.functional.one_hot((rows[:, 0] + 1) % vocab, vocab).float()
-        assert keep is not None
-        return answer_rows(logits, keep)
+    def fails(rows: torch.Tensor) -> bool:  # slot 1's fourth token: its compnode fails
+        return int(rows[0, 2]) == 1 and int(rows[0, 1]) >= 4
 
-    batcher = DynamicBatcher(run_batch, max_batch=1, max_wait=0.0, queue_limit=8)
-    model = ServedModel(
-        "gpt", "generate", "job0", (3,), torch.long, batcher, Window(context=64, vocab=vocab),
-        kv=SlotPool(slots=2, waiting=4),
-    )  # fmt: skip
-    local = _Local()
-    local.served["gpt"] = model
+    run_batch = _next_token_decoder(vocab, batches, 0.002, fails)
+    local, model = _kv_deployment(DynamicBatcher(run_batch, max_batch=1, max_wait=0.0, queue_limit=8), vocab)
+    batcher = model.batcher
 
     async def body(client: TestClient) -> None:
         request = {"prompt": [[1, 2], [3, 4]], "max_tokens": tokens, "temperature": 0}
