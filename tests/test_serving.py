@@ -1007,3 +1007,28 @@ def test_a_choice_that_fails_ends_its_siblings_and_a_stream_still_ends_with_done
         assert r.status == 400 and "--queue-limit 8" in (await r.json())["error"]["message"]
 
     _run(_with_app(local, body))
+
+
+def test_a_bad_body_is_counted_under_the_deployment_it_names() -> None:
+    """A body refused before its deployment is looked up (a field out of range) still counts as that
+    deployment's 400: a client that keeps sending bad bodies shows up in its metrics."""
+    batcher = DynamicBatcher(_next_token_decoder(10, [], 0.0), max_batch=1, max_wait=0.0, queue_limit=8)
+    local, _ = _kv_deployment(batcher, 10)
+    requests = _Requests()
+
+    async def scenario() -> None:
+        client = TestClient(TestServer(build_app(local, requests)))
+        await client.start_server()
+        try:
+            for body in ({"model": "gpt", "prompt": [1], "max_tokens": -1}, {"prompt": [1], "n": 0}):
+                r = await client.post("/v1/completions", json=body)
+                assert r.status == 400
+            r = await client.post("/v1/chat/completions", json={"model": "gpt", "messages": []})
+            assert r.status == 400
+            r = await client.post("/v1/completions", json={"model": "nobody", "prompt": [1], "n": 0})
+            assert r.status == 400  # names no deployment: counted under none
+        finally:
+            await client.close()
+        assert requests.statuses == [400, 400, 400]
+
+    _run(scenario())

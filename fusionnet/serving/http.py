@@ -179,7 +179,8 @@ class _Api:
         return web.Response(body=pack_tensors({"outputs": outputs.contiguous()}), content_type=SAFETENSORS)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_completion(await _json(request))
+        body = self._attributed(request, await _json(request))
+        req = parse_completion(body)
         model = self._generator(request, req.model)
         prompts = await asyncio.to_thread(encode_prompts, req, model)  # a long text: not on the loop
         params = req.sampling()
@@ -209,7 +210,7 @@ class _Api:
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_body(ChatRequest, await _json(request))
+        req = parse_body(ChatRequest, self._attributed(request, await _json(request)))
         model = self._generator(request, req.model)
         prompt, as_completion = await encode_chat(req, model)
         params = req.sampling()
@@ -218,6 +219,18 @@ class _Api:
             return await stream_choices(request, model, runs, CHAT_CHUNKS)
         await _all_of(run.run() for run in runs)
         return web.json_response(chat_reply(completion_id("chatcmpl"), int(time.time()), model, prompt, runs))
+
+    def _attributed(self, request: web.Request, body: Any) -> Any:
+        """``body``, its request counted under the deployment it names (or the only one) even when the
+        body is refused before the deployment is looked up: a client sending bad bodies shows up in the
+        deployment's 400s."""
+        name = body.get("model") if isinstance(body, dict) else None
+        served = self.deployments.all()
+        if isinstance(name, str) and self.deployments.get(name) is not None:
+            request[DEPLOYMENT] = name
+        elif name is None and len(served) == 1:
+            request[DEPLOYMENT] = served[0].name
+        return body
 
     def _generator(self, request: web.Request, name: str | None) -> ServedModel:
         model = self._lookup(request, name)
