@@ -86,3 +86,46 @@ def test_a_sound_job_still_runs(tmp_path: Path, capsys: pytest.CaptureFixture[st
         == 0
     )
     assert (tmp_path / "out" / "weights.safetensors").exists()
+
+
+PEER = "/ip4/127.0.0.1/tcp/9/p2p/QmWip7R2pWskGRpMQjNA1qc4Xr169CqMTAtuZn1EC93Zzh"  # nothing listens there
+
+
+def _mlp_as(tmp: Path, task: str, name: str) -> Path:
+    job_dir = tmp / "job"
+    shutil.copytree(MLP, job_dir, ignore=shutil.ignore_patterns("__pycache__", ".test-*"))
+    text = (job_dir / "job.yaml").read_text().replace("task: train", f"task: {task}")
+    (job_dir / "job.yaml").write_text(text.replace("name: mlp", f"name: {name}"))
+    return job_dir / "job.yaml"
+
+
+@pytest.mark.parametrize(
+    ("task", "name", "flags", "says"),
+    [
+        ("infer", "mlp", ["--initial-peers", "not-an-address"], "--initial-peers: 'not-an-address'"),
+        ("train", "mlp", ["--initial-peers", PEER], "a deployment's task is infer or generate, not 'train'"),
+        ("infer", "my model", ["--initial-peers", PEER], "give one with --name"),
+        ("infer", "mlp", ["--initial-peers", PEER, "--max-wait-ms", "-1"], "--max-wait-ms: "),
+        ("infer", "mlp", ["--initial-peers", PEER, "--queue-limit", "0"], "--queue-limit: "),
+        ("infer", "mlp", ["--initial-peers", PEER, "--kv-slots", "5000"], "--kv-slots: "),
+    ],
+)
+def test_deploy_refuses_what_it_can_tell_wrong_before_it_traces(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], task: str, name: str, flags: list[str], says: str
+) -> None:
+    """Bad flags, a job of the wrong task or name, a mistyped address: one line, exit 2, at once (before the
+    model is traced, shipped and compnodes waited for), not an internal error with exit 1."""
+    start = time.monotonic()
+    code = main(["deploy", str(_mlp_as(tmp_path, task, name)), *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_BAD_INPUT and len(err) == 1 and err[0].startswith("fusionnet deploy: error: "), err
+    assert says in err[0] and "internal error" not in err[0], err
+    assert time.monotonic() - start < 10
+
+
+def test_undeploy_and_deploy_waits_refuse_bad_input_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["undeploy", "mlp", "--initial-peers", "not-an-address"]) == EXIT_BAD_INPUT
+    assert "--initial-peers: 'not-an-address'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # argparse: a wait that could never end
+        main(["deploy", str(MLP / "job.yaml"), "--initial-peers", PEER, "--wait-compnodes", "nan"])
+    assert stop.value.code == EXIT_BAD_INPUT and "seconds, a number >= 0" in capsys.readouterr().err

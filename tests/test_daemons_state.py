@@ -352,6 +352,13 @@ def test_status_merge_prefers_the_broker_unless_the_node_said_goodbye() -> None:
     assert "broker: no broker" in format_tables(
         {"broker": None, "broker_error": "no broker", "compnodes": [], "jobs": []}
     )
+    deployments = [
+        {"id": "gpt", "kind": "generate", "job_id": "j2", "compnodes": 0, "batches": 7, "queued_rows": 0,
+         "unplaced": "no compnode can take sub-DAG 0"},
+        {"id": "mlp", "kind": "infer", "job_id": "j3", "compnodes": 2, "batches": 1, "unplaced": None},
+    ]  # fmt: skip
+    text = format_tables({"broker": None, "compnodes": [], "jobs": [], "deployments": deployments})
+    assert "gpt: no placement: no compnode can take sub-DAG 0" in text and "mlp: no placement" not in text
 
 
 def test_status_watch_frames() -> None:

@@ -307,3 +307,30 @@ def test_metrics_server_without_sd_and_bad_port() -> None:
         stop_metrics_server(endpoint)
     with pytest.raises(ValueError, match=r"0\.\.65535"):
         start_metrics_server(c.registry, 70000, "127.0.0.1")
+
+
+def test_serving_metrics_count_by_deployment_and_go_with_it() -> None:
+    """Requests (chat too, under its own endpoint) and tokens by deployment, the number of deployments;
+    undeploying one removes every series of it, and leaves the others'."""
+    from prometheus_client import CollectorRegistry
+
+    from fusionnet.metrics.serving import ServingMetrics
+
+    r = CollectorRegistry()
+    m = ServingMetrics(r)
+    m.observe_deployments(2)
+    for name in ("a", "b"):
+        m.observe_request(name, "/v1/chat/completions", 200)
+        m.observe_request(name, "/v1/completions", 499)
+        m.observe_tokens(name, prompt=5, completion=3)
+        m.observe_batch(name, rows=2, seconds=0.1, queued_rows=1, kv_slots=1)
+    labels = {"deployment": "a", "endpoint": "/v1/chat/completions", "code": "200"}
+    assert r.get_sample_value("fusionnet_serving_requests_total", labels) == 1.0
+    assert r.get_sample_value("fusionnet_serving_deployments") == 2.0
+    m.forget_deployment("a")
+    m.observe_deployments(1)
+    left = {s.labels.get("deployment") for metric in r.collect() for s in metric.samples}
+    assert "a" not in left and "b" in left
+    completion = {"deployment": "b", "kind": "completion"}
+    assert r.get_sample_value("fusionnet_serving_tokens_total", completion) == 3
+    assert r.get_sample_value("fusionnet_serving_deployments") == 1.0

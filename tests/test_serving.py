@@ -1002,6 +1002,7 @@ def test_a_choice_that_fails_ends_its_siblings_and_a_stream_still_ends_with_done
         events = [line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")]
         error = json.loads(events[-2])["error"]
         assert error["type"] == "invalid_request_error" and "--queue-limit 8" in error["message"]
+        assert error["code"] == 400  # the status the request would have had
         assert events[-1] == "[DONE]"
         r = await client.post("/v1/completions", json=long | {"stream": False})
         assert r.status == 400 and "--queue-limit 8" in (await r.json())["error"]["message"]
@@ -1030,5 +1031,50 @@ def test_a_bad_body_is_counted_under_the_deployment_it_names() -> None:
         finally:
             await client.close()
         assert requests.statuses == [400, 400, 400]
+
+    _run(scenario())
+
+
+def test_the_client_raises_a_streams_error_with_its_status_and_a_cut_stream_as_one() -> None:
+    """``FusionNetClient.stream``: an error chunk raises ``ServingError`` with the status the request would
+    have had (400: sending it again fails again), and a stream that ends without ``[DONE]`` raises too."""
+    from fusionnet.serving.client import FusionNetClient, ServingError
+
+    batcher = DynamicBatcher(_next_token_decoder(10, [], 0.0), max_batch=4, max_wait=0.0, queue_limit=8)
+    local, _ = _kv_deployment(batcher, 10)
+
+    async def cut(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"index": 0, "token_ids": [3], "text": ""}]}\n\n')
+        return response  # and no [DONE]: the broker went away
+
+    def stream(url: str, prompt: list[int]) -> list[Any]:
+        return list(FusionNetClient(url).stream(prompt, max_tokens=2, temperature=0))
+
+    async def scenario() -> None:
+        batcher.start()
+        runner, url = await start_api(local, None, "127.0.0.1", 0)
+        cutter = web.Application()
+        cutter.router.add_post("/v1/completions", cut)
+        cut_runner = web.AppRunner(cutter)
+        await cut_runner.setup()
+        site = web.TCPSite(cut_runner, "127.0.0.1", 0)
+        await site.start()
+        cut_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        try:
+            chunks = await asyncio.to_thread(stream, url, [1, 2])
+            assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == [3, 4]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            with pytest.raises(ServingError) as refused:
+                await asyncio.to_thread(stream, url, list(range(1, 10)))  # 9 prefill rows, limit 8
+            assert refused.value.status == 400 and "--queue-limit 8" in refused.value.message
+            with pytest.raises(ServingError, match="ended before") as cut_short:
+                await asyncio.to_thread(stream, cut_url, [1])
+            assert cut_short.value.status == 502
+        finally:
+            await cut_runner.cleanup()
+            await runner.cleanup()
+            await batcher.close()
 
     _run(scenario())

@@ -364,7 +364,8 @@ def test_a_deployment_that_lost_every_compnode_answers_at_once_and_comes_back_on
             assert refused.value.status == 503 and time.monotonic() - started < 30, refused.value
         assert "has no compnodes" in refused.value.message, refused.value
         assert [m["id"] for m in client.models()] == ["mlp"]
-        assert _status(sw)["deployments"][0]["unplaced"], "status says why it has no placement"
+        listed = _status(sw)["deployments"][0]
+        assert listed["unplaced"] and listed["compnodes"] == 0, "status says it has no placement, and why"
         sw.add_compnode("late")
         deadline = time.monotonic() + 90
         while True:  # each try answers at once: 503 until the broker knows the new compnode
@@ -375,4 +376,10 @@ def test_a_deployment_that_lost_every_compnode_answers_at_once_and_comes_back_on
                 assert e.status == 503 and time.monotonic() < deadline, e
             time.sleep(0.2)
         assert (got - want).abs().max().item() <= TOL
-        assert "placed again" in sw.dump_logs() and _status(sw)["deployments"][0]["unplaced"] is None
+        assert "placed again" in sw.dump_logs()
+        listed = _status(sw)["deployments"][0]
+        assert listed["unplaced"] is None and listed["compnodes"] == 1
+        kept = tmp_path / "swarm" / "broker.state" / "deployments"
+        assert [p.name for p in kept.iterdir()] == [reply.job_id]  # its submitted weights, while deployed
+        assert asyncio.run(undeploy("mlp", sw.initial_peers)).undeployed
+        assert list(kept.iterdir()) == []  # undeployed: its files go with it

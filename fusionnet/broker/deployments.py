@@ -82,16 +82,25 @@ class DeploymentService:
 
     # ---- ``Deployments`` for the HTTP API ------------------------------------------------------
     def get(self, name: str) -> ServedModel | None:
-        return self.served.get(name)
+        return self._current(self.served.get(name))
 
     def all(self) -> list[ServedModel]:
-        return list(self.served.values())
+        return [self._current(m) for m in self.served.values()]
+
+    def _current(self, model: ServedModel | None) -> ServedModel | None:
+        """``model`` with its compnode count as its placement is now (a failover may have moved it to
+        fewer; none while no placement can be made), for ``/v1/models`` and ``status``."""
+        run = None if model is None else self.runs.get(model.name)
+        if model is not None and run is not None:
+            model.compnodes = len(run.peers) if run.placed.is_set() else 0
+        return model
 
     def describe(self) -> list[dict[str, object]]:
         """For ``status``: name, kind, job id, compnodes, batches served, queued rows."""
         out = []
         for name, model in self.served.items():
             run = self.runs[name]
+            self._current(model)
             placement = run.progress.placement  # per sub-DAG: peer, nodes, predicted seconds per step
             out.append(
                 model.describe()
@@ -171,6 +180,7 @@ class DeploymentService:
             eos = _end_of_text(request.eos_token_ids, tokenizer, window)
         except Exception as e:
             self.ctx.store.update_job(job.job_id, state="FAILED", error=str(e)[:500])
+            await asyncio.to_thread(JobFiles(self.folder / job.job_id).forget)
             raise
         batcher = DynamicBatcher(
             run.run_batch,
@@ -196,6 +206,8 @@ class DeploymentService:
         )
         task = asyncio.get_running_loop().create_task(run.run(), name=f"deployment-{name}")
         self.runs[name], self._tasks[name], self.served[name] = run, task, model
+        if self.observer is not None:
+            self.observer.observe_deployments(len(self.served))
         self.ctx.live_jobs.add(job.job_id)  # until its run ends (undeployed, or failed)
         task.add_done_callback(lambda _t: self.ctx.live_jobs.discard(job.job_id))
         placed = asyncio.ensure_future(run.placed.wait())
@@ -255,6 +267,7 @@ class DeploymentService:
             await model.batcher.close()
             if self.observer is not None:
                 self.observer.forget_deployment(name)
+                self.observer.observe_deployments(len(self.served))
         if run is not None:
             await run.stop()
         if task is not None:
@@ -263,6 +276,8 @@ class DeploymentService:
             except (TimeoutError, asyncio.CancelledError):
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        if run is not None:  # its submitted weights and tokenizer: nothing reads them any more
+            await asyncio.to_thread(JobFiles(self.folder / run.job.job_id).forget)
         self.ctx.refresh_job_metrics()
 
 

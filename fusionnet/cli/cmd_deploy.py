@@ -9,21 +9,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import re
 from pathlib import Path
 from typing import Any
 
 from fusionnet.dag.channel import MAX_IN_FLIGHT
-
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+from fusionnet.messages.serving_rpc import DEPLOYMENT_NAME, DEPLOYMENT_NAME_RULE
 
 
 def _name(text: str) -> str:
-    if not NAME.match(text):
-        raise argparse.ArgumentTypeError(
-            f"{text[:80]!r}: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
+    if not re.match(DEPLOYMENT_NAME, text):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r}: {DEPLOYMENT_NAME_RULE}")
     return text
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: seconds, a number >= 0")
+    return value
 
 
 def add_parser(subparsers: Any) -> None:
@@ -72,7 +80,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--wait-compnodes",
-        type=float,
+        type=_seconds,
         default=60.0,
         metavar="S",
         help="wait this long for compnodes (default 60)",
@@ -90,15 +98,19 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from fusionnet.errors import JobError
     from fusionnet.messages.serving_rpc import ServingSettings
     from fusionnet.runtime.deploy import deploy
 
-    settings = ServingSettings(
-        max_wait_ms=args.max_wait_ms,
-        queue_limit=args.queue_limit,
-        kv_slots=args.kv_slots,
-        in_flight=args.in_flight,
-    )
+    given = {"max_wait_ms": args.max_wait_ms, "queue_limit": args.queue_limit, "kv_slots": args.kv_slots}
+    try:
+        settings = ServingSettings(**given, in_flight=args.in_flight)
+    except ValidationError as e:  # a flag out of its range: say which, as argparse would
+        err = e.errors()[0]
+        flag = "--" + str(err["loc"][0]).replace("_", "-")
+        raise JobError(f"{flag}: {err['msg']} (got {err.get('input')!r})") from None
     reply = asyncio.run(
         deploy(
             args.job,

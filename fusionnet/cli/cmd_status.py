@@ -155,12 +155,16 @@ def format_tables(doc: dict[str, Any]) -> str:
     if deployments:
         lines.append(f"\ndeployments ({len(deployments)})")
         table = [("NAME", "KIND", "JOB", "COMPNODES", "BATCHES", "QUEUED")]
+        unplaced = []
         for d in deployments:
             table.append((
                 str(d.get("id")), str(d.get("kind")), str(d.get("job_id")), str(d.get("compnodes")),
                 str(d.get("batches", "-")), str(d.get("queued_rows", "-")),
             ))  # fmt: skip
+            if d.get("unplaced"):  # every request gets 503 until a compnode joins
+                unplaced.append(f"  {d.get('id')}: no placement: {d['unplaced']}")
         lines.extend(_render(table))
+        lines.extend(unplaced)
     return "\n".join(lines)
 
 

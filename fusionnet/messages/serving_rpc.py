@@ -18,7 +18,9 @@ from fusionnet.messages.base import Caller, JobId, Message, TypedCaller
 from fusionnet.messages.broker_rpc import SubmitJobRequest
 
 # Deployment names go into URLs and the OpenAI ``model`` field: a conservative alphabet.
-DeploymentName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+DEPLOYMENT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+DEPLOYMENT_NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+DeploymentName = Annotated[str, Field(pattern=DEPLOYMENT_NAME)]
 MAX_PICKS = 1 << 16
 
 

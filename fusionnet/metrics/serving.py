@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-ENDPOINTS = ("/v1/completions", "/v1/infer", "/v1/models")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/infer", "/v1/models")
 
 
 class ServingMetrics:
@@ -80,15 +80,25 @@ class ServingMetrics:
         self.deployments = Gauge(
             "fusionnet_serving_deployments", "Deployments this broker serves", registry=r
         )
+        # per deployment, the other labels its request and token series were made with: all removed
+        # with it (``forget_deployment``)
+        self._labelled: dict[str, set[tuple[Counter, tuple[str, ...]]]] = {}
+
+    def _series(self, metric: Counter, deployment: str, *labels: str) -> Counter:
+        self._labelled.setdefault(deployment, set()).add((metric, labels))
+        return metric.labels(deployment, *labels)
+
+    def observe_deployments(self, count: int) -> None:
+        self.deployments.set(count)
 
     # ---- ``ServingObserver`` ---------------------------------------------------------------------
     def observe_request(self, deployment: str, endpoint: str, status: int) -> None:
         endpoint = endpoint if endpoint in ENDPOINTS else "other"
-        self.requests.labels(deployment=deployment, endpoint=endpoint, code=str(status)).inc()
+        self._series(self.requests, deployment, endpoint, str(status)).inc()
 
     def observe_tokens(self, deployment: str, prompt: int, completion: int) -> None:
-        self.tokens.labels(deployment=deployment, kind="prompt").inc(prompt)
-        self.tokens.labels(deployment=deployment, kind="completion").inc(completion)
+        self._series(self.tokens, deployment, "prompt").inc(prompt)
+        self._series(self.tokens, deployment, "completion").inc(completion)
 
     def observe_first_token(self, deployment: str, seconds: float) -> None:
         self.first_token.labels(deployment=deployment).observe(max(0.0, seconds))
@@ -124,3 +134,6 @@ class ServingMetrics:
         ):
             with contextlib.suppress(KeyError):
                 metric.remove(deployment)
+        for counter, labels in self._labelled.pop(deployment, set()):
+            with contextlib.suppress(KeyError):
+                counter.remove(deployment, *labels)

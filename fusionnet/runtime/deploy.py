@@ -9,6 +9,7 @@ The tokenizer of a ``generate`` deployment is the model folder's (the weights fo
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -24,6 +25,8 @@ from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.job.parse import load_job_spec
 from fusionnet.messages.broker_rpc import BrokerClient
 from fusionnet.messages.serving_rpc import (
+    DEPLOYMENT_NAME,
+    DEPLOYMENT_NAME_RULE,
     DeployReply,
     DeployRequest,
     KvCache,
@@ -89,6 +92,16 @@ def model_folder(job: LoadedJob) -> Path:
     return job.base_dir
 
 
+def check_initial_peers(initial_peers: Sequence[str]) -> None:
+    """``JobError`` (bad input: one line, exit 2) for an address that is not a multiaddr."""
+    from fusionnet.dht.node import DHTConfig
+
+    try:
+        DHTConfig(initial_peers=list(initial_peers))  # validates them, starts nothing
+    except ValueError as e:
+        raise JobError(str(e)) from None
+
+
 async def deploy(
     job_path: Path,
     initial_peers: Sequence[str],
@@ -101,7 +114,16 @@ async def deploy(
 ) -> DeployReply:
     from fusionnet.daemon.observer import SwarmObserver
 
-    kind = "generate" if load_job_spec(job_path).task == "generate" else "infer"
+    # what can be told wrong now is, before the model is traced and shipped (seconds to minutes)
+    check_initial_peers(initial_peers)
+    spec = load_job_spec(job_path)
+    if spec.task not in ("infer", "generate"):
+        raise JobError(f"{job_path}: task: a deployment's task is infer or generate, not {spec.task!r}")
+    name = name or spec.name
+    if not re.match(DEPLOYMENT_NAME, name):
+        why = f"deployment name {name[:80]!r} (the job's): {DEPLOYMENT_NAME_RULE}; give one with --name"
+        raise JobError(why)
+    kind = spec.task
     settings = settings or ServingSettings()
     job = load_job(job_path, allow_outside_paths=allow_outside_paths, deployment=True)
     kv = None
@@ -111,7 +133,7 @@ async def deploy(
     submission = await asyncio.to_thread(submission_payload, job, deployment=True)
     tokenizer = await asyncio.to_thread(tokenizer_files, model_folder(job)) if kind == "generate" else None
     request = DeployRequest(
-        name=name or job.spec.name,
+        name=name,
         kind=kind,
         submission=submission,
         settings=settings,
@@ -131,6 +153,7 @@ async def deploy(
 async def undeploy(name: str, initial_peers: Sequence[str]) -> UndeployReply:
     from fusionnet.daemon.observer import SwarmObserver
 
+    check_initial_peers(initial_peers)
     async with SwarmObserver(initial_peers) as observer:
         broker = await observer.find_broker()
         request = UndeployRequest(name=name)

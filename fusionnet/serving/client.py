@@ -76,8 +76,11 @@ class FusionNetClient:
                 if data == "[DONE]":
                     return
                 chunk = json.loads(data)
-                if "error" in chunk:
-                    raise ServingError(
-                        503, str(chunk["error"].get("message")), str(chunk["error"].get("type"))
-                    )
+                if "error" in chunk:  # its ``code``: the status the request would have had
+                    error = chunk["error"]
+                    code = error.get("code")
+                    status = code if isinstance(code, int) and 400 <= code < 600 else 503
+                    raise ServingError(status, str(error.get("message")), str(error.get("type")))
                 yield chunk
+        # a stream that ends without [DONE] was cut (the broker went away): not a whole answer
+        raise ServingError(502, "the stream ended before its end ([DONE])")

@@ -295,11 +295,12 @@ TEXT_CHUNKS = TextChunks()
 def stream_error(e: BaseException) -> ApiError:
     """What a stream says when a choice fails after its 200 went out: the error the same failure gets
     without ``stream`` (the HTTP layer's statuses)."""
+    # ``code`` carries the status, as vLLM's stream errors do: the status line said 200 already
     if isinstance(e, RowsFailed | Oversized):  # the request's own rows: sending it again fails again
-        return ApiError(400, str(e)[:300])
+        return ApiError(400, str(e)[:300], code=400)
     if isinstance(e, Overloaded):
-        return ApiError(503, f"the deployment is overloaded: {e}; retry later", "server_overloaded")
-    return ApiError(503, f"generation failed: {e}"[:300], "server_error")
+        return ApiError(503, f"the deployment is overloaded: {e}; retry later", "server_overloaded", code=503)
+    return ApiError(503, f"generation failed: {e}"[:300], "server_error", code=503)
 
 
 async def stream_choices(

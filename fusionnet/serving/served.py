@@ -25,7 +25,7 @@ class ApiError(Exception):
         kind: str = "invalid_request_error",
         *,
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
@@ -97,3 +97,5 @@ class ServingObserver(Protocol):
     ) -> None: ...
 
     def forget_deployment(self, deployment: str) -> None: ...
+
+    def observe_deployments(self, count: int) -> None: ...
