@@ -23,19 +23,26 @@ def test_a_name_being_deployed_is_taken_until_its_deploy_ends() -> None:
 
     async def scenario() -> None:
         release = asyncio.Event()
+        waiting: list[str] = []  # names whose acceptance is under way
 
         async def accept(request: Any, submitter: str) -> Any:
+            waiting.append(request.name)
             await release.wait()
             raise JobError("the submission was refused")
 
+        async def until_waiting(count: int) -> None:
+            async with asyncio.timeout(10):
+                while len(waiting) < count:
+                    await asyncio.sleep(0)
+
         service._accept = accept  # type: ignore[method-assign]
         first = asyncio.ensure_future(deploy(service, SimpleNamespace(name="tiny"), context))
-        await asyncio.sleep(0)  # the first call now waits in its submission's acceptance
+        await until_waiting(1)  # the first call now waits in its submission's acceptance
         with pytest.raises(JobError, match="named 'tiny' exists already"):
             await deploy(service, SimpleNamespace(name="tiny"), context)
         others = [asyncio.ensure_future(deploy(service, SimpleNamespace(name=f"d{i}"), context))
                   for i in range(MAX_DEPLOYMENTS - 1)]  # fmt: skip
-        await asyncio.sleep(0)
+        await until_waiting(MAX_DEPLOYMENTS)
         with pytest.raises(JobError, match=f"already serves {MAX_DEPLOYMENTS}"):
             await deploy(service, SimpleNamespace(name="one-too-many"), context)
         release.set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -30,14 +31,15 @@ from pydantic import (
     field_validator,
 )
 
-from fusionnet.serving.batching import Overloaded, Oversized, RowsFailed
+from fusionnet.errors import ExecutionError
 from fusionnet.serving.generation import check_prompt, generate
 from fusionnet.serving.kv_sessions import generate_cached, score_cached
 from fusionnet.serving.logprobs import MAX_TOP, TokenLogprob, completion_logprobs, logprob_of
 from fusionnet.serving.sampling import SamplingParams
-from fusionnet.serving.served import ApiError, ServedModel, ServingObserver
+from fusionnet.serving.served import ApiError, ServedModel, ServingObserver, api_error
 from fusionnet.serving.stopping import Piece, StopRule, StopTracker
 
+log = logging.getLogger("fusionnet.serving")
 MAX_PROMPTS = 64
 MAX_NEW_TOKENS = 4096
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
@@ -294,13 +296,11 @@ TEXT_CHUNKS = TextChunks()
 
 def stream_error(e: BaseException) -> ApiError:
     """What a stream says when a choice fails after its 200 went out: the error the same failure gets
-    without ``stream`` (the HTTP layer's statuses)."""
-    # ``code`` carries the status, as vLLM's stream errors do: the status line said 200 already
-    if isinstance(e, RowsFailed | Oversized):  # the request's own rows: sending it again fails again
-        return ApiError(400, str(e)[:300], code=400)
-    if isinstance(e, Overloaded):
-        return ApiError(503, f"the deployment is overloaded: {e}; retry later", "server_overloaded", code=503)
-    return ApiError(503, f"generation failed: {e}"[:300], "server_error", code=503)
+    without ``stream``, its status in ``code`` (as vLLM's stream errors do: the status line said 200)."""
+    error = api_error(e if isinstance(e, Exception) else ExecutionError(f"generation ended: {e!r}"))
+    if error.status == 500:  # a bug of ours: logged as the HTTP layer logs it
+        log.error("a streamed completion failed", exc_info=e)
+    return ApiError(error.status, error.message, error.kind, param=error.param, code=error.status)
 
 
 async def stream_choices(

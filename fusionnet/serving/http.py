@@ -28,7 +28,6 @@ from aiohttp import web
 
 from fusionnet.errors import FusionNetError
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
-from fusionnet.serving.batching import Closed, Overloaded, Oversized, RowsFailed
 from fusionnet.serving.chat import CHAT_CHUNKS, ChatRequest, chat_reply, encode_chat
 from fusionnet.serving.completions import (
     TEXT_CHUNKS,
@@ -42,7 +41,7 @@ from fusionnet.serving.completions import (
     usage,
 )
 from fusionnet.serving.kv_sessions import score_cached
-from fusionnet.serving.served import ApiError, Deployments, ServedModel, ServingObserver
+from fusionnet.serving.served import ApiError, Deployments, ServedModel, ServingObserver, api_error
 
 log = logging.getLogger("fusionnet.serving")
 
@@ -95,25 +94,16 @@ class _Api:
         except ConnectionResetError:  # a stream's client went away and a chunk could not be written
             self._count(request, CLIENT_GONE)
             raise
-        except ApiError as e:
-            response = web.json_response(e.body(), status=e.status)
         except web.HTTPException as e:  # aiohttp's own: unknown route, wrong method, body too large
             kind = "invalid_request_error" if e.status < 500 else "server_error"
             response = web.json_response(ApiError(e.status, e.reason, kind).body(), status=e.status)
-        except Overloaded as e:
-            response = _error(503, f"the deployment is overloaded: {e}; retry later", "server_overloaded")
-        except Oversized as e:
-            response = _error(400, str(e), "invalid_request_error")
-        except Closed as e:
-            response = _error(503, str(e), "server_error")
-        except RowsFailed as e:  # the model raised on this request's own rows, alone
-            response = _error(400, str(e)[:500], "invalid_request_error")
-        except FusionNetError as e:  # the swarm failed the batch (after the failover's retries)
-            log.warning("%s %s: %s", request.method, request.path, e)
-            response = _error(503, f"the swarm could not run the request: {e}"[:500], "server_error")
         except Exception as e:
-            log.exception("%s %s failed", request.method, request.path)
-            response = _error(500, f"internal error: {type(e).__name__}", "server_error")
+            error = api_error(e)
+            if error.status == 500:  # a bug of ours
+                log.exception("%s %s failed", request.method, request.path)
+            elif isinstance(e, FusionNetError):  # the swarm failed the batch (after the failover's retries)
+                log.warning("%s %s: %s", request.method, request.path, e)
+            response = web.json_response(error.body(), status=error.status)
         self._count(request, response.status)
         return response
 
@@ -258,7 +248,3 @@ async def _json(request: web.Request) -> Any:
     except (ValueError, UnicodeDecodeError, LookupError, RecursionError) as e:
         # not JSON, not in its charset, a charset nobody knows, nested deeper than the parser goes
         raise ApiError(400, f"the body must be a JSON object ({type(e).__name__})") from None
-
-
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response(ApiError(status, message, kind).body(), status=status)

@@ -10,7 +10,8 @@ from typing import Any, Protocol
 
 import torch
 
-from fusionnet.serving.batching import DynamicBatcher
+from fusionnet.errors import FusionNetError
+from fusionnet.serving.batching import Closed, DynamicBatcher, Overloaded, Oversized, RowsFailed
 from fusionnet.serving.generation import Window
 from fusionnet.serving.kv_sessions import SlotPool
 
@@ -32,6 +33,24 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def api_error(e: Exception) -> ApiError:
+    """The answer to a request that failed with ``e``: its status, type and message (the HTTP layer's
+    error responses, and a stream's error chunk after its 200 went out)."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, Overloaded):
+        return ApiError(503, f"the deployment is overloaded: {e}; retry later", "server_overloaded")
+    if isinstance(e, Oversized):  # more than it ever queues: a retry fails the same
+        return ApiError(400, str(e)[:500])
+    if isinstance(e, Closed):
+        return ApiError(503, str(e)[:500], "server_error")
+    if isinstance(e, RowsFailed):  # the model raised on this request's own rows, alone
+        return ApiError(400, str(e)[:500])
+    if isinstance(e, FusionNetError):  # the swarm failed the batch (after the failover's retries)
+        return ApiError(503, f"the swarm could not run the request: {e}"[:500], "server_error")
+    return ApiError(500, f"internal error: {type(e).__name__}", "server_error")
 
 
 @dataclass
