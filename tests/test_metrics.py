@@ -327,6 +327,11 @@ def test_serving_metrics_count_by_deployment_and_go_with_it() -> None:
     labels = {"deployment": "a", "endpoint": "/v1/chat/completions", "code": "200"}
     assert r.get_sample_value("fusionnet_serving_requests_total", labels) == 1.0
     assert r.get_sample_value("fusionnet_serving_deployments") == 2.0
+    # a failed batch is counted, and kept out of the served batches' histograms
+    m.observe_batch("a", rows=4, seconds=9.0, queued_rows=0, failed=True)
+    assert r.get_sample_value("fusionnet_serving_batches_failed_total", {"deployment": "a"}) == 1.0
+    assert r.get_sample_value("fusionnet_serving_batch_duration_seconds_count", {"deployment": "a"}) == 1.0
+    assert r.get_sample_value("fusionnet_serving_batch_duration_seconds_sum", {"deployment": "a"}) == 0.1
     m.forget_deployment("a")
     m.observe_deployments(1)
     left = {s.labels.get("deployment") for metric in r.collect() for s in metric.samples}

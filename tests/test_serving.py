@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -281,6 +282,32 @@ def test_batcher_splits_a_request_larger_than_a_batch() -> None:
             await b.close()
 
     assert _run(main()).view(-1).tolist() == [float(i + 1) for i in range(8)]
+
+
+def test_a_failed_batch_is_reported_as_failed_and_a_served_one_is_not() -> None:
+    """The metrics' ``on_batch`` learns which batches failed: their time (a failover's batch waits out a
+    re-placement) must not enter the served batches' histograms."""
+    stats: list[BatchStats] = []
+    failing = {"now": True}
+
+    async def run_batch(rows: torch.Tensor, pick: list[int] | None) -> torch.Tensor:
+        if failing["now"]:
+            raise ExecutionError("the pipeline broke")
+        return rows + 1
+
+    async def main() -> None:
+        b = DynamicBatcher(run_batch, max_batch=4, max_wait=0.0, queue_limit=100, on_batch=stats.append)
+        b.start()
+        try:
+            with pytest.raises(ExecutionError, match="the pipeline broke"):
+                await b.submit(torch.zeros(2, 1))
+            failing["now"] = False
+            assert (await b.submit(torch.zeros(3, 1))).view(-1).tolist() == [1.0, 1.0, 1.0]
+        finally:
+            await b.close()
+
+    _run(main())
+    assert [(s.rows, s.failed) for s in stats] == [(2, True), (3, False)]
 
 
 def test_requests_for_whole_rows_and_for_picked_positions_never_share_a_batch() -> None:
@@ -1043,20 +1070,29 @@ def test_the_client_raises_a_streams_error_with_its_status_and_a_cut_stream_as_o
     batcher = DynamicBatcher(_next_token_decoder(10, [], 0.0), max_batch=4, max_wait=0.0, queue_limit=8)
     local, _ = _kv_deployment(batcher, 10)
 
+    released = asyncio.Event()
+
     async def cut(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(b'data: {"choices": [{"index": 0, "token_ids": [3], "text": ""}]}\n\n')
+        if (await request.json()).get("prompt") == [7]:  # a broker that stops sending mid-stream
+            await released.wait()
         return response  # and no [DONE]: the broker went away
 
-    def stream(url: str, prompt: list[int]) -> list[Any]:
-        return list(FusionNetClient(url).stream(prompt, max_tokens=2, temperature=0))
+    async def silent(request: web.Request) -> web.Response:
+        await released.wait()  # a broker that never answers
+        return web.json_response({})
+
+    def stream(url: str, prompt: list[int], timeout: float = 120.0) -> list[Any]:
+        return list(FusionNetClient(url, timeout).stream(prompt, max_tokens=2, temperature=0))
 
     async def scenario() -> None:
         batcher.start()
         runner, url = await start_api(local, None, "127.0.0.1", 0)
         cutter = web.Application()
         cutter.router.add_post("/v1/completions", cut)
+        cutter.router.add_get("/v1/models", silent)
         cut_runner = web.AppRunner(cutter)
         await cut_runner.setup()
         site = web.TCPSite(cut_runner, "127.0.0.1", 0)
@@ -1072,7 +1108,19 @@ def test_the_client_raises_a_streams_error_with_its_status_and_a_cut_stream_as_o
             with pytest.raises(ServingError, match="ended before") as cut_short:
                 await asyncio.to_thread(stream, cut_url, [1])
             assert cut_short.value.status == 502
+            # no HTTP answer at all: status 0 and what happened, never a bare socket error
+            with pytest.raises(ServingError, match=r"no answer within 0\.3 s") as stalled:
+                await asyncio.to_thread(stream, cut_url, [7], 0.3)
+            with pytest.raises(ServingError, match=r"/v1/models: no answer within 0\.3 s") as unanswered:
+                await asyncio.to_thread(FusionNetClient(cut_url, 0.3).models)
+            with socket.socket() as closed:  # a port nothing listens on
+                closed.bind(("127.0.0.1", 0))
+                nobody = f"http://127.0.0.1:{closed.getsockname()[1]}"
+            with pytest.raises(ServingError, match=r"/v1/models: .*refused") as refused_conn:
+                await asyncio.to_thread(FusionNetClient(nobody, 5).models)
+            assert stalled.value.status == unanswered.value.status == refused_conn.value.status == 0
         finally:
+            released.set()
             await cut_runner.cleanup()
             await runner.cleanup()
             await batcher.close()

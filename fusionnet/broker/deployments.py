@@ -139,7 +139,9 @@ class DeploymentService:
             if self.observer is not None and model is not None:
                 slots = None if model.kv is None else model.kv.in_use
                 queued = model.batcher.queued_rows
-                self.observer.observe_batch(name, stats.rows, stats.seconds, queued, slots, stats.missed)
+                self.observer.observe_batch(
+                    name, stats.rows, stats.seconds, queued, slots, stats.missed, failed=stats.failed
+                )
 
         return observe
 
@@ -154,7 +156,9 @@ class DeploymentService:
         if name in self.served or name in self._arriving:
             raise JobError(f"a deployment named {name!r} exists already; undeploy it first or pick --name")
         if len(self.served.keys() | self._arriving) >= MAX_DEPLOYMENTS:
-            raise JobError(f"the broker already serves {MAX_DEPLOYMENTS} deployments")
+            raise JobError(
+                f"the broker already serves {MAX_DEPLOYMENTS} deployments (its most); undeploy one first"
+            )
         self._arriving.add(name)
         try:
             return await self._deploy(name, request, context)

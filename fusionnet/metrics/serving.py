@@ -59,6 +59,12 @@ class ServingMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.batches_failed = Counter(
+            "fusionnet_serving_batches_failed_total",
+            "Batches whose requests got an error or were run again one by one (not in the batch histograms)",
+            ["deployment"],
+            registry=r,
+        )
         self.sessions_missed = Counter(
             "fusionnet_serving_sessions_missed_total",
             "Generation sessions a batch waited for in vain (a stalled stream; not waited for again)",
@@ -114,10 +120,17 @@ class ServingMetrics:
         queued_rows: int,
         kv_slots: int | None = None,
         missed_sessions: int = 0,
+        *,
+        failed: bool = False,
     ) -> None:
-        self.batch_rows.labels(deployment=deployment).observe(rows)
+        """One batch's figures; a failed batch is only counted: its time and rows would skew the
+        served batches' histograms (a failover's batch waits out a re-placement)."""
         self.sessions_missed.labels(deployment=deployment).inc(missed_sessions)
-        self.batch_duration.labels(deployment=deployment).observe(max(0.0, seconds))
+        if failed:
+            self.batches_failed.labels(deployment=deployment).inc()
+        else:
+            self.batch_rows.labels(deployment=deployment).observe(rows)
+            self.batch_duration.labels(deployment=deployment).observe(max(0.0, seconds))
         self.queue_rows.labels(deployment=deployment).set(queued_rows)
         if kv_slots is not None:
             self.kv_slots.labels(deployment=deployment).set(kv_slots)
@@ -128,6 +141,7 @@ class ServingMetrics:
             self.inter_token,
             self.batch_rows,
             self.batch_duration,
+            self.batches_failed,
             self.sessions_missed,
             self.queue_rows,
             self.kv_slots,

@@ -117,6 +117,7 @@ class BatchStats:
     waited: float
     seconds: float
     missed: int = 0  # sessions the collector waited for in vain before this batch (never waited again)
+    failed: bool = False  # its requests got an error (or were run again one by one): no served batch
 
 
 class DynamicBatcher:
@@ -333,11 +334,13 @@ class DynamicBatcher:
     async def _run(self, batch: list[_Item]) -> None:
         started = time.monotonic()
         n_rows = sum(int(i.rows.shape[0]) for i in batch)
+        failed = True
         try:
             rows = torch.cat([i.rows for i in batch])
             picks = None if batch[0].pick is None else [p for i in batch for p in i.pick or ()]
             keep = _keep_of(batch)
             out = await self._run_rows(rows, picks, keep)
+            failed = False
             took = time.monotonic() - started
             self._batch_seconds = took if not self._batch_seconds else 0.8 * self._batch_seconds + 0.2 * took
             offset = 0
@@ -367,7 +370,7 @@ class DynamicBatcher:
         if self.on_batch is not None:
             waited = started - min(i.queued_at for i in batch)
             missed, self._missed = self._missed, 0
-            self.on_batch(BatchStats(n_rows, waited, time.monotonic() - started, missed))
+            self.on_batch(BatchStats(n_rows, waited, time.monotonic() - started, missed, failed))
 
     def _run_rows(
         self, rows: torch.Tensor, pick: list[int] | None, keep: list[bool] | None

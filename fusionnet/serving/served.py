@@ -113,6 +113,8 @@ class ServingObserver(Protocol):
         queued_rows: int,
         kv_slots: int | None = None,
         missed_sessions: int = 0,
+        *,
+        failed: bool = False,
     ) -> None: ...
 
     def forget_deployment(self, deployment: str) -> None: ...
