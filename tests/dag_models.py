@@ -41,6 +41,21 @@ class SplitMerge(nn.Module):
         return self.out(F.layer_norm(h, h.shape[-1:]))
 
 
+class Normalised(nn.Module):
+    """BatchNorm between two layers: buffers (running statistics, a batch count) that FP changes."""
+
+    def __init__(self, width: int = 8, classes: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.bn = nn.BatchNorm1d(width)
+        self.mid = nn.Linear(width, width)
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn(self.inp(x)))
+        return self.out(torch.tanh(self.mid(h)))
+
+
 class TwoHeads(nn.Module):
     """Returns a tuple: class scores and a per-sample embedding."""
 

@@ -98,6 +98,25 @@ def test_skip_edges_across_every_cut(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_batchnorm_statistics_start_and_end_as_plain_pytorchs(pieces: int, tmp_path: Path) -> None:
+    """BatchNorm's running statistics and batch count are state too: tracing runs the model in train
+    mode (the eager check and the traced graph's), which must not move them before step 0, and after 3
+    steps of one micro-batch they equal plain PyTorch's to the bit (the weights' comparison includes
+    every buffer)."""
+    x, y = make_data("split", n=24)
+    path = write_job(
+        tmp_path / "job", model_class="Normalised", inputs=x, labels=y, microbatches=1, batch_size=8,
+        steps=3, optimizer={"name": "sgd", "lr": 0.1, "kwargs": {"momentum": 0.9}},
+    )  # fmt: skip
+    job = load_job(path)
+    got = run_local(job, pieces)
+    assert int(got.weights["bn.num_batches_tracked"]) == 3
+    assert int(job.model.bn.num_batches_tracked) == 0  # the loaded model as loaded, after tracing
+    _compare(path, pieces, exact=True)
+
+
+@pytest.mark.timeout(300)
 def test_per_op_optimizers_train_exactly(tmp_path: Path) -> None:
     x, y = make_data("skip", n=24)
     optimizer = {

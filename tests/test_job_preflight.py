@@ -168,3 +168,36 @@ def test_dry_run_changes_nothing(tmp_path: Path) -> None:
     assert torch.equal(torch.get_rng_state(), before)
     assert job.model.training
     assert all(torch.equal(stats[k], v) for k, v in job.model.state_dict().items())
+
+
+NORMS = {
+    "bn": ("nn.BatchNorm1d(6)", "BatchNorm1d) trains with batch statistics"),
+    "counted": ("nn.InstanceNorm1d(1, track_running_stats=True)", "once per call"),
+}
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_batch_statistics_train_on_one_microbatch_per_step(norm: str, tmp_path: Path) -> None:
+    """Several micro-batches would each be normalised by their own statistics: not the whole batch's
+    computation, so refused naming the key and the module; one micro-batch, or inference, runs."""
+    layer, says = NORMS[norm]
+    unflatten = "nn.Unflatten(1, (1, 6)), " if norm == "counted" else ""
+    flatten = ", nn.Flatten()" if norm == "counted" else ""
+    (tmp_path / "normed.py").write_text(
+        "from torch import nn\n\ndef build():\n"
+        f"    return nn.Sequential(nn.Linear(4, 6), {unflatten}{layer}{flatten}, nn.Linear(6, 3))\n"
+    )
+    for task in ("train", "grad"):
+        path = _job(tmp_path, model={"entrypoint": "normed.py:build"}, task=task, data__microbatches=2)
+        with pytest.raises(JobError, match=r"^data\.microbatches: model\.\d+ \(") as refused:
+            load_job(path)
+        assert says in str(refused.value) and "set data.microbatches: 1" in str(refused.value)
+        with pytest.raises(JobError, match="micro-batches per step"):
+            load_job(
+                _job(tmp_path, model={"entrypoint": "normed.py:build"}, task=task, data__microbatches="auto")
+            )
+        load_job(_job(tmp_path, model={"entrypoint": "normed.py:build"}, task=task, data__microbatches=1))
+    infer = _job(
+        tmp_path, model={"entrypoint": "normed.py:build"}, task="infer", data__microbatches=2, loss=None
+    )
+    load_job(infer)

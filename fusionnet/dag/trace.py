@@ -19,8 +19,9 @@ per-node costs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,10 +94,39 @@ def trace_model(
     """Traces ``model`` for ``task`` on an example (one micro-batch) and returns its IR.
 
     ``frontend`` is ``auto`` (symbolic, then export), ``symbolic_trace`` or ``torch.export``.
-    Raises ``TraceError`` naming both front ends' failures when neither works.
+    Raises ``TraceError`` naming both front ends' failures when neither works. The model's buffers are as
+    they were when it returns (``buffers_kept``).
     """
     if task not in ("train", "grad", "infer"):
         raise ValueError(f"unknown task {task!r}")
+    with buffers_kept(model):
+        return _trace(model, inputs, labels, loss_fn, task, frontend)
+
+
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module) -> Iterator[None]:
+    """Puts the model's buffers back as they were on entry. Why: tracing runs the model (and the traced
+    graph) in train mode, and a BatchNorm there updates its running statistics and batch count in place
+    on every run, under ``no_grad`` too; the job's initial state is read from the model afterwards, so
+    without this it would start from statistics plain PyTorch never saw (``traced.state`` holds the same
+    tensors, so it is put back too)."""
+    kept = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
+
+
+def _trace(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor | None,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    task: str,
+    frontend: str,
+) -> TracedModel:
     wrapper: nn.Module = _InferWrapper(model) if task == "infer" else _LossWrapper(model, loss_fn)
     args = (inputs,) if task == "infer" else (inputs, labels)
     wrapper.train(task != "infer")
@@ -143,7 +173,7 @@ def reproduces_on(
     was_training = model.training
     wrapper.train(task != "infer")
     try:
-        with torch.no_grad(), torch.random.fork_rng():
+        with torch.no_grad(), torch.random.fork_rng(), buffers_kept(model):
             torch.manual_seed(0)  # the same draws for both runs (dropout)
             expected = wrapper(*args)
             torch.manual_seed(0)

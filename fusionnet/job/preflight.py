@@ -8,7 +8,8 @@ once, on one sample, with a message that names the key, the tensor, and what was
 - inputs, labels and weights hold only finite numbers;
 - one batch's inputs fit in memory many times over (``batch_size: 10**9`` is refused, not allocated);
 - one forward pass on ``data.inputs[0:1]`` succeeds and returns what the task needs;
-- the loss accepts that output with ``data.labels[0:1]``, and class labels lie in the output's range.
+- the loss accepts that output with ``data.labels[0:1]``, and class labels lie in the output's range;
+- a model that normalises with batch statistics (BatchNorm) trains on one micro-batch per step.
 
 The dry run leaves no trace: the RNG state is restored, the model runs in eval mode without autograd
 (BatchNorm statistics and dropout untouched) and its train/eval mode is put back afterwards.
@@ -125,6 +126,27 @@ def _check_label_form(job: LoadedJob, out: torch.Tensor, y: torch.Tensor) -> Non
         raise JobError(f"{where}: 'labels' are {dtype}, but loss {name} needs floating-point labels")
 
 
+def _check_batch_statistics(job: LoadedJob) -> None:
+    """Training normalises BatchNorm's inputs with the statistics of the rows it sees at once, and counts
+    one running-statistics update per call: with several micro-batches each one is normalised by its own
+    statistics, which is not what the whole batch computes (the gradients would differ from plain
+    PyTorch's, not by rounding). Refused, naming the module, unless a step is one micro-batch."""
+    m = job.spec.data.microbatches
+    if job.spec.task == "infer" or m == 1:
+        return
+    for name, module in job.model.named_modules():
+        batchwise = isinstance(module, torch.nn.modules.batchnorm._BatchNorm)
+        instance = isinstance(module, torch.nn.modules.instancenorm._InstanceNorm)
+        counted = instance and bool(module.track_running_stats)
+        if batchwise or counted:
+            what = "batch statistics" if batchwise else "running statistics updated once per call"
+            raise JobError(
+                f"data.microbatches: model.{name} ({type(module).__name__}) trains with {what}, so "
+                f"{m} micro-batches per step would not compute what the whole batch does; set "
+                "data.microbatches: 1, or use a norm of each sample alone (LayerNorm, GroupNorm)"
+            )
+
+
 def _dry_forward(job: LoadedJob) -> None:
     where = "model.entrypoint: forward on data.inputs[0:1]"
     x = job.inputs[0:1]
@@ -174,6 +196,7 @@ def preflight(job: LoadedJob) -> None:
     """One JobError for the first problem found; nothing about the job or the RNG changes."""
     check_data(job.spec, job.inputs, job.labels)
     _check_weights_finite(job)
+    _check_batch_statistics(job)
     was_training = job.model.training
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         try:
