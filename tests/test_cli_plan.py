@@ -181,6 +181,25 @@ def test_plan_of_an_auto_job_that_interleaves_is_the_brokers_placement(
     assert doc["predicted_step_seconds"] == pytest.approx(placed.predicted_step, rel=1e-9)
 
 
+@pytest.mark.timeout(180)
+def test_plan_of_an_auto_job_names_the_schedule_the_broker_runs(tmp_path: Path, capsys) -> None:
+    """``auto`` where interleaving does not pay: plan.json's ``schedule`` is the one the broker's
+    placement chooses on the same devices (it used to say nothing, and price 1f1b's step), and its
+    predicted step is that schedule's."""
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(
+        "nodes:\n  - {name: laptop, kind: cpu, peak_flops: 2G, mem_bandwidth: 2GB/s, d_cpu: 8GiB, count: 2}\n"
+        "network: {latency: 50us, bandwidth: 10Gbps}\n"
+    )
+    job, doc = _plan_gpt(tmp_path, nodes, compnodes=2, schedule="auto")
+    placed = _brokers_placement(job, nodes, schedule="auto")
+    assert placed.schedule is not None and placed.schedule.name != "interleaved-1f1b"
+    assert doc["schedule"]["name"] == placed.schedule.name and doc["schedule"]["why"].startswith("auto: ")
+    assert set(doc["schedule"]["predicted_step_seconds"]) == {"gpipe", "1f1b", "zero-bubble"}
+    assert doc["predicted_step_seconds"] == pytest.approx(placed.predicted_step, rel=1e-9)
+    assert f"schedule: {placed.schedule.name} (auto: " in capsys.readouterr().out
+
+
 def _plan_gpt(tmp_path: Path, nodes: Path, **placement: Any) -> tuple[Any, dict[str, Any]]:
     """``fusionnet plan`` of the bundled GPT (4 micro-batches, ``placement`` keys) for ``nodes``: the job
     as loaded, and plan.json."""

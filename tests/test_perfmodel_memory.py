@@ -130,3 +130,14 @@ def test_evaluate_assignment_refuses_cycles_and_bad_maps():
     with pytest.raises(PartitionError, match="unknown ops"):
         evaluate_assignment(g, swarm, w, {"x": 0, "a": 0, "b": 1, "c": 1, "zz": 0})
     assert stage_order(g, [1, 1, 0, 0]) == [1, 0]
+
+
+def test_interleaved_inflight_is_what_its_order_holds():
+    """interleaved-1f1b is charged, per stage, the micro-batches its own order holds at once (4, 3, 2, 1
+    for p = 2 devices x v = 2 chunks x m = 8), not m on every chunk, which refused cuts that fit."""
+    from fusionnet.schedules import INTERLEAVED, check, make_schedule
+
+    work = Workload(8, "train", INTERLEAVED, 2)
+    got = [inflight_microbatches(work, s, 4) for s in range(4)]
+    assert got == [4, 3, 2, 1] == list(check(make_schedule(INTERLEAVED, 4, 8, "train", 2)).peak_inflight)
+    assert [inflight_microbatches(Workload(8, "infer", INTERLEAVED, 2), s, 4) for s in range(4)] == [1] * 4

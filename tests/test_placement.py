@@ -156,17 +156,19 @@ def test_interleaved_chunks_must_fit_their_compnode_together(gpt: JobShape) -> N
     kwargs = {"microbatches": 4, "batch_size": shape.batch_size, "optimizer": shape.optimizer}
     roomy = plan_interleaved(shape.graph, [device("a"), device("b")], 2, **kwargs)
     need = [s.demand.cpu for s in roomy.plan.stages]  # CPU devices: d_cpu (and d_disk) only
-    disk = sum(s.demand.disk for s in roomy.plan.stages)  # enough disk for all: memory is what binds
+    # device 0 gets disk for its own chunks' checkpoints, no more: its memory is what binds
+    disk = roomy.plan.stages[0].demand.disk + roomy.plan.stages[2].demand.disk
+    disk_b = sum(s.demand.disk for s in roomy.plan.stages)
     together = need[0] + need[2]  # device 0 holds sub-DAGs 0 and 2
     alone = max(need[0], need[2])
-    tight = [device("a", memory=(alone + together) // 2, disk=disk), device("b", disk=disk)]
+    tight = [device("a", memory=(alone + together) // 2, disk=disk), device("b", disk=disk_b)]
     with pytest.raises(PlanError, match=r"the 2 chunks of device 0 \('a'\) need .* together"):
         plan_interleaved(shape.graph, tight, 2, **kwargs)
     pool = [Candidate("a", False, tight[0]), Candidate("b", False, tight[1])]
     with pytest.raises(PlanError, match=r"the 2 chunks of device 0 \('a'\)"):
         plan_placement(shape, pool)  # the broker refuses it the same way
-    too_small = [device("a", memory=min(need[0], need[2]) // 2, disk=disk), device("b", disk=disk)]
+    too_small = [device("a", memory=min(need[0], need[2]) // 2, disk=disk), device("b", disk=disk_b)]
     with pytest.raises(PlanError, match=r"interleaved-1f1b: sub-DAG [02] .* needs"):
         plan_interleaved(shape.graph, too_small, 2, **kwargs)
-    roomier = [device("a", memory=together + 1024, disk=disk), device("b", disk=disk)]
+    roomier = [device("a", memory=together + 1024, disk=disk), device("b", disk=disk_b)]
     assert plan_interleaved(shape.graph, roomier, 2, **kwargs).predicted_step_seconds > 0

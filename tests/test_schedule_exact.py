@@ -124,6 +124,7 @@ def test_interleaved_examples_exact(example: str, compnodes: int, chunks: int, t
     """Interleaved 1F1B: ``compnodes`` virtual compnodes each running ``chunks`` sub-DAGs in one loop."""
     task = "train" if compnodes == 2 else "grad"
     over = {"task": task, "steps": 2, "microbatches": 2 * compnodes, "schedule": "interleaved-1f1b"}
+    over["compnodes"] = compnodes
     over["chunks"] = chunks
     if task == "train":
         over["optimizer"] = SGD
@@ -167,23 +168,52 @@ def test_interleaved_infer_exact(tmp_path: Path) -> None:
         path.unlink()
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("microbatches", "batch_size"), [(3, 10), (4, 7)])
+def test_interleaved_infer_runs_any_microbatch_count(
+    microbatches: int, batch_size: int, tmp_path: Path
+) -> None:
+    """Forwards alone run any count on 2 compnodes: 3 per batch, or 4 and a last batch of 3 samples
+    (24 = 3 x 7 + 3), which used to stop the run at that batch, after the others had run."""
+    path = _skip_job(
+        tmp_path, "SkipEverywhere", task="infer", microbatches=microbatches, batch_size=batch_size,
+        schedule="interleaved-1f1b",
+    )  # fmt: skip
+    got = run_local(load_job(path), 2)
+    ref = run_reference(load_job(path))
+    assert got.outputs is not None and ref.outputs is not None and got.outputs.shape[0] == 24
+    assert (got.outputs - ref.outputs).abs().max().item() <= TOL
+
+
 def test_interleaved_is_refused_clearly(tmp_path: Path) -> None:
-    """Bad settings name the key; deployments refuse it before tracing, saying why; ``plan`` refuses a
-    micro-batch count the compnodes do not divide, as ``run --local`` does."""
-    from fusionnet.runtime.planjob import plan_job
+    """Bad settings name the key; deployments refuse it before tracing, saying why; a micro-batch count
+    the compnodes do not divide is refused at load (``plan`` and ``run`` alike), and ``run --local N``
+    checks it against its N; ``auto`` micro-batches take a multiple of the compnodes, or say there is
+    none."""
+    from fusionnet.runtime.microbatch_sizes import traced_count, with_compnodes
     from fusionnet.runtime.submit import submission_payload
 
     path = _skip_job(tmp_path / "a", "SplitMerge", schedule="interleaved-1f1b", microbatches=3)
-    with pytest.raises(PlanError, match=r"micro-batches \(3\) to be a multiple of the devices \(2\)"):
-        run_local(load_job(path), 2)
+    with pytest.raises(JobError, match=r"^data.microbatches: .*multiple of placement.compnodes \(2\).*got 3"):
+        load_job(path)  # at load, so plan and run refuse it alike, before tracing
     path = _skip_job(tmp_path / "d", "SplitMerge", schedule="interleaved-1f1b", microbatches=4)
-    with pytest.raises(PlanError, match=r"micro-batches \(3\) to be a multiple of the devices \(2\)"):
-        bad = _skip_job(tmp_path / "e", "SplitMerge", schedule="interleaved-1f1b", microbatches=3)
-        plan_job(load_job(bad), cache_dir=tmp_path / "profile")  # this machine profiled into a scratch cache
     with pytest.raises(JobError, match=r"a deployment runs forwards only.*interleaved-1f1b"):
         submission_payload(load_job(path), deployment=True)
     with pytest.raises(PlanError, match=r"multiple of the devices \(3\)"):  # --local 3 overrides compnodes
         run_local(load_job(path), 3)
+    with pytest.raises(
+        JobError, match=r"^data.microbatches: .*placement.compnodes \(3\).*got 4 \(--local 3\)"
+    ):
+        with_compnodes(load_job(path), 3)  # what ``fusionnet run --local 3`` does first
+    auto = _skip_job(
+        tmp_path / "f", "SplitMerge", schedule="interleaved-1f1b", microbatches="auto", batch_size=15
+    )
+    assert traced_count(with_compnodes(load_job(auto), 3).spec) == 3  # not 5, a count it cannot train on
+    prime = _skip_job(
+        tmp_path / "g", "SplitMerge", schedule="interleaved-1f1b", microbatches="auto", batch_size=7
+    )
+    with pytest.raises(JobError, match=r"^data.microbatches: auto finds no divisor of data.batch_size \(7\)"):
+        traced_count(with_compnodes(load_job(prime), 3).spec)
     path = _skip_job(tmp_path / "b", "SplitMerge", schedule="1f1b", chunks=2)
     with pytest.raises(JobError, match=r"placement.chunks.*only schedule interleaved-1f1b"):
         load_job(path)

@@ -12,6 +12,7 @@ import pytest
 
 from fusionnet.perfmodel.simulator import Hop, StageTimes, simulate
 from fusionnet.schedules import (
+    INTERLEAVED,
     Action,
     Schedule,
     ScheduleError,
@@ -141,3 +142,18 @@ def test_peak_activations_per_device() -> None:
         res = check(interleaved_1f1b(p, m, v))
         assert res.device_peak[0] == min(2 * (p - 1) + (v - 1) * p + 1, m * v)
         assert check(one_f_one_b(p, m)).device_peak == tuple(p - d for d in range(p))
+
+
+@pytest.mark.parametrize(("p", "v"), [(2, 2), (3, 2), (2, 3), (4, 3)])
+def test_forwards_alone_run_any_microbatch_count(p: int, v: int) -> None:
+    """An ``infer`` job's order runs any count (its last batch may be short), also with skip edges;
+    training keeps the multiple of p its order needs."""
+    n = p * v
+    skips = [(a, b) for a in range(n) for b in range(a + 1, n)]
+    for m in range(1, 3 * p + 2):
+        sched = make_schedule(INTERLEAVED, n, m, "infer", v)
+        assert sorted(a.mb for prog in sched.programs for a in prog) == sorted(list(range(m)) * n)
+        check(sched, skips)
+        if m % p:
+            with pytest.raises(ScheduleError, match="multiple of the devices"):
+                make_schedule(INTERLEAVED, n, m, "train", v)

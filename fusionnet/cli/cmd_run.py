@@ -38,12 +38,13 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from fusionnet.errors import JobError
     from fusionnet.runtime.local import run_local
+    from fusionnet.runtime.microbatch_sizes import with_compnodes
     from fusionnet.runtime.prepare import prepare_job
 
     if args.local < 1:
         raise JobError(f"--local: must be >= 1, got {args.local}")
     check_output_dir(args.output)
-    job = load_job_for_command(args)
+    job = with_compnodes(load_job_for_command(args), args.local)
     prepared = prepare_job(job, args.local)
     if not args.quiet:
         print(prepared.partition.describe())

@@ -55,18 +55,28 @@ AUTO_MICROBATCHES = "auto"
 MICROBATCHES_PER_STAGE = 4  # the most micro-batches per pipeline stage ``auto`` considers
 
 
-def microbatch_candidates(batch_size: int, stages: int) -> list[int]:
+def microbatch_candidates(batch_size: int, stages: int, multiple_of: int = 1) -> list[int]:
     """The micro-batch counts ``data.microbatches: auto`` chooses among: the divisors of the batch size up
-    to ``MICROBATCHES_PER_STAGE`` per stage. Divisors only: every micro-batch then has the same size, which
-    a graph traced by ``torch.export`` needs, and each count is priced at one size."""
-    top = min(batch_size, MICROBATCHES_PER_STAGE * max(stages, 1))
-    return [m for m in range(1, top + 1) if batch_size % m == 0]
+    to ``MICROBATCHES_PER_STAGE`` per stage, and multiples of ``multiple_of`` (interleaved-1f1b trains on
+    a multiple of its compnodes). Divisors only: every micro-batch then has the same size, which a graph
+    traced by ``torch.export`` needs, and each count is priced at one size."""
+    top = min(batch_size, MICROBATCHES_PER_STAGE * max(stages, multiple_of, 1))
+    return [m for m in range(1, top + 1) if batch_size % m == 0 and m % multiple_of == 0]
 
 
-def fallback_microbatches(batch_size: int, stages: int) -> int:
+def fallback_microbatches(batch_size: int, stages: int, multiple_of: int = 1) -> int:
     """``auto`` without a performance model to ask (no device profile): one micro-batch for one stage, else
     the largest candidate up to two per stage, which keeps 1F1B's bubble, (p - 1) / (m + p - 1), near a
-    third. Also the size the job is traced with before the count is chosen."""
-    if stages <= 1:
+    third (the fewest above that where no candidate is that small). Also the size the job is traced with
+    before the count is chosen. ``JobError`` when no candidate is a multiple of ``multiple_of``."""
+    if stages <= 1 and multiple_of == 1:
         return 1
-    return max(m for m in microbatch_candidates(batch_size, stages) if m <= 2 * stages)
+    counts = microbatch_candidates(batch_size, stages, multiple_of)
+    if not counts:
+        raise JobError(
+            f"data.microbatches: auto finds no divisor of data.batch_size ({batch_size}) that is a multiple "
+            f"of {multiple_of}, the compnodes interleaved-1f1b trains on (placement.schedule); make "
+            f"data.batch_size a multiple of {multiple_of}"
+        )
+    few = [m for m in counts if m <= 2 * stages]
+    return max(few) if few else min(counts)

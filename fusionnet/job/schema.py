@@ -261,4 +261,24 @@ class JobSpec(_Strict):
     def _task_needs(self) -> JobSpec:
         if self.task == "train" and self.optimizer is None:
             raise KeyProblem(("optimizer",), "required when task is train")
+        problem = interleaved_count_problem(self)
+        if problem is not None:
+            raise KeyProblem(("data", "microbatches"), problem)
         return self
+
+
+def interleaved_count_problem(spec: JobSpec) -> str | None:
+    """Why ``spec``'s micro-batch count cannot train interleaved (None: it can, or need not): the order
+    needs a multiple of the compnodes (``schedules.generators.interleaved_1f1b``); forwards run any."""
+    m, p = spec.data.microbatches, spec.placement.compnodes
+    if (
+        spec.placement.chunks_per_compnode == 1
+        or spec.task in ("infer", "generate")
+        or m == "auto"
+        or m % p == 0
+    ):
+        return None
+    return (
+        f"placement.schedule interleaved-1f1b trains on a multiple of placement.compnodes ({p}) "
+        f"micro-batches per step, got {m}"
+    )

@@ -23,12 +23,14 @@ Where each lands:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from fusionnet.errors import PlanError
 from fusionnet.perfmodel.optimizers import optimizer_profile
 from fusionnet.perfmodel.types import DeviceSpec, OpCost, Workload
+from fusionnet.schedules import INTERLEAVED, ScheduleError, check, make_schedule
 
 GiB = 1 << 30
 
@@ -107,7 +109,22 @@ def inflight_microbatches(workload: Workload, stage_index: int, num_stages: int)
         return min(workload.microbatches, num_stages - stage_index)
     if workload.schedule == "zero-bubble":  # ZB-H1: every stage holds up to p (W is deferred)
         return min(workload.microbatches, num_stages)
+    if workload.schedule == INTERLEAVED and workload.chunks > 1:
+        peaks = _interleaved_peaks(num_stages, workload.microbatches, workload.task, workload.chunks)
+        if peaks is not None:
+            return peaks[stage_index]
     return workload.microbatches
+
+
+@functools.lru_cache(maxsize=64)
+def _interleaved_peaks(stages: int, microbatches: int, task: str, chunks: int) -> tuple[int, ...] | None:
+    """Per stage, the most micro-batches interleaved-1f1b holds at once, from its order itself (a device's
+    later chunks hold fewer: stage 0 about p + v, the last one 1, where charging m each would refuse cuts
+    that fit); None where the order cannot be made (the refusal is the schedule check's to give)."""
+    try:
+        return check(make_schedule(INTERLEAVED, stages, microbatches, task, chunks)).peak_inflight
+    except ScheduleError:
+        return None
 
 
 def optimizer_state_bytes(op: OpCost) -> int:

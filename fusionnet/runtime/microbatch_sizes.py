@@ -23,15 +23,33 @@ from fusionnet.job.batches import (
     split_microbatches,
 )
 from fusionnet.job.loader import LoadedJob
-from fusionnet.job.schema import JobSpec
+from fusionnet.job.schema import JobSpec, interleaved_count_problem
 
 
 def traced_count(spec: JobSpec) -> int:
     """The micro-batch count the job is traced (and run, unless ``auto`` chooses another) with."""
     m = spec.data.microbatches
     if m == AUTO_MICROBATCHES:
-        return fallback_microbatches(spec.data.batch_size, spec.placement.compnodes)
+        return fallback_microbatches(spec.data.batch_size, spec.placement.compnodes, count_multiple(spec))
     return int(m)
+
+
+def count_multiple(spec: JobSpec) -> int:
+    """What a step's micro-batch count must be a multiple of: interleaved-1f1b trains on a multiple of
+    its compnodes (``schedules.generators.interleaved_1f1b``); anything else runs any count."""
+    interleaved = spec.placement.chunks_per_compnode > 1 and spec.task != "infer"
+    return spec.placement.compnodes if interleaved else 1
+
+
+def with_compnodes(job: LoadedJob, compnodes: int) -> LoadedJob:
+    """``job`` with ``placement.compnodes`` set to ``compnodes`` (``run --local N``), so that what depends
+    on it (the counts ``auto`` chooses among, interleaved-1f1b's multiple) sees the compnodes that run."""
+    placement = job.spec.placement.model_copy(update={"compnodes": compnodes})
+    spec = job.spec.model_copy(update={"placement": placement})
+    problem = interleaved_count_problem(spec)
+    if problem is not None:
+        raise JobError(f"data.microbatches: {problem} (--local {compnodes})")
+    return dataclasses.replace(job, spec=spec)
 
 
 def with_microbatches(job: LoadedJob, count: int) -> LoadedJob:
@@ -100,7 +118,7 @@ def runnable_counts(job: LoadedJob, traced: TracedModel) -> list[int]:
     traced_size = traced.graph.traced_samples()
     works: dict[int, bool] = {} if traced_size is None else {traced_size: True}
     counts = []
-    for m in microbatch_candidates(spec.data.batch_size, spec.placement.compnodes):
+    for m in microbatch_candidates(spec.data.batch_size, spec.placement.compnodes, count_multiple(spec)):
         sizes = _sizes_of(spec.task, job.n_samples, spec.data.batch_size, m)
         for size in sizes:
             if size not in works:

@@ -118,7 +118,7 @@ def plan_job(
             microbatch_choices=counts,
             chunks=chunks,
         )
-        chosen = {"microbatches": choice.to_dict()}
+        chosen = {"schedule": choice.to_dict()}  # the count and the schedule that run
         if choice.microbatches is not None and choice.microbatches != m:
             job = with_microbatches(job, choice.microbatches)
             planned = plan(choice.microbatches)
@@ -134,7 +134,30 @@ def plan_job(
             prepared = prepare_job(job, len(planned.devices), traced=traced, assignment=planned.assignment)
             used = [devices[d] for d in planned.devices]
             chosen["schedule"] = choice.to_dict()
-    explanation = f"planned for {where}\n\n{planned.explanation}"
+    if "schedule" not in chosen:  # the schedule that runs on this cut, as the broker chooses it
+        by_index = {
+            (i, j): links.get((a, b), default or LOOPBACK)
+            for i, a in enumerate(planned.devices)
+            for j, b in enumerate(planned.devices)
+            if a != b
+        }
+        choice = choose_schedule(
+            spec.placement.schedule,
+            traced.graph,
+            prepared.partition,
+            microbatches=m,
+            devices=used,
+            links=by_index,
+            chunks=chunks,
+            **priced_by,
+        )
+        chosen["schedule"] = choice.to_dict()
+    schedule = chosen["schedule"]
+    step = schedule["predicted_step_seconds"].get(schedule["name"], planned.predicted_step_seconds)
+    explanation = (
+        f"planned for {where}\n\n{planned.explanation}\n"
+        f"schedule: {schedule['name']} ({schedule['why']}), predicted step {step * 1e3:.3f} ms"
+    )
     document = plan_document(
         prepared.partition,
         predicted=planned.predicted_seconds,
@@ -147,7 +170,7 @@ def plan_job(
                 {"subdag": i, "device": d, "name": dev.name, "kind": dev.kind, "speed_flops": dev.speed}
                 for i, (d, dev) in enumerate(zip(planned.devices, used))
             ],
-            "predicted_step_seconds": planned.predicted_step_seconds,
+            "predicted_step_seconds": step,
             "plan": planned.plan.to_dict(),
             **chosen,
         },

@@ -12,8 +12,10 @@
   (sub-DAGs d, p + d, ...), so the model is cut into p v stages that loop over the devices. Forwards go
   in groups of p micro-batches, chunk 0 first; backwards in the same groups, last chunk first. Device d
   warms up with ``2 (p - d - 1) + (v - 1) p`` forwards, then alternates, then drains. The bubble shrinks
-  to about 1/v of 1F1B's, for v times the messages and somewhat more live activations. It needs m to
-  be a multiple of p (as in Megatron-LM and torch's first version of it).
+  to about 1/v of 1F1B's, for v times the messages and somewhat more live activations. Training needs
+  m to be a multiple of p (as in Megatron-LM and torch's first version of it): with a short last group
+  the order deadlocks for some (p, m, v). Forwards alone run any m (the last group is shorter): an
+  ``infer`` job's last batch may hold fewer micro-batches than the others.
 """
 
 from __future__ import annotations
@@ -79,12 +81,13 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     return Schedule("zero-bubble", m, tuple(progs))
 
 
-def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
-    """Interleaved 1F1B on p devices of v chunks each (p v stages; device d's chunk c is stage c p + d)."""
+def interleaved_1f1b(p: int, m: int, v: int = 2, *, forwards_only: bool = False) -> Schedule:
+    """Interleaved 1F1B on p devices of v chunks each (p v stages; device d's chunk c is stage c p + d);
+    ``forwards_only`` (what an ``infer`` job runs of it): any m, not only multiples of p."""
     _sizes(p, m)
     if not isinstance(v, int) or v < 2:
         raise ScheduleError(f"interleaved-1f1b needs v >= 2 chunks per device, got {v!r}")
-    if m % p:
+    if m % p and not forwards_only:
         raise ScheduleError(
             f"interleaved-1f1b needs the micro-batches ({m}) to be a multiple of the devices ({p})"
         )
@@ -94,7 +97,7 @@ def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
         seq = []
         for g in range(0, m, p):
             for c in reversed(range(v)) if backward else range(v):
-                seq += [(c, k) for k in range(g, g + p)]
+                seq += [(c, k) for k in range(g, min(g + p, m))]
         return seq
 
     fwd = [Action("F", k, c) for c, k in order(False)]
@@ -134,7 +137,10 @@ def make_schedule(
                 f"interleaved-1f1b runs {chunks!r} chunks per device: it needs >= 2, dividing the "
                 f"{stages} sub-DAGs"
             )
-        return interleaved_1f1b(stages // chunks, microbatches, chunks).for_task(task)
+        forwards_only = task == "infer"
+        return interleaved_1f1b(stages // chunks, microbatches, chunks, forwards_only=forwards_only).for_task(
+            task
+        )
     if name not in _GENERATORS:
         raise ScheduleError(f"schedule {name!r} must be one of {', '.join((*NAMES, INTERLEAVED))}")
     if chunks != 1:
