@@ -162,8 +162,27 @@ def test_a_compnode_cut_off_is_replaced_after_heartbeats_fail(tmp_path: Path) ->
             observer.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_broker_whose_known_compnodes_are_gone_starts_anyway(tmp_path: Path) -> None:
+    """The compnodes a broker knew from its last run may all be gone by its restart: it tries them,
+    then starts a swarm of its own as it would have without them, instead of refusing to start."""
+    from fusionnet.dht.identity import load_or_create_identity, peer_id_of
+
+    state = tmp_path / "broker.state"
+    state.mkdir(mode=0o700)
+    gone = peer_id_of(load_or_create_identity(tmp_path / "gone.key"))
+    (state / "known_peers").write_text(f"/ip4/127.0.0.1/tcp/9/p2p/{gone}\n")  # port 9: nobody listens
+    broker = start_daemon("broker", tmp_path, "broker", broker_args()).wait_ready()
+    try:
+        assert "rejoined the swarm through 0 compnode(s) known from the last run" in broker.log_text()
+    finally:
+        assert broker.stop() == 0
+
+
 @pytest.mark.timeout(360)
 def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
+    """A broker SIGKILLed mid-job and started again on its state dir, without ``--initial-peers``, finds
+    its compnodes again and finishes the job from its checkpoint, equal to plain PyTorch."""
     workdir = tmp_path / "swarm"
     with running_swarm(workdir, [{}, {}]) as sw:
         observer = BlockingObserver(sw.initial_peers)
@@ -187,6 +206,8 @@ def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
                 "a checkpoint or replica pointer on the broker's disk",
             )
             port = sw.broker.maddrs()[0].split("/tcp/")[1].split("/")[0]
+            known = (Path(sw.broker.state_dir) / "known_peers").read_text()
+            assert all(d.peer_id in known for d in sw.compnodes)  # what the restart rejoins through
             sw.broker.send(signal.SIGKILL)
             sw.broker.wait_exit(30)
             sw.broker.reap()
@@ -195,7 +216,9 @@ def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
                 "broker",
                 workdir,
                 "broker",
-                broker_args(extra=["--host-maddrs", maddr, "--initial-peers", sw.compnodes[0].maddrs()[0]]),
+                # no --initial-peers, as a swarm's first broker starts: it rejoins through the compnodes
+                # it knew (``known_peers``), which never dial it back on their own
+                broker_args(extra=["--host-maddrs", maddr]),
             ).wait_ready()
             assert sw.broker.peer_id == broker_id  # same identity from the state dir
 

@@ -38,6 +38,7 @@ from fusionnet.broker.registry import CompnodeEntry, CompnodeRegistry, RegistryE
 from fusionnet.broker.store import BrokerStore, CompnodeRow
 from fusionnet.daemon.addresses import useful_maddrs
 from fusionnet.daemon.base import Daemon
+from fusionnet.daemon.files import read_address_file, write_address_file
 from fusionnet.dht.records import BrokerRecord, CompnodeRecord, NodeState, is_bind_all, split_host_port
 from fusionnet.errors import FusionNetError, JobError
 from fusionnet.messages.auth import verify_auth
@@ -54,6 +55,9 @@ from fusionnet.rpc.server import RPCContext
 log = logging.getLogger("fusionnet.broker")
 
 DB_FILE = "broker.sqlite3"
+# the compnodes' multiaddrs, newest first, that a restarted broker rejoins the swarm through
+KNOWN_PEERS_FILE = "known_peers"
+KNOWN_PEERS_MAX = 16
 JOB_COLUMNS = ("job_id", "name", "state", "step", "steps", "loss", "error", "updated_at")
 SHOWN_TO_ALL = ("job_id", "state", "step", "steps", "updated_at")  # the rest: to the job's submitter only
 
@@ -72,6 +76,7 @@ class BrokerDaemon(Daemon):
         self.store: BrokerStore | None = None
         self.state = NodeState.JOINING
         self._maddrs: list[str] = []
+        self._known_peers: list[str] = []  # what ``KNOWN_PEERS_FILE`` holds
         # Rebuilt by the event loop, read by the metrics server's thread: swapped whole, never mutated.
         self._scrape_targets: tuple[ScrapeTarget, ...] = ()
         self._bad_metrics_addresses: set[tuple[str, str]] = set()
@@ -115,6 +120,7 @@ class BrokerDaemon(Daemon):
         # Bytes of weights/checkpoints still moving to or from a compnode count as signs of life: its
         # pings may queue behind them on a slow link (``CompnodeRegistry.record_traffic``).
         self.peer.client.on_progress = lambda peer_id: self.registry.record_traffic(peer_id, time.time())
+        await self._rejoin()
         await self._refresh()  # announce + first registry fill before we call ourselves ready
         await self.start_services()
         self.every(self.config.refresh_period, self._refresh, "dht refresh")
@@ -136,6 +142,37 @@ class BrokerDaemon(Daemon):
                 self.store.close()
                 self.store = None
 
+    async def _rejoin(self) -> None:
+        """Dials the compnodes of our last run (``KNOWN_PEERS_FILE``). Why: restarted without
+        ``--initial-peers`` (the swarm's first peer), our DHT would know nobody, and the compnodes never
+        dial a restarted broker back on their own: its jobs could not resume, nor new ones be placed."""
+        path = self.state_dir.file(KNOWN_PEERS_FILE)
+        try:
+            known = read_address_file(path)[:KNOWN_PEERS_MAX] if path.exists() else []
+        except (OSError, UnicodeDecodeError) as e:
+            log.warning("cannot read %s (%s): joining through --initial-peers only", path, e)
+            return
+        if known:
+            assert self.peer is not None
+            answered = await self.peer.join_through(known)
+            log.info("rejoined the swarm through %d compnode(s) known from the last run", answered)
+
+    def _remember_peers(self) -> None:
+        """The multiaddrs of the compnodes seen last (newest first), for a restart to rejoin through
+        (``rejoin_maddrs``); the file changes only when they do."""
+        entries = sorted(
+            (e for e in self.registry.entries() if not e.gone), key=lambda e: e.last_seen, reverse=True
+        )
+        maddrs = [m for e in entries for m in e.record.maddrs if "/p2p/" in m][:KNOWN_PEERS_MAX]
+        if not maddrs or maddrs == self._known_peers:
+            return
+        try:
+            write_address_file(self.state_dir.file(KNOWN_PEERS_FILE), maddrs)
+        except OSError as e:
+            log.warning("cannot keep the compnodes' addresses for a restart: %s", e)
+            return
+        self._known_peers = maddrs
+
     # ---- periodic work ---------------------------------------------------------------------------
     def record(self) -> BrokerRecord:
         return BrokerRecord(peer_id=self.peer_id, state=self.state, maddrs=self._maddrs, version=__version__)
@@ -155,6 +192,7 @@ class BrokerDaemon(Daemon):
         now = time.time()
         self.registry.update_records(found, now)
         self._persist_all()
+        self._remember_peers()
         self._update_swarm_metrics()
         self.refresh_job_metrics()
         await self._update_scrape_targets()

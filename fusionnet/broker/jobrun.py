@@ -69,6 +69,8 @@ from fusionnet.results.files import plan_document, write_results
 log = logging.getLogger("fusionnet.broker.jobs")
 # The broker's own files failing (not a network error, which is an OSError too): the job fails saying so.
 FILE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT, errno.EIO})
+RESUME_WAIT = 60.0  # seconds a job resumed after a broker restart waits for its compnodes to be found again
+RESUME_POLL = 0.25
 
 
 @dataclass
@@ -225,10 +227,24 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
         self._next_sync = replanning.next_sync(step, row.get("sync_seconds", 0.0), row.get("seconds", 0.0))
         return ckpt
 
+    async def _compnodes_back(self) -> None:
+        """A broker that restarts finds its compnodes again within a DHT refresh and a heartbeat or two;
+        a resumed job placed before that would fail on an empty registry. It waits, up to
+        ``RESUME_WAIT`` seconds, until the job's count of compnodes is schedulable (or fewer, once the
+        wait is over: placement then takes what there is, or fails saying so)."""
+        want = self.job.spec.compnodes
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RESUME_WAIT
+        while len(self.ctx.registry.schedulable()) < want and loop.time() < deadline:
+            await asyncio.sleep(RESUME_POLL)
+        found = len(self.ctx.registry.schedulable())
+        log.info("job %s: %d of %d compnodes found again after the restart", self.job.job_id, found, want)
+
     async def _initial_checkpoint(self) -> Checkpoint:
         base = Checkpoint(0, self.job.state, {}, [])
         if not self.resume:
             return base
+        await self._compnodes_back()
         loaded = self.files.load_checkpoint()
         ckpt, self.attempt = loaded if loaded is not None else (base, 0)
         ckpt, self.attempt, pointed = await resumed_from_replicas(self.calls, self.files, ckpt, self.attempt)

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from hivemind.p2p import P2P
 
 from fusionnet.dht.announce import Announcer
-from fusionnet.dht.node import DHTConfig, SwarmDHT, kill_dht, remove_with_parent, start_dht, stop_dht
+from fusionnet.dht.node import (
+    DHTConfig,
+    SwarmDHT,
+    join_through,
+    kill_dht,
+    remove_with_parent,
+    start_dht,
+    stop_dht,
+)
 from fusionnet.rpc.client import RPCClient
 from fusionnet.rpc.protocol import DEFAULT_MAX_MESSAGE_BYTES
 from fusionnet.rpc.server import RPCServer
@@ -55,6 +63,10 @@ class SwarmPeer:
         except BaseException:
             await stop_dht(dht)
             raise
+
+    async def join_through(self, maddrs: list[str]) -> int:
+        """Adds the DHT peers at ``maddrs`` (``/p2p/`` ids included); how many answered."""
+        return await join_through(self.dht, maddrs)
 
     async def visible_maddrs(self) -> list[str]:
         return sorted(str(m) for m in await self.p2p.get_visible_maddrs(latest=True))

@@ -28,10 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -164,6 +165,46 @@ async def start_dht(config: DHTConfig) -> tuple[SwarmDHT, RSASignatureValidator]
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)  # p2pd has read it; the key lives on in memory only
     return dht, validator
+
+
+async def _join_through(_dht: SwarmDHT, node: Any, maddrs: tuple[str, ...], timeout: float) -> int:
+    """Runs in the DHT child: dials each peer (its multiaddrs grouped by ``/p2p/`` id) and pings it into
+    the routing table, all at once, each within ``timeout``; returns how many answered."""
+    by_peer: dict[str, list[Multiaddr]] = {}
+    for m in maddrs:
+        ma = Multiaddr(m)
+        peer = ma.value_for_protocol("p2p")
+        by_peer.setdefault(peer, []).append(ma.decapsulate(Multiaddr(f"/p2p/{peer}")))
+
+    async def one(peer: str, addrs: list[Multiaddr]) -> bool:
+        peer_id = PeerID.from_base58(peer)
+        try:
+            await asyncio.wait_for(node.p2p._client.connect(peer_id, addrs), timeout)
+            return await asyncio.wait_for(node.protocol.call_ping(peer_id), timeout) is not None
+        except Exception:  # gone, refused, not a DHT peer: the others may still answer
+            return False
+
+    return sum(await asyncio.gather(*(one(p, a) for p, a in by_peer.items())))
+
+
+async def join_through(dht: SwarmDHT, maddrs: Sequence[str], timeout: float = 5.0) -> int:
+    """Adds the DHT peers at ``maddrs`` (each with its ``/p2p/`` id) to a running DHT node; how many
+    answered. Unlike ``--initial-peers`` at start-up (p2pd refuses to start when none of those answers),
+    peers that are gone cost only ``timeout``."""
+    valid = []
+    for m in maddrs:
+        try:
+            if Multiaddr(m).value_for_protocol("p2p"):
+                valid.append(m)
+        except Exception:
+            log.warning("not a multiaddr with a /p2p/ peer id, skipped: %r", m[:200])
+    if not valid:
+        return 0
+    return int(
+        await dht.run_coroutine(
+            partial(_join_through, maddrs=tuple(valid), timeout=timeout), return_future=True
+        )
+    )
 
 
 async def stop_dht(dht: hivemind.DHT, timeout: float = 5.0) -> None:
