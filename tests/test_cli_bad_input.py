@@ -129,3 +129,47 @@ def test_undeploy_and_deploy_waits_refuse_bad_input_in_one_line(capsys: pytest.C
     with pytest.raises(SystemExit) as stop:  # argparse: a wait that could never end
         main(["deploy", str(MLP / "job.yaml"), "--initial-peers", PEER, "--wait-compnodes", "nan"])
     assert stop.value.code == EXIT_BAD_INPUT and "seconds, a number >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["submit", str(MLP / "job.yaml"), "--output", "OUT"],
+        ["cancel", "0123456789ab"],
+        ["results", "0123456789ab", "--output", "OUT"],
+        ["status"],
+    ],
+)
+def test_a_mistyped_initial_peer_is_one_line_and_exit_2_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """Every command checks ``--initial-peers`` first: ``submit`` no longer traces the job to find out,
+    and none of them calls it an internal error (exit 1)."""
+    argv = [a.replace("OUT", str(tmp_path / "out")) for a in argv]
+    start = time.monotonic()
+    code = main([*argv, "--initial-peers", "garbage"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_BAD_INPUT and len(err) == 1, err
+    said = f"fusionnet {argv[0]}: error: --initial-peers: 'garbage' is not a multiaddr"
+    assert err[0].startswith(said), err
+    assert time.monotonic() - start < 5 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["submit", str(MLP / "job.yaml"), "--output", "out", "--timeout", "-1"], "a number > 0"),
+        (["submit", str(MLP / "job.yaml"), "--output", "out", "--timeout", "nan"], "a number > 0"),
+        (["submit", str(MLP / "job.yaml"), "--output", "out", "--wait-compnodes", "nan"], "a number >= 0"),
+        (["status", "--interval", "0"], "a number > 0"),
+        (["status", "--timeout", "inf"], "a number > 0"),
+    ],
+)
+def test_durations_that_cannot_be_waited_out_are_refused_by_the_parser(
+    capsys: pytest.CaptureFixture[str], argv: list[str], says: str
+) -> None:
+    """``nan`` compares false with every deadline (a wait without end); a limit of -1 s submitted the job
+    only to cancel it at once."""
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--initial-peers", PEER])
+    assert stop.value.code == EXIT_BAD_INPUT and says in capsys.readouterr().err

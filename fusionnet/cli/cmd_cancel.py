@@ -13,6 +13,7 @@ import argparse
 import asyncio
 from typing import Any
 
+from fusionnet.cli.argtypes import add_initial_peers
 from fusionnet.cli.jobflags import add_job_id_argument, add_key_flag
 
 
@@ -26,7 +27,7 @@ def add_parser(subparsers: Any) -> None:
         "otherwise, 2 for an unknown id.",
     )
     add_job_id_argument(p)
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    add_initial_peers(p)
     add_key_flag(p)
     p.set_defaults(func=run)
 

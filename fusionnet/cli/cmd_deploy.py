@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import re
 from pathlib import Path
 from typing import Any
 
+from fusionnet.cli.argtypes import add_initial_peers, seconds
 from fusionnet.dag.channel import MAX_IN_FLIGHT
 from fusionnet.messages.serving_rpc import DEPLOYMENT_NAME, DEPLOYMENT_NAME_RULE
 
@@ -22,16 +22,6 @@ def _name(text: str) -> str:
     if not re.match(DEPLOYMENT_NAME, text):
         raise argparse.ArgumentTypeError(f"{text[:80]!r}: {DEPLOYMENT_NAME_RULE}")
     return text
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text[:40]!r}: seconds, a number >= 0")
-    return value
 
 
 def add_parser(subparsers: Any) -> None:
@@ -44,7 +34,7 @@ def add_parser(subparsers: Any) -> None:
         "endpoint URL, then exits.",
     )
     p.add_argument("job", type=Path, help="job definition file (YAML), task infer or generate")
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    add_initial_peers(p)
     p.add_argument("--name", type=_name, help="deployment name (default: the job's name)")
     p.add_argument(
         "--max-wait-ms",
@@ -80,7 +70,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--wait-compnodes",
-        type=_seconds,
+        type=seconds,
         default=60.0,
         metavar="S",
         help="wait this long for compnodes (default 60)",
@@ -93,7 +83,7 @@ def add_parser(subparsers: Any) -> None:
         "undeploy", help="release a deployment's compnodes", description="Ends deployment NAME."
     )
     u.add_argument("name", type=_name, help="deployment name")
-    u.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    add_initial_peers(u)
     u.set_defaults(func=run_undeploy)
 
 

@@ -12,6 +12,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from fusionnet.cli.argtypes import add_initial_peers
 from fusionnet.cli.jobflags import add_job_id_argument, add_key_flag, check_output_dir
 
 
@@ -24,7 +25,7 @@ def add_parser(subparsers: Any) -> None:
         "went away (submit killed, connection lost). Exit 1 when the job has not succeeded (yet).",
     )
     add_job_id_argument(p)
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    add_initial_peers(p)
     p.add_argument("--output", type=Path, required=True, metavar="DIR", help="directory for the result files")
     add_key_flag(p)
     p.set_defaults(func=run)

@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from fusionnet.cli.argtypes import add_initial_peers, positive_seconds
+
 CLEAR_HOME = "\x1b[H"  # cursor to the top left
 CLEAR_LINE_END = "\x1b[K"
 CLEAR_BELOW = "\x1b[J"
@@ -36,10 +38,14 @@ def add_parser(subparsers: Any) -> None:
         "load, heartbeat) and jobs (state, step, loss), and lists the compnode records in the DHT as well "
         "(so OFFLINE ones show). Exit status 1 when no broker answers (what the DHT knows is still printed).",
     )
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the swarm")
+    add_initial_peers(p)
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument(
-        "--timeout", type=float, default=15.0, metavar="S", help="limit for the broker call (default 15)"
+        "--timeout",
+        type=positive_seconds,
+        default=15.0,
+        metavar="S",
+        help="limit for the broker call (default 15)",
     )
     p.add_argument(
         "--wait-compnodes",
@@ -54,7 +60,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--interval",
-        type=float,
+        type=positive_seconds,
         default=2.0,
         metavar="S",
         help="seconds between refreshes with --watch (default %(default)s)",

@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from fusionnet.cli.argtypes import add_initial_peers, positive_seconds, seconds
 from fusionnet.cli.jobflags import (
     add_job_loading_flags,
     add_key_flag,
@@ -27,17 +28,11 @@ def add_parser(subparsers: Any) -> None:
         "non-zero with a one-line reason on failure.",
     )
     p.add_argument("job", type=Path, help="job definition file (YAML)")
-    p.add_argument(
-        "--initial-peers",
-        nargs="+",
-        required=True,
-        metavar="MADDR",
-        help="multiaddrs of any swarm members (e.g. the broker's address file lines)",
-    )
+    add_initial_peers(p, "multiaddrs of any swarm members (e.g. the broker's address file lines)")
     p.add_argument("--output", type=Path, required=True, metavar="DIR", help="directory for the result files")
     p.add_argument(
         "--timeout",
-        type=float,
+        type=positive_seconds,
         default=None,
         metavar="S",
         help="cancel the job on the broker and give up when it has not finished S seconds after it was "
@@ -45,7 +40,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--wait-compnodes",
-        type=float,
+        type=seconds,
         default=DEFAULT_WAIT_COMPNODES,
         metavar="S",
         help="wait up to S seconds for the broker to have the job's placement.compnodes ready before "

@@ -13,6 +13,7 @@ import logging
 import sys
 
 from fusionnet import __version__
+from fusionnet.cli.argtypes import check_initial_peers
 from fusionnet.errors import FusionNetError, JobError, TraceError
 
 # Exit codes (README "Commands"): 0 success, 1 the work failed (swarm, job, peers), 2 bad input (the job
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
+        check_initial_peers(args)
         return int(args.func(args) or 0)
     except FusionNetError as e:
         # User-facing errors are one line, no traceback: the message already says what and where.

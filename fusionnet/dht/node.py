@@ -37,7 +37,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from fusionnet.dht.identity import load_or_create_identity
-from fusionnet.errors import WireError
+from fusionnet.errors import JobError, WireError
 
 log = logging.getLogger("fusionnet.dht.node")
 
@@ -74,6 +74,15 @@ class DHTConfig:
             raise ValueError("--host-maddrs: at least one listen address is needed")
         if self.startup_timeout <= 0:
             raise ValueError(f"DHT startup timeout must be > 0, got {self.startup_timeout}")
+
+
+def check_initial_peers(initial_peers: Sequence[str]) -> None:
+    """``JobError`` (bad input: one line, exit 2) for an ``--initial-peers`` value that is not a multiaddr,
+    before a command traces, uploads or dials anything."""
+    try:
+        DHTConfig(initial_peers=list(initial_peers))  # validates them, starts nothing
+    except ValueError as e:
+        raise JobError(str(e)) from None
 
 
 class SwarmDHT(hivemind.DHT):

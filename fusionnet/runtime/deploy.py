@@ -19,6 +19,7 @@ from typing import TextIO
 import torch
 from torch import nn
 
+from fusionnet.dht.node import check_initial_peers
 from fusionnet.errors import JobError
 from fusionnet.job.kv_decode import SlotDecoder, disagreement, example_rows, find_causal_lm, sliding_span
 from fusionnet.job.loader import LoadedJob, load_job
@@ -90,16 +91,6 @@ def model_folder(job: LoadedJob) -> Path:
     if weights is not None and (job.base_dir / weights).is_dir():
         return (job.base_dir / weights).resolve()
     return job.base_dir
-
-
-def check_initial_peers(initial_peers: Sequence[str]) -> None:
-    """``JobError`` (bad input: one line, exit 2) for an address that is not a multiaddr."""
-    from fusionnet.dht.node import DHTConfig
-
-    try:
-        DHTConfig(initial_peers=list(initial_peers))  # validates them, starts nothing
-    except ValueError as e:
-        raise JobError(str(e)) from None
 
 
 async def deploy(
