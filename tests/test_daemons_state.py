@@ -127,6 +127,7 @@ def test_store_keeps_the_churn_history_and_upgrades_an_older_database(
     old.close()
     store = BrokerStore(path)
     assert store.schema_version == SCHEMA_VERSION and store.get_job("j0")["state"] == "SUCCEEDED"
+    assert store.get_job("j0")["error_kind"] is None  # a row from before the column: no kind
     assert store.churn() == (0, 0.0)  # nothing watched yet
     store.save_churn(2, 7200.5)
     store.save_churn(3, 9000.0)  # replaces, not adds: the book saves its totals

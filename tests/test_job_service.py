@@ -5,6 +5,7 @@ job, a leave from a compnode that runs nothing of the job)."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fusionnet.broker.jobs import JobService
-from fusionnet.errors import JobError, WireError
+from fusionnet.errors import ExecutionError, JobError, WireError
 from fusionnet.job.loader import load_job
 from fusionnet.messages.broker_rpc import SubmitJobRequest
 from fusionnet.rpc.server import RPCContext
@@ -76,6 +77,11 @@ async def _download_in_chunks(service: JobService, job_id: str, whole: dict[str,
         jobs.RESULTS_CHUNK_BYTES = jobcontrol.RESULTS_CHUNK_BYTES = saved  # type: ignore[misc]
     assert names == sorted(whole)
     assert {n: (out / n).read_bytes() for n in names} == whole
+    blocked = out.parent / "blocked"  # a file where the folder should go (a full disk fails alike)
+    blocked.write_text("not a folder")
+    said = rf"job {job_id}'s results could not be written to .*blocked .*fusionnet results {job_id} --output"
+    with pytest.raises(ExecutionError, match=said):  # not "internal error FileExistsError"
+        await download_results(BrokerClient(call), "broker", job_id, blocked, SIGNER)
     biggest = max(len(b) for b in whole.values())
     assert len(calls) >= 1 + biggest // 100  # the big files came in chunks
     assert biggest > 300 and flying[1] == jobcontrol.RESULTS_WINDOW  # ... several at once
@@ -120,6 +126,15 @@ def test_a_submission_runs_to_its_results_and_refusals_are_clear(
         await _download_in_chunks(service, job_id, results["files"], tmp_path / "out")
         with pytest.raises(JobError, match="no job with id 'nope'"):
             await service.rpc_job_results(job("nope", "job_results"), ctx("job_results"))
+        # results expire with the job's folder: then the answer says so, never an empty set of files
+        (service.jobs_dir / job_id / "weights.safetensors").unlink()
+        with pytest.raises(
+            ExecutionError, match=r"results are no longer kept on this broker \(.* lacks weights"
+        ):
+            await service.rpc_job_results(job(job_id, "job_results"), ctx("job_results"))
+        shutil.rmtree(service.jobs_dir / job_id)
+        with pytest.raises(ExecutionError, match=r"lacks metrics.jsonl, plan.json, weights"):
+            await service.rpc_job_results(job(job_id, "job_results"), ctx("job_results"))
         with pytest.raises(WireError, match=r"^rpc job_status: malformed message: job_id: "):
             await service.rpc_job_status({"job_id": "../x"}, ctx("job_status"))
         await service.stop()

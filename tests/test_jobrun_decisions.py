@@ -270,6 +270,7 @@ def test_an_error_from_a_compnode_that_still_answers_fails_the_job_without_failo
     row = context.store.get_job("j1")
     assert row["state"] == "FAILED" and not run.progress.recoveries and run.attempt == 1
     assert row["error"] == f"compnode {PEERS[2]} (step): boom in the executor"
+    assert row["error_kind"] == "input"  # the job's own fault: its submitter exits 2, not 1
     assert {p for p, m in fake.calls if m == "release"} == set(run.peers)  # all released at the end
 
 
@@ -427,6 +428,7 @@ def test_a_full_disk_fails_the_job_saying_so_and_releases_its_compnodes(
     row = context.store.get_job("j1")
     assert row["state"] == "FAILED"
     assert row["error"].startswith("the broker could not write or read its files: [Errno 28]"), row["error"]
+    assert row["error_kind"] == "work"  # not the job's fault: its submitter exits 1
     assert {p for p, m in fake.calls if m == "release"} == set(run.peers)
 
     fake = FakeCompnodes()
@@ -443,7 +445,7 @@ def test_a_full_disk_fails_the_job_saying_so_and_releases_its_compnodes(
     context.store.update_job = update  # type: ignore[method-assign]
     asyncio.run(run.run())
     row = context.store.get_job("j1")
-    assert (row["state"], row["error"]) == ("FAILED", str(refused))
+    assert (row["state"], row["error"], row["error_kind"]) == ("FAILED", str(refused), "work")
 
 
 @pytest.mark.timeout(120)

@@ -57,7 +57,7 @@ from fusionnet.broker.replicas import (
 from fusionnet.broker.store import BrokerStore, JobState
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.partition import Partition
-from fusionnet.errors import FusionNetError
+from fusionnet.errors import ComputeError, FusionNetError, IRError, JobError, PartitionError, TraceError
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.messages.compnode_rpc import StepReply
 from fusionnet.planning.misprediction import PredictionWatch
@@ -69,6 +69,10 @@ from fusionnet.results.files import plan_document, write_results
 log = logging.getLogger("fusionnet.broker.jobs")
 # The broker's own files failing (not a network error, which is an OSError too): the job fails saying so.
 FILE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT, errno.EIO})
+# A job that failed on one of these failed on its input (job file, model, data: the model raised on the
+# rows, its graph or cut is refused): sending it again fails again. Anything else is the work's (swarm,
+# peers, broker); the submitter's exit status tells the two apart.
+INPUT_ERRORS = (JobError, TraceError, IRError, PartitionError, ComputeError)
 RESUME_WAIT = 60.0  # seconds a job resumed after a broker restart waits for its compnodes to be found again
 RESUME_POLL = 0.25
 
@@ -195,7 +199,7 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
                 task.uncancel()  # handled here: the release below must not be cancelled too
             mark_cancelled(store, job.job_id, self.cancel_reason)
         except FusionNetError as e:
-            self._fail(str(e))
+            self._fail(str(e), e)
         except Exception as e:  # a bug of ours must still end the job with a reason, not hang it
             if isinstance(e, OSError) and e.errno in FILE_ERRNOS:  # its files: a full disk, a lost dir
                 log.error("job %s: the broker's files: %s", job.job_id, e)
@@ -272,9 +276,11 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
         self.cancel_reason = reason
         task.cancel()
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, error: BaseException | None = None) -> None:
+        """FAILED with ``reason``; ``error``, the exception, says whose fault it is (``INPUT_ERRORS``)."""
         log.warning("job %s: failed: %s", self.job.job_id, reason)
-        self.ctx.store.update_job(self.job.job_id, state=JobState.FAILED, error=reason)
+        kind = "input" if isinstance(error, INPUT_ERRORS) else "work"
+        self.ctx.store.update_job(self.job.job_id, state=JobState.FAILED, error=reason, error_kind=kind)
 
     def _update_job_gauges(self) -> None:
         self.ctx.metrics.forget_job(self.job.job_id)

@@ -30,7 +30,7 @@ from fusionnet.broker.store import JobState
 from fusionnet.broker.submission import SubmittedJob, check_submission
 from fusionnet.broker.uploads import StateUploads
 from fusionnet.dag.codec import decode_ir
-from fusionnet.errors import JobError
+from fusionnet.errors import ExecutionError, JobError
 from fusionnet.messages.auth import SubmitterAuth, submission_digest
 from fusionnet.messages.base import handles
 from fusionnet.messages.blobs import unpack_tensors
@@ -61,13 +61,8 @@ def _read_slice(path: Path, offset: int, length: int) -> bytes:
         return f.read(length)
 
 
-RESULT_FILES = (
-    "weights.safetensors",
-    "grads.safetensors",
-    "outputs.safetensors",
-    "metrics.jsonl",
-    "plan.json",
-)
+TENSOR_FILES = ("weights.safetensors", "grads.safetensors", "outputs.safetensors")  # one at least
+RESULT_FILES = (*TENSOR_FILES, "metrics.jsonl", "plan.json")
 MAX_RUNNING_JOBS = 8
 CANCEL_REPEAT = 60.0  # a cancel from the same peer this soon after its first is a retry of it
 CANCEL_WAIT = 10.0  # a cancelled run releases its compnodes (5 s per call, all at once) within this
@@ -315,6 +310,14 @@ class JobService:
             raise JobError(f"job {job_id} is {row['state']}; results exist only for SUCCEEDED jobs")
         folder = self.jobs_dir / job_id
         paths = {name: folder / name for name in RESULT_FILES if (folder / name).is_file()}
+        lacks = [n for n in ("metrics.jsonl", "plan.json") if n not in paths]
+        if not paths.keys() & set(TENSOR_FILES):
+            lacks.append(" or ".join(TENSOR_FILES))
+        if lacks:  # its folder was deleted (how results expire) or cut short: never a partial answer
+            missing = ", ".join(lacks)
+            raise ExecutionError(
+                f"job {job_id}'s results are no longer kept on this broker ({folder} lacks {missing})"
+            )
         sizes = {name: path.stat().st_size for name, path in paths.items()}
         if request.file is None:
             small = [n for n, size in sizes.items() if size <= RESULTS_CHUNK_BYTES]

@@ -77,6 +77,9 @@ MIGRATIONS: tuple[str, ...] = (
         updated_at REAL NOT NULL
     );
     """,
+    # 1 -> 2: whether a FAILED job's error lies in its input (its job file, model, data: the submitter
+    # exits 2) or in the work (the swarm, a peer, the broker: exit 1); NULL for rows from before
+    "ALTER TABLE jobs ADD COLUMN error_kind TEXT",
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -243,6 +246,7 @@ class BrokerStore:
         step: int | None = None,
         loss: float | None = None,
         error: str | None = None,
+        error_kind: str | None = None,
     ) -> dict[str, Any]:
         """Updates the given fields; a state change is also logged as a job event."""
         current = self.get_job(job_id)
@@ -252,7 +256,9 @@ class BrokerStore:
                 raise JobError(f"job {job_id} is already {current['state']}; cannot move it to {state}")
         now = time.time()
         fields: dict[str, Any] = {"updated_at": now}
-        for name, value in (("state", state), ("step", step), ("loss", loss), ("error", error)):
+        for name, value in (
+            ("state", state), ("step", step), ("loss", loss), ("error", error), ("error_kind", error_kind)
+        ):  # fmt: skip
             if value is not None:
                 fields[name] = value.value if isinstance(value, JobState) else value
         fields = self._unwritten.pop(job_id, {}) | fields  # what an earlier update could not write

@@ -113,15 +113,23 @@ async def download_results(
         return JobResultsRequest(job_id=job_id, auth=auth, file=file, offset=offset)
 
     first = await client.call_job_results(broker, request(), timeout=RESULTS_TIMEOUT)
+    if not first.sizes:
+        raise ExecutionError(f"the broker holds no result files of job {job_id}")
     for name in first.sizes:
         if "/" in name or "\\" in name or name.startswith(".") or not name:
             raise JobError(f"broker sent a result file with a bad name {name[:80]!r}")
-    output.mkdir(parents=True, exist_ok=True)
-    for name, blob in first.files.items():
-        (output / name).write_bytes(blob)
-    for name, size in first.sizes.items():
-        if name not in first.files:
-            await _download_file(client, broker, partial(request, name), output / name, size)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        for name, blob in first.files.items():
+            (output / name).write_bytes(blob)
+        for name, size in first.sizes.items():
+            if name not in first.files:
+                await _download_file(client, broker, partial(request, name), output / name, size)
+    except OSError as e:  # a full disk, a file where the folder was: the results are still on the broker
+        raise ExecutionError(
+            f"job {job_id}'s results could not be written to {output} ({e.strerror or e}); they stay on the "
+            f"broker: fetch them with `fusionnet results {job_id} --output DIR`"
+        ) from None
     return sorted(first.sizes)
 
 

@@ -182,8 +182,10 @@ async def submit_and_wait(
         state, why = status.job["state"], status.job.get("error") or "no reason given"
         if state == "CANCELLED":  # by someone else (``fusionnet cancel``): not the job file's fault
             raise ExecutionError(f"job {job_id} was cancelled: {why}")
-        if state != "SUCCEEDED":
-            raise JobError(f"job {job_id} {state}: {why}")
+        if state != "SUCCEEDED":  # the job's input at fault: exit 2; the swarm's or a peer's: exit 1
+            raise (ExecutionError if status.job.get("error_kind") == "work" else JobError)(
+                f"job {job_id} {state}: {why}"
+            )
         started = time.perf_counter()
         names = await download_results(client, broker, job_id, output, signer)
         size, took = sum((output / n).stat().st_size for n in names), time.perf_counter() - started
