@@ -142,6 +142,29 @@ def test_a_submission_runs_to_its_results_and_refusals_are_clear(
     asyncio.run(scenario())
 
 
+@pytest.mark.timeout(120)
+def test_a_repeat_that_comes_while_the_first_is_taken_in_gets_its_job(
+    tmp_path: Path, submission: dict[str, Any]
+) -> None:
+    """The same submission twice at once (an RPC retry, or an interrupted ``submit`` asking which job it
+    made so as to cancel it): one job, both answered with it; the broker used to start two."""
+    service = JobService(make_context(tmp_path, FakeCompnodes()))
+
+    async def scenario() -> None:
+        await service.start()
+        first, again = await asyncio.gather(
+            service.rpc_submit_job(submission, ctx("submit_job")),
+            service.rpc_submit_job(submission, ctx("submit_job")),
+        )
+        assert first == again and len(service.runs) == 1 and not service._submitting
+        await asyncio.gather(*service._tasks.values())
+        later = await service.rpc_submit_job(submission, ctx("submit_job"))  # its run is over: still known
+        assert later == first and len(service.ctx.store.list_jobs()) == 1
+        await service.stop()
+
+    asyncio.run(scenario())
+
+
 class HangingSteps(FakeCompnodes):
     """Compnodes whose step ``hang_from`` never finishes (a long job), so a cancel finds a step in flight."""
 

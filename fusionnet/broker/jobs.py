@@ -76,6 +76,8 @@ class JobService:
         self.runs: dict[str, JobRun] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._requests: dict[tuple[str, str], str] = {}  # (submitter, request id) -> job id (repeats)
+        # submissions being taken in, and how many calls of each wait on or hold its lock
+        self._submitting: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}
         self.admission = Admission.create(context.settings.admission, context.settings.common.dht.host_maddrs)
         self._uploads: StateUploads | None = None
 
@@ -196,10 +198,29 @@ class JobService:
     @handles(SubmitJobRequest)
     async def rpc_submit_job(self, request: SubmitJobRequest, context: RPCContext) -> SubmitJobReply:
         submitter = await self._admit(request, context)
-        request_id = request.request_id
-        if request_id is not None and (submitter, request_id) in self._requests:
-            job_id = self._requests[(submitter, request_id)]  # a repeated submission whose answer was lost
-            return SubmitJobReply(job_id=job_id, steps=self.runs[job_id].job.spec.step_count)
+        if request.request_id is None:
+            return await self._accept(request, submitter, context)
+        key = (submitter, request.request_id)
+        # A repeat (an answer lost on the way, a submitter interrupted that asks which job it made) may
+        # come while the first is still being taken in: it waits for it, then answers its job.
+        lock, users = self._submitting.get(key, (asyncio.Lock(), 0))
+        self._submitting[key] = (lock, users + 1)
+        try:
+            async with lock:
+                if key in self._requests:
+                    job_id = self._requests[key]
+                    return SubmitJobReply(job_id=job_id, steps=self.ctx.store.get_job(job_id)["steps"] or 0)
+                reply = await self._accept(request, submitter, context)
+                self._requests[key] = reply.job_id
+                return reply
+        finally:
+            lock, users = self._submitting[key]
+            if users > 1:
+                self._submitting[key] = (lock, users - 1)
+            else:
+                del self._submitting[key]
+
+    async def _accept(self, request: SubmitJobRequest, submitter: str, context: RPCContext) -> SubmitJobReply:
         if self._running() >= MAX_RUNNING_JOBS:
             raise JobError(f"the broker already runs {MAX_RUNNING_JOBS} jobs; try again later")
         spec = request.spec
@@ -237,8 +258,6 @@ class JobService:
         )
         await asyncio.to_thread(files.save_submission, spec.model_dump(mode="json"), job.ir, None, data)
         self._launch(job)
-        if request_id is not None:
-            self._requests[(submitter, request_id)] = job_id
         log.info(
             "job %s (%s, %s, %d steps) accepted from submitter %s (peer %s)",
             job_id,

@@ -45,11 +45,17 @@ from fusionnet.runtime.prepare import job_assignment, loss_reduction_of, trace_j
 from fusionnet.runtime.submitter import Signer, load_or_create_key
 
 SUBMIT_TIMEOUT = 300.0
+WITHDRAW_TIMEOUT = 15.0  # an interrupted submission's job looked up again, to cancel it
 UPLOAD_TIMEOUT = 300.0  # one chunk (32 MB on a slow uplink)
 UPLOAD_WINDOW = 3  # chunks of an upload in flight at once
 POLL_INTERVAL = 0.2
-POLL_RETRIES = 5
-RETRYABLE = ("IncompleteReadError", "ConnectionError", "ConnectionResetError", "Timeout", "P2PDaemonError")
+# A broker that cannot be reached (restarting on its state dir, a link down) is asked again, up to this
+# many seconds; the job goes on without its submitter meanwhile, and resumes after a broker restart.
+LOST_CONTACT = 120.0
+RETRYABLE = (
+    "IncompleteReadError", "ConnectionError", "ConnectionResetError", "Timeout", "P2PDaemonError",
+    "ControlFailure",
+)  # fmt: skip
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -162,7 +168,11 @@ async def submit_and_wait(
             if upload is not None and not upload.done():  # signing failed: the upload is of no use
                 upload.cancel()
                 await asyncio.gather(upload, return_exceptions=True)
-        reply = await client.call_submit_job(broker, request, timeout=SUBMIT_TIMEOUT)
+        try:
+            reply = await client.call_submit_job(broker, request, timeout=SUBMIT_TIMEOUT)
+        except asyncio.CancelledError:  # Ctrl-C while the broker takes it: it may have started the job
+            await _withdraw(client, broker, request, signer, stream)
+            raise
         job_id = reply.job_id
         print(
             f"job {job_id} submitted to broker {broker} as submitter {signer.submitter_id[:16]}", file=stream
@@ -222,6 +232,20 @@ async def upload_state(
     return upload_id
 
 
+async def _withdraw(
+    client: BrokerClient, broker: str, request: SubmitJobRequest, signer: Signer, stream: TextIO
+) -> None:
+    """A submission interrupted before its answer came: the broker may hold the job already, running
+    with nobody to wait for it. The same request again (the broker answers a request id it knows with
+    its job, ``rpc_submit_job``) names it, and it is cancelled; the user is told either way."""
+    try:
+        reply = await client.call_submit_job(broker, request, timeout=WITHDRAW_TIMEOUT)
+    except Exception as e:
+        print(f"the submission may have reached the broker ({e}); see `fusionnet status`", file=stream)
+        return
+    await _cancel_on_broker(client, signer, reply.job_id, "the submitter was interrupted", stream)
+
+
 async def _cancel_on_broker(
     client: BrokerClient, signer: Signer, job_id: str, why: str, stream: TextIO
 ) -> None:
@@ -278,15 +302,26 @@ class _Follow:
 
 
 async def _poll(client: BrokerClient, broker: str, request: JobStatusRequest) -> JobStatusReply:
-    """``job_status`` is idempotent: a stream that breaks on the way is simply asked again."""
-    for attempt in range(POLL_RETRIES):
+    """``job_status`` is idempotent: asked again while the broker cannot be reached (a stream that broke
+    on the way, a broker restarting), for up to ``LOST_CONTACT`` seconds; then one line that names the
+    job and what to do next."""
+    loop = asyncio.get_running_loop()
+    deadline, delay = loop.time() + LOST_CONTACT, POLL_INTERVAL
+    while True:
         try:
             return await client.call_job_status(broker, request, timeout=30.0)
         except RPCError as e:
-            if attempt == POLL_RETRIES - 1 or e.kind not in RETRYABLE:
+            if e.kind not in RETRYABLE:
                 raise
-            await asyncio.sleep(POLL_INTERVAL * (attempt + 1))
-    raise AssertionError("unreachable")
+            if loop.time() + delay > deadline:
+                job = request.job_id
+                raise ExecutionError(
+                    f"lost contact with the broker for {LOST_CONTACT:g} s while following job {job} ({e}); "
+                    f"it may still run: see `fusionnet status`, then `fusionnet results {job} --output DIR` "
+                    f"or `fusionnet cancel {job}`"
+                ) from None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
 
 
 def summary(outcome: SubmitOutcome) -> str:
