@@ -64,6 +64,8 @@ async def _download_in_chunks(service: JobService, job_id: str, whole: dict[str,
         finally:
             flying[0] -= 1
 
+    out.mkdir()
+    (out / "outputs.safetensors").write_bytes(b"an earlier infer job's")  # a reused --output
     saved = jobs.RESULTS_CHUNK_BYTES
     jobs.RESULTS_CHUNK_BYTES = jobcontrol.RESULTS_CHUNK_BYTES = 100  # type: ignore[misc]
     try:
@@ -77,6 +79,7 @@ async def _download_in_chunks(service: JobService, job_id: str, whole: dict[str,
         jobs.RESULTS_CHUNK_BYTES = jobcontrol.RESULTS_CHUNK_BYTES = saved  # type: ignore[misc]
     assert names == sorted(whole)
     assert {n: (out / n).read_bytes() for n in names} == whole
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == names  # this job's results only
     blocked = out.parent / "blocked"  # a file where the folder should go (a full disk fails alike)
     blocked.write_text("not a folder")
     said = rf"job {job_id}'s results could not be written to .*blocked .*fusionnet results {job_id} --output"

@@ -50,6 +50,7 @@ from fusionnet.messages.broker_rpc import (
     UploadStateRequest,
 )
 from fusionnet.messages.jobwire import RunSpec
+from fusionnet.results.files import RESULT_FILES, TENSOR_FILES
 from fusionnet.rpc.server import RPCContext
 
 log = logging.getLogger("fusionnet.broker.jobs")
@@ -61,8 +62,6 @@ def _read_slice(path: Path, offset: int, length: int) -> bytes:
         return f.read(length)
 
 
-TENSOR_FILES = ("weights.safetensors", "grads.safetensors", "outputs.safetensors")  # one at least
-RESULT_FILES = (*TENSOR_FILES, "metrics.jsonl", "plan.json")
 MAX_RUNNING_JOBS = 8
 CANCEL_REPEAT = 60.0  # a cancel from the same peer this soon after its first is a retry of it
 CANCEL_WAIT = 10.0  # a cancelled run releases its compnodes (5 s per call, all at once) within this

@@ -17,6 +17,9 @@ from fusionnet.dag.partition import Partition
 from fusionnet.results.assemble import RunResult
 from fusionnet.results.stream_safetensors import save_streaming
 
+TENSOR_FILES = ("weights.safetensors", "grads.safetensors", "outputs.safetensors")  # a job writes 1 or 2
+RESULT_FILES = (*TENSOR_FILES, "metrics.jsonl", "plan.json")
+
 
 def _atomic_write(path: Path, write: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")

@@ -29,6 +29,7 @@ from fusionnet.messages.broker_rpc import (
     JobStatusRequest,
     StatusRequest,
 )
+from fusionnet.results.files import RESULT_FILES
 from fusionnet.rpc.windows import in_window
 from fusionnet.runtime.submitter import Signer
 
@@ -103,7 +104,9 @@ async def job_status(client: BrokerClient, broker: str, job_id: str, signer: Sig
 async def download_results(
     client: BrokerClient, broker: str, job_id: str, output: Path, signer: Signer
 ) -> list[str]:
-    """The result files of a SUCCEEDED job kept on the broker, written into ``output``; their names.
+    """The result files of a SUCCEEDED job kept on the broker, written into ``output``; their names. Result
+    files of another job there (a reused ``--output``: the weights of a train job beside an infer job's
+    outputs) are removed, so the folder holds this job's results only.
     Only the job's submitter may fetch them: every request is signed with its key. Small files come in
     the first answer; a big one (the weights of a large model) in chunks, written as they come to a
     temporary file that takes its name once complete."""
@@ -125,6 +128,9 @@ async def download_results(
         for name, size in first.sizes.items():
             if name not in first.files:
                 await _download_file(client, broker, partial(request, name), output / name, size)
+        for name in set(RESULT_FILES) - set(first.sizes):  # an earlier job's, left in a reused --output
+            if (output / name).is_file():
+                (output / name).unlink()
     except OSError as e:  # a full disk, a file where the folder was: the results are still on the broker
         raise ExecutionError(
             f"job {job_id}'s results could not be written to {output} ({e.strerror or e}); they stay on the "
