@@ -141,9 +141,13 @@ def test_a_job_submitted_on_an_uploaded_state_runs_and_bad_uploads_are_refused(
             request_.model_copy(update={"state": b"", "state_upload": upload}), ctx("submit_job")
         )
         job_id = reply["job_id"]
+        folder = tmp_path / "jobs" / job_id
+        assert (folder / "submission" / "state.safetensors").read_bytes() == state  # as it started
         await asyncio.gather(*service._tasks.values())
         assert service.ctx.store.get_job(job_id)["state"] == "SUCCEEDED"
-        assert (tmp_path / "jobs" / job_id / "submission" / "state.safetensors").read_bytes() == state
+        # ended: its submission and checkpoints are gone, its results stay
+        assert not (folder / "submission").exists() and not list(folder.glob("ckpt*"))
+        assert (folder / "plan.json").is_file() and (folder / "metrics.jsonl").is_file()
         # The same call again (its answer was lost, the RPC client repeats it): the same job, not an error
         again = await service.rpc_submit_job(
             request_.model_copy(update={"state": b"", "state_upload": upload}), ctx("submit_job")

@@ -106,6 +106,20 @@ class JobFiles:
             path.unlink(missing_ok=True)
             raise
 
+    def drop_working_files(self) -> None:
+        """What only an unfinished job needs (its submission, checkpoints and replica pointer), removed
+        once it ended; its result files stay (they go with the folder: how results expire)."""
+        shutil.rmtree(self.submission, ignore_errors=True)
+        for path in (
+            *self.folder.glob(f"{CKPT_PREFIX}*"),
+            self.folder / "ckpt.json",
+            self.folder / "replicas.json",
+        ):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
     def forget(self) -> None:
         """Removes what a refused submission left on disk."""
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -216,6 +216,9 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
                 "the job ended" if self.cancel_reason is None else "the job was cancelled"
             )
             self._update_job_gauges()
+            if JobState(self.ctx.store.get_job(job.job_id)["state"]).terminal:
+                # nothing resumes an ended job: its submission and checkpoints would only fill the disk
+                await asyncio.to_thread(self.files.drop_working_files)
 
     async def _after_step(self, step: int, ckpt: Checkpoint) -> Checkpoint:
         """The checkpoint after ``step`` steps: synced from the compnodes when due (train), else the
