@@ -104,20 +104,31 @@ def plan_job(
     planned = plan(m)
     prepared = prepare_job(job, len(planned.devices), traced=traced, assignment=planned.assignment)
     used = [devices[d] for d in planned.devices]
-    counts = runnable_counts(job, traced)
-    chosen: dict[str, Any] = {}
-    if counts:  # data.microbatches: auto: priced on the cut planned with the traced count, then re-planned
-        choice = choose_schedule(
+
+    def choose(counts: list[int]) -> ScheduleChoice:
+        """The schedule (and with ``counts``, the micro-batch count) the broker would run on this cut."""
+        by_index = {
+            (i, j): links.get((a, b), default or LOOPBACK)
+            for i, a in enumerate(planned.devices)
+            for j, b in enumerate(planned.devices)
+            if a != b
+        }
+        return choose_schedule(
             spec.placement.schedule,
             traced.graph,
             prepared.partition,
             microbatches=m,
             devices=used,
-            batch_size=spec.data.batch_size,
-            optimizer=optimizer,
+            links=by_index,
             microbatch_choices=counts,
             chunks=chunks,
+            **priced_by,
         )
+
+    counts = runnable_counts(job, traced)
+    chosen: dict[str, Any] = {}
+    if counts:  # data.microbatches: auto: priced on the cut planned with the traced count, then re-planned
+        choice = choose(counts)
         chosen = {"schedule": choice.to_dict()}  # the count and the schedule that run
         if choice.microbatches is not None and choice.microbatches != m:
             job = with_microbatches(job, choice.microbatches)
@@ -135,23 +146,7 @@ def plan_job(
             used = [devices[d] for d in planned.devices]
             chosen["schedule"] = choice.to_dict()
     if "schedule" not in chosen:  # the schedule that runs on this cut, as the broker chooses it
-        by_index = {
-            (i, j): links.get((a, b), default or LOOPBACK)
-            for i, a in enumerate(planned.devices)
-            for j, b in enumerate(planned.devices)
-            if a != b
-        }
-        choice = choose_schedule(
-            spec.placement.schedule,
-            traced.graph,
-            prepared.partition,
-            microbatches=m,
-            devices=used,
-            links=by_index,
-            chunks=chunks,
-            **priced_by,
-        )
-        chosen["schedule"] = choice.to_dict()
+        chosen["schedule"] = choose([]).to_dict()
     schedule = chosen["schedule"]
     step = schedule["predicted_step_seconds"].get(schedule["name"], planned.predicted_step_seconds)
     explanation = (
