@@ -79,6 +79,17 @@ def test_output_that_is_a_file_is_refused_before_running(
     )
 
 
+def test_a_job_refused_after_the_output_check_leaves_no_empty_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--output`` is checked first (writable, or can be made), but the folders made for the check go
+    again: the job refused next (here its model cannot be loaded) leaves nothing behind."""
+    job = _job_with_model(tmp_path, "raise RuntimeError('broken model file')\n")
+    out = tmp_path / "new" / "out"
+    assert main(["run", str(job), "--local", "2", "--output", str(out)]) == EXIT_BAD_INPUT
+    assert "broken model file" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
 def test_a_sound_job_still_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job = _job_with_model(tmp_path, (MLP / "model.py").read_text())
     assert (

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,25 +51,37 @@ def load_job_for_command(args: argparse.Namespace) -> LoadedJob:
 
 
 def check_output_dir(output: Path) -> None:
-    """``--output`` is a directory we can write, made now: finding out after a job ran would lose it."""
+    """``--output`` is a directory we can write, checked now: finding out after a job ran would lose it.
+    Folders made for the check are removed again (the command makes them when it writes): a job refused
+    later, or an unknown job id, leaves no empty folder behind."""
     from fusionnet.errors import JobError
 
     shown = str(output) if str(output).isprintable() and len(str(output)) <= 200 else repr(str(output))[:200]
+    made: list[Path] = []  # deepest first
     try:
-        if output.exists() and not output.is_dir():
-            raise JobError(f"--output: {shown} exists and is not a directory")
-        output.mkdir(parents=True, exist_ok=True)
-    except JobError:
-        raise
-    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:100]
-        raise JobError(f"--output: {shown}: cannot create the directory ({reason})") from None
-    probe = output / ".fusionnet-write-test"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise JobError(f"--output: {output}: not writable ({e.strerror or e})") from None
+        try:
+            if output.exists() and not output.is_dir():
+                raise JobError(f"--output: {shown} exists and is not a directory")
+            missing = output
+            while not missing.exists() and missing != missing.parent:
+                made.append(missing)
+                missing = missing.parent
+            output.mkdir(parents=True, exist_ok=True)
+        except JobError:
+            raise
+        except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:100]
+            raise JobError(f"--output: {shown}: cannot create the directory ({reason})") from None
+        probe = output / ".fusionnet-write-test"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise JobError(f"--output: {output}: not writable ({e.strerror or e})") from None
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def add_job_id_argument(p: Any) -> None:
