@@ -243,7 +243,8 @@ async def gather(initial_peers: list[str], timeout: float) -> dict[str, Any]:
     from fusionnet.daemon.observer import SwarmObserver
 
     async with SwarmObserver(initial_peers) as observer:
-        return await collect(observer, timeout)
+        # the DHT lookup as well as the broker call: a swarm that answers nothing ends, as the other paths
+        return await asyncio.wait_for(collect(observer, timeout), timeout + 10)
 
 
 def placeable(doc: dict[str, Any]) -> int:
