@@ -329,6 +329,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # bad multiaddrs, unreachable swarm (WireError): one line
         print(f"fusionnet status: error: {e}", file=sys.stderr)
         return 2
+    except TimeoutError:
+        print(
+            f"fusionnet status: error: the swarm answered nothing within {args.timeout + 10:g} s",
+            file=sys.stderr,
+        )
+        return 1
     if args.json:
         print(json.dumps(doc, indent=1, sort_keys=True))
     else:
