@@ -80,7 +80,7 @@ def check_output_dir(output: Path) -> None:
             raise JobError(f"--output: {output}: not writable ({e.strerror or e})") from None
     finally:
         for folder in made:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):  # ValueError: a NUL byte, never made
                 folder.rmdir()
 
 
