@@ -68,3 +68,20 @@ def test_useful_maddrs_drop_loopback_unless_nothing_else() -> None:
     assert useful_maddrs(["/ip6/::1/tcp/1/p2p/Qm", "/dns4/a.example/tcp/1/p2p/Qm"]) == [
         "/dns4/a.example/tcp/1/p2p/Qm"
     ]
+
+
+def test_a_taken_listen_port_is_refused_naming_the_flag() -> None:
+    """p2pd binds with SO_REUSEPORT: a second daemon on a taken port would start and share it (the kernel
+    splitting the swarm's connections between the two). The port is tried first, as a plain bind."""
+    import socket
+
+    from fusionnet.dht.node import check_ports_free
+
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as p2pd does
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"^--host-maddrs /ip4/127.0.0.1/tcp/{port}: cannot listen"):
+            check_ports_free([f"/ip4/127.0.0.1/tcp/{port}"])
+    check_ports_free([f"/ip4/127.0.0.1/tcp/{port}", "/ip4/127.0.0.1/tcp/0"])  # free again; 0: any port

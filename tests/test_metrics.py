@@ -309,6 +309,36 @@ def test_metrics_server_without_sd_and_bad_port() -> None:
         start_metrics_server(c.registry, 70000, "127.0.0.1")
 
 
+@pytest.mark.timeout(30)
+def test_metrics_server_drops_silent_clients_and_caps_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half-sent requests neither hold a thread for ever nor pile threads up: a silent client is dropped
+    after the request timeout, connections past the cap are closed at once, and scrapes work after."""
+    import socket
+
+    from fusionnet.metrics import server
+
+    monkeypatch.setattr(server, "MAX_CONCURRENT", 2)
+    monkeypatch.setattr(server._QuietHandler, "timeout", 0.5)
+    c = CompnodeMetrics(process=False)
+    endpoint = start_metrics_server(c.registry, 0, "127.0.0.1")
+    silent = [socket.create_connection(("127.0.0.1", endpoint.port)) for _ in range(2)]
+    try:
+        for sock in silent:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the rest
+        extra = socket.create_connection(("127.0.0.1", endpoint.port))
+        extra.settimeout(5)
+        assert extra.recv(1) == b""  # closed at once: both slots are taken
+        extra.close()
+        for sock in silent:
+            sock.settimeout(5)
+            assert sock.recv(1) == b""  # dropped after the timeout
+        assert b"fusionnet_compnode_state" in _get(f"http://127.0.0.1:{endpoint.port}/metrics")[2]
+    finally:
+        for sock in silent:
+            sock.close()
+        stop_metrics_server(endpoint)
+
+
 def test_serving_metrics_count_by_deployment_and_go_with_it() -> None:
     """Requests (chat too, under its own endpoint) and tokens by deployment, the number of deployments;
     undeploying one removes every series of it, and leaves the others'."""

@@ -49,10 +49,12 @@ class AdmissionConfig:
             ("--max-jobs-per-submitter", self.max_jobs_per_submitter),
             ("--max-steps", self.max_steps),
             ("--max-graph-nodes", self.max_graph_nodes),
-            ("--max-submission-mb", self.max_submission_bytes),
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.max_submission_bytes < 1:
+            mb = self.max_submission_bytes / 2**20
+            raise ValueError(f"--max-submission-mb must be more than 0, got {mb:g}")
 
 
 def read_submitters(path: Path) -> frozenset[str]:

@@ -70,3 +70,5 @@ class BrokerConfig:
             self.sd_file = Path(self.sd_file)
             if not self.sd_file.parent.is_dir():
                 raise ValueError(f"--sd-file {self.sd_file}: directory {self.sd_file.parent} does not exist")
+            if self.sd_file.is_dir():
+                raise ValueError(f"--sd-file {self.sd_file}: is a directory; give the file's path")

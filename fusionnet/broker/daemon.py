@@ -275,8 +275,13 @@ class BrokerDaemon(Daemon):
         targets = tuple(self.scrape_targets())
         self._scrape_targets = targets
         sd_file = self.settings.sd_file
-        if sd_file is not None and await asyncio.to_thread(write_file_sd, sd_file, targets):
-            log.info("wrote %d compnode scrape target(s) to %s", len(targets), self.settings.sd_file)
+        if sd_file is None:
+            return
+        try:
+            if await asyncio.to_thread(write_file_sd, sd_file, targets):
+                log.info("wrote %d compnode scrape target(s) to %s", len(targets), sd_file)
+        except OSError as e:  # Prometheus misses new targets until it works again; the broker goes on
+            log.warning("cannot write --sd-file %s: %s", sd_file, e)
 
     # ---- persistence -----------------------------------------------------------------------------
     def _persist_event(self, event: RegistryEvent) -> None:

@@ -120,10 +120,16 @@ class BrokerStore:
             raise ValueError(f"{self.path}: cannot open the broker database ({e})") from e
         self._db.row_factory = sqlite3.Row
         self._unwritten: dict[str, dict[str, Any]] = {}  # job id -> fields the database refused
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._migrate()
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except sqlite3.DatabaseError as e:  # a file that is not a database, or a damaged one
+            self._db.close()
+            raise ValueError(
+                f"{self.path}: not a FusionNet broker database ({e}); move it aside to start afresh"
+            ) from None
 
     @property
     def schema_version(self) -> int:

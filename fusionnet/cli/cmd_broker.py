@@ -9,7 +9,7 @@ from typing import Any
 
 
 def add_parser(subparsers: Any) -> None:
-    from fusionnet.daemon.flags import add_common_arguments
+    from fusionnet.daemon.flags import add_common_arguments, finite_number
 
     p = subparsers.add_parser(
         "broker",
@@ -22,14 +22,14 @@ def add_parser(subparsers: Any) -> None:
     add_common_arguments(p, initial_peers_required=False)
     p.add_argument(
         "--heartbeat-period",
-        type=float,
+        type=finite_number,
         default=1.0,
         metavar="S",
         help="seconds between ping rounds (default 1)",
     )
     p.add_argument(
         "--heartbeat-timeout",
-        type=float,
+        type=finite_number,
         default=3.0,
         metavar="S",
         help="a compnode that has not answered a ping for this long is unreachable and its sub-DAGs "
@@ -53,7 +53,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--replica-interval",
-        type=float,
+        type=finite_number,
         default=2.0,
         metavar="SECONDS",
         help="train jobs: start a round of failover snapshots (each sub-DAG's state copied to another "
@@ -63,7 +63,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--compnode-mtbf",
-        type=float,
+        type=finite_number,
         default=None,  # the broker's own (``broker.churn.PRIOR_MTBF``), kept in one place
         metavar="SECONDS",
         help="train jobs: the seconds assumed between unplanned losses of one compnode before the broker "
@@ -73,7 +73,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--stage-part-mb",
-        type=float,
+        type=finite_number,
         default=32.0,
         metavar="MB",
         help="a sub-DAG's state (or optimizer state) over this size is sent to its compnode in parts of "
@@ -90,7 +90,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--replan-gain",
-        type=float,
+        type=finite_number,
         default=0.1,
         metavar="F",
         help="elastic join: a compnode that joins mid-job gets work when the performance model predicts "
@@ -98,7 +98,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--interleave-gain",
-        type=float,
+        type=finite_number,
         default=None,
         metavar="F",
         help="placement.schedule auto: run interleaved-1f1b (each compnode looping over several "
@@ -133,6 +133,8 @@ def add_parser(subparsers: Any) -> None:
 
 def add_admission_flags(p: Any) -> None:
     """Who may submit, and per-submitter quotas (``fusionnet.broker.admission``)."""
+    from fusionnet.daemon.flags import finite_number
+
     who = p.add_mutually_exclusive_group()
     who.add_argument(
         "--submitters",
@@ -154,7 +156,7 @@ def add_admission_flags(p: Any) -> None:
         p.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} (default %(default)s)")
     p.add_argument(
         "--max-submission-mb",
-        type=float,
+        type=finite_number,
         default=1024.0,
         metavar="MB",
         help="IR + weights + data of one submission, MiB (default %(default)g)",

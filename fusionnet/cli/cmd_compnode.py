@@ -9,7 +9,7 @@ from typing import Any
 
 def add_parser(subparsers: Any) -> None:
     from fusionnet.compnode.compute import INLINE_COMPUTE_MS
-    from fusionnet.daemon.flags import add_common_arguments
+    from fusionnet.daemon.flags import add_common_arguments, finite_number
 
     p = subparsers.add_parser(
         "compnode",
@@ -44,7 +44,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--reprofile", action="store_true", help="ignore the cached hardware profile")
     p.add_argument(
         "--slowdown",
-        type=float,
+        type=finite_number,
         default=1.0,
         metavar="F",
         help="emulate a device F (>= 1) times slower: sleep (F-1)x the time of each FP/BP/Update and "
@@ -66,7 +66,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--assignment-ttl",
-        type=float,
+        type=finite_number,
         default=60.0,
         metavar="S",
         help="release an assignment whose broker sent no step, call or heartbeat for S seconds "
@@ -82,7 +82,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--sandbox-memory-gb",
-        type=float,
+        type=finite_number,
         metavar="GB",
         help="private memory one job's worker may use beyond its start-up (CPU devices; default: 90%% "
         "of this machine's RAM); a job past it fails with an error naming its worker",
@@ -105,7 +105,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--inline-compute-ms",
-        type=float,
+        type=finite_number,
         default=INLINE_COMPUTE_MS,
         metavar="MS",
         help="a sandbox worker runs an FP, BP or Update on its event loop instead of its compute thread "

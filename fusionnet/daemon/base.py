@@ -237,8 +237,10 @@ class Daemon:
     async def _shutdown(self) -> None:
         self.should_exit.set()
         if self.config.address_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.config.address_file.unlink()
+            try:
+                self.config.address_file.unlink(missing_ok=True)
+            except OSError as e:  # the shutdown goes on: the departure, the services, the DHT, the lock
+                log.warning("cannot remove --address-file %s: %s", self.config.address_file, e)
         if self.peer is not None:
             log.info("shutting down")
             await self._graceful(self.on_draining(), "announcing departure")

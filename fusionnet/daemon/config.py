@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusionnet.daemon.flags import DEFAULT_REFRESH_PERIOD
+from fusionnet.dht.announce import DEFAULT_MAX_TTL
 from fusionnet.dht.node import DHTConfig
 from fusionnet.rpc.protocol import DEFAULT_MAX_MESSAGE_BYTES
+
+MAX_REFRESH_PERIOD = DEFAULT_MAX_TTL / 3  # others refuse a record meant to live longer
 
 
 @dataclass
@@ -29,8 +32,11 @@ class DaemonConfig:
     drain_timeout: float = 60.0  # seconds each service may take to finish or hand over its work on shutdown
 
     def __post_init__(self) -> None:
-        if not self.refresh_period > 0:
-            raise ValueError(f"--refresh-period must be > 0 seconds, got {self.refresh_period}")
+        if not 0 < self.refresh_period <= MAX_REFRESH_PERIOD:
+            raise ValueError(
+                f"--refresh-period must be > 0 and <= {MAX_REFRESH_PERIOD:g} seconds (a record lives 3 "
+                f"periods, at most {DEFAULT_MAX_TTL:g} s), got {self.refresh_period}"
+            )
         if self.record_ttl is None:
             self.record_ttl = 3 * self.refresh_period
         if self.record_ttl <= self.refresh_period:
@@ -38,10 +44,19 @@ class DaemonConfig:
                 f"record ttl ({self.record_ttl} s) must exceed the refresh period ({self.refresh_period} s), "
                 "or records expire between refreshes"
             )
+        for flag, path in (("--address-file", self.address_file), ("--state-dir", self.state_dir)):
+            if path is None:
+                continue
+            if flag == "--address-file" and path.is_dir():
+                raise ValueError(f"--address-file {path}: is a directory; give the file's path")
+            if flag == "--state-dir" and path.exists() and not path.is_dir():
+                raise ValueError(f"--state-dir {path}: is not a directory")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.rpc_max_bytes < 1024:
-            raise ValueError(f"--rpc-max-mb is too small: {self.rpc_max_bytes} bytes")
+            raise ValueError(
+                f"--rpc-max-mb must be at least 1 KiB (0.001), got {self.rpc_max_bytes / 2**20:g}"
+            )
         if self.shutdown_grace < 0:
             raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace}")
         if self.drain_timeout < 0:

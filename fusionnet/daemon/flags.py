@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 # Same values as fusionnet.dht.node.DEFAULT_HOST_MADDRS and fusionnet.rpc.protocol.DEFAULT_MAX_MESSAGE_BYTES
@@ -11,6 +12,18 @@ from pathlib import Path
 DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 DEFAULT_MAX_MESSAGE_MB = 512.0
 DEFAULT_REFRESH_PERIOD = 10.0
+
+
+def finite_number(text: str) -> float:
+    """A float flag's value: ``nan`` and ``inf`` are refused by the parser (``nan`` passes every range
+    check written as ``x < 0``, and a wait of ``nan`` seconds ends at once or never)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: a finite number")
+    return value
 
 
 def add_common_arguments(p: argparse.ArgumentParser, *, initial_peers_required: bool) -> None:
@@ -49,28 +62,28 @@ def add_common_arguments(p: argparse.ArgumentParser, *, initial_peers_required: 
     )
     p.add_argument(
         "--refresh-period",
-        type=float,
+        type=finite_number,
         default=DEFAULT_REFRESH_PERIOD,
         metavar="S",
         help="seconds between DHT re-announcements; records expire after 3 periods (default %(default)s)",
     )
     p.add_argument(
         "--rpc-max-mb",
-        type=float,
+        type=finite_number,
         default=DEFAULT_MAX_MESSAGE_MB,
         metavar="MB",
         help="largest RPC message accepted or sent, MiB (default %(default)s)",
     )
     p.add_argument(
         "--shutdown-grace",
-        type=float,
+        type=finite_number,
         default=10.0,
         metavar="S",
         help="seconds in-flight RPC calls get to finish on shutdown (default %(default)s)",
     )
     p.add_argument(
         "--drain-timeout",
-        type=float,
+        type=finite_number,
         default=60.0,
         metavar="S",
         help="seconds each service gets to finish or hand over its work on shutdown (default %(default)s)",

@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -155,11 +156,58 @@ def _start_blocking(config: DHTConfig, validator: RSASignatureValidator, identit
     return SwarmDHT(initial_peers=list(config.initial_peers) or None, start=False, **kwargs)
 
 
+def check_ports_free(host_maddrs: Sequence[str]) -> None:
+    """``ValueError`` naming the flag when a TCP port of ``--host-maddrs`` (other than 0) is in use. Why
+    here: p2pd binds with SO_REUSEPORT, so a second daemon on a taken port starts as if all were well,
+    and the kernel then splits the swarm's connections between the two. A plain bind (SO_REUSEADDR
+    only: a port left in TIME_WAIT by a daemon that just stopped is fine) fails on a port someone
+    listens on."""
+    for m in host_maddrs:
+        ma = Multiaddr(m)
+        names = [p.name for p in ma.protocols()]
+        if "tcp" not in names or int(ma.value_for_protocol("tcp")) == 0:
+            continue
+        if "ip4" in names:
+            family, host = socket.AF_INET, ma.value_for_protocol("ip4")
+        elif "ip6" in names:
+            family, host = socket.AF_INET6, ma.value_for_protocol("ip6")
+        else:
+            continue  # a DNS name: p2pd resolves it
+        port = int(ma.value_for_protocol("tcp"))
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                raise ValueError(
+                    f"--host-maddrs {m}: cannot listen on port {port} ({e.strerror or e})"
+                ) from None
+
+
+# Where hivemind has p2pd listen for its clients (``P2P._UNIX_SOCKET_PREFIX``). A p2pd that fails to start
+# exits without removing its socket, which hivemind only unlinks while p2pd lives.
+P2PD_SOCKETS = Path("/tmp/hivemind-p2pd-*.sock")
+
+
+def _remove_dead_sockets(paths: set[Path]) -> None:
+    """Removes those of ``paths`` that nobody listens on (a failed start's), leaving any live one."""
+    for path in paths:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except (ConnectionRefusedError, FileNotFoundError):
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass  # not ours to judge
+
+
 async def start_dht(config: DHTConfig) -> tuple[SwarmDHT, RSASignatureValidator]:
     """Forks the DHT child and waits (without blocking the event loop) until it has joined the swarm."""
+    check_ports_free(config.host_maddrs)
     key, identity, scratch = _identity(config)
     validator = RSASignatureValidator(key)
     dht = _start_blocking(config, validator, identity)
+    sockets_before = set(P2PD_SOCKETS.parent.glob(P2PD_SOCKETS.name))
     dht.start()  # the fork happens here, on the event loop's thread
     try:
         await asyncio.to_thread(dht.wait_until_ready, config.startup_timeout)
@@ -167,6 +215,7 @@ async def start_dht(config: DHTConfig) -> tuple[SwarmDHT, RSASignatureValidator]
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
         await stop_dht(dht, timeout=3.0)
+        _remove_dead_sockets(set(P2PD_SOCKETS.parent.glob(P2PD_SOCKETS.name)) - sockets_before)
         if isinstance(e, Exception) and not isinstance(e, asyncio.CancelledError):
             peers = ", ".join(config.initial_peers) or "none (new swarm)"
             raise WireError(f"could not start or join the DHT (initial peers: {peers}): {e}") from e

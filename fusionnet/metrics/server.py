@@ -29,9 +29,41 @@ class MetricsEndpoint(NamedTuple):
     port: int
 
 
+# A scrape is one short request: a client that sends nothing for this long is dropped, and at most this many
+# are answered at once (one thread each); more are closed at once. The port may face a network (the
+# systemd units bind 0.0.0.0): half-sent requests must not pile up threads in the daemon.
+REQUEST_TIMEOUT = 10.0
+MAX_CONCURRENT = 16
+
+
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a slow scraper must not hold up shutdown
     allow_reuse_address = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONCURRENT)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.debug("metrics endpoint busy: closing a connection from %s", client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a client that timed out or went away: not worth socketserver's traceback on stderr
+        log.debug("metrics request from %s failed", client_address, exc_info=True)
 
 
 class _Server6(_Server):
@@ -40,6 +72,8 @@ class _Server6(_Server):
 
 class _QuietHandler(WSGIRequestHandler):
     """Scrapes every second would flood stderr with access lines; log them at debug level instead."""
+
+    timeout = REQUEST_TIMEOUT  # on the connection's socket: a silent client times out
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)

@@ -171,6 +171,8 @@ def profile_hardware(
     if not refresh and cache.exists():
         try:
             doc = json.loads(cache.read_text())
+            if not isinstance(doc, dict):
+                raise TypeError(f"a JSON {type(doc).__name__}, not an object")
             if doc.get("key") == key:
                 hw = HardwareInfo.model_validate(doc["hardware"])
                 log.info("hardware profile from cache %s", cache)
@@ -178,7 +180,7 @@ def profile_hardware(
                     update={"d_cpu": host_memory_bytes(), "d_disk": shutil.disk_usage(state_dir).free}
                 )
             log.info("hardware profile cache %s is for another set-up; profiling again", cache)
-        except (ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:  # OSError: a folder there, unreadable
             log.warning("ignoring unreadable hardware profile cache %s: %s", cache, e)
     start = time.perf_counter()
     hw = measure(device, threads, state_dir)
@@ -188,8 +190,13 @@ def profile_hardware(
         hw.peak_flops, hw.speed_factor, hw.flops, hw.mem_bandwidth,
     )  # fmt: skip
     tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "hardware": hw.model_dump(mode="json")}, indent=1, sort_keys=True))
-    tmp.replace(cache)
+    try:
+        tmp.write_text(
+            json.dumps({"key": key, "hardware": hw.model_dump(mode="json")}, indent=1, sort_keys=True)
+        )
+        tmp.replace(cache)
+    except OSError as e:  # the next start profiles again; this one goes on with what it measured
+        log.warning("cannot cache the hardware profile in %s: %s", cache, e)
     return hw
 
 

@@ -72,7 +72,11 @@ async def start_api(
     runner = web.AppRunner(build_app(deployments, observer), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:  # taken, or a host name that does not resolve: the broker's flags, one line
+        await runner.cleanup()
+        raise ValueError(f"--http-port {port}: cannot listen on {host}:{port} ({e.strerror or e})") from None
     sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
     bound = sockets[0].getsockname()[1] if sockets else port
     return runner, f"http://{host if ':' not in host else f'[{host}]'}:{bound}"

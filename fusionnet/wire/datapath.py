@@ -136,7 +136,12 @@ class DataPathServer(ReceivesFrames):
         if self._server is not None or self._stopping:
             raise RuntimeError("DataPathServer.start called twice")
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: BufferedSource(self._on_connect), host, port)
+        try:
+            self._server = await loop.create_server(lambda: BufferedSource(self._on_connect), host, port)
+        except OSError as e:  # taken, or a host that does not resolve: the compnode's flags, one line
+            raise ValueError(
+                f"--data-port {port}: cannot listen on {host}:{port} ({e.strerror or e})"
+            ) from None
         bound = self._server.sockets[0].getsockname()
         self.address = (bound[0], bound[1])
         log.info("%s: data path listening on %s:%d", self.peer_id, *self.address)
