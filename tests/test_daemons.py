@@ -145,6 +145,16 @@ def test_status_shows_both_compnodes_online_with_hardware(
 
 
 @pytest.mark.timeout(120)
+def test_status_pointed_at_a_compnode_says_it_is_not_a_broker(swarm: ProcessSwarm) -> None:
+    """A compnode's address where the broker's belongs: the status names the mistake (the compnode's
+    records are still listed), not "unknown rpc method 'status'"."""
+    compnode = swarm.compnodes[0]
+    code, doc = run_status_cli(compnode.maddrs()[:1])
+    assert code == 1 and doc["broker"] is None
+    assert doc["broker_error"].startswith(f"{compnode.peer_id} is not a broker"), doc["broker_error"]
+
+
+@pytest.mark.timeout(120)
 def test_status_watch_redraws_until_ctrl_c(swarm: ProcessSwarm, tmp_path: Path) -> None:
     with print_logs_on_failure(swarm):
         out_path = tmp_path / "watch.out"

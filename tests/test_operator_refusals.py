@@ -29,9 +29,11 @@ def test_float_flags_refuse_nan_and_inf_in_the_parser(capsys: pytest.CaptureFixt
 
 
 def test_a_refresh_period_whose_records_would_outlive_the_dht_limit_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"--refresh-period must be > 0 and <= 1200 seconds"):
-        DaemonConfig(refresh_period=1300)
+    for period in (1300, 0.001, 0):
+        with pytest.raises(ValueError, match=r"--refresh-period must be >= 0.1 and <= 1200 seconds"):
+            DaemonConfig(refresh_period=period)
     DaemonConfig(refresh_period=1200)
+    DaemonConfig(refresh_period=0.1)
 
 
 def test_an_address_file_or_state_dir_of_the_wrong_kind_is_refused(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from fusionnet.dht.node import DHTConfig
 from fusionnet.rpc.protocol import DEFAULT_MAX_MESSAGE_BYTES
 
 MAX_REFRESH_PERIOD = DEFAULT_MAX_TTL / 3  # others refuse a record meant to live longer
+MIN_REFRESH_PERIOD = 0.1  # faster re-announcements (a DHT store and lookup each) only burn the cores
 
 
 @dataclass
@@ -32,10 +33,10 @@ class DaemonConfig:
     drain_timeout: float = 60.0  # seconds each service may take to finish or hand over its work on shutdown
 
     def __post_init__(self) -> None:
-        if not 0 < self.refresh_period <= MAX_REFRESH_PERIOD:
+        if not MIN_REFRESH_PERIOD <= self.refresh_period <= MAX_REFRESH_PERIOD:
             raise ValueError(
-                f"--refresh-period must be > 0 and <= {MAX_REFRESH_PERIOD:g} seconds (a record lives 3 "
-                f"periods, at most {DEFAULT_MAX_TTL:g} s), got {self.refresh_period}"
+                f"--refresh-period must be >= {MIN_REFRESH_PERIOD:g} and <= {MAX_REFRESH_PERIOD:g} seconds "
+                f"(a record lives 3 periods, at most {DEFAULT_MAX_TTL:g} s), got {self.refresh_period}"
             )
         if self.record_ttl is None:
             self.record_ttl = 3 * self.refresh_period

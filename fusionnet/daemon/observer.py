@@ -15,6 +15,7 @@ from fusionnet.dht.announce import Found
 from fusionnet.dht.node import DHTConfig
 from fusionnet.dht.peerids import peer_ids_of_maddrs
 from fusionnet.dht.records import BrokerRecord, CompnodeRecord, NodeState
+from fusionnet.errors import WireError
 from fusionnet.messages.broker_rpc import BrokerClient, StatusRequest
 from fusionnet.rpc.protocol import RPCError
 
@@ -81,5 +82,13 @@ class SwarmObserver:
         client = BrokerClient(self.call)
         broker = await self.find_broker()
         request = StatusRequest(auth=None if auth is None else auth(broker))
-        reply = await client.call_status(broker, request, timeout=timeout)
+        try:
+            reply = await client.call_status(broker, request, timeout=timeout)
+        except WireError as e:
+            if "unknown rpc method 'status'" not in str(e):
+                raise
+            raise WireError(
+                f"{broker} is not a broker (it answers no status call): give --initial-peers the broker's "
+                "address (its --address-file lines)"
+            ) from None
         return reply.model_dump()
