@@ -68,6 +68,20 @@ def test_a_checkpoint_of_peer_blobs_reloads_and_outlives_the_one_before(tmp_path
     assert torch.equal(ckpt.state["unused"], _state()["unused"])
 
 
+def test_a_checkpoints_metrics_rows_are_appended_once_and_read_back_after_a_restart(tmp_path: Path) -> None:
+    """``ckpt.json`` names its rows in ``rows-ckpt.*.jsonl`` (``broker.step_rows``) instead of holding
+    them: a save appends the new rows only, so its cost no longer grows with the job."""
+    files = _files(tmp_path)
+    rows = [{"step": s, "loss": 1.0 / (s + 1)} for s in range(200)]
+    files.save_checkpoint(Checkpoint(100, files.submitted_state(), {}, rows[:100]), attempt=1)
+    files.save_checkpoint(Checkpoint(200, files.submitted_state(), {}, rows), attempt=1)
+    assert len((files.folder / "ckpt.json").read_bytes()) < 1000
+    (log,) = files.folder.glob("rows-ckpt.*.jsonl")
+    assert len(log.read_text().splitlines()) == 200  # each row once
+    loaded = JobFiles(files.folder).load_checkpoint()  # a restarted broker's
+    assert loaded is not None and loaded[0].metrics == rows
+
+
 def test_a_checkpoint_keeps_untouched_keys_in_the_submission(tmp_path: Path) -> None:
     files = _files(tmp_path)
     part = files.write_part(1, "s0-state", pack_tensors({"a.weight": torch.zeros(3, 4)}), "state")

@@ -194,11 +194,17 @@ def test_the_newest_step_every_sub_dag_has_on_a_live_peer_is_chosen() -> None:
 
 
 def test_the_pointer_survives_a_restart_and_a_torn_file_reads_as_none(tmp_path: Path) -> None:
-    pointer = ReplicaPointer(2, ["a", "b"], 5, [{"step": 4, "seconds": 0.1}])
-    pointer.save(tmp_path)
-    assert ReplicaPointer.load(tmp_path) == pointer
+    from fusionnet.broker.checkpoints import JobFiles
+
+    rows = [{"step": s, "seconds": 0.1} for s in range(5)]
+    pointer = ReplicaPointer(2, ["a", "b"], 5, rows)
+    pointer.save(JobFiles(tmp_path))
+    assert ReplicaPointer.load(JobFiles(tmp_path)) == pointer  # a restarted broker's files
+    assert len(ReplicaPointer.path(tmp_path).read_bytes()) < 200  # the rows are not in it
+    ReplicaPointer.path(tmp_path).write_text('{"attempt": 2, "peers": ["a"], "step": 1, "metrics": []}')
+    assert ReplicaPointer.load(JobFiles(tmp_path)) == ReplicaPointer(2, ["a"], 1, [])  # an older broker's
     ReplicaPointer.path(tmp_path).write_text('{"attempt": 2')
-    assert ReplicaPointer.load(tmp_path) is None
+    assert ReplicaPointer.load(JobFiles(tmp_path)) is None
 
 
 def test_snapshot_files_complete_listed_pruned_and_dropped(tmp_path: Path) -> None:

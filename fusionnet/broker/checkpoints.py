@@ -12,9 +12,10 @@ does not grow with the model (issue 11).
 Layout under ``jobs/<id>/``: ``submission/`` (spec.json, ir.bin, state.safetensors, data.safetensors),
 ``ckpt-<step>/`` (one state and one optimizer file per sub-DAG, as their compnodes sent them, and
 ``rest-*.safetensors`` for tensors of an earlier checkpoint that no file of this one holds) and
-``ckpt.json`` (which checkpoint is current, the file of each of its tensors, the attempt counter, the
-metrics rows so far). ``ckpt.json`` is replaced atomically after its tensors are on disk, so a crash
-at any moment leaves a consistent pair.
+``ckpt.json`` (which checkpoint is current, the file of each of its tensors, the attempt counter, and
+how many lines of ``rows-ckpt.<n>.jsonl`` are the metrics rows so far: ``step_rows``). ``ckpt.json`` is
+replaced atomically after its tensors and rows are on disk, so a crash at any moment leaves a
+consistent set.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from fusionnet.broker.step_rows import StepRows
 from fusionnet.broker.tensorfiles import StreamedFile, TensorFiles, select, write_blob
 from fusionnet.dag.precision import SCALER_PREFIX
 from fusionnet.errors import WireError
@@ -66,6 +68,10 @@ class JobFiles:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.submission = folder / "submission"
+        # the metrics rows ``ckpt.json`` and ``replicas.json`` name (``step_rows``): each kept by one object
+        # for the job's run, which recognises the rows it wrote and appends the rest
+        self.ckpt_rows = StepRows(folder, "rows-ckpt")
+        self.replica_rows = StepRows(folder, "rows-replicas")
 
     # ---- submission ------------------------------------------------------------------------------
     def save_submission(
@@ -112,6 +118,7 @@ class JobFiles:
         shutil.rmtree(self.submission, ignore_errors=True)
         for path in (
             *self.folder.glob(f"{CKPT_PREFIX}*"),
+            *self.folder.glob("rows-*.jsonl"),
             self.folder / "ckpt.json",
             self.folder / "replicas.json",
         ):
@@ -166,8 +173,10 @@ class JobFiles:
                 _atomic(rest, lambda p, t=tensors, ks=loose: save_file(_own(select(t, ks)), str(p)))
                 index.update(dict.fromkeys(loose, rest))
             files[kind] = {k: str(p.relative_to(self.folder)) for k, p in index.items()}
-        doc = {"step": ckpt.step, "index": files, "attempt": attempt, "metrics": ckpt.metrics}
+        rows = self.ckpt_rows.sync(ckpt.metrics)
+        doc = {"step": ckpt.step, "index": files, "attempt": attempt, "rows": rows}
         _atomic(self.folder / "ckpt.json", lambda p: p.write_text(json.dumps(doc)))
+        self.ckpt_rows.prune()
         for old in self.folder.glob(f"{CKPT_PREFIX}*"):
             if old != folder:
                 shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
@@ -186,7 +195,9 @@ class JobFiles:
             TensorFiles({k: self.folder / f for k, f in doc["index"][kind].items()})
             for kind in ("state", "optim")
         )
-        return Checkpoint(int(doc["step"]), state, optim, list(doc["metrics"])), int(doc["attempt"])
+        # rows in a file of their own (``step_rows``); in the document itself before that
+        rows = self.ckpt_rows.load(doc["rows"]) if "rows" in doc else list(doc["metrics"])
+        return Checkpoint(int(doc["step"]), state, optim, rows), int(doc["attempt"])
 
 
 def _own(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -183,7 +183,7 @@ class JobSteps:
         if any(r.snapshot_seconds for r in replies):  # compute time of the last snapshot (runs in parallel)
             row["checkpoint_seconds"] = max(r.snapshot_seconds for r in replies)
         if self.replicas.observe([r.replicated for r in replies], step, seconds):  # for a restarted broker
-            self.replicas.pointer(self.attempt, self.peers, self.progress.metrics).save(self.files.folder)
+            self.replicas.pointer(self.attempt, self.peers, self.progress.metrics).save(self.files)
         self.progress.metrics.append(row)
         self.ctx.store.update_job(job.job_id, step=step + 1, loss=loss)
         self.ctx.metrics.observe_step(

@@ -14,7 +14,8 @@ another compnode of the job (``compnode.replicas``), and the broker only keeps t
 - ``checkpoint_from_replicas`` / ``assemble_checkpoint``: those snapshots (or, for the results and
   hand-overs, the compnodes' live state) into a checkpoint on the broker's disk, part by part.
 - ``ReplicaPointer``: what a restarted broker needs to find them again (``replicas.json``: attempt,
-  peers, committed step, metrics rows), a few hundred bytes whatever the model's size.
+  peers, committed step, how many rows of its ``step_rows`` file are its metrics rows), a few hundred bytes
+  whatever the model's size and the job's length.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -216,20 +217,24 @@ class ReplicaPointer:
     def path(folder: Path) -> Path:
         return folder / "replicas.json"
 
-    def save(self, folder: Path) -> None:
-        path = self.path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+    def save(self, files: JobFiles) -> None:
+        """``replicas.json``, its rows appended to their own file first (``step_rows``)."""
+        path = self.path(files.folder)
+        files.folder.mkdir(parents=True, exist_ok=True)
+        doc = {"attempt": self.attempt, "peers": self.peers, "step": self.step}
+        doc["rows"] = files.replica_rows.sync(self.metrics)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
+        tmp.write_text(json.dumps(doc))
         os.replace(tmp, path)
+        files.replica_rows.prune()
 
     @classmethod
-    def load(cls, folder: Path) -> ReplicaPointer | None:
+    def load(cls, files: JobFiles) -> ReplicaPointer | None:
         try:
-            doc = json.loads(cls.path(folder).read_text())
-            return cls(
-                int(doc["attempt"]), [str(p) for p in doc["peers"]], int(doc["step"]), list(doc["metrics"])
-            )
+            doc = json.loads(cls.path(files.folder).read_text())
+            # rows in a file of their own (``step_rows``); in the document itself before that
+            rows = files.replica_rows.load(doc["rows"]) if "rows" in doc else list(doc["metrics"])
+            return cls(int(doc["attempt"]), [str(p) for p in doc["peers"]], int(doc["step"]), rows)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -361,7 +366,7 @@ async def resumed_from_replicas(
 ) -> tuple[Checkpoint, int, bool]:
     """A restarted broker's checkpoint: the replicas its ``ReplicaPointer`` names when they are newer
     than ``ckpt`` and still there. Returns (checkpoint, attempt, whether a pointer was found)."""
-    pointer = ReplicaPointer.load(files.folder)
+    pointer = ReplicaPointer.load(files)
     if pointer is None or pointer.step <= ckpt.step:
         return ckpt, attempt, pointer is not None
     attempt = max(attempt, pointer.attempt)
