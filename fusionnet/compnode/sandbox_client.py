@@ -40,7 +40,7 @@ from fusionnet.compnode.sandbox_ipc import (
     int_field,
 )
 from fusionnet.compnode.sandbox_worker import EXIT_NO_ANSWER, WorkerConfig, main
-from fusionnet.errors import ExecutionError, FusionNetError
+from fusionnet.errors import ComputeError, ExecutionError, FusionNetError
 from fusionnet.messages.compnode_rpc import AssignRequest, CollectReply
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
 from fusionnet.wire.frames import TensorFrame
@@ -263,7 +263,8 @@ class SandboxedJob:
     def _died(self, how: str) -> None:
         budget = self.pool.memory_bytes
         limit = "" if budget is None else f"; it may use {budget / 2**30:.3g} GiB (--sandbox-memory-gb)"
-        self._failure = ExecutionError(
+        # ComputeError: the job's inputs are at fault (its submitter exits 2), as when one of its ops raised
+        self._failure = ComputeError(
             f"job {self.job_id}: sub-DAG {self.subdag}'s sandbox worker died ({how}{limit}); the job's own "
             "graph or data caused it, so it is not moved to another compnode"
         )
