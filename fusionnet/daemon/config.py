@@ -45,13 +45,10 @@ class DaemonConfig:
                 f"record ttl ({self.record_ttl} s) must exceed the refresh period ({self.refresh_period} s), "
                 "or records expire between refreshes"
             )
-        for flag, path in (("--address-file", self.address_file), ("--state-dir", self.state_dir)):
-            if path is None:
-                continue
-            if flag == "--address-file" and path.is_dir():
-                raise ValueError(f"--address-file {path}: is a directory; give the file's path")
-            if flag == "--state-dir" and path.exists() and not path.is_dir():
-                raise ValueError(f"--state-dir {path}: is not a directory")
+        if self.address_file is not None and self.address_file.is_dir():
+            raise ValueError(f"--address-file {self.address_file}: is a directory; give the file's path")
+        if self.state_dir is not None and self.state_dir.exists() and not self.state_dir.is_dir():
+            raise ValueError(f"--state-dir {self.state_dir}: is not a directory")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"--metrics-port must be in 0..65535, got {self.metrics_port}")
         if self.rpc_max_bytes < 1024:
