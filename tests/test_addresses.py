@@ -85,3 +85,34 @@ def test_a_taken_listen_port_is_refused_naming_the_flag() -> None:
         with pytest.raises(ValueError, match=rf"^--host-maddrs /ip4/127.0.0.1/tcp/{port}: cannot listen"):
             check_ports_free([f"/ip4/127.0.0.1/tcp/{port}"])
     check_ports_free([f"/ip4/127.0.0.1/tcp/{port}", "/ip4/127.0.0.1/tcp/0"])  # free again; 0: any port
+
+
+def test_a_listen_port_freed_soon_after_is_waited_for_then_a_held_one_refused() -> None:
+    """A daemon restarted right after a SIGKILL finds its port held by the dead one's p2pd for a second or
+    two (until p2pd's parent-watch shuts it down): the start waits for it, within a bound."""
+    import asyncio
+    import socket
+    import time
+
+    from fusionnet.dht.node import wait_for_free_ports
+
+    async def free_soon(holder: socket.socket, port: int) -> float:
+        asyncio.get_running_loop().call_later(0.6, holder.close)
+        started = time.monotonic()
+        await wait_for_free_ports([f"/ip4/127.0.0.1/tcp/{port}"], wait=10.0)
+        return time.monotonic() - started
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    waited = asyncio.run(free_soon(holder, holder.getsockname()[1]))
+    assert 0.5 <= waited < 5.0
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(ValueError, match=rf"^--host-maddrs /ip4/127.0.0.1/tcp/{port}: cannot listen"):
+            asyncio.run(wait_for_free_ports([f"/ip4/127.0.0.1/tcp/{port}"], wait=0.5))
+        assert time.monotonic() - started >= 0.5

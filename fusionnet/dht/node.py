@@ -45,6 +45,11 @@ log = logging.getLogger("fusionnet.dht.node")
 DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 _PARENT_POLL_S = 0.5
 _ORPHAN_GRACE_S = 10.0
+# How long a start waits for a taken listen port to come free before refusing it: a daemon restarted
+# right after a SIGKILL finds its port held by the dead one's p2pd until that p2pd's parent-watch notices
+# (``_PARENT_POLL_S``) and shuts it down (at most ``_ORPHAN_GRACE_S``).
+PORT_WAIT_S = _PARENT_POLL_S + _ORPHAN_GRACE_S + 1.5
+_PORT_POLL_S = 0.25
 
 
 @dataclass
@@ -189,6 +194,23 @@ def check_ports_free(host_maddrs: Sequence[str]) -> None:
 P2PD_SOCKETS = Path("/tmp/hivemind-p2pd-*.sock")
 
 
+async def wait_for_free_ports(host_maddrs: Sequence[str], wait: float = PORT_WAIT_S) -> None:
+    """``check_ports_free``, retried for up to ``wait`` seconds (logged once) before its refusal stands."""
+    deadline = time.monotonic() + wait
+    logged = False
+    while True:
+        try:
+            check_ports_free(host_maddrs)
+            return
+        except ValueError as e:
+            if time.monotonic() >= deadline:
+                raise
+            if not logged:
+                log.warning("%s; waiting up to %.0f s for it to come free (a stopped daemon's p2pd?)", e, wait)
+                logged = True
+        await asyncio.sleep(_PORT_POLL_S)
+
+
 def _remove_dead_sockets(paths: set[Path]) -> None:
     """Removes those of ``paths`` that nobody listens on (a failed start's), leaving any live one."""
     for path in paths:
@@ -203,7 +225,7 @@ def _remove_dead_sockets(paths: set[Path]) -> None:
 
 async def start_dht(config: DHTConfig) -> tuple[SwarmDHT, RSASignatureValidator]:
     """Forks the DHT child and waits (without blocking the event loop) until it has joined the swarm."""
-    check_ports_free(config.host_maddrs)
+    await wait_for_free_ports(config.host_maddrs)
     key, identity, scratch = _identity(config)
     validator = RSASignatureValidator(key)
     dht = _start_blocking(config, validator, identity)
