@@ -211,6 +211,7 @@ class DeploymentService:
         task = asyncio.get_running_loop().create_task(run.run(), name=f"deployment-{name}")
         self.runs[name], self._tasks[name], self.served[name] = run, task, model
         if self.observer is not None:
+            self.observer.serve_deployment(name)
             self.observer.observe_deployments(len(self.served))
         self.ctx.live_jobs.add(job.job_id)  # until its run ends (undeployed, or failed)
         task.add_done_callback(lambda _t: self.ctx.live_jobs.discard(job.job_id))

@@ -19,7 +19,7 @@ from fusionnet.messages.serving_rpc import DEPLOYMENT_NAME, DEPLOYMENT_NAME_RULE
 
 
 def _name(text: str) -> str:
-    if not re.match(DEPLOYMENT_NAME, text):
+    if not re.fullmatch(DEPLOYMENT_NAME, text):  # fullmatch: "$" also matches before a final "\n"
         raise argparse.ArgumentTypeError(f"{text[:80]!r}: {DEPLOYMENT_NAME_RULE}")
     return text
 

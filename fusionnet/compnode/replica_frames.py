@@ -76,7 +76,7 @@ def check_replica_frame(
 ) -> ReplicaChunkFrame:
     """``WireError`` saying what is wrong unless ``frame`` is a chunk this compnode keeps for its sender:
     ``own`` are our sub-DAGs, ``peer_of`` the compnode of each of the job's sub-DAGs."""
-    m = _NAME.match(frame.name)
+    m = _NAME.fullmatch(frame.name)
     if m is None:
         raise WireError(
             f"replica frame name {frame.name[:80]!r} is not replica/<attempt>/<sub-DAG>/<part>/<chunks>"

@@ -79,7 +79,7 @@ class ReplicaStore:
         folder = self._job(job_id)
         out = []
         for path in folder.iterdir() if folder.is_dir() else ():
-            m = _NAME.match(path.name)
+            m = _NAME.fullmatch(path.name)
             if m:
                 out.append((path, m))
         return out

@@ -27,7 +27,7 @@ _HOSTPORT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 def is_host_port(value: str) -> bool:
     """``host:port`` (``[v6]:port`` for IPv6) with a port in 1..65535."""
-    m = _HOSTPORT_RE.match(value)
+    m = _HOSTPORT_RE.fullmatch(value)
     return m is not None and 0 < int(m.group(2)) < 65536
 
 
@@ -73,7 +73,7 @@ class _Record(BaseModel):
 
 
 def _check_peer_id(value: str) -> str:
-    if not _PEER_ID_RE.match(value):
+    if not _PEER_ID_RE.fullmatch(value):
         raise ValueError(f"not a base58 libp2p peer id: {value[:80]!r}")
     return value
 

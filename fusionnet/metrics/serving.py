@@ -89,6 +89,9 @@ class ServingMetrics:
         # per deployment, the other labels its request and token series were made with: all removed
         # with it (``forget_deployment``)
         self._labelled: dict[str, set[tuple[Counter, tuple[str, ...]]]] = {}
+        # undeployed names: a request still being answered when its deployment went must not bring
+        # the series back (until a deployment of that name is served again, ``serve_deployment``)
+        self._gone: set[str] = set()
 
     def _series(self, metric: Counter, deployment: str, *labels: str) -> Counter:
         self._labelled.setdefault(deployment, set()).add((metric, labels))
@@ -97,19 +100,30 @@ class ServingMetrics:
     def observe_deployments(self, count: int) -> None:
         self.deployments.set(count)
 
+    def serve_deployment(self, deployment: str) -> None:
+        self._gone.discard(deployment)
+
     # ---- ``ServingObserver`` ---------------------------------------------------------------------
     def observe_request(self, deployment: str, endpoint: str, status: int) -> None:
+        if deployment in self._gone:
+            return
         endpoint = endpoint if endpoint in ENDPOINTS else "other"
         self._series(self.requests, deployment, endpoint, str(status)).inc()
 
     def observe_tokens(self, deployment: str, prompt: int, completion: int) -> None:
+        if deployment in self._gone:
+            return
         self._series(self.tokens, deployment, "prompt").inc(prompt)
         self._series(self.tokens, deployment, "completion").inc(completion)
 
     def observe_first_token(self, deployment: str, seconds: float) -> None:
+        if deployment in self._gone:
+            return
         self.first_token.labels(deployment=deployment).observe(max(0.0, seconds))
 
     def observe_inter_token(self, deployment: str, seconds: float) -> None:
+        if deployment in self._gone:
+            return
         self.inter_token.labels(deployment=deployment).observe(max(0.0, seconds))
 
     def observe_batch(
@@ -125,6 +139,8 @@ class ServingMetrics:
     ) -> None:
         """One batch's figures; a failed batch is only counted: its time and rows would skew the
         served batches' histograms (a failover's batch waits out a re-placement)."""
+        if deployment in self._gone:
+            return
         self.sessions_missed.labels(deployment=deployment).inc(missed_sessions)
         if failed:
             self.batches_failed.labels(deployment=deployment).inc()
@@ -136,6 +152,7 @@ class ServingMetrics:
             self.kv_slots.labels(deployment=deployment).set(kv_slots)
 
     def forget_deployment(self, deployment: str) -> None:
+        self._gone.add(deployment)
         for metric in (
             self.first_token,
             self.inter_token,

@@ -88,7 +88,7 @@ class Request:
 
 
 def check_method_name(method: str) -> str:
-    if not isinstance(method, str) or not _METHOD_RE.match(method):
+    if not isinstance(method, str) or not _METHOD_RE.fullmatch(method):
         raise WireError(f"rpc method name {method!r} is not an identifier of at most 64 characters")
     return method
 

@@ -111,7 +111,7 @@ async def deploy(
     if spec.task not in ("infer", "generate"):
         raise JobError(f"{job_path}: task: a deployment's task is infer or generate, not {spec.task!r}")
     name = name or spec.name
-    if not re.match(DEPLOYMENT_NAME, name):
+    if not re.fullmatch(DEPLOYMENT_NAME, name):  # fullmatch: "$" also matches before a final "\n"
         why = f"deployment name {name[:80]!r} (the job's): {DEPLOYMENT_NAME_RULE}; give one with --name"
         raise JobError(why)
     kind = spec.task

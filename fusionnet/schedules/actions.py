@@ -57,7 +57,7 @@ class Action:
 
     @classmethod
     def parse(cls, word: str) -> Action:
-        found = _ACTION.match(word)
+        found = _ACTION.fullmatch(word)
         if found is None:
             raise ValueError(f"schedule action {word!r} must look like F3, B3, I3, W3, F3.1 or U")
         kind, digits, chunk = found.groups()
@@ -138,7 +138,7 @@ class Schedule:
         lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
         if not lines:
             raise ValueError("an empty schedule text")
-        head = _HEADER.match(lines[0])
+        head = _HEADER.fullmatch(lines[0])
         if head is None:
             raise ValueError(
                 f"schedule header {lines[0]!r} must look like 'NAME p=DEVICES m=MICROBATCHES [v=CHUNKS]'"

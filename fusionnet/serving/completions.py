@@ -10,6 +10,7 @@ stop string (``finish_reason`` "stop", see ``stopping``) or after ``max_tokens``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -29,6 +30,7 @@ from pydantic import (
     StrictStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from fusionnet.errors import ExecutionError
@@ -44,6 +46,7 @@ MAX_PROMPTS = 64
 MAX_NEW_TOKENS = 4096
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 MAX_STOP_CHARS = 256
+MAX_TOKEN_ID_DIGITS = 12
 
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
 Request = TypeVar("Request", bound=BaseModel)
@@ -51,6 +54,12 @@ Request = TypeVar("Request", bound=BaseModel)
 
 MaxTokens = Annotated[StrictInt, Field(ge=1, le=MAX_NEW_TOKENS)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]  # added to one token's logit, as OpenAI allows
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: StrictBool = False  # a last chunk, before [DONE], with no choices and the usage
 
 
 class GenerationParams(BaseModel):
@@ -64,6 +73,7 @@ class GenerationParams(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: StrictInt | None = None
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
     n: Annotated[StrictInt, Field(ge=1, le=8)] = 1
     stop: (
         Annotated[StrictStr, Field(max_length=MAX_STOP_CHARS)]
@@ -83,13 +93,28 @@ class GenerationParams(BaseModel):
     top_k: Annotated[StrictInt, Field(ge=-1)] = -1
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, doc: Any) -> Any:
+        """OpenAI takes ``null`` for an optional field as "the default" (its ``openai`` client sends
+        ``temperature: null`` for ``temperature=None``): such a field is dropped before validation."""
+        if not isinstance(doc, dict):
+            return doc
+        defaulted = {
+            name for name, f in cls.model_fields.items() if not f.is_required() and f.default is not None
+        }
+        return {k: v for k, v in doc.items() if not (v is None and k in defaulted)}
+
     @field_validator("logit_bias")
     @classmethod
     def _token_ids(cls, bias: dict[str, float]) -> dict[str, float]:
-        # JSON keys are strings: "50256"; ASCII digits only ("²" is a digit to ``isdigit``, not to ``int``)
-        bad = next((k for k in bias if not (k.isascii() and k.isdigit())), None)
+        # JSON keys are strings: "50256"; ASCII digits only ("²" is a digit to ``isdigit``, not to
+        # ``int``), and short: Python refuses to convert over 4300 digits, and no vocabulary is that big
+        bad = next(
+            (k for k in bias if not (k.isascii() and k.isdigit() and len(k) <= MAX_TOKEN_ID_DIGITS)), None
+        )
         if bad is not None:
-            raise ValueError(f"keys must be token ids, got {bad!r}")
+            raise ValueError(f"keys must be token ids, got {bad[:20]!r}")
         return bias
 
     def sampling(self) -> SamplingParams:
@@ -156,6 +181,19 @@ def encode_prompts(req: CompletionRequest, model: ServedModel) -> list[list[int]
         if problem is not None:
             raise ApiError(400, f"prompt {i}: {problem}", param="prompt")
     return [p for p in ids for _ in range(req.n)]
+
+
+def check_sessions(model: ServedModel, sessions: int, param: str) -> None:
+    """A 400 for a request of more KV sessions than the deployment could ever admit at once (its slots
+    and the sessions it lets wait): a 503 would send the client to retry what can never get in."""
+    kv = model.kv
+    if kv is not None and sessions > kv.slots + kv.waiting_limit:
+        raise ApiError(
+            400,
+            f"{sessions} sessions in one request (a KV-cache slot each): this deployment holds "
+            f"{kv.slots} slots and lets {kv.waiting_limit} sessions wait; send fewer at a time",
+            param=param,
+        )
 
 
 class ChoiceRun:
@@ -311,7 +349,6 @@ async def stream_choices(
     then ``data: [DONE]``. A failure mid-stream is sent as an ``error`` chunk (the status line has gone
     out already: ``stream_error`` gives it the status the request would have had), then ``[DONE]``."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
     queue: asyncio.Queue[tuple[int, Piece | BaseException | None]] = asyncio.Queue()
 
     async def pump(run: ChoiceRun) -> None:
@@ -325,15 +362,22 @@ async def stream_choices(
     tasks = [asyncio.ensure_future(pump(run)) for run in runs]
     cid, created = completion_id(shape.id_prefix), int(time.time())
 
-    async def send(choice: dict[str, Any]) -> None:
+    async def send(choice: dict[str, Any] | None, **extra: Any) -> None:
         chunk = {"id": cid, "object": shape.object, "created": created, "model": model.name}
-        await response.write(f"data: {json.dumps(chunk | {'choices': [choice]})}\n\n".encode())
+        chunk |= {"choices": [] if choice is None else [choice]} | extra
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
 
-    try:
+    async def start() -> None:
+        # The status line goes out with the first piece, not before: a request refused at admission
+        # (the queue full, no KV slot, the deployment going away) then gets its real status (503, ...),
+        # which clients retry on and the metrics count, rather than a 200 carrying an error chunk.
+        await response.prepare(request)
         for run in runs:
             opening = shape.opening(run.index)
             if opening is not None:
                 await send(opening)
+
+    try:
         live = len(runs)
         sent = [0] * len(runs)  # characters of each choice's text sent so far
         while live:
@@ -345,12 +389,16 @@ async def stream_choices(
             # batch takes about 19 ms at the serving benchmark's small size).
             await asyncio.sleep(0)
             if isinstance(item, BaseException):
+                if not response.prepared:
+                    raise item  # nothing sent yet: the request's own status (``errors``)
                 await response.write(f"data: {json.dumps(stream_error(item).body())}\n\n".encode())
                 break
+            if not response.prepared:
+                await start()
             if item is None:
                 live -= 1
                 continue
-            finish = runs[index].tracker.finish_reason
+            finish = item.finish  # what the piece said when it was made (its choice may be further on)
             done = finish is not None and not item.tokens  # the ending piece: held-back text, the reason
             if item.tokens or item.text or done or item.echo:
                 logprobs = None
@@ -360,10 +408,17 @@ async def stream_choices(
                 await send(shape.chunk(index, item.tokens, item.text, finish if done else None, logprobs))
             if finish is not None and item.tokens:  # ended by this token (a stop string): say so
                 await send(shape.chunk(index, [], "", finish))
+        else:
+            options = runs[0].req.stream_options if runs else None
+            if options is not None and options.include_usage:  # as OpenAI: after every choice's end
+                await send(None, usage=usage([r.prompt for r in runs], [r.tracker for r in runs]))
         await response.write(b"data: [DONE]\n\n")  # also after an error: the stream ends as streams do
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    await response.write_eof()
+    # A client may close as soon as it has read [DONE] (the ``openai`` package does): the stream was
+    # whole, so that is no client gone before its answer.
+    with contextlib.suppress(ConnectionResetError):
+        await response.write_eof()
     return response

@@ -32,6 +32,7 @@ from fusionnet.serving.chat import CHAT_CHUNKS, ChatRequest, chat_reply, encode_
 from fusionnet.serving.completions import (
     TEXT_CHUNKS,
     ChoiceRun,
+    check_sessions,
     choice_doc,
     completion_id,
     encode_prompts,
@@ -168,6 +169,7 @@ class _Api:
         if model.kv is None:
             outputs = await model.batcher.submit(inputs.contiguous())
         else:  # rows of a KV deployment address caches: each sequence is scored as a prefill of its own
+            check_sessions(model, len(inputs), "inputs")
             submit, kv, epoch = model.batcher.submit, model.kv, model.epoch
             outputs = torch.stack(await _all_of(score_cached(submit, kv, epoch, r.tolist()) for r in inputs))
         return web.Response(body=pack_tensors({"outputs": outputs.contiguous()}), content_type=SAFETENSORS)
@@ -177,6 +179,8 @@ class _Api:
         req = parse_completion(body)
         model = self._generator(request, req.model)
         prompts = await asyncio.to_thread(encode_prompts, req, model)  # a long text: not on the loop
+        if req.max_tokens or req.logprobs is not None:  # echo alone scores nothing: no session
+            check_sessions(model, len(prompts), "n" if req.n > 1 else "prompt")
         params = req.sampling()
         runs = [ChoiceRun(model, prompt, req, params, i, self.observer) for i, prompt in enumerate(prompts)]
         if req.stream:
@@ -207,6 +211,7 @@ class _Api:
         req = parse_body(ChatRequest, self._attributed(request, await _json(request)))
         model = self._generator(request, req.model)
         prompt, as_completion = await encode_chat(req, model)
+        check_sessions(model, req.n, "n")
         params = req.sampling()
         runs = [ChoiceRun(model, prompt, as_completion, params, i, self.observer) for i in range(req.n)]
         if req.stream:

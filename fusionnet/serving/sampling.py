@@ -123,6 +123,7 @@ def next_token(
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         # keep a token while the mass before it is below top_p (the most likely one always stays)
         keep = (cumulative - sorted_probs) < params.top_p
+        keep[0] = True  # also when top_p is below float32's smallest value (the comparison rounds it to 0)
         sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=generator).item())

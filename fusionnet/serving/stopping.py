@@ -53,6 +53,9 @@ class Piece:
     text: str
     logprobs: list[Any] = field(default_factory=list)
     echo: bool = False  # the prompt, echoed before the answer (``tokens`` stay the answer's)
+    # Set on the piece that ends its choice. A stream writes a piece after its producer has moved on
+    # (the tracker may have ended by then), so what a piece says must travel with it.
+    finish: str | None = None
 
 
 @dataclass
@@ -96,7 +99,7 @@ class StopTracker:
         return self._text
 
     def _flush(self, tokens: list[int]) -> Piece:
-        piece = Piece(tokens, self._text[self._sent :])
+        piece = Piece(tokens, self._text[self._sent :], finish=self.finish_reason)
         self._sent = len(self._text)
         return piece
 
