@@ -76,6 +76,32 @@ def test_dangling_reference_is_refused() -> None:
     _refused(doc, "unknown node 'nowhere'")
 
 
+@pytest.mark.parametrize(
+    "key",
+    [
+        "**({} if __import__('os').getpid() else {}), _x",  # torch.fx writes "key = value" into code
+        "out=None);import os;(x",
+        "$node",  # a kwargs map that reads as a tagged reference
+        "$param",
+        "class",  # a keyword
+        "",
+        "a b",
+    ],
+)
+def test_a_keyword_argument_must_be_an_argument_name(key: str) -> None:
+    """torch.fx generates Python source with ``key = value`` for every keyword argument and runs it: a
+    key is checked as an identifier when the IR is decoded, and again when a sub-DAG is rebuilt."""
+    doc = _doc()
+    node = next(n for n in doc["nodes"] if n["kind"] == "non_parametric")
+    node["kwargs"][key] = 0 if not key.startswith("$") else node["args"][0]
+    _refused(doc, f"node '{node['name']}': kwargs key .* is not an argument name")
+    from fusionnet.dag.ir import decode_kwargs
+
+    with pytest.raises(IRError, match="is not an argument name"):
+        decode_kwargs({key: 0}, lambda tag, name: None)
+    assert decode_kwargs({"dim": 1, "keepdim": True}, lambda tag, name: None) == {"dim": 1, "keepdim": True}
+
+
 def test_cycle_is_refused_naming_its_nodes() -> None:
     doc = _doc()
     ops = [n for n in doc["nodes"] if n["kind"] in ("parametric", "non_parametric")]

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from fusionnet.dag.ir import _TAGS, IR_VERSION, NODE_KINDS, IRGraph, IRNode, dtype_from_name
+from fusionnet.dag.ir import _TAGS, IR_VERSION, NODE_KINDS, IRGraph, IRNode, dtype_from_name, is_argument_name
 from fusionnet.dag.registry import REGISTRY
 from fusionnet.errors import IRError
 
@@ -136,11 +136,9 @@ def _graph_from_doc(doc: Any) -> IRGraph:
         _expect(raw["kind"] in NODE_KINDS, where, f"kind must be one of {NODE_KINDS}, got {raw['kind']!r}")
         _expect(isinstance(raw["op"], str), where, "op must be a string")
         _expect(isinstance(raw["args"], list), where, "args must be a list")
-        _expect(
-            isinstance(raw["kwargs"], dict) and all(isinstance(k, str) for k in raw["kwargs"]),
-            where,
-            "kwargs must be a map with string keys",
-        )
+        _expect(isinstance(raw["kwargs"], dict), where, "kwargs must be a map of argument names")
+        bad = next((k for k in raw["kwargs"] if not is_argument_name(k)), None)
+        _expect(bad is None, where, f"kwargs key {str(bad)[:80]!r} is not an argument name (an identifier)")
         _expect(raw["target"] is None or isinstance(raw["target"], str), where, "target must be a string")
         _expect(_is_str_list(raw["users"]), where, "users must be a list of node names")
         _expect(

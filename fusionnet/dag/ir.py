@@ -19,11 +19,14 @@ tied embedding: ``target`` is its ``state_dict`` key), ``parametric`` and ``non_
 
 from __future__ import annotations
 
+import keyword
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from fusionnet.errors import IRError
 
 _HOST = torch.device("cpu")  # where a decoded IR device points unless told otherwise
 
@@ -247,8 +250,17 @@ def decode_value(tree: Any, resolve: Any, device: torch.device = _HOST) -> Any:
     raise ValueError(f"unknown tag {tag!r}")
 
 
+def is_argument_name(key: Any) -> bool:
+    """Whether ``key`` can name a keyword argument: torch.fx writes each one as ``key = value`` into the
+    Python source of the module it generates and runs, so anything else would be code, not a name."""
+    return isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)
+
+
 def decode_kwargs(kwargs: dict[str, Any], resolve: Any, device: torch.device = _HOST) -> dict[str, Any]:
     """Keyword arguments are a plain map of name -> argument tree (never a tagged value)."""
+    bad = next((k for k in kwargs if not is_argument_name(k)), None)
+    if bad is not None:  # the decoder refuses these; a graph built some other way must not slip one by
+        raise IRError(f"keyword argument {str(bad)[:80]!r} is not an argument name")
     return {k: decode_value(v, resolve, device) for k, v in kwargs.items()}
 
 
