@@ -55,6 +55,11 @@ ROUTE_SEP, ROUTE_END = ">", ":"
 ROUTE_MAX = 16  # characters a route prefix may take
 
 
+def _is_number(text: str) -> bool:
+    """ASCII digits only: ``"²".isdigit()`` holds, and ``int("²")`` raises."""
+    return text.isascii() and text.isdigit()
+
+
 def route_prefix(src: int, dst: int) -> str:
     return f"{src}{ROUTE_SEP}{dst}{ROUTE_END}"
 
@@ -63,7 +68,7 @@ def split_route(name: str) -> tuple[int, int, str]:
     """``(src, dst, rest)`` of a routed frame name; ``WireError`` when it names no route."""
     head, sep, rest = name.partition(ROUTE_END)
     src, arrow, dst = head.partition(ROUTE_SEP)
-    if not sep or not arrow or not src.isdigit() or not dst.isdigit() or len(head) >= ROUTE_MAX:
+    if not sep or not arrow or not _is_number(src) or not _is_number(dst) or len(head) >= ROUTE_MAX:
         raise WireError(
             f"frame {name[:80]!r} names no route 'SRC>DST:' (its job holds several sub-DAGs per compnode)"
         )
@@ -261,7 +266,9 @@ class NetChannel(Channel):
                 self._on_frame(plain, src)
                 return
             self._on_frame(frame)
-        except WireError as e:
+        except Exception as e:  # whatever a member's bytes make a decoder raise is a refusal, not a crash
+            if not isinstance(e, WireError):
+                e = WireError(f"malformed frame ({type(e).__name__}: {str(e)[:120]})")
             self.refused += 1
             log.warning(
                 "job %s: refused %s frame %r from %s: %s",
@@ -326,7 +333,7 @@ class NetChannel(Channel):
             self._on_bundle(src, frame, node.split(BUNDLE_SEP))
             return
         if sep:
-            if not index.isdigit() or int(index) > 4096:
+            if not _is_number(index) or int(index) > 4096:
                 raise WireError(f"bad tensor index in frame name {frame.name!r}")
             self._park(slot, int(index), frame.tensor)
             return

@@ -25,6 +25,7 @@ from fusionnet.dag.ir import dtype_from_name, dtype_name
 from fusionnet.errors import ExecutionError, FusionNetError
 from fusionnet.rpc.protocol import REMOTE_ERROR_CLASSES
 from fusionnet.wire.frames import TensorFrame, payload_view
+from fusionnet.wire.header import MAX_RANK, is_shape
 
 _PREFIX = struct.Struct("<IQ")
 MAX_HEADER_BYTES = 1 << 20
@@ -166,12 +167,8 @@ def frame_of(header: dict[str, Any], blobs: list[torch.Tensor]) -> TensorFrame:
     except Exception:
         raise IPCError(f"frame dtype {header.get('dtype')!r} is unknown") from None
     shape = header.get("shape")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > 16
-        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)
-    ):
-        raise IPCError("frame shape is not a list of at most 16 sizes")
+    if not isinstance(shape, list) or not is_shape(shape):  # the limits a frame passed on the wire
+        raise IPCError(f"frame shape is not a list of at most {MAX_RANK} sizes: {str(shape)[:80]}")
     numel = 1
     for d in shape:
         numel *= d

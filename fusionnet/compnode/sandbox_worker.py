@@ -142,6 +142,7 @@ class Worker:
         self._next_send = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._snapshots: dict[int, list[bytes | None]] = {}  # packed chunks by snapshot call, until fetched
+        self.relayed_refused = 0  # relayed frames that were not frames (``_deliver``)
         self.direct = DirectSender(config.peer_id, config.job_id) if config.direct_sends else None
         self.receives = None if handoff is None else DirectReceiver(config.peer_id, handoff)
 
@@ -162,7 +163,7 @@ class Worker:
                     return
                 if op == "frame":  # a value from a peer: into the mailbox at once, in arrival order
                     if self.host is not None:
-                        self.host.deliver(frame_of(header, blobs))
+                        self._deliver(header, blobs)
                 elif op == "sent":
                     self._sent(header)
                 elif op == "snapshot":  # queued on the compute thread now, before any later step
@@ -176,6 +177,20 @@ class Worker:
                 await self.direct.close()
             if self.receives is not None:
                 await self.receives.close()
+
+    def _deliver(self, header: dict[str, Any], blobs: list[Any]) -> None:
+        """A peer's frame the daemon relayed. One that cannot be made a frame is refused and logged: it
+        came from a member of the job, whose bytes must not end this worker (and fail the job as if its
+        own graph had); the channel refuses the rest (``NetChannel.on_frame``)."""
+        try:
+            frame = frame_of(header, blobs)
+        except Exception as e:
+            self.relayed_refused += 1
+            why = f"{type(e).__name__}: {str(e)[:160]}"
+            log.warning("refused a relayed frame from %s: %s", str(header.get("sender"))[:80], why)
+            return
+        assert self.host is not None
+        self.host.deliver(frame)
 
     def _log_routes(self) -> None:
         """How many stretches ran on the loop and on the compute thread (``dag.short_stretches``)."""
@@ -238,7 +253,8 @@ class Worker:
             outcome = await host.run_step(int_field(header, "step"), _subdag_field(header))
             fields = {k: getattr(outcome, k) for k in ("loss", "fp_seconds", "bp_seconds", "update_seconds")}
             outputs = outcome.outputs
-            refused = outcome.refused + (0 if self.receives is None else self.receives.refused())
+            refused = outcome.refused + self.relayed_refused
+            refused += 0 if self.receives is None else self.receives.refused()
             fields |= {"refused": refused, "outputs": outputs is not None}
             fields["activation_peak_bytes"] = outcome.activation_peak_bytes
             fields["sent_bytes"] = outcome.sent_bytes

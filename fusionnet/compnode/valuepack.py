@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fusionnet.errors import WireError
-from fusionnet.wire.header import ALLOWED_DTYPES, MAX_RANK, dtype_name
+from fusionnet.wire.header import ALLOWED_DTYPES, dtype_name, is_shape
 
 MAGIC = b"FNV1"
 _HEAD = struct.Struct(">4sI")
@@ -169,11 +169,7 @@ def _check_part(part: object, i: int) -> tuple[torch.dtype, list[int], int]:
     dtype = ALLOWED_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise WireError(f"packed part {i}: dtype {str(name)[:32]!r} is not allowed")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_RANK
-        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)
-    ):
+    if not isinstance(shape, list) or not is_shape(shape, 1 << 40):
         raise WireError(f"packed part {i}: bad shape {str(shape)[:80]}")
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise WireError(f"packed part {i}: bad offset {offset!r}")

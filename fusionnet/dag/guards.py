@@ -127,15 +127,29 @@ def _tri_indices(op: str, args: Sequence[Any], kwargs: dict[str, Any], self: Any
     )
 
 
-def _new_size(op: str, args: Sequence[Any], kwargs: dict[str, Any], self: Any) -> None:
-    """``x.new_zeros(size)``, ``x.expand(*sizes)``, ``aten.expand(x, size)``: the size after ``self``."""
+def _size_arg(op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> list[int]:
     size = kwargs.get("size")
     if size is None:
         rest = [a for a in args if not isinstance(a, torch.Tensor) or a.numel() == 1]
         if op.endswith("new_full") and rest:
             rest = rest[:1]
         size = rest
-    _product(op, _sizes(size if isinstance(size, Sequence | torch.Size) else [size], op))
+    return _sizes(size if isinstance(size, Sequence | torch.Size) else [size], op)
+
+
+def _new_size(op: str, args: Sequence[Any], kwargs: dict[str, Any], self: Any) -> None:
+    """``x.new_zeros(size)``: the size after ``self``."""
+    _product(op, _size_arg(op, args, kwargs))
+
+
+def _expanded_size(op: str, args: Sequence[Any], kwargs: dict[str, Any], self: Any) -> None:
+    """``x.expand(*sizes)``, ``aten.expand(x, size)``, ``broadcast_to``: a -1 keeps self's size there
+    (sizes align from the right); counted as 1 it would let a 2**40-element view past the cap."""
+    sizes = _size_arg(op, args, kwargs)
+    if isinstance(self, torch.Tensor):
+        lead = len(sizes) - self.dim()
+        sizes = [self.shape[i - lead] if s == -1 and i >= lead else s for i, s in enumerate(sizes)]
+    _product(op, sizes)
 
 
 def _repeat(op: str, args: Sequence[Any], kwargs: dict[str, Any], self: Any) -> None:
@@ -197,8 +211,8 @@ GUARDS: dict[str, _Check] = {
     "new_zeros": _new_size,
     "new_ones": _new_size,
     "new_full": _new_size,
-    "expand": _new_size,
-    "broadcast_to": _new_size,
+    "expand": _expanded_size,
+    "broadcast_to": _expanded_size,
     "repeat": _repeat,
     "tile": _repeat,
     "repeat_interleave": _repeat_interleave,

@@ -90,7 +90,11 @@ def decompress(t: torch.Tensor, info: object) -> torch.Tensor:
     """The value a compressed tensor stands for; ``WireError`` for an info map that does not fit it."""
     if info is None:
         return t
-    if not isinstance(info, dict) or not set(info) <= {"c", "d", "s"}:
+    if (
+        not isinstance(info, dict)
+        or not set(info) <= {"c", "d", "s"}
+        or not all(isinstance(info.get(k), str) for k in ("c", "d"))
+    ):
         raise WireError("malformed compression info")
     codec, dtype = info.get("c"), _FLOATS.get(info.get("d"))  # type: ignore[arg-type]
     if dtype is None:

@@ -119,10 +119,15 @@ class PayloadCipher:
         return out
 
     def open_in_place(self, data: memoryview, first: int = 0) -> None:
-        """Decrypts ``data`` (chunk-aligned, from chunk ``first``) where it lies (CTR is symmetric)."""
+        """Decrypts ``data`` (chunk-aligned, from chunk ``first``) where it lies (CTR is symmetric).
+
+        Through a scratch chunk and back: ``cryptography`` 51 refuses ``update_into`` with overlapping
+        input and output ("data and buf must not overlap"), which older releases did in place."""
+        scratch = memoryview(bytearray(min(len(data), MAC_CHUNK)))
         for i, (a, b) in enumerate(chunk_spans(len(data))):
-            chunk = data[a:b]
-            self._context(first + i).update_into(chunk, chunk)
+            out = scratch[: b - a]
+            self._context(first + i).update_into(data[a:b], out)
+            data[a:b] = out
 
 
 def window_spans(nbytes: int, window_chunks: int) -> list[tuple[int, int, int]]:

@@ -113,6 +113,17 @@ def check_kind(value: Any) -> str:
     return value
 
 
+def is_shape(shape: Any, limit: int = MAX_DIM) -> bool:
+    """Whether a peer's ``shape`` is at most ``MAX_RANK`` sizes in [0, ``limit``) whose nonzero ones also
+    multiply to under ``limit``: a tensor with a 0 among sizes like 2**47 holds no bytes, so its payload
+    length passes, yet torch cannot lay it out (its strides overflow int64) and raises."""
+    if not isinstance(shape, list | tuple) or len(shape) > MAX_RANK:
+        return False
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < limit for d in shape):
+        return False
+    return math.prod(d for d in shape if d) < limit
+
+
 def expected_nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * dtype.itemsize
 
@@ -205,13 +216,11 @@ def parse_header(raw: bytes, payload_len: int) -> FrameHeader:
     if dtype is None:
         raise refuse(f"dtype {str(doc.get('dtype'))[:32]!r} is not allowed", R.BAD_DTYPE)
     shape = doc.get("shape")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_RANK
-        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape)
-    ):
+    if not isinstance(shape, list) or not is_shape(shape):
         raise refuse(
-            f"shape must be at most {MAX_RANK} integers in [0, 2**48), got {str(shape)[:80]}", R.BAD_SHAPE
+            f"shape must be at most {MAX_RANK} integers in [0, 2**48) of fewer than 2**48 elements, "
+            f"got {str(shape)[:80]}",
+            R.BAD_SHAPE,
         )
     nbytes = expected_nbytes(dtype, tuple(shape))
     if nbytes != payload_len:

@@ -239,10 +239,12 @@ class FrameReceiver:
         plaintext_allowed = None if remote_host is None else self._plaintext_policy(remote_host)
         bare_allowed = None if remote_host is None else self._bare_policy(remote_host)
         phased = PhasedSource(source, self.timeouts.progress)
+        # The handshake's short deadline holds until a frame has passed every check: a peer without the
+        # job's key, whose frames are refused and who stays in sync, must not hold the connection (and
+        # its slot in the per-host limit) for the idle timeout.
         wait = self.timeouts.handshake
         while True:
             phased.next_frame(wait)
-            wait = self.timeouts.idle
             try:
                 frame = await read_frame(
                     phased,
@@ -270,6 +272,11 @@ class FrameReceiver:
             except WireError as e:  # read_frame only raises the two above; stay safe if that changes
                 self.count_refusal(FrameRefused(str(e), reason=R.MALFORMED), peer)
                 return
+            except Exception as e:  # a peer's bytes that a check let through and a decoder did not
+                why = f"malformed frame ({type(e).__name__}: {str(e)[:120]})"
+                self.count_refusal(FrameRefused(why, reason=R.MALFORMED), peer)
+                return
+            wait = self.timeouts.idle
             await self._deliver(frame, peer)
 
     async def _deliver(self, frame: TensorFrame, peer: str) -> None:
