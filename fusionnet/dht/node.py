@@ -206,7 +206,7 @@ async def wait_for_free_ports(host_maddrs: Sequence[str], wait: float = PORT_WAI
             if time.monotonic() >= deadline:
                 raise
             if not logged:
-                log.warning("%s; waiting up to %.0f s for it to come free (a stopped daemon's p2pd?)", e, wait)
+                log.warning("%s; waiting up to %.0f s for it to be freed (a stopped daemon's p2pd?)", e, wait)
                 logged = True
         await asyncio.sleep(_PORT_POLL_S)
 
