@@ -25,6 +25,7 @@ backward call and one optimizer step per sub-DAG) are added where stages are kno
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from fusionnet.errors import PlanError
@@ -126,8 +127,8 @@ def subdag_time_bounds(ops: Iterable[OpCost], device: DeviceSpec, phase: str = "
 def _check_pairs(compute: Sequence[float], comm: Sequence[float]) -> None:
     if len(compute) != len(comm):
         raise PlanError(f"need one C_p per R_p: got {len(compute)} compute and {len(comm)} comm times")
-    if any(t < 0 for t in (*compute, *comm)):
-        raise PlanError("compute and communication times must be non-negative")
+    if not all(0 <= t < math.inf for t in (*compute, *comm)):  # also NaN, which compares false
+        raise PlanError("compute and communication times must be finite and non-negative")
 
 
 def latency_eq3(compute: Sequence[float], comm: Sequence[float]) -> float:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
+from typing import TypeVar
 
 from fusionnet.errors import PlanError
 from fusionnet.perfmodel.graph_types import (
@@ -254,6 +255,16 @@ class Link:
         return math.inf if self.beta == 0 else 1.0 / self.beta
 
 
+K = TypeVar("K")  # what names a device: its index, or its peer id on the broker
+
+
+def link_between(links: Mapping[tuple[K, K], Link], src: K, dst: K, default: Link) -> Link:
+    """The link from ``src`` to ``dst``: given for that direction, else for the other one (a nodes file
+    lists a pair once, ``between: [a, b]``, and both directions use it), else ``default``."""
+    found = links.get((src, dst))
+    return found if found is not None else links.get((dst, src), default)
+
+
 @dataclass(frozen=True)
 class Swarm:
     """Devices plus the links between them. ``links[(i, j)]`` is the i -> j direction; a pair given in
@@ -283,10 +294,7 @@ class Swarm:
 
     def link(self, src: int, dst: int) -> Link:
         """The link carrying data from device ``src`` to device ``dst``."""
-        found = self.links.get((src, dst))
-        if found is None:
-            found = self.links.get((dst, src), self.default_link)
-        return found
+        return link_between(self.links, src, dst, self.default_link)
 
     @cached_property
     def uniform_links(self) -> bool:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition, balanced_assignment, build_partition
 from fusionnet.errors import PlanError
-from fusionnet.perfmodel.memory import fmt_bytes
-from fusionnet.perfmodel.types import DeviceSpec, Link, Swarm, Workload
+from fusionnet.perfmodel.memory import MemoryDemand, fmt_bytes
+from fusionnet.perfmodel.types import DeviceSpec, Link, Swarm, Workload, link_between
 from fusionnet.planning.costgraph import cost_graph, ir_assignment, micro_batch_scale
 from fusionnet.planning.scheduler import Plan, plan_for_assignment, schedule
 from fusionnet.planning.scheduler_plan import StagePlan
@@ -135,6 +135,37 @@ def per_subdag(plan: Plan, assignment: Mapping[str, int], devices: list[int]) ->
     )
 
 
+def priced_with(
+    graph: IRGraph,
+    planned: PlannedJob,
+    devices: Sequence[DeviceSpec],
+    pipeline_schedule: str,
+    *,
+    microbatches: int,
+    batch_size: int | None = None,
+    optimizer: str | Mapping[str, str] | None = None,
+    links: Mapping[tuple[int, int], Link] | None = None,
+    default_link: Link | None = None,
+) -> PlannedJob:
+    """``planned``'s cut on its devices (indices into ``devices``) priced with ``pipeline_schedule``: a
+    cut searched with one schedule's pricing and run with another (``auto`` choosing zero-bubble, say)
+    then reports the memory, micro-batches in flight and step time of the schedule that runs."""
+    order = planned.devices
+    by_subdag = {
+        (i, j): link_between(links or {}, a, b, default_link or LOOPBACK)
+        for i, a in enumerate(order)
+        for j, b in enumerate(order)
+        if i != j
+    }
+    cg = cost_graph(
+        graph, optimizer, scale=micro_batch_scale(graph, batch_size, microbatches), microbatches=microbatches
+    )
+    swarm = make_swarm([devices[d] for d in order], by_subdag, default_link)
+    ops = {op.name: planned.assignment[op.name] for op in cg.ops}
+    plan = plan_for_assignment(cg, swarm, Workload(microbatches, graph.task, pipeline_schedule), ops)
+    return replace(per_subdag(plan, planned.assignment, list(order)), explanation=planned.explanation)
+
+
 def plan_interleaved(
     graph: IRGraph,
     devices: Sequence[DeviceSpec],
@@ -165,7 +196,7 @@ def plan_interleaved(
     by_subdag = {
         (a, b): LOOPBACK  # one device's chunks: priced as the broker prices them (``index_links``)
         if device_of[a] == device_of[b]
-        else between.get((device_of[a], device_of[b]), default_link or LOOPBACK)
+        else link_between(between, device_of[a], device_of[b], default_link or LOOPBACK)
         for a in range(k)
         for b in range(k)
         if a != b
@@ -200,22 +231,23 @@ def plan_interleaved(
 
 
 def _check_chunks_fit(plan: Plan, devices: Sequence[DeviceSpec], device_of: list[int], chunks: int) -> None:
-    """``PlanError`` unless every chunk fits its device's memories, and a device's chunks together fit in
-    all of its memory and disk (each chunk is placed on the memories by itself, so together they are
-    held to the sum: a bound that never refuses a cut that fits)."""
+    """``PlanError`` unless every chunk fits its device's memories, and a device's chunks together fit
+    each of them: a chunk's parts land on fixed memories (``MemoryBreakdown.demand``: what it computes
+    with on the GPU of a GPU device), so the chunks' demands add up memory by memory. A total over all
+    memories let a large disk hide an overfull GPU. Each chunk is charged its own peak of micro-batches
+    in flight, a bound (the chunks' peaks need not coincide) that never accepts a device it overfills."""
     for s in plan.stages:
         why = s.demand.violation(devices[device_of[s.device]])
         if why is not None:
             raise PlanError(f"interleaved-1f1b: sub-DAG {s.device} ({len(s.ops)} ops) {why}")
     for d, dev in enumerate(devices):
         mine = [s.demand for s in plan.stages if device_of[s.device] == d]
-        need = sum(m.gpu + m.cpu + m.disk for m in mine)
-        have = dev.d_cpu + dev.d_disk + (dev.d_gpu if dev.kind == "gpu" else 0)
-        if need > have:
-            raise PlanError(
-                f"interleaved-1f1b: the {chunks} chunks of device {d} ({dev.name!r}) need {fmt_bytes(need)} "
-                f"together, more than its {fmt_bytes(have)} of memory and disk"
-            )
+        together = MemoryDemand(
+            gpu=sum(m.gpu for m in mine), cpu=sum(m.cpu for m in mine), disk=sum(m.disk for m in mine)
+        )
+        why = together.violation(dev)
+        if why is not None:
+            raise PlanError(f"interleaved-1f1b: the {chunks} chunks of device {d} together: {why}")
 
 
 def explain_plan(

@@ -132,8 +132,8 @@ def _dp_candidates(
     runs = []  # (best bottleneck, order, solver)
     for order in candidate_orders(graph, small_limit=SMALL_ORDERS if small else 0):
         lm = build_linear_model(graph, workload, order, MAX_CUTS)
-        coster = SegmentCoster(lm, workload)
         cap = min(max_stages, len(lm.cuts) - 1)
+        coster = SegmentCoster(lm, workload, cap)
         if class_dp_size(classes, len(lm.cuts), max_stages) <= CLASS_DP_LIMIT:
             solvers = [lambda bound, c=coster: class_dp(c, swarm, classes, max_stages, bound, patience)]
         else:
@@ -254,7 +254,9 @@ def chain_dp(graph: CostGraph, swarm: Swarm, workload: Workload, *, max_devices:
     lm = build_linear_model(graph, workload, list(range(len(graph.ops))), len(graph.ops) + 1)
     if class_dp_size(classes, len(lm.cuts), max_stages) > CHAIN_DP_LIMIT:
         raise PlanError("too many distinct devices for the exact chain DP; use schedule()")
-    per_s = class_dp(SegmentCoster(lm, workload), swarm, classes, max_stages)
+    per_s = class_dp(
+        SegmentCoster(lm, workload, min(max_stages, len(lm.cuts) - 1)), swarm, classes, max_stages
+    )
     if not per_s:
         raise PlanError(_diagnose(graph, swarm, workload, max_stages))
     _s, (_val, segs) = min(per_s.items(), key=lambda kv: (kv[1][0], kv[0]))

@@ -63,9 +63,12 @@ class DevCost:
 class SegmentCoster:
     """Per-cut arrays that make the cost of stage [cuts[ai], cuts[bi]) a few subtractions."""
 
-    def __init__(self, lm: LinearModel, workload: Workload) -> None:
+    def __init__(self, lm: LinearModel, workload: Workload, max_stages: int | None = None) -> None:
+        """``max_stages``: the most stages a plan may have, the bound zero-bubble's in-flight count
+        takes (``inflight``); None: as many as micro-batches."""
         self.lm = lm
         self.m = workload.microbatches
+        self.max_stages = workload.microbatches if max_stages is None else max_stages
         self.backward = workload.backward
         self.schedule = workload.schedule
         cuts = lm.cuts
@@ -80,10 +83,17 @@ class SegmentCoster:
         self._res: dict[int, list[int]] = {}
 
     def inflight(self, r: int) -> int:
-        """Micro-batches in flight on a stage with ``r`` stages after it."""
+        """Micro-batches in flight on a stage with ``r`` stages after it, as the memory model counts them
+        (``perfmodel.memory.inflight_microbatches``): 1F1B's stage holds one per stage from it to the
+        end; ZB-H1's every stage up to the pipeline's depth p, which the DP (building from the last stage)
+        does not know yet, so it is bounded by the most stages a plan may have; GPipe's all m."""
         if not self.backward:
             return 1
-        return min(self.m, r + 1) if self.schedule == "1f1b" else self.m
+        if self.schedule == "1f1b":
+            return min(self.m, r + 1)
+        if self.schedule == "zero-bubble":
+            return min(self.m, max(self.max_stages, r + 1))
+        return self.m
 
     def comp_row(self, dc: DevCost) -> list[float]:
         """Prefix compute seconds per step on device ``dc`` at every cut."""

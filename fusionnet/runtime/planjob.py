@@ -15,12 +15,12 @@ from typing import Any
 from fusionnet.dag.ir import IRGraph
 from fusionnet.job.loader import LoadedJob, load_job
 from fusionnet.perfmodel.nodes import load_nodes_file
-from fusionnet.perfmodel.types import DeviceSpec, Link
+from fusionnet.perfmodel.types import DeviceSpec, Link, link_between
 from fusionnet.planning.auto_interleaved import best_interleaved, interleaving_pays, why_interleaved
 from fusionnet.planning.cut_plan import plan_cuts
 from fusionnet.planning.optimizers import job_optimizers
 from fusionnet.planning.pipeline_schedule import AUTO, ScheduleChoice, choose_schedule
-from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph, plan_interleaved
+from fusionnet.planning.planner import LOOPBACK, PlannedJob, plan_graph, plan_interleaved, priced_with
 from fusionnet.profiling.calibration import local_device_spec
 from fusionnet.results.files import plan_document
 from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count, with_microbatches
@@ -108,7 +108,7 @@ def plan_job(
     def choose(counts: list[int]) -> ScheduleChoice:
         """The schedule (and with ``counts``, the micro-batch count) the broker would run on this cut."""
         by_index = {
-            (i, j): links.get((a, b), default or LOOPBACK)
+            (i, j): link_between(links, a, b, default or LOOPBACK)
             for i, a in enumerate(planned.devices)
             for j, b in enumerate(planned.devices)
             if a != b
@@ -148,6 +148,10 @@ def plan_job(
     if "schedule" not in chosen:  # the schedule that runs on this cut, as the broker chooses it
         chosen["schedule"] = choose([]).to_dict()
     schedule = chosen["schedule"]
+    if spec.placement.schedule == AUTO and schedule["name"] != planned.plan.workload.schedule:
+        # searched with 1F1B's pricing, run with another: the plan describes what runs
+        priced = {"microbatches": m, "links": links, "default_link": default, **priced_by}
+        planned = priced_with(traced.graph, planned, devices, schedule["name"], **priced)
     step = schedule["predicted_step_seconds"].get(schedule["name"], planned.predicted_step_seconds)
     explanation = (
         f"planned for {where}\n\n{planned.explanation}\n"
@@ -188,7 +192,7 @@ def _interleaved_if_faster(
     schedule of one sub-DAG per compnode; its plan (devices indexing ``devices``) and the choice."""
     fast = sorted(dict.fromkeys(planned.devices), key=lambda d: -devices[d].speed)
     used = [devices[d] for d in planned.devices]
-    link = {(a, b): links.get((a, b), default or LOOPBACK) for a in fast for b in fast if a != b}
+    link = {(a, b): link_between(links, a, b, default or LOOPBACK) for a in fast for b in fast if a != b}
     among = {(i, j): link[a, b] for i, a in enumerate(fast) for j, b in enumerate(fast) if i != j}
     order = planned.devices
     by_index = {(i, j): link[a, b] for i, a in enumerate(order) for j, b in enumerate(order) if a != b}
