@@ -72,7 +72,7 @@ def test_plan_for_a_nodes_file(tmp_path: Path, capsys) -> None:
 def test_plan_refuses_bad_or_too_small_swarms_in_one_line(tmp_path: Path, capsys) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("nodes:\n  - device: RTX 3080\n    colour: red\n")
-    assert main(["plan", str(MLP), "--nodes", str(bad)]) == 1
+    assert main(["plan", str(MLP), "--nodes", str(bad)]) == 2  # the nodes file is bad input (exit 2)
     err = capsys.readouterr().err.strip()
     assert "nodes[0]" in err and "colour" in err and len(err.splitlines()) == 1
     small = tmp_path / "small.yaml"

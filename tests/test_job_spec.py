@@ -214,7 +214,7 @@ CASES: list[tuple[str, Callable[[Doc, Path], None], str]] = [
         _set("placement.cuts", ["linear"]),
         "placement.cuts: 1 cut(s) make 2 sub-DAGs, but placement.compnodes asks for 3",
     ),
-    ("cut empty name", _set("placement.cuts", [""]), "placement.cuts.0: "),
+    ("cut empty name", _set("placement.cuts", [""]), "placement.cuts[0]: "),
     ("cuts not a list", _set("placement.cuts", "blocks.1"), "placement.cuts: "),
 ]
 

@@ -162,7 +162,7 @@ def test_interleaved_chunks_must_fit_their_compnode_together(gpt: JobShape) -> N
     together = need[0] + need[2]  # device 0 holds sub-DAGs 0 and 2
     alone = max(need[0], need[2])
     tight = [device("a", memory=(alone + together) // 2, disk=disk), device("b", disk=disk_b)]
-    with pytest.raises(PlanError, match=r"the 2 chunks of device 0 \('a'\) need .* together"):
+    with pytest.raises(PlanError, match=r"the 2 chunks of device 0 \('a'\) together: needs .* of d_cpu"):
         plan_interleaved(shape.graph, tight, 2, **kwargs)
     pool = [Candidate("a", False, tight[0]), Candidate("b", False, tight[1])]
     with pytest.raises(PlanError, match=r"the 2 chunks of device 0 \('a'\)"):

@@ -38,7 +38,7 @@ def test_a_devices_interleaved_chunks_must_fit_its_gpu_together_whatever_its_dis
     need = {s.device: s.demand.gpu for s in roomy.plan.stages}
     each = max(need.values())  # every chunk fits alone, no device's two chunks together
     assert all(need[d] + need[d + 2] > each for d in (0, 1))
-    with pytest.raises(PlanError, match=r"the 2 chunks of device 0 together: needs .* of d_gpu"):
+    with pytest.raises(PlanError, match=r"the 2 chunks of device 0 \(.a.\) together: needs .* of d_gpu"):
         plan_interleaved(graph, [_gpu("a", each), _gpu("b", each)], 2, microbatches=2)
     together = max(need[d] + need[d + 2] for d in (0, 1))
     plan_interleaved(graph, [_gpu("a", together), _gpu("b", together)], 2, microbatches=2)

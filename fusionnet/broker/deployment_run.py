@@ -37,6 +37,7 @@ from fusionnet.broker import replanning
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.failures import PeerFailure
+from fusionnet.broker.job_calls import JobCalls
 from fusionnet.broker.jobrun import JobRun
 from fusionnet.broker.store import JobState
 from fusionnet.broker.submission import SubmittedJob
@@ -74,6 +75,7 @@ class DeploymentRun(JobRun):
         self.placed = asyncio.Event()  # set while a placement is assigned and takes batches
         self.stopping = asyncio.Event()
         self.failed: str | None = None
+        self.abandoned: str | None = None  # why ``deploy`` gave up on it before it was placed
         self.batches = 0
         self.batch_seconds = 0.0  # wall time of the batches served, summed
         self.batch_rows = 0  # rows of the batches served (before padding to micro-batches), summed
@@ -131,9 +133,15 @@ class DeploymentRun(JobRun):
             await self._place(replanning.FIRST)
             store.update_job(job.job_id, state=JobState.RUNNING)
             await self.stopping.wait()
-            store.update_job(job.job_id, state=JobState.SUCCEEDED, step=self.batches)
+            if self.abandoned is not None:
+                self._fail(self.abandoned)
+            else:
+                store.update_job(job.job_id, state=JobState.SUCCEEDED, step=self.batches)
         except asyncio.CancelledError:
-            self.ctx.store.update_job(job.job_id, state=JobState.CANCELLED, error="the broker stopped")
+            if self.abandoned is not None:  # deploy's own time limit, not the broker stopping
+                self._fail(self.abandoned)
+            else:
+                self.ctx.store.update_job(job.job_id, state=JobState.CANCELLED, error="the broker stopped")
             raise
         except FusionNetError as e:
             self.failed = str(e)
@@ -166,7 +174,8 @@ class DeploymentRun(JobRun):
             if self.attempt != attempt or self.stopping.is_set():
                 return  # another batch re-placed it already
             dead = error.dead if isinstance(error, PeerFailure) else set()
-            self.dead |= dead
+            if isinstance(error, PeerFailure):
+                self._exclude(error)  # lost ones as dead, a device out of memory as unfit
             log.warning("deployment %s: batch failed (%s); placing it again", self.job.spec.name, error)
             self.ctx.metrics.failovers.inc(len(dead))
             self.ctx.store.add_job_event(
@@ -278,7 +287,9 @@ class DeploymentRun(JobRun):
             # limit; there an answer over it is stashed and fetched: slower, never wrong.)
             out = self.partition is not None and self.partition.subdags[i].holds_output
             big = out and (keep is None or any(keep))
-            calls.append(self.serving.call_serve_step(peer, request, timeout=BATCH_TIMEOUT, large_answer=big))
+            call = self.serving.call_serve_step(peer, request, timeout=BATCH_TIMEOUT, large_answer=big)
+            # named: a compnode out of device memory is then excluded from the next placement (unfit)
+            calls.append(JobCalls.named_call(peer, "serve_step", call))
         return await asyncio.wait_for(gather(calls), BATCH_TIMEOUT)
 
     def _count(self, replies: list[ServeStepReply], seconds: float, rows: int, microbatches: int) -> None:
@@ -316,6 +327,10 @@ class DeploymentRun(JobRun):
         if answer.ids is not None:
             ids = join_outputs([unpack_tensors(answer.ids, "batch ids")]).get("outputs")
         return joined["outputs"], ids
+
+    def abandon(self, why: str) -> None:
+        """``deploy`` gives up on a placement that did not come in time: the run ends FAILED with ``why``."""
+        self.abandoned = why
 
     async def stop(self) -> None:
         self.stopping.set()

@@ -23,6 +23,7 @@ from aiohttp import web
 from fusionnet.broker.checkpoints import JobFiles
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.deployment_run import DeploymentRun
+from fusionnet.broker.store import DEPLOYMENT_ROW, JobState
 from fusionnet.broker.submission import SubmittedJob, check_submission
 from fusionnet.dag.codec import decode_ir
 from fusionnet.errors import ExecutionError, JobError
@@ -77,6 +78,9 @@ class DeploymentService:
         # name -> who undeployed it, for the last few: a repeated undeploy (the RPC client retries a
         # stream that closed before its answer) gets the first one's answer, not "no deployment"
         self._undeployed: OrderedDict[str, str] = OrderedDict()
+        # name -> done when its undeploy has released everything: a retried undeploy waits for it, and
+        # a new deploy of the name waits until the old one holds no compnode
+        self._undeploying: dict[str, asyncio.Future[None]] = {}
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
 
@@ -122,14 +126,30 @@ class DeploymentService:
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
+        self._end_the_last_process_rows()
+        await asyncio.to_thread(self._remove_the_last_process_files)
         if self.http_port is None:
             return
         self._runner, self.url = await start_api(self, self.observer, self.http_host, self.http_port)
         log.info("HTTP API on %s", self.url)
 
+    def _end_the_last_process_rows(self) -> None:
+        """Deployments do not outlive their broker process (their sessions, caches and batches live in
+        it): the rows a crashed one left live end FAILED saying so (``_remove_..._files``: its weights)."""
+        for row in self.ctx.store.list_jobs(10_000):
+            name = str(row.get("name") or "")
+            if name.startswith(DEPLOYMENT_ROW) and not JobState(row["state"]).terminal:
+                why = "the broker restarted; a deployment does not survive that: deploy it again"
+                self.ctx.store.update_job(row["job_id"], state=JobState.FAILED, error=why)
+
+    def _remove_the_last_process_files(self) -> None:
+        if self.folder.is_dir():
+            for leftover in self.folder.iterdir():
+                JobFiles(leftover).forget()
+
     async def stop(self) -> None:
-        for name in list(self.served):
-            await self._undeploy(name, "the broker stops")
+        # all at once: each releases its compnodes within the daemon's drain time, not after the others
+        await asyncio.gather(*(self._undeploy(name, "the broker stops") for name in list(self.served)))
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -155,6 +175,8 @@ class DeploymentService:
         name = request.name
         if name in self.served or name in self._arriving:
             raise JobError(f"a deployment named {name!r} exists already; undeploy it first or pick --name")
+        if name in self._undeploying:
+            raise JobError(f"deployment {name!r} is being undeployed; deploy it again once it is gone")
         if len(self.served.keys() | self._arriving) >= MAX_DEPLOYMENTS:
             raise JobError(
                 f"the broker already serves {MAX_DEPLOYMENTS} deployments (its most); undeploy one first"
@@ -220,6 +242,7 @@ class DeploymentService:
         placed.cancel()
         if not run.placed.is_set():
             why = run.failed or f"not placed within {PLACE_TIMEOUT:g} s"
+            run.abandon(why)
             await self._undeploy(name, why)
             raise ExecutionError(f"deployment {name}: {why}")
         model.compnodes = len(run.peers)
@@ -244,20 +267,24 @@ class DeploymentService:
         except BaseException:
             files.forget()
             raise
-        self.ctx.store.create_job(job_id, f"deploy:{request.name}", steps=0, submitter=submitter)
+        self.ctx.store.create_job(job_id, f"{DEPLOYMENT_ROW}{request.name}", steps=0, submitter=submitter)
         return SubmittedJob(job_id, spec, sub.ir, graph, state, data, submitter)
 
     @handles(UndeployRequest)
     async def rpc_undeploy(self, request: UndeployRequest, context: RPCContext) -> UndeployReply:
         done = UndeployReply(name=request.name, undeployed=True, message=f"{request.name} undeployed")
+        peer = str(context.remote_peer)
         if request.name not in self.served:
-            if self._undeployed.get(request.name) == str(context.remote_peer):
+            if self._undeployed.get(request.name) == peer:  # a retry: the first call's answer, once done
+                pending = self._undeploying.get(request.name)
+                if pending is not None:
+                    await asyncio.shield(pending)
                 return done
             raise JobError(f"no deployment named {request.name!r}")
-        await self._undeploy(request.name, f"undeployed by {context.remote_peer}")
-        self._undeployed[request.name] = str(context.remote_peer)
+        self._undeployed[request.name] = peer  # before it is done: a retry meanwhile waits for it
         while len(self._undeployed) > REMEMBERED_UNDEPLOYS:
             self._undeployed.popitem(last=False)
+        await self._undeploy(request.name, f"undeployed by {peer}")
         return done
 
     @handles(DeploymentsRequest)
@@ -265,6 +292,16 @@ class DeploymentService:
         return DeploymentsReply(deployments=self.describe(), url=self.url)
 
     async def _undeploy(self, name: str, why: str) -> None:
+        released = asyncio.get_running_loop().create_future()
+        self._undeploying[name] = released
+        try:
+            await self._release(name, why)
+        finally:
+            if self._undeploying.get(name) is released:
+                del self._undeploying[name]
+            released.set_result(None)
+
+    async def _release(self, name: str, why: str) -> None:
         model = self.served.pop(name, None)
         run, task = self.runs.pop(name, None), self._tasks.pop(name, None)
         log.info("deployment %s: %s", name, why)
@@ -275,12 +312,19 @@ class DeploymentService:
                 self.observer.observe_deployments(len(self.served))
         if run is not None:
             await run.stop()
+        if task is not None and run is not None and run.abandoned is not None and not run.placed.is_set():
+            task.cancel()  # given up while placing: nothing to wait for; it releases what it holds
         if task is not None:
             try:
-                await asyncio.wait_for(task, 30.0)
-            except (TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(task, 30.0)  # its release of the compnodes
+            except TimeoutError:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # we are cancelled (the broker's drain time is up): so is the run, by wait_for
+                # the run task itself was cancelled: it has ended, as waited for
         if run is not None:  # its submitted weights and tokenizer: nothing reads them any more
             await asyncio.to_thread(JobFiles(self.folder / run.job.job_id).forget)
         self.ctx.refresh_job_metrics()

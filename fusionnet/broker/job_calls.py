@@ -56,7 +56,7 @@ class JobCalls:
         """Sub-DAG ``i`` (``requests[i]``) to ``peers[i]``."""
         await gather(
             [
-                self._named(p, "assign", self.client.call_assign(p, r, timeout=ASSIGN_TIMEOUT))
+                self.named_call(p, "assign", self.client.call_assign(p, r, timeout=ASSIGN_TIMEOUT))
                 for p, r in zip(peers, requests, strict=True)
             ]
         )
@@ -115,7 +115,7 @@ class JobCalls:
                 data=data,
             )
             del data
-            await self._named(
+            await self.named_call(
                 peer, "stage_state", self.client.call_stage_state(peer, part, timeout=ASSIGN_TIMEOUT)
             )
             offset += len(part.data)
@@ -153,7 +153,7 @@ class JobCalls:
             requests = [r.model_copy(update={"subdag": i}) for i, r in enumerate(requests)]
         return await gather(
             [
-                self._named(p, "step", self.client.call_step(p, r, timeout=timeout))
+                self.named_call(p, "step", self.client.call_step(p, r, timeout=timeout))
                 for p, r in zip(peers, requests)
             ]
         )
@@ -167,7 +167,7 @@ class JobCalls:
         requests = [JobRequest(job_id=self.job_id, part=part, chunk=chunk, subdag=s) for s in which]
         return await gather(
             [
-                self._named(p, "collect", self.client.call_collect(p, r, timeout=ASSIGN_TIMEOUT))
+                self.named_call(p, "collect", self.client.call_collect(p, r, timeout=ASSIGN_TIMEOUT))
                 for p, r in zip(peers, requests, strict=True)
             ]
         )
@@ -175,7 +175,7 @@ class JobCalls:
     async def replicas(self, peer: str) -> ReplicasReply:
         """Which snapshots of the job ``peer`` keeps (``broker.replicas``)."""
         request = JobRequest(job_id=self.job_id)
-        return await self._named(
+        return await self.named_call(
             peer, "replicas", self.client.call_replicas(peer, request, timeout=PROBE_TIMEOUT)
         )
 
@@ -184,7 +184,7 @@ class JobCalls:
     ) -> ReplicaChunk:
         request = ReplicaRequest(job_id=self.job_id, subdag=subdag, step=step, chunk=chunk, offset=offset)
         call = self.client.call_fetch_replica(peer, request, timeout=ASSIGN_TIMEOUT)
-        return await self._named(peer, "fetch_replica", call)
+        return await self.named_call(peer, "fetch_replica", call)
 
     async def collect_parts(self, subdag: int, peer: str) -> AsyncIterator[tuple[str, bytes, bool]]:
         """A sub-DAG's state, then its optimizer state, each a safetensors file in byte ranges (the
@@ -218,11 +218,13 @@ class JobCalls:
         """The untyped call ``links.probe_placement`` makes, served by the typed ``call_probe_links``."""
         assert method == "probe_links", method
         request = ProbeLinksRequest.model_validate(payload)
-        reply = await self._named(peer, method, self.client.call_probe_links(peer, request, timeout=timeout))
+        call = self.client.call_probe_links(peer, request, timeout=timeout)
+        reply = await self.named_call(peer, method, call)
         return reply.model_dump()
 
     @staticmethod
-    async def _named(peer: str, method: str, call: Awaitable[T]) -> T:
+    async def named_call(peer: str, method: str, call: Awaitable[T]) -> T:
+        """``call`` to ``peer``, its error naming the compnode and method (a device OOM also by ``peer``)."""
         try:
             return await call
         except DeviceMemoryError as e:  # named by peer: the broker places the job again without it

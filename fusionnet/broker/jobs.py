@@ -26,7 +26,7 @@ from fusionnet.broker.admission import Admission, check_owner
 from fusionnet.broker.checkpoints import JobFiles
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.jobrun import JobRun, mark_cancelled
-from fusionnet.broker.store import JobState
+from fusionnet.broker.store import DEPLOYMENT_ROW, JobState
 from fusionnet.broker.submission import SubmittedJob, check_submission
 from fusionnet.broker.uploads import StateUploads
 from fusionnet.dag.codec import decode_ir
@@ -97,6 +97,8 @@ class JobService:
         for row in self.ctx.store.list_jobs(10_000):
             if row["state"] not in ("QUEUED", "PLANNING", "RUNNING"):
                 continue
+            if str(row.get("name") or "").startswith(DEPLOYMENT_ROW):
+                continue  # a deployment's: ``DeploymentService.start`` ends it
             try:
                 job = self._load(row["job_id"], row.get("submitter") or "")
             except Exception as e:

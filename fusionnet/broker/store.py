@@ -83,6 +83,9 @@ MIGRATIONS: tuple[str, ...] = (
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
+# A deployment's row in the jobs table is named "deploy:NAME" (its placement events are a job's).
+DEPLOYMENT_ROW = "deploy:"
+
 
 class JobState(StrEnum):
     QUEUED = "QUEUED"

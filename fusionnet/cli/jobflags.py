@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 
 def add_job_loading_flags(p: Any) -> None:
+    from fusionnet.cli.argtypes import positive_seconds
     from fusionnet.runtime.loadcheck import DEFAULT_LOAD_TIMEOUT
 
     p.add_argument(
@@ -23,7 +24,7 @@ def add_job_loading_flags(p: Any) -> None:
     )
     p.add_argument(
         "--load-timeout",
-        type=float,
+        type=positive_seconds,  # nan, inf, 0 or -1 would never or always time out: refused by argparse
         default=DEFAULT_LOAD_TIMEOUT,
         metavar="S",
         help="give up when loading the job's model takes longer than S seconds "
@@ -62,10 +63,7 @@ def check_output_dir(output: Path) -> None:
         try:
             if output.exists() and not output.is_dir():
                 raise JobError(f"--output: {shown} exists and is not a directory")
-            missing = output
-            while not missing.exists() and missing != missing.parent:
-                made.append(missing)
-                missing = missing.parent
+            made = _missing_folders(output)
             output.mkdir(parents=True, exist_ok=True)
         except JobError:
             raise
@@ -78,10 +76,27 @@ def check_output_dir(output: Path) -> None:
             probe.unlink()
         except OSError as e:
             raise JobError(f"--output: {output}: not writable ({e.strerror or e})") from None
+        _check_result_names_free(output, shown)
     finally:
         for folder in made:
             with contextlib.suppress(OSError, ValueError):  # ValueError: a NUL byte, never made
                 folder.rmdir()
+
+
+def _check_result_names_free(output: Path, shown: str) -> None:
+    """Each result file is written to ``NAME.tmp`` and renamed onto ``NAME`` once the work is done: a
+    directory in either place would fail that write, and lose the results, after the whole job ran.
+    Refused now, naming the entry. (A symlink is replaced itself, whatever it points to.)"""
+    from fusionnet.errors import JobError
+    from fusionnet.results.files import RESULT_FILES
+
+    for name in RESULT_FILES:
+        for entry in (output / name, output / f"{name}.tmp"):
+            if entry.is_dir() and not entry.is_symlink():
+                raise JobError(
+                    f"--output: {shown}/{entry.name} is a directory where a result file goes; remove it "
+                    "or choose another --output"
+                )
 
 
 def add_job_id_argument(p: Any) -> None:
@@ -101,9 +116,13 @@ def check_output_file(path: Path, flag: str) -> None:
     from fusionnet.errors import JobError
 
     shown = str(path) if str(path).isprintable() and len(str(path)) <= 200 else repr(str(path))[:200]
+    # Folders made for the check are removed again, as check_output_dir does (the command makes them
+    # when it writes): a job refused later leaves no empty folders behind.
+    made: list[Path] = []
     try:
         if path.is_dir():
             raise JobError(f"{flag}: {shown} is a directory; expected a file name")
+        made = _missing_folders(path.parent)
         path.parent.mkdir(parents=True, exist_ok=True)
         existed = path.exists()
         with path.open("a"):
@@ -115,6 +134,20 @@ def check_output_file(path: Path, flag: str) -> None:
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:100]
         raise JobError(f"{flag}: {shown}: cannot write the file ({reason})") from None
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError, ValueError):
+                folder.rmdir()
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """``folder`` and its ancestors that do not exist yet, deepest first (what ``mkdir(parents=True)``
+    would make)."""
+    missing: list[Path] = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
 
 
 def add_key_flag(p: Any) -> None:

@@ -14,13 +14,17 @@ import sys
 
 from fusionnet import __version__
 from fusionnet.cli.argtypes import check_initial_peers
-from fusionnet.errors import FusionNetError, JobError, TraceError
+from fusionnet.errors import ComputeError, FusionNetError, IRError, JobError, PartitionError, TraceError
 
 # Exit codes (README "Commands"): 0 success, 1 the work failed (swarm, job, peers), 2 bad input (the job
 # file, its model or data, the command line), 130 interrupted.
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
-BAD_INPUT = (JobError, TraceError)
+# The errors that are the input's fault: the same kinds as the broker's ``jobrun.INPUT_ERRORS`` (a model
+# that raises on its rows, a graph or cut that is refused), so that ``run --local`` exits as ``submit``
+# does for the same job. Spelled out, not imported: importing the broker here would load hivemind for
+# every command, ``--help`` included (tests/test_job_refusals_audit.py keeps the two equal).
+BAD_INPUT = (JobError, TraceError, IRError, PartitionError, ComputeError)
 
 # Order is the order shown by --help.
 COMMANDS: tuple[str, ...] = (

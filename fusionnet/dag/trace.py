@@ -20,7 +20,9 @@ per-node costs.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,8 +132,7 @@ def _trace(
     wrapper: nn.Module = _InferWrapper(model) if task == "infer" else _LossWrapper(model, loss_fn)
     args = (inputs,) if task == "infer" else (inputs, labels)
     wrapper.train(task != "infer")
-    with torch.no_grad():
-        expected = wrapper(*args)
+    expected = _eager_result(wrapper, args, task)
     errors: list[str] = []
     if frontend in ("auto", "symbolic_trace"):
         try:
@@ -143,10 +144,11 @@ def _trace(
             errors.append(f"symbolic_trace: {e}")
         except Exception as e:  # fx raises arbitrary errors on data-dependent control flow
             errors.append(f"symbolic_trace: {type(e).__name__}: {e}")
-        log.info("symbolic tracing failed (%s); falling back to torch.export", errors[-1])
+        log.debug("symbolic tracing failed (%s); falling back to torch.export", errors[-1])
     if frontend in ("auto", "torch.export"):
         try:
-            exported = torch.export.export(wrapper, args, strict=False)
+            with _torch_export_quiet():
+                exported = torch.export.export(wrapper, args, strict=False)
             traced = _GraphBuilder(wrapper, exported.graph, exported, task, "torch.export").build(args)
             _check_reproduces(traced, expected, args)
             return traced
@@ -155,6 +157,63 @@ def _trace(
         except Exception as e:
             errors.append(f"torch.export: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     raise TraceError("model cannot be traced: " + "; ".join(errors))
+
+
+class ForwardFailed(TraceError):
+    """The model itself (plain eager PyTorch, before any tracing) raised on the example micro-batch: the
+    user's model or its settings are at fault, not the tracer. ``cause`` is what it raised."""
+
+    def __init__(self, message: str, cause: BaseException) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+def _eager_result(wrapper: nn.Module, args: tuple[Any, ...], task: str) -> Any:
+    """The wrapper's eager output on the example: the reference every front end must reproduce. Why
+    guarded: the example is a whole micro-batch in the task's mode, which the job's one-row, eval-mode
+    preflight never ran (a ``view(1, 16)``, a module that raises when training, a token id past the
+    embedding), so user code may raise here; that is a ``ForwardFailed``, not an internal error."""
+    try:
+        with torch.no_grad():
+            return wrapper(*args)
+    except Exception as e:
+        shapes = ", ".join(f"{name} {tuple(a.shape)}" for name, a in zip(("inputs", "labels"), args))
+        mode = "train" if wrapper.training else "eval"
+        with_loss = " with its loss" if task != "infer" else ""
+        text = " ".join(str(e).split())[:300]
+        raise ForwardFailed(
+            f"the model's forward{with_loss} on the first micro-batch ({shapes}; {mode} mode) failed: "
+            f"{type(e).__name__}: {text}",
+            e,
+        ) from e
+
+
+# torch's own loggers (``torch``, ``torch._dynamo``, ``torch.fx.experimental.symbolic_shapes``, ...)
+# write straight to stderr through handlers of their own, not through ours.
+_TORCH_LOGGER = "torch"
+
+
+@contextlib.contextmanager
+def _torch_export_quiet() -> Iterator[None]:
+    """Silences what ``torch.export`` prints while it fails: it logs warnings and errors through torch's
+    loggers and prints the partial graph to ``sys.stderr`` itself (``torch/export/_trace.py``), 30 lines
+    for one ``if tensor:``. Its failure reaches the user anyway, as one line of ``TraceError``.
+    Process-wide while it lasts (stderr and logger levels are): tracing runs before any worker thread."""
+    loggers = [logging.getLogger(_TORCH_LOGGER)] + [
+        logger
+        for name, logger in list(logging.root.manager.loggerDict.items())
+        if name.startswith(_TORCH_LOGGER + ".") and isinstance(logger, logging.Logger) and logger.level
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def reproduces_on(

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fusionnet.job.kwargs_check import check_finite_numbers
+
 
 def _x() -> torch.Tensor:
     return torch.linspace(-1.0, 1.0, 12).reshape(4, 3)
@@ -64,7 +66,8 @@ def check_loss_name(name: str) -> str:
 
 def check_loss_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
     """ValueError naming the first bad keyword: unknown to the function, not a scalar, a reduction
-    that does not give one number, or a value the function itself refuses."""
+    that does not give one number, a NaN or infinity (``KwargProblem``), or a value the function itself
+    refuses."""
     fn = getattr(F, name)
     params = inspect.signature(fn).parameters
     for key in sorted(kwargs):
@@ -78,6 +81,8 @@ def check_loss_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
             raise ValueError(f"{key}: must be a number, string, boolean or null (got {type(value).__name__})")
         if key == "reduction" and value not in ("mean", "sum"):
             raise ValueError(f"reduction: must be 'mean' or 'sum' (got {value!r}); one number per batch")
+    # torch only compares them with bounds, which NaN passes (label_smoothing: .nan trains as 0)
+    check_finite_numbers(kwargs)
     inputs, target = _SAMPLES[name]()
     try:
         with warnings.catch_warnings():  # kl_div warns about 'mean' on every call; not ours to say here

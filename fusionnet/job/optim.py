@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from fusionnet.errors import JobError
+from fusionnet.job.kwargs_check import KwargProblem, check_finite_numbers
 
 
 # What this module reads of the job file's ``optimizer`` section (``schema.OptimizerSpec``, which
@@ -96,14 +97,40 @@ def canonical_name(name: str) -> str:
     return cls_name
 
 
+# Arguments whose range torch does not check (it refuses a negative momentum, and takes 1e300) though
+# a value outside it makes no optimizer at all: key -> (low, high, high included), every allowed optimizer
+# that takes the key giving it this meaning (SGD's and RMSprop's momentum: the share of the previous
+# update kept; SGD's dampening: the share of the gradient left out).
+_UNIT_RANGES: dict[str, tuple[float, float, bool]] = {
+    "momentum": (0.0, 1.0, False),
+    "dampening": (0.0, 1.0, True),
+}
+
+
+def _check_ranges(cls_name: str, kwargs: Mapping[str, Any]) -> None:
+    """``KwargProblem`` for an argument of ``cls_name`` outside ``_UNIT_RANGES`` (one the class does not
+    take is left to torch, whose message says so)."""
+    takes = inspect.signature(getattr(torch.optim, cls_name)).parameters
+    for key, (low, high, closed) in _UNIT_RANGES.items():
+        value = kwargs.get(key)
+        if key not in takes or isinstance(value, bool) or not isinstance(value, int | float):
+            continue  # not a number: torch's own check names the type
+        if not (low <= value <= high if closed else low <= value < high):
+            bounds = f"[{low:g}, {high:g}{']' if closed else ')'}"
+            raise KwargProblem(key, f"must lie in {bounds} (got {value!r})")
+
+
 def normalize_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """YAML lists -> tuples (``betas: [0.9, 0.999]``), keys sorted; reserved keys refused."""
+    """YAML lists -> tuples (``betas: [0.9, 0.999]``), keys sorted; reserved keys refused, and numbers
+    that are not finite (``KwargProblem`` naming the argument): torch would take some of them (a NaN
+    momentum) and the job would train on NaN."""
     out: dict[str, Any] = {}
     for key in sorted(kwargs):
         if key in _RESERVED_KWARGS:
             raise ValueError(f"{key!r} is not allowed here: {_RESERVED_KWARGS[key]}")
         value = kwargs[key]
         out[key] = tuple(value) if isinstance(value, list) else value
+    check_finite_numbers(out)
     return out
 
 
@@ -146,7 +173,9 @@ def _step_once(opt: torch.optim.Optimizer) -> None:
 
 def check_optimizer(cls_name: str, lr: float, kwargs: Mapping[str, Any]) -> None:
     """Builds the optimizer on a dummy parameter and steps it once, so a bad keyword or value is
-    reported at load time instead of in the middle of a distributed run. ValueError on problems."""
+    reported at load time instead of in the middle of a distributed run. ValueError on problems
+    (``KwargProblem`` for an argument outside the range it has a meaning in, which torch may take)."""
+    _check_ranges(cls_name, kwargs)
     param = torch.nn.Parameter(torch.ones(2))
     param.grad = torch.full((2,), 0.5)
     try:

@@ -163,9 +163,25 @@ def parse_yaml_text(text: str, source: str) -> Any:
         raise JobError(f"{where}: {kind}: {str(problem)[:200]}") from None
 
 
-def _describe(err: dict[str, Any]) -> tuple[tuple[str, ...], str]:
-    """One pydantic error -> (key path, short message) in job-file words."""
-    loc = tuple(short_repr(p) if not isinstance(p, str) else p[:60] for p in err["loc"])
+def key_path(loc: tuple[Any, ...], doc: Any) -> str:
+    """A location in the job document as messages and the README write it: ``placement.cuts[0]``, list
+    positions in brackets, mapping keys after dots. Why the document: pydantic's location holds a list
+    position and an integer mapping key (``5: 3``) alike as an int; only the document tells them apart."""
+    text, node = "", doc
+    for part in loc:
+        if isinstance(part, int) and isinstance(node, list):
+            text += f"[{part}]"
+            node = node[part] if -len(node) <= part < len(node) else None
+            continue
+        shown = part[:60] if isinstance(part, str) else short_repr(part)
+        text += f".{shown}" if text else shown
+        node = node.get(part) if isinstance(node, dict) else None
+    return text
+
+
+def _describe(err: dict[str, Any]) -> tuple[tuple[Any, ...], str]:
+    """One pydantic error -> (key path as pydantic locates it, short message) in job-file words."""
+    loc = tuple(err["loc"])
     kind, ctx, got = err["type"], err.get("ctx") or {}, err.get("input")
     shown = short_repr(got)
     if kind == "value_error" and isinstance(ctx.get("error"), KeyProblem):
@@ -207,9 +223,9 @@ def spec_from_document(doc: Any, source: str) -> JobSpec:
     except ValidationError as e:
         problems = [_describe(err) for err in e.errors(include_url=False)[:5]]
         first_key, first_text = problems[0]
-        message = f"{'.'.join(first_key) or source}: {first_text}"
+        message = f"{key_path(first_key, doc) or source}: {first_text}"
         if len(problems) > 1:
-            rest = "; ".join(f"{'.'.join(k)}: {t}" for k, t in problems[1:])
+            rest = "; ".join(f"{key_path(k, doc)}: {t}" for k, t in problems[1:])
             message += f" (also: {rest})"
         raise JobError(message) from None
 

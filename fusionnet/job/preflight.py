@@ -7,7 +7,8 @@ once, on one sample, with a message that names the key, the tensor, and what was
 
 - inputs, labels and weights hold only finite numbers;
 - one batch's inputs fit in memory many times over (``batch_size: 10**9`` is refused, not allocated);
-- one forward pass on ``data.inputs[0:1]`` succeeds and returns what the task needs;
+- one forward pass on ``data.inputs[0:1]`` succeeds and returns what the task needs, and succeeds again
+  under the job's ``precision`` (bf16/fp16 autocast);
 - the loss accepts that output with ``data.labels[0:1]``, and class labels lie in the output's range;
 - a model that normalises with batch statistics (BatchNorm) trains on one micro-batch per step.
 
@@ -192,6 +193,37 @@ def _dry_forward(job: LoadedJob) -> None:
         raise JobError(f"loss: {loss_name} of the model's output and data.labels[0:1] is {float(loss)}")
 
 
+# ``precision`` -> the autocast dtype of the forward pass, as ``fusionnet.dag.precision.COMPUTE_DTYPES``
+# has it (the job and dag packages are independent layers: neither imports the other).
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _dry_forward_autocast(job: LoadedJob) -> None:
+    """The dry forward (model and loss) again under the job's ``precision``, as every executor runs it
+    (``torch.autocast`` with float32 parameters): ops that fail on mixed dtypes (a bf16 activation
+    scattered into a float32 tensor) or on the compute dtype itself fail here, naming ``precision``,
+    instead of at step 0. Run after the fp32 dry forward, so that a failure here is the precision's."""
+    dtype = _AUTOCAST_DTYPES.get(job.spec.precision)
+    if dtype is None:
+        return
+    x = job.inputs[0:1]
+    y = job.labels[0:1] if job.labels is not None else None
+    try:
+        with torch.autocast("cpu", dtype=dtype):
+            if job.spec.task == "infer":
+                job.model(x)
+            elif job.loss_fn is None:
+                job.model(x, y)
+            else:
+                job.loss_fn(job.model(x), y)
+    except Exception as e:
+        what = "forward" if job.spec.task == "infer" else "forward and loss"
+        raise JobError(
+            f"precision: {job.spec.precision}: the model's {what} on data.inputs[0:1] fails under "
+            f"{job.spec.precision} autocast (it runs in fp32): {_short(e)}"
+        ) from None
+
+
 def preflight(job: LoadedJob) -> None:
     """One JobError for the first problem found; nothing about the job or the RNG changes."""
     check_data(job.spec, job.inputs, job.labels)
@@ -202,5 +234,6 @@ def preflight(job: LoadedJob) -> None:
         try:
             job.model.eval()
             _dry_forward(job)
+            _dry_forward_autocast(job)
         finally:
             job.model.train(was_training)

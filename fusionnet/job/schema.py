@@ -1,9 +1,10 @@
 """The job file as pydantic models (interface.md "Job definition file").
 
 Every model forbids unknown keys: a misspelt key would otherwise be silently ignored and the job would
-run with a default the user did not ask for. Integers are strict (``batch_size: 8.5`` or ``"8"`` is
-refused); floats accept any YAML number. Validators that need a key path other than their own raise
-``KeyProblem`` so that ``fusionnet.job.parse`` can name the exact key.
+run with a default the user did not ask for. Numbers are strict: an integer key refuses ``8.5`` and
+``"8"``, a float key (``lr``) refuses ``"0.1"`` and ``true`` and accepts any YAML number. Validators
+that need a key path other than their own raise ``KeyProblem`` so that ``fusionnet.job.parse`` can name
+the exact key.
 
 Checks that need the file system or user code (files exist, the entry point returns a module, data
 lengths agree) live in ``fusionnet.job.loader``; everything here is pure.
@@ -15,7 +16,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     PlainValidator,
@@ -24,6 +24,7 @@ from pydantic import (
 )
 
 from fusionnet.job import losses, optim
+from fusionnet.job.kwargs_check import KwargProblem
 
 
 class KeyProblem(ValueError):
@@ -33,13 +34,6 @@ class KeyProblem(ValueError):
         super().__init__(f"{'.'.join(key)}: {text}")
         self.key = key
         self.text = text
-
-
-def _no_bool(value: Any) -> Any:
-    # YAML's ``yes``/``true`` would otherwise become 1.0 through pydantic's lax float.
-    if isinstance(value, bool):
-        raise ValueError("must be a number, not a boolean")
-    return value
 
 
 # Limits shared with the wire (``RunSpec``): a job file is refused by ``plan`` and ``run`` exactly where
@@ -53,11 +47,13 @@ MAX_COMPNODES = 1024
 MAX_BLOCK_SIZE = 1 << 20
 
 PosInt = Annotated[int, Field(strict=True, gt=0)]
-PosFloat = Annotated[float, BeforeValidator(_no_bool), Field(gt=0, allow_inf_nan=False)]
+# Strict, as the integers are: pydantic's lax float would take ``"0.1"`` (while ``batch_size: "8"`` is
+# refused) and YAML's ``true`` as 1.0. An int is still a float here (``lr: 1``).
+PosFloat = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
 # Parameters are float32 by default: a learning rate beyond its range overflows inside the optimizer,
 # where the error would name the optimizer's arguments instead of ``lr``.
 MAX_LR = 1e30
-LearningRate = Annotated[float, BeforeValidator(_no_bool), Field(gt=0, le=MAX_LR, allow_inf_nan=False)]
+LearningRate = Annotated[float, Field(strict=True, gt=0, le=MAX_LR, allow_inf_nan=False)]
 Seed = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 PathStr = Annotated[str, Field(min_length=1, max_length=MAX_PATH_CHARS)]
@@ -101,6 +97,14 @@ class ModelSpec(_Strict):
         return value
 
 
+def _kwargs_problem(key: tuple[str, ...], error: ValueError) -> KeyProblem:
+    """A refused ``kwargs`` mapping as a ``KeyProblem``: at the one argument when the check names it
+    (``loss.kwargs.label_smoothing``), else at ``kwargs`` with the check's message."""
+    if isinstance(error, KwargProblem):
+        return KeyProblem((*key, error.key), error.text)
+    return KeyProblem(key, str(error))
+
+
 class LossSpec(_Strict):
     name: NonEmptyStr
     kwargs: dict[str, Any] = {}
@@ -115,7 +119,7 @@ class LossSpec(_Strict):
         try:
             losses.check_loss_kwargs(self.name, self.kwargs)
         except ValueError as e:
-            raise KeyProblem(("kwargs",), str(e)) from e
+            raise _kwargs_problem(("kwargs",), e) from e
         return self
 
 
@@ -167,7 +171,7 @@ class OptimizerSpec(_Strict):
             default = optim.ResolvedOptim(optim.canonical_name(self.name), float(self.lr), kwargs)
             optim.check_optimizer(default.cls_name, default.lr, default.kwargs)
         except ValueError as e:
-            raise KeyProblem(("kwargs",), str(e)) from e
+            raise _kwargs_problem(("kwargs",), e) from e
         for glob, over in self.per_op.items():
             if not glob:
                 raise KeyProblem(("per_op",), "an empty glob matches no parameter")
@@ -181,7 +185,7 @@ class OptimizerSpec(_Strict):
                 resolved = optim.resolve_override(default, over.name, over.lr, given)
                 optim.check_optimizer(resolved.cls_name, resolved.lr, resolved.kwargs)
             except ValueError as e:
-                raise KeyProblem(("per_op", glob, "kwargs"), str(e)) from e
+                raise _kwargs_problem(("per_op", glob, "kwargs"), e) from e
         return self
 
 

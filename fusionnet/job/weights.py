@@ -57,11 +57,17 @@ def resolve_weights(base_dir: Path, rel: str, *, allow_outside: bool = False) ->
 
 
 def _inside(folder: Path, name: str, rel: str, named_by: str) -> Path:
-    """``name`` (a shard, or ``model.safetensors``) as a file of ``folder``, symlinks resolved."""
-    path = (folder / name).resolve()
+    """``name`` (a shard, ``model.safetensors`` or the index) as a file of ``folder``, symlinks resolved:
+    one that leads out of the folder is refused like any path of the job that leads out of its folder."""
+    try:
+        path = (folder / name).resolve()
+        is_file = path.is_file()
+    except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: a symlink loop (before Python 3.13)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:100]
+        raise JobError(f"model.weights: {rel}/{named_by}: {name!r} is not a usable path ({reason})") from None
     if not path.is_relative_to(folder):
         raise JobError(f"model.weights: {rel}/{named_by}: {name!r} lies outside the folder")
-    if not path.is_file():
+    if not is_file:
         raise JobError(f"model.weights: {rel}/{named_by}: {name!r} not found")
     return path
 
@@ -76,11 +82,13 @@ def _keys_of(path: Path, shown: str) -> list[str]:
 
 def _sharded(folder: Path, rel: str) -> dict[str, Path]:
     """Tensor name -> shard, from the index; each shard must hold exactly the names the index gives it."""
-    index = folder / INDEX
-    if index.stat().st_size > MAX_INDEX_BYTES:
-        raise JobError(f"model.weights: {rel}/{INDEX}: larger than {MAX_INDEX_BYTES >> 20} MiB")
+    index = _inside(folder, INDEX, rel, INDEX)  # read only from inside the folder, as the shards are
     try:
+        if index.stat().st_size > MAX_INDEX_BYTES:
+            raise JobError(f"model.weights: {rel}/{INDEX}: larger than {MAX_INDEX_BYTES >> 20} MiB")
         doc = json.loads(index.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise JobError(f"model.weights: {rel}/{INDEX}: cannot read ({e.strerror or e})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise JobError(f"model.weights: {rel}/{INDEX}: not valid JSON ({e})") from e
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None

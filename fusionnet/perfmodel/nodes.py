@@ -23,17 +23,21 @@ Format (a mapping; a bare list is read as ``nodes`` with the default network)::
           latency: 1ms
           bandwidth: 10Gbps
 
-Every problem is a ``PlanError`` naming the entry (``nodes[2]``, ``network.links[0]``) and the key.
+Every problem is a ``NodesFileError`` naming the file, the entry (``nodes[2]``, ``network.links[0]``) and
+the key: a ``PlanError`` (what the planner's callers catch) that is also a ``JobError``, because the file is
+the user's input, refused before anything is traced (``fusionnet plan`` exits 2 on it, as on a bad job).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from fusionnet.errors import PlanError
+from fusionnet.errors import JobError, PlanError
 from fusionnet.perfmodel.catalog import lookup, parse_bytes, parse_flops, parse_rate, parse_seconds
 from fusionnet.perfmodel.types import DeviceSpec, Link, Swarm
 
@@ -54,6 +58,14 @@ _NETWORK_KEYS = {"latency", "bandwidth", "links"}
 _LINK_KEYS = {"between", "latency", "bandwidth"}
 DEFAULT_LATENCY = 1e-3
 DEFAULT_BANDWIDTH = 1e9 / 8
+# Devices per entry, and in all: far above any swarm one plans for by hand, and small enough that the
+# planner answers in seconds. Every count becomes that many devices, and the planner's work grows with
+# them (count: 10**8 ran for minutes).
+MAX_COUNT = 10_000
+
+
+class NodesFileError(PlanError, JobError):
+    """A nodes file (``plan --nodes``) that cannot be read or describes no valid swarm: bad input."""
 
 
 def _unknown(entry: dict, allowed: set[str], where: str) -> None:
@@ -68,13 +80,33 @@ def _count(entry: dict, where: str) -> int:
     count = entry.get("count", 1)
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise PlanError(f"{where}.count must be a positive integer, got {count!r}")
+    if count > MAX_COUNT:
+        raise PlanError(f"{where}.count must be at most {MAX_COUNT}, got {count}")
     return count
+
+
+def _finite(parse: Callable[[object, str], float], value: object, where: str) -> Any:
+    """``parse(value, where)`` (a catalog parser), refusing what is not a finite number: the parsers pass
+    YAML's ``.nan``/``.inf`` and ``1e999`` through (NaN compares false with every bound), and a size
+    rounds an infinite value into an ``OverflowError``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise PlanError(f"{where} must be a finite number, got {value!r}")
+    try:
+        number = parse(value, where)
+    except PlanError:
+        raise
+    except (OverflowError, ValueError):
+        raise PlanError(f"{where} must be a finite number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise PlanError(f"{where} must be a finite number, got {value!r}")
+    return number
 
 
 def _speed_factor(entry: dict, where: str) -> float:
     value = entry.get("speed_factor", 1.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise PlanError(f"{where}.speed_factor must be a positive number, got {value!r}")
+    # not (value > 0) rather than value <= 0: NaN compares false with everything
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise PlanError(f"{where}.speed_factor must be a positive finite number, got {value!r}")
     return float(value)
 
 
@@ -82,10 +114,13 @@ def _node_specs(entry: Any, where: str) -> list[DeviceSpec]:
     if not isinstance(entry, dict):
         raise PlanError(f"{where} must be a mapping, got {type(entry).__name__}")
     count = _count(entry, where)
+    speed = _speed_factor(entry, where)  # here, not in make(): its message names the entry already
     name = entry.get("name")
     if name is not None and (not isinstance(name, str) or not name.strip()):
         raise PlanError(f"{where}.name must be a non-empty string, got {name!r}")
-    mem = {k: parse_bytes(entry[k], f"{where}.{k}") for k in ("d_gpu", "d_cpu", "d_disk") if k in entry}
+    mem = {
+        k: _finite(parse_bytes, entry[k], f"{where}.{k}") for k in ("d_gpu", "d_cpu", "d_disk") if k in entry
+    }
     if "device" in entry:
         _unknown(entry, _CATALOG_KEYS, where)
         if not isinstance(entry["device"], str):
@@ -101,7 +136,7 @@ def _node_specs(entry: Any, where: str) -> list[DeviceSpec]:
 
         def make(n: str) -> DeviceSpec:
             try:
-                return row.spec(name=n, tensor_cores=tensor, speed_factor=_speed_factor(entry, where), **mem)
+                return row.spec(name=n, tensor_cores=tensor, speed_factor=speed, **mem)
             except PlanError as e:
                 raise PlanError(f"{where}: {e}") from e
 
@@ -116,8 +151,8 @@ def _node_specs(entry: Any, where: str) -> list[DeviceSpec]:
                 f"missing {', '.join(missing)}"
             )
         base = name
-        peak = parse_flops(entry["peak_flops"], f"{where}.peak_flops")
-        bandwidth = parse_rate(entry["mem_bandwidth"], f"{where}.mem_bandwidth")
+        peak = _finite(parse_flops, entry["peak_flops"], f"{where}.peak_flops")
+        bandwidth = _finite(parse_rate, entry["mem_bandwidth"], f"{where}.mem_bandwidth")
 
         def make(n: str) -> DeviceSpec:
             try:
@@ -125,7 +160,7 @@ def _node_specs(entry: Any, where: str) -> list[DeviceSpec]:
                     name=n,
                     kind=entry["kind"],
                     peak_flops=peak,
-                    speed_factor=_speed_factor(entry, where),
+                    speed_factor=speed,
                     mem_bandwidth=bandwidth,
                     d_gpu=mem.get("d_gpu", 0),
                     d_cpu=mem["d_cpu"],
@@ -140,8 +175,10 @@ def _node_specs(entry: Any, where: str) -> list[DeviceSpec]:
 
 
 def _link(entry: dict, where: str, default: Link | None) -> Link:
-    latency = parse_seconds(entry["latency"], f"{where}.latency") if "latency" in entry else None
-    bandwidth = parse_rate(entry["bandwidth"], f"{where}.bandwidth") if "bandwidth" in entry else None
+    latency = _finite(parse_seconds, entry["latency"], f"{where}.latency") if "latency" in entry else None
+    bandwidth = (
+        _finite(parse_rate, entry["bandwidth"], f"{where}.bandwidth") if "bandwidth" in entry else None
+    )
     if latency is None:
         latency = default.alpha if default else DEFAULT_LATENCY
     if bandwidth is None:
@@ -164,6 +201,8 @@ def swarm_from_dict(doc: Any, source: str = "nodes file") -> Swarm:
     devices: list[DeviceSpec] = []
     for i, entry in enumerate(nodes):
         devices.extend(_node_specs(entry, f"{source}: nodes[{i}]"))
+        if len(devices) > MAX_COUNT:  # each count is bounded; so is their sum, for the same reason
+            raise PlanError(f"{source}: nodes[{i}]: the nodes add up to more than {MAX_COUNT} devices")
     by_name: dict[str, int] = {}
     for i, d in enumerate(devices):
         if d.name in by_name:
@@ -194,14 +233,25 @@ def swarm_from_dict(doc: Any, source: str = "nodes file") -> Swarm:
 
 
 def load_nodes_file(path: str | Path) -> Swarm:
-    """Reads NODES.yaml into a Swarm; every error names the file and the entry."""
+    """Reads NODES.yaml into a Swarm; every error (a ``NodesFileError``) names the file and the entry."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise PlanError(f"cannot read nodes file {str(path)!r}: {e.strerror or e}") from e
+        text = path.read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8, a NUL byte in the path
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)[:100]
+        raise NodesFileError(f"{path}: cannot read nodes file ({reason})") from None
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise PlanError(f"nodes file {str(path)!r} is not valid YAML: {e}") from e
-    return swarm_from_dict(doc, source=str(path))
+        raise NodesFileError(f"{path}: nodes file is not valid YAML: {_yaml_problem(e)}") from None
+    try:
+        return swarm_from_dict(doc, source=str(path))
+    except PlanError as e:
+        raise NodesFileError(str(e)) from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """The parser's problem and line, on one line (its own message spans several)."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem_mark is not None:
+        return f"line {e.problem_mark.line + 1}: {e.problem}"
+    return " ".join(str(e).split())[:200]

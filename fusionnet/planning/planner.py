@@ -247,7 +247,8 @@ def _check_chunks_fit(plan: Plan, devices: Sequence[DeviceSpec], device_of: list
         )
         why = together.violation(dev)
         if why is not None:
-            raise PlanError(f"interleaved-1f1b: the {chunks} chunks of device {d} together: {why}")
+            who = f"the {chunks} chunks of device {d} ({dev.name!r})"
+            raise PlanError(f"interleaved-1f1b: {who} together: {why}")
 
 
 def explain_plan(

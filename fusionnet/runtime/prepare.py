@@ -9,9 +9,9 @@ import torch
 
 from fusionnet.dag.cuts import cut_assignment
 from fusionnet.dag.ir import IRGraph
-from fusionnet.dag.partition import Partition, balanced_assignment, build_partition
-from fusionnet.dag.trace import TracedModel, trace_model
-from fusionnet.errors import JobError, PartitionError
+from fusionnet.dag.partition import Partition, balanced_assignment, build_partition, op_nodes
+from fusionnet.dag.trace import ForwardFailed, TracedModel, trace_model
+from fusionnet.errors import JobError, PartitionError, TraceError
 from fusionnet.job.loader import LoadedJob
 from fusionnet.runtime.batches import iter_steps
 from fusionnet.runtime.microbatch_sizes import check_every_microbatch_size, traced_count
@@ -42,15 +42,73 @@ def example_microbatch(job: LoadedJob) -> tuple[torch.Tensor, torch.Tensor | Non
     return mb["inputs"], mb.get("labels")
 
 
-def trace_job(job: LoadedJob, *, every_size: bool = True) -> TracedModel:
+def trace_job(
+    job: LoadedJob, *, every_size: bool = True, compnodes_key: str = "placement.compnodes"
+) -> TracedModel:
     """The job's IR, traced on its first micro-batch. ``every_size``: also checked on a micro-batch of
     every other size the job runs (``JobError`` naming the keys when it fails there); a deployment,
-    which pads every micro-batch to the traced size, does not need that."""
+    which pads every micro-batch to the traced size, does not need that. interleaved-1f1b cuts the
+    model into exactly compnodes x chunks sub-DAGs, so that count is checked against the graph here,
+    naming ``compnodes_key`` (``--local`` where the command line set the compnodes).
+
+    A model that cannot be traced, or whose forward raises on the micro-batch, is a ``TraceError``
+    naming ``model.entrypoint`` (``model.kwargs`` when an embedding is too small for the data)."""
     inputs, labels = example_microbatch(job)
-    traced = trace_model(job.model, inputs, labels, job.loss_fn, job.spec.task)
+    try:
+        traced = trace_model(job.model, inputs, labels, job.loss_fn, job.spec.task)
+    except ForwardFailed as e:
+        raise TraceError(_forward_failure(job, e)) from None
+    except TraceError as e:
+        raise TraceError(f"model.entrypoint: {job.spec.model.entrypoint}: {e}") from None
+    placement = job.spec.placement
+    if placement.chunks_per_compnode > 1 and not placement.cuts:
+        check_subdags_fit(traced.graph, placement.compnodes, placement.chunks_per_compnode, compnodes_key)
     if every_size:
         check_every_microbatch_size(job, traced, len(inputs))
     return traced
+
+
+def _forward_failure(job: LoadedJob, failure: ForwardFailed) -> str:
+    """The message for a model that raised on its first micro-batch. An index error with integer
+    inputs past an embedding's rows is almost always a size in ``model.kwargs`` (``vocab_size``) smaller
+    than the data's token ids: then that key is named, with both numbers."""
+    entrypoint = job.spec.model.entrypoint
+    small = _embedding_too_small(job) if isinstance(failure.cause, IndexError) else None
+    if small is None:
+        return f"model.entrypoint: {entrypoint}: {failure}"
+    name, rows, top = small
+    return (
+        f"model.kwargs: {failure}; data.inputs ({job.spec.data.path}) holds token ids up to {top}, but "
+        f"model.{name} (an nn.Embedding built by {entrypoint}) has only {rows} rows: is a size in "
+        "model.kwargs (the vocabulary's) too small for the data?"
+    )
+
+
+def _embedding_too_small(job: LoadedJob) -> tuple[str, int, int] | None:
+    """(module path, rows, the data's largest id) of the first embedding the job's integer inputs
+    overflow, or None."""
+    if job.inputs.is_floating_point() or job.inputs.numel() == 0:
+        return None
+    top = int(job.inputs.max())
+    for name, module in job.model.named_modules():
+        if isinstance(module, torch.nn.Embedding) and module.num_embeddings <= top:
+            return name, module.num_embeddings, top
+    return None
+
+
+def check_subdags_fit(graph: IRGraph, compnodes: int, chunks: int, key: str) -> None:
+    """Every sub-DAG needs at least one op: ``compnodes`` x ``chunks`` sub-DAGs of a graph with fewer
+    ops is the job's (or the command line's) mistake, refused naming ``key``; the partitioner's own
+    ``PartitionError`` would not say which setting asked for them."""
+    ops, subdags = len(op_nodes(graph)), compnodes * chunks
+    if subdags <= ops:
+        return
+    asked = f"{compnodes} compnode(s)" + (f" x placement.chunks {chunks}" if chunks > 1 else "")
+    fix = f"use at most {ops // chunks} compnode(s)" if ops >= chunks else f"use at most {ops} chunks"
+    raise JobError(
+        f"{key}: {asked} make {subdags} sub-DAGs, but the model traces to only {ops} ops and every "
+        f"sub-DAG needs at least one: {fix}"
+    )
 
 
 def prepare_job(
@@ -61,11 +119,15 @@ def prepare_job(
     assignment: Mapping[str, int] | None = None,
 ) -> PreparedJob:
     """Traces the job (unless ``traced`` is given) and partitions it for ``pieces`` compnodes (default:
-    ``placement.compnodes``) with the given assignment or the default balanced policy: one sub-DAG per
-    compnode, or ``placement.chunks`` per compnode for interleaved-1f1b (a chain of pieces x chunks)."""
-    traced = traced or trace_job(job)
-    pieces = (pieces or job.spec.placement.compnodes) * job.spec.placement.chunks_per_compnode
-    assignment = assignment or job_assignment(job, traced.graph, pieces)
+    ``placement.compnodes``; given, the command line's ``--local N``, which refusals then name) with the
+    given assignment or the default balanced policy: one sub-DAG per compnode, or ``placement.chunks``
+    per compnode for interleaved-1f1b (a chain of pieces x chunks)."""
+    key = "placement.compnodes" if pieces is None else "--local"
+    traced = traced or trace_job(job, compnodes_key=key)
+    compnodes, chunks = pieces or job.spec.placement.compnodes, job.spec.placement.chunks_per_compnode
+    if assignment is None and not job.spec.placement.cuts:
+        check_subdags_fit(traced.graph, compnodes, chunks, key)
+    assignment = assignment or job_assignment(job, traced.graph, compnodes * chunks)
     return PreparedJob(job=job, traced=traced, partition=build_partition(traced.graph, assignment))
 
 

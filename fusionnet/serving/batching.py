@@ -269,6 +269,9 @@ class DynamicBatcher:
                 self._arrived.clear()
                 await self._arrived.wait()
             await self._slots.acquire()  # a free pipeline slot first: rows keep gathering meanwhile
+            if not self._queue:  # emptied while we waited (``_purge``: its clients went away)
+                self._slots.release()
+                continue
             # A busy pipeline waits up to ``max_wait`` after the oldest row for the batch to fill. Callers
             # coming back from the last batch are waited for up to a batch's time: a batch run without them
             # would cost them a whole batch more. An idle pipeline with nobody away runs what is there.
@@ -389,9 +392,11 @@ class DynamicBatcher:
                 _fail(batch, Closed("the deployment was undeployed"))
                 raise
             except Exception as e:
-                item.future.set_exception(e)
+                if not item.future.done():  # its client may have gone while it ran
+                    item.future.set_exception(e)
             else:
-                item.future.set_result(out)
+                if not item.future.done():
+                    item.future.set_result(out)
 
 
 def _keep_of(batch: list[_Item]) -> list[bool] | None:
