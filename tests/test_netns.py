@@ -170,7 +170,9 @@ def _check_exact(job_path: Path, out: Path) -> None:
 @pytest.mark.swarm
 @pytest.mark.timeout(400)
 def test_two_compnodes_at_1gbit_are_exact(tmp_path: Path) -> None:
-    job = example_job("mlp", tmp_path, steps=6)
+    # cut where the job says: at 1 Gbit/s the model may rightly keep this small MLP on one compnode
+    # (it did on a loaded CI machine), and this test is about values crossing the shaped link
+    job = example_job("mlp", tmp_path, steps=6, cuts=["linear_1"])
     try:
         out, logs = _run_job(tmp_path, "1gbit", job)
         _check_exact(job, out)
