@@ -300,6 +300,29 @@ def test_broker_metrics_and_scrape_targets_follow_registry_and_store(
         broker.store.close()
 
 
+def test_a_crashed_compnode_stays_a_scrape_target_and_unreachable_until_forgotten(tmp_path: Path) -> None:
+    """Its record expires 30 s after a SIGKILL, with no OFFLINE goodbye. Dropped from service discovery
+    and counted offline then, neither compnode alert (``for: 2m`` on ``up == 0``, ``for: 1m`` on the
+    unreachable count) could ever fire for the failure they exist for."""
+    broker = BrokerDaemon(BrokerConfig(heartbeat_period=1, heartbeat_timeout=3, sd_file=tmp_path / "sd.json"))
+    crashed = found(PEERS[0], NodeState.ONLINE, 1)
+    crashed = Found(
+        crashed.record.model_copy(update={"metrics_address": "127.0.0.1:9701"}), 15, crashed.owner
+    )
+    broker.registry.update_records([crashed], now=10)
+    broker.registry.update_records([], now=20)  # its record expired at 15 without a goodbye
+    assert broker.registry.get(PEERS[0]).gone
+    broker._update_swarm_metrics()
+    sample = broker.metrics.registry.get_sample_value
+    assert sample("fusionnet_swarm_compnodes", {"role": "supernode", "state": "unreachable"}) == 1
+    assert sample("fusionnet_swarm_compnodes", {"role": "supernode", "state": "offline"}) == 0
+    asyncio.run(broker._update_scrape_targets())
+    assert [t[4] for t in broker.metrics_sd_source()()] == [PEERS[0]]
+    broker.registry.update_records([], now=20 + broker.registry.forget_after + 1)  # forgotten
+    asyncio.run(broker._update_scrape_targets())
+    assert list(broker.metrics_sd_source()()) == []
+
+
 def test_compnode_metrics_host_from_multiaddrs() -> None:
     assert _maddr_host(["/ip4/127.0.0.1/tcp/1/p2p/x", "/ip4/10.0.0.5/tcp/1/p2p/x"]) == "10.0.0.5"
     assert _maddr_host(["/dns4/compnode-1/tcp/31337"]) == "compnode-1"

@@ -52,6 +52,7 @@ def populated_registries() -> list[tuple[str, object]]:
     b.observe_heartbeat(0.003)
     b.observe_heartbeat(None)
     b.failovers.inc()
+    b.observe_subtask_prediction(0.012, 0.01)
     for phase, seconds in (("detection", 1.5), ("redistribution", 0.2), ("replay", 3.0)):
         b.observe_recovery(phase, seconds)
     c = CompnodeMetrics()
@@ -61,7 +62,6 @@ def populated_registries() -> list[tuple[str, object]]:
     c.set_hardware(speed_factor=0.3, peak_flops=1e11)
     for phase in ("forward", "backward", "update"):
         c.observe_compute(phase, 0.01)
-    c.observe_prediction(0.012, 0.01)
     c.count_data("tcp", "sent", 4096)
     c.count_data("p2p", "received", 512)
     c.count_refusal("unknown_job")

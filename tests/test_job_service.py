@@ -116,6 +116,8 @@ def test_a_submission_runs_to_its_results_and_refusals_are_clear(
         assert service.ctx.live_jobs == {job_id}  # what the broker's heartbeats tell the compnodes
         again = await service.rpc_submit_job(submission, ctx("submit_job"))  # same request id: same job
         assert again == reply and len(service.runs) == 1
+        submitted = service.ctx.metrics.registry.get_sample_value("fusionnet_jobs_submitted_total")
+        assert submitted == 1  # the repeat is the same job, not another one
         with pytest.raises(JobError, match="results exist only for SUCCEEDED jobs"):
             await service.rpc_job_results(job(job_id, "job_results"), ctx("job_results"))
         with pytest.raises(JobError, match=f"{PEERS[4]} runs no sub-DAG of job {job_id}"):

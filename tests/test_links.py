@@ -59,6 +59,21 @@ def test_book_reports_every_change_of_the_probed_links() -> None:
     assert seen[-1] == {("b", "c"): Link(2e-4, 1e-9)} and len(seen) == 3
 
 
+def test_links_of_compnodes_the_broker_forgot_are_forgotten_too() -> None:
+    """Exported as gauges per (src, dst): kept for every compnode ever probed, a swarm whose compnodes
+    come and go grew its series without bound."""
+    seen: list[dict] = []
+    book = LinkBook(on_change=seen.append)
+    book.record("a", "b", Link(1e-4, 1e-9))
+    book.record("b", "c", Link(2e-4, 1e-9))
+    book.record("c", "a", Link(3e-4, 1e-9))
+    changes = len(seen)
+    book.keep_only({"a", "b", "c"})
+    assert len(seen) == changes  # nothing gone, nothing re-exported
+    book.keep_only({"a", "b"})
+    assert seen[-1] == {("a", "b"): Link(1e-4, 1e-9)} and book.measured() == {("a", "b"): Link(1e-4, 1e-9)}
+
+
 def test_probe_replies_are_validated_before_they_reach_the_planner() -> None:
     good = {"alpha": 1e-4, "beta": 1e-9, "round_trips": [[1, 2e-4]]}
     reply = {"links": {"1": good, "2": {"alpha": -1, "beta": 0}, "x": good, "3": {"alpha": float("nan")}}}

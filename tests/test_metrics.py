@@ -112,7 +112,9 @@ def test_step_series_exist_only_while_the_job_runs() -> None:
         now=100.0,
     )
     m.observe_step("job-2", step=0, seconds=2.0, samples=8, loss=float("inf"))
+    m.observe_subtask_prediction(measured_seconds=1.5, predicted_seconds=1.0)  # a sub-DAG's step
     r = m.registry
+    assert value(r, "fusionnet_subtask_prediction_error_ratio_sum") == pytest.approx(0.5)
     assert value(r, "fusionnet_job_loss", job_id="job-1") == 0.25
     assert math.isnan(value(r, "fusionnet_job_loss", job_id="job-2"))
     assert value(r, "fusionnet_job_step", job_id="job-1") == 4
@@ -183,8 +185,6 @@ def test_compnode_metrics_count_what_happens() -> None:
         assert value(r, "fusionnet_frames_refused_total", reason=reason) == 0  # pre-declared: rate() works
     c.count_refusal("bad_mac")
     assert value(r, "fusionnet_frames_refused_total", reason="bad_mac") == 1
-    c.observe_prediction(measured_seconds=1.5, predicted_seconds=1.0)
-    assert value(r, "fusionnet_subtask_prediction_error_ratio_sum") == pytest.approx(0.5)
     c.count_subtask("failed")
     assert value(r, "fusionnet_compnode_subtasks_total", outcome="failed") == 1
 

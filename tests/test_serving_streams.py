@@ -249,3 +249,26 @@ def test_a_deployment_name_with_a_final_newline_is_refused_before_anything_is_tr
     for bad in ("mlp\n", "mlp?", "-mlp", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="letters, digits"):
             _name(bad)
+
+
+def test_the_kv_slots_gauge_follows_the_sessions_not_the_last_batch() -> None:
+    """Set only from each batch's report (while its sessions still held their slots), the gauge stayed
+    at its last batch's count after every session ended."""
+    registry = CollectorRegistry()
+    metrics = ServingMetrics(registry)
+    pool = SlotPool(slots=2, waiting=2, on_change=lambda in_use: metrics.observe_kv_slots("kv", in_use))
+
+    def gauge() -> float | None:
+        return registry.get_sample_value("fusionnet_serving_kv_cache_slots_in_use", {"deployment": "kv"})
+
+    async def scenario() -> None:
+        async with pool.session():
+            async with pool.session():
+                assert gauge() == 2
+            assert gauge() == 1
+        assert gauge() == 0
+
+    asyncio.run(scenario())
+    metrics.forget_deployment("kv")
+    metrics.observe_kv_slots("kv", 1)  # a session of an undeployed deployment ending late
+    assert gauge() is None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -191,6 +192,7 @@ class BrokerDaemon(Daemon):
         found = await self.peer.announcer.lookup(CompnodeRecord)
         now = time.time()
         self.registry.update_records(found, now)
+        self.links.keep_only({e.peer_id for e in self.registry.entries()})  # forgotten ones' links go too
         self._persist_all()
         self._remember_peers()
         self._update_swarm_metrics()
@@ -235,10 +237,14 @@ class BrokerDaemon(Daemon):
         entries = self.registry.entries()
         # The failover reserve: backups that take work (ONLINE, answering) and hold none now.
         pool = sum(1 for e in entries if e.schedulable and e.record.backup and e.record.running_tasks == 0)
-        self.metrics.set_swarm(((e.record.role, e.effective_state) for e in entries), backup_pool=pool)
+        # A compnode whose record expired without an OFFLINE goodbye (a crash) counts as unreachable until
+        # the registry forgets it: as "offline" it would look like a graceful leave, and the
+        # FusionNetCompnodesUnreachable alert would lose it 30 s after the crash, before its ``for:``.
+        states = ((e.record.role, "UNREACHABLE" if e.gone else e.effective_state) for e in entries)
+        self.metrics.set_swarm(states, backup_pool=pool)
         mtbf = self.churn.compnode_mtbf(time.time())
-        if mtbf is not None:
-            self.metrics.compnode_mtbf.set(mtbf)
+        # no estimate (``--compnode-mtbf 0`` and no loss seen): NaN, not 0 ("a loss every 0 s")
+        self.metrics.compnode_mtbf.set(math.nan if mtbf is None else mtbf)
 
     def refresh_job_metrics(self) -> None:
         """Recount ``fusionnet_jobs{state}`` from the store (the source of truth, whoever changed it)."""
@@ -249,13 +255,15 @@ class BrokerDaemon(Daemon):
         return lambda: self._scrape_targets
 
     def scrape_targets(self) -> list[ScrapeTarget]:
-        """Compnodes Prometheus should scrape: every one whose record is alive and names a metrics endpoint.
-        Unreachable ones stay listed (``up == 0`` is how a dead compnode shows); a graceful leave (OFFLINE)
-        or an expired record removes the target."""
+        """Compnodes Prometheus should scrape: every one that names a metrics endpoint, but for those that
+        left gracefully (OFFLINE). Unreachable ones stay listed, and so do crashed ones (their record
+        expired without a goodbye) until the registry forgets them (10 minutes): ``up == 0`` is how a
+        dead compnode shows, and dropped with its record 30 s after the crash it could never last the
+        FusionNetCompnodeDown alert's ``for:``."""
         targets = []
         for entry in self.registry.entries():
             record = entry.record
-            if entry.gone or record.state == NodeState.OFFLINE or record.metrics_address is None:
+            if record.state == NodeState.OFFLINE or record.metrics_address is None:
                 continue
             host, port = split_host_port(record.metrics_address)
             if is_bind_all(host):

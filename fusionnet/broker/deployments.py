@@ -216,6 +216,8 @@ class DeploymentService:
             in_flight=request.settings.in_flight,
             on_batch=self._on_batch(name),
         )
+        observer = self.observer
+        slots_seen = None if observer is None else lambda in_use: observer.observe_kv_slots(name, in_use)
         model = ServedModel(
             name=name,
             kind=request.kind,
@@ -227,7 +229,9 @@ class DeploymentService:
             window=window,
             tokenizer=tokenizer,
             eos_token_ids=eos,
-            kv=None if request.kv is None else SlotPool(request.kv.slots, request.settings.queue_limit),
+            kv=None
+            if request.kv is None
+            else SlotPool(request.kv.slots, request.settings.queue_limit, slots_seen),
             epoch=lambda: run.attempt,
         )
         task = asyncio.get_running_loop().create_task(run.run(), name=f"deployment-{name}")

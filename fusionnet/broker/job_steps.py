@@ -164,6 +164,8 @@ class JobSteps:
             predicted = None if self._placement is None else (self._placement.predicted or {}).get(i)
             if predicted is not None:  # refine the compnode's speed online from this sub-task
                 self.ctx.speeds.observe(self.peers[i], self._planned_slowness[i], predicted, r.busy_seconds)
+                if predicted > 0:
+                    self.ctx.metrics.observe_subtask_prediction(r.busy_seconds, predicted)
             if r.loss is not None:
                 loss = r.loss
             if r.outputs is not None:

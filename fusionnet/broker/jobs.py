@@ -248,6 +248,7 @@ class JobService:
             files.forget()
             raise
         self.ctx.store.create_job(job_id, spec.name, steps=spec.step_count, submitter=submitter)
+        self.ctx.metrics.jobs_submitted.inc()
         job = SubmittedJob(
             job_id=job_id,
             spec=spec,

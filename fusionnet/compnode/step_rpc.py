@@ -51,6 +51,9 @@ class StepRPC:
             try:
                 # several sub-DAGs here (interleaved): the first call runs all of them, in order
                 outcome = await job.host.run_step(step, subdag)
+            except asyncio.CancelledError:  # the job was released (or the daemon stops) mid-step
+                self.node.metrics.count_subtask("cancelled")
+                raise
             except Exception as e:
                 job.step_ended(step, ok=False)
                 self.node.metrics.count_subtask("failed")
@@ -98,6 +101,9 @@ class StepRPC:
             raise JobError(f"job {job.job_id} is a {job.spec.task} job, not a deployment")
         try:
             reply = await job.host.serve(request)
+        except asyncio.CancelledError:
+            self.node.metrics.count_subtask("cancelled")
+            raise
         except Exception:
             self.node.metrics.count_subtask("failed")
             raise

@@ -26,6 +26,7 @@ Broker (``BROKER_REGISTRY``)
     fusionnet_samples_total                      samples processed, all jobs
     fusionnet_step_duration_seconds              histogram: wall time of one step (FP + BP + Update)
     fusionnet_step_prediction_error_ratio        histogram: |measured / predicted step time - 1|
+    fusionnet_subtask_prediction_error_ratio     histogram: |measured / predicted sub-DAG compute - 1|
     fusionnet_job_loss{job_id}                   latest loss            } running jobs only: removed by
     fusionnet_job_step{job_id}                   latest step index      } ``forget_job`` when the job
     fusionnet_job_last_step_timestamp_seconds{job_id}  when it moved  } ends, so job_id stays bounded
@@ -46,8 +47,7 @@ Compnode (``COMPNODE_REGISTRY``)
     fusionnet_compnode_speed_factor              fitted lambda_p = measured / peak FLOPS (FusionAI 3.7)
     fusionnet_compnode_peak_flops                nominal peak S*(p), FLOP/s
     fusionnet_compnode_activation_peak_bytes     most activation bytes held at once in the last train step
-    fusionnet_compute_duration_seconds{phase}    histogram per micro-batch; phase: forward|backward|update
-    fusionnet_subtask_prediction_error_ratio     histogram: |measured / predicted sub-DAG time - 1|
+    fusionnet_compute_duration_seconds{phase}    histogram per step; phase: forward|backward|update
     fusionnet_data_bytes_total{path,direction}   tensor bytes; path: tcp|p2p, direction: sent|received
     fusionnet_data_frames_total{path,direction}  tensor frames, same labels
     fusionnet_frames_refused_total{reason}       refused frames; reason: ``wire.refusal.REASONS``

@@ -70,9 +70,11 @@ class BrokerMetrics(BaseMetrics):
         self.compnode_mtbf = Gauge(
             "fusionnet_compnode_mtbf_seconds",
             "Seconds between unplanned losses of one compnode, as the broker estimates them (the "
-            "--compnode-mtbf prior and the losses it saw): what spaces a train job's failover rounds",
+            "--compnode-mtbf prior and the losses it saw): what spaces a train job's failover rounds "
+            "(NaN: no estimate)",
             registry=r,
         )
+        self.compnode_mtbf.set(math.nan)  # until the broker has an estimate
         self.jobs = Gauge("fusionnet_jobs", "Jobs by state", ["state"], registry=r)
         self.jobs_submitted = Counter("fusionnet_jobs_submitted", "Jobs accepted by the broker", registry=r)
         self.steps = Counter(
@@ -83,6 +85,13 @@ class BrokerMetrics(BaseMetrics):
             "fusionnet_step_duration_seconds",
             "Wall time of one step (one batch through FP, BP and Update over all sub-DAGs)",
             buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.subtask_prediction_error = Histogram(
+            "fusionnet_subtask_prediction_error_ratio",
+            "Performance-model error per sub-DAG and step: |its compnode's measured compute time / the "
+            "plan's prediction - 1| (the per-compnode view of the step's error)",
+            buckets=ERROR_RATIO_BUCKETS,
             registry=r,
         )
         self.step_prediction_error = Histogram(
@@ -244,6 +253,15 @@ class BrokerMetrics(BaseMetrics):
                 gauge.remove(job_id)
 
     # ---- failover ---------------------------------------------------------------------------------
+    def observe_subtask_prediction(self, measured_seconds: float, predicted_seconds: float) -> None:
+        """One sub-DAG's step: its compnode's measured compute time against the plan's prediction."""
+        if not (predicted_seconds > 0 and measured_seconds >= 0):
+            raise ValueError(
+                "metrics: need predicted > 0 and measured >= 0 seconds, "
+                f"got {predicted_seconds}, {measured_seconds}"
+            )
+        self.subtask_prediction_error.observe(abs(measured_seconds / predicted_seconds - 1.0))
+
     def observe_recovery(self, phase: str, seconds: float) -> None:
         """One phase of one failover; count the failover itself with ``failovers.inc()`` once."""
         value = label_value(phase, RECOVERY_PHASES, "phase")

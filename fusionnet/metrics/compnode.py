@@ -20,7 +20,6 @@ from fusionnet.metrics.common import (
     COMPUTE_PHASES,
     DATA_PATHS,
     DIRECTIONS,
-    ERROR_RATIO_BUCKETS,
     NODE_STATES,
     SUBTASK_OUTCOMES,
     BaseMetrics,
@@ -69,15 +68,10 @@ class CompnodeMetrics(BaseMetrics):
         )
         self.compute_duration = Histogram(
             "fusionnet_compute_duration_seconds",
-            "Time of one micro-batch phase of this compnode's sub-DAG: forward (FP), backward (BP), update",
+            "Time of one step's phase of this compnode's sub-DAG, all its micro-batches: forward (FP), "
+            "backward (BP), update",
             ["phase"],
             buckets=COMPUTE_BUCKETS,
-            registry=r,
-        )
-        self.subtask_prediction_error = Histogram(
-            "fusionnet_subtask_prediction_error_ratio",
-            "Performance-model error for this compnode's sub-DAG: |measured / predicted time - 1|",
-            buckets=ERROR_RATIO_BUCKETS,
             registry=r,
         )
         self.data_bytes = Counter(
@@ -140,15 +134,6 @@ class CompnodeMetrics(BaseMetrics):
             raise ValueError(f"metrics: activation bytes must be >= 0, got {nbytes}")
         self.activation_peak.set(nbytes)
 
-    def observe_prediction(self, measured_seconds: float, predicted_seconds: float) -> None:
-        """Measured vs predicted time of this compnode's sub-DAG for one step."""
-        if not (predicted_seconds > 0 and measured_seconds >= 0):
-            raise ValueError(
-                "metrics: need predicted > 0 and measured >= 0 seconds, "
-                f"got {predicted_seconds}, {measured_seconds}"
-            )
-        self.subtask_prediction_error.observe(abs(measured_seconds / predicted_seconds - 1.0))
-
     def count_data(self, path: str, direction: str, nbytes: int, frames: int = 1) -> None:
         """Bytes (and frames) moved over a data path: ``tcp`` (direct) or ``p2p`` (libp2p stream)."""
         p = label_value(path, DATA_PATHS, "path")
@@ -177,7 +162,6 @@ SUBTASKS = COMPNODE_METRICS.subtasks
 SPEED_FACTOR = COMPNODE_METRICS.speed_factor
 PEAK_FLOPS = COMPNODE_METRICS.peak_flops
 COMPUTE_DURATION = COMPNODE_METRICS.compute_duration
-SUBTASK_PREDICTION_ERROR = COMPNODE_METRICS.subtask_prediction_error
 DATA_BYTES = COMPNODE_METRICS.data_bytes
 DATA_FRAMES = COMPNODE_METRICS.data_frames
 FRAMES_REFUSED = COMPNODE_METRICS.frames_refused

@@ -100,6 +100,10 @@ class ServingMetrics:
     def observe_deployments(self, count: int) -> None:
         self.deployments.set(count)
 
+    def observe_kv_slots(self, deployment: str, in_use: int) -> None:
+        if deployment not in self._gone:
+            self.kv_slots.labels(deployment=deployment).set(in_use)
+
     def serve_deployment(self, deployment: str) -> None:
         self._gone.discard(deployment)
 

@@ -87,6 +87,15 @@ class LinkBook:
             del self._links[pair]
         self._changed()
 
+    def keep_only(self, peers: set[str]) -> None:
+        """Forgets every link that has an end outside ``peers`` (compnodes the broker no longer knows):
+        a swarm whose compnodes come and go would otherwise hold, and export, pairs without bound."""
+        gone = [pair for pair in self._links if not set(pair) <= peers]
+        for pair in gone:
+            del self._links[pair]
+        if gone:
+            self._changed()
+
     def describe(self, peers: Sequence[str]) -> list[dict[str, object]]:
         """The estimates between ``peers`` for ``plan.json``: from, to, alpha (s), bandwidth (B/s)."""
         out = []

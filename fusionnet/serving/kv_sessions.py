@@ -49,9 +49,12 @@ class StaleRows(CacheLost):
 class SlotPool:
     """``slots`` cache slots; a session waits for a free one, at most ``waiting`` sessions wait."""
 
-    def __init__(self, slots: int, waiting: int) -> None:
+    def __init__(self, slots: int, waiting: int, on_change: Callable[[int], None] | None = None) -> None:
+        """``on_change(in_use)`` after every slot taken or given back (the metrics' gauge: a batch's
+        report alone would leave it at its last batch's count once the sessions ended)."""
         self.slots = slots
         self.waiting_limit = waiting
+        self.on_change = on_change
         self._free = list(range(slots))
         self._changed = asyncio.Condition()
         self.waiting = 0
@@ -59,6 +62,10 @@ class SlotPool:
     @property
     def in_use(self) -> int:
         return self.slots - len(self._free)
+
+    def _changed_use(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.in_use)
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[int]:
@@ -71,11 +78,13 @@ class SlotPool:
             finally:
                 self.waiting -= 1
             slot = self._free.pop(0)
+        self._changed_use()
         try:
             yield slot
         finally:
             async with self._changed:
                 self._free.append(slot)
+                self._changed_use()
                 # every waiter, not one: on Python 3.11 a waiter notified and cancelled in the same turn
                 # (its client left) swallows the notification, and the next waiter would sleep on
                 # beside a free slot; each re-checks ``_free`` and at most one takes it
