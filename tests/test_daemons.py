@@ -328,3 +328,45 @@ def test_graceful_stop_leaves_nothing_behind(swarm: ProcessSwarm, observer: Bloc
             assert not daemon.address_file.exists(), f"{daemon.name} left its address file"
         broker_log = swarm.broker.log_text()
         assert "broker stopped" in broker_log and Path(swarm.broker.state_dir, "broker.sqlite3").exists()
+
+
+@pytest.mark.timeout(180)
+def test_a_compnode_without_a_state_dir_joins_on_a_temporary_one(tmp_path: Path) -> None:
+    """``--state-dir`` is optional (the interface's command line): without it the compnode's replica
+    store was built on a state dir that only exists once the daemon starts, and it died at start-up."""
+    from fusionnet.runtime.process_swarm import members_online
+
+    with running_swarm(tmp_path / "swarm", [], broker_kw={"refresh_period": REFRESH}) as swarm:
+        address, log_path = tmp_path / "c.addr", tmp_path / "c.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fusionnet.cli.main", "compnode", "--initial-peers",
+                 *swarm.initial_peers, "--address-file", str(address)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
+                env=dict(os.environ, HIVEMIND_LOGLEVEL="WARNING"), start_new_session=True,
+            )  # fmt: skip
+        family: set[int] = set()
+        observer = BlockingObserver(swarm.initial_peers)
+        try:
+
+            def joined() -> bool:
+                family.update(descendants(proc.pid))
+                if proc.poll() is not None:
+                    raise AssertionError(
+                        f"the compnode exited with {proc.returncode}:\n{log_path.read_text()}"
+                    )
+                return members_online(observer.broker_status()) == 1
+
+            wait_until(joined, 90, "the compnode without --state-dir to be ONLINE at the broker")
+            os.killpg(proc.pid, signal.SIGTERM)  # a graceful leave
+            assert proc.wait(timeout=60) == 0, log_path.read_text()
+            assert "Traceback" not in log_path.read_text()
+        finally:
+            observer.close()
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            for pid in family:
+                with contextlib.suppress(ProcessLookupError):
+                    if alive(pid):
+                        os.kill(pid, signal.SIGKILL)

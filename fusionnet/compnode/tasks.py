@@ -94,9 +94,17 @@ class SubtaskService(AssignRPC, ReplicaRPC, StepRPC):
         settings = compnode.settings
         self.trust = TrustedBrokers.from_settings(settings.common.dht.initial_peers, settings.trusted_brokers)
         self._heard: dict[str, float] = {}  # job id or trusted broker -> when it last drove us (monotonic)
-        self.replicas = ReplicaStore(compnode.state_dir.path / "replicas")
+        self._replicas: ReplicaStore | None = None  # under the state dir, which exists once started
         self.staging = StateStaging(ttl=max(settings.assignment_ttl, 120.0))  # slices ahead of ``assign``
         self.sandboxes = SandboxPool.of(settings, self.fault) if settings.sandbox else None
+
+    @property
+    def replicas(self) -> ReplicaStore:
+        """Snapshots on this compnode's disk. Made on first use: without ``--state-dir`` the daemon's
+        temporary state dir exists only once it starts, after this service is built."""
+        if self._replicas is None:
+            self._replicas = ReplicaStore(self.node.state_dir.path / "replicas")
+        return self._replicas
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
