@@ -35,7 +35,11 @@ def test_a_name_being_deployed_is_taken_until_its_deploy_ends() -> None:
                 while len(waiting) < count:
                     await asyncio.sleep(0)
 
+        async def anyone(request: Any, context: Any) -> str:  # signatures: tests/test_deploy_auth.py
+            return "submitter"
+
         service._accept = accept  # type: ignore[method-assign]
+        service._who_deploys = anyone  # type: ignore[method-assign]
         first = asyncio.ensure_future(deploy(service, SimpleNamespace(name="tiny"), context))
         await until_waiting(1)  # the first call now waits in its submission's acceptance
         with pytest.raises(JobError, match="named 'tiny' exists already"):

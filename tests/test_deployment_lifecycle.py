@@ -192,7 +192,12 @@ def _service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Deploymen
         ctx.store.create_job(job_id, f"deploy:{request.name}", steps=0, submitter=submitter)
         return SimpleNamespace(job_id=job_id, spec=SimpleNamespace(batch_size=4, name=request.name))
 
+    async def signed_by_p(request: Any, context: Any) -> str:  # signatures: tests/test_deploy_auth.py
+        return "P"
+
     monkeypatch.setattr(service, "_accept", accept)
+    monkeypatch.setattr(service, "_who_deploys", signed_by_p)
+    monkeypatch.setattr(service, "_who_undeploys", lambda request, context: "P")
     monkeypatch.setattr(deployments_module, "DeploymentRun", _Run)
     _Run.released, _Run.place_seconds, _Run.release_seconds = [], 0.0, 0.0
     return service, ctx

@@ -25,11 +25,17 @@ def _context(peer: str) -> Any:
 
 
 @pytest.mark.timeout(30)
-def test_a_repeated_undeploy_gets_the_same_answer_and_only_from_the_same_peer() -> None:
-    deployments = DeploymentService(SimpleNamespace(refresh_job_metrics=lambda: None), serving=None)  # type: ignore[arg-type]
-    deployments.served["tiny"] = SimpleNamespace(batcher=_Batcher())  # type: ignore[assignment]
+def test_a_repeated_undeploy_gets_the_same_answer_and_only_its_deployer_undeploys() -> None:
+    store = SimpleNamespace(get_job=lambda job_id: {"submitter": "P"})  # P deployed it
+    context = SimpleNamespace(refresh_job_metrics=lambda: None, store=store)
+    deployments = DeploymentService(context, serving=None)  # type: ignore[arg-type]
+    deployments.served["tiny"] = SimpleNamespace(batcher=_Batcher(), job_id="j1")  # type: ignore[assignment]
+    # the caller's peer stands for its submitter key here (signatures: tests/test_deploy_auth.py)
+    deployments._who_undeploys = lambda request, context: context.remote_peer  # type: ignore[method-assign]
 
     async def scenario() -> None:
+        with pytest.raises(JobError, match="no deployment named 'tiny' deployed with this key"):
+            await deployments.rpc_undeploy({"name": "tiny"}, _context("Q"))  # not its deployer
         first = await deployments.rpc_undeploy({"name": "tiny"}, _context("P"))
         assert first == {"name": "tiny", "undeployed": True, "message": "tiny undeployed"}
         assert await deployments.rpc_undeploy({"name": "tiny"}, _context("P")) == first  # the retry

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from fusionnet.broker.admission import Admission
 from fusionnet.broker.checkpoints import JobFiles
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.deployment_run import DeploymentRun
@@ -27,6 +28,7 @@ from fusionnet.broker.store import DEPLOYMENT_ROW, JobState
 from fusionnet.broker.submission import SubmittedJob, check_submission
 from fusionnet.dag.codec import decode_ir
 from fusionnet.errors import ExecutionError, JobError
+from fusionnet.messages.auth import verify_auth
 from fusionnet.messages.base import handles
 from fusionnet.messages.blobs import unpack_tensors
 from fusionnet.messages.serving_rpc import (
@@ -37,6 +39,7 @@ from fusionnet.messages.serving_rpc import (
     ServingClient,
     UndeployReply,
     UndeployRequest,
+    deploy_subject,
 )
 from fusionnet.rpc.server import RPCContext
 from fusionnet.serving.batching import BatchStats, DynamicBatcher
@@ -64,8 +67,11 @@ class DeploymentService:
         http_host: str = "127.0.0.1",
         http_port: int | None = None,
         observer: ServingObserver | None = None,
+        admission: Admission | None = None,
     ) -> None:
+        """``admission``: who may deploy (the job service's policy: the same submitters as jobs)."""
         self.ctx = context
+        self._admission = admission
         self.serving = serving
         self.http_host, self.http_port = http_host, http_port
         self.observer = observer
@@ -169,10 +175,34 @@ class DeploymentService:
     def folder(self) -> Path:
         return self.ctx.jobs_dir.parent / "deployments"
 
+    # ---- who asks -------------------------------------------------------------------------------
+    @property
+    def admission(self) -> Admission:
+        if self._admission is None:  # a broker without a job service: the same policy, its own
+            settings = self.ctx.settings
+            self._admission = Admission.create(settings.admission, settings.common.dht.host_maddrs)
+        return self._admission
+
+    async def _who_deploys(self, request: DeployRequest, context: RPCContext) -> str:
+        """The submitter of a deploy signed by one this broker takes work from, else ``JobError``."""
+        subject = await asyncio.to_thread(deploy_subject, request)  # hashes the state: seconds at GBs
+        caller = str(context.remote_peer)
+        return self.admission.authorise(
+            request.auth, broker=self.ctx.broker_id(), caller=caller, scope="deploy", subject=subject
+        )
+
+    def _who_undeploys(self, request: UndeployRequest, context: RPCContext) -> str:
+        """The submitter an undeploy is signed by (its deployer's, checked against the job row)."""
+        caller = str(context.remote_peer)
+        return verify_auth(
+            request.auth, broker=self.ctx.broker_id(), caller=caller, scope="undeploy", subject=request.name
+        )
+
     # ---- RPC -----------------------------------------------------------------------------------
     @handles(DeployRequest)
     async def rpc_deploy(self, request: DeployRequest, context: RPCContext) -> DeployReply:
         name = request.name
+        submitter = await self._who_deploys(request, context)  # first: a stranger learns no names
         if name in self.served or name in self._arriving:
             raise JobError(f"a deployment named {name!r} exists already; undeploy it first or pick --name")
         if name in self._undeploying:
@@ -183,12 +213,12 @@ class DeploymentService:
             )
         self._arriving.add(name)
         try:
-            return await self._deploy(name, request, context)
+            return await self._deploy(name, request, submitter)
         finally:
             self._arriving.discard(name)
 
-    async def _deploy(self, name: str, request: DeployRequest, context: RPCContext) -> DeployReply:
-        job = await self._accept(request, context.remote_peer)
+    async def _deploy(self, name: str, request: DeployRequest, submitter: str) -> DeployReply:
+        job = await self._accept(request, submitter)
         try:
             run = DeploymentRun(
                 self.ctx, job, self.folder / job.job_id, self.serving, cached=request.kv is not None
@@ -276,19 +306,23 @@ class DeploymentService:
 
     @handles(UndeployRequest)
     async def rpc_undeploy(self, request: UndeployRequest, context: RPCContext) -> UndeployReply:
-        done = UndeployReply(name=request.name, undeployed=True, message=f"{request.name} undeployed")
-        peer = str(context.remote_peer)
-        if request.name not in self.served:
-            if self._undeployed.get(request.name) == peer:  # a retry: the first call's answer, once done
-                pending = self._undeploying.get(request.name)
+        name = request.name
+        done = UndeployReply(name=name, undeployed=True, message=f"{name} undeployed")
+        who = self._who_undeploys(request, context)
+        if name not in self.served:
+            if self._undeployed.get(name) == who:  # a retry: the first call's answer, once done
+                pending = self._undeploying.get(name)
                 if pending is not None:
                     await asyncio.shield(pending)
                 return done
-            raise JobError(f"no deployment named {request.name!r}")
-        self._undeployed[request.name] = peer  # before it is done: a retry meanwhile waits for it
+            raise JobError(f"no deployment named {name!r}")
+        owner = self.ctx.store.get_job(self.served[name].job_id)["submitter"]
+        if who != owner:  # said as for an unknown name: a stranger learns nothing of others' deployments
+            raise JobError(f"no deployment named {name!r} deployed with this key")
+        self._undeployed[name] = who  # before it is done: a retry meanwhile waits for it
         while len(self._undeployed) > REMEMBERED_UNDEPLOYS:
             self._undeployed.popitem(last=False)
-        await self._undeploy(request.name, f"undeployed by {peer}")
+        await self._undeploy(name, f"undeployed by submitter {who[:16]}")
         return done
 
     @handles(DeploymentsRequest)

@@ -202,15 +202,16 @@ def run(args: argparse.Namespace) -> int:
         )
         # One broker per process: its metrics are the process's set, so module-level users count too.
         broker = BrokerDaemon(config, BROKER_METRICS)
-        broker.add_service(JobService(broker.job_context()))
-        broker.add_service(deployment_service(broker, args.http_host, args.http_port))
+        jobs = JobService(broker.job_context())
+        broker.add_service(jobs)
+        broker.add_service(deployment_service(broker, args.http_host, args.http_port, jobs.admission))
         broker.serve_and_exit()  # the process ends here, with the daemon's exit code
     except ValueError as e:  # configuration and start-up problems (FusionNetErrors included): one line
         print(f"fusionnet broker: error: {e}", file=sys.stderr)
         return 2
 
 
-def deployment_service(broker: Any, host: str, port: int | None) -> Any:
+def deployment_service(broker: Any, host: str, port: int | None, admission: Any = None) -> Any:
     """The deployments and their HTTP API (issue 14), reporting to the broker's metrics and status."""
     from fusionnet.broker.deployments import DeploymentService
     from fusionnet.messages.serving_rpc import ServingClient
@@ -221,6 +222,7 @@ def deployment_service(broker: Any, host: str, port: int | None) -> Any:
         http_host=host,
         http_port=port,
         observer=broker.metrics.serving,
+        admission=admission,  # deployments come from the submitters jobs come from
     )
     broker.describe_deployments = service.describe
     return service

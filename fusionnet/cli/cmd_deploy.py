@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionnet.cli.argtypes import add_initial_peers, seconds
+from fusionnet.cli.jobflags import add_key_flag
 from fusionnet.dag.channel import MAX_IN_FLIGHT
 from fusionnet.messages.serving_rpc import DEPLOYMENT_NAME, DEPLOYMENT_NAME_RULE
 
@@ -78,12 +79,14 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--allow-outside-paths", action="store_true", help="allow job paths outside the job file's folder"
     )
+    add_key_flag(p)
     p.set_defaults(func=run)
     u = subparsers.add_parser(
         "undeploy", help="release a deployment's compnodes", description="Ends deployment NAME."
     )
     u.add_argument("name", type=_name, help="deployment name")
     add_initial_peers(u)
+    add_key_flag(u)  # the key that deployed it
     u.set_defaults(func=run_undeploy)
 
 
@@ -109,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
             settings=settings,
             allow_outside_paths=args.allow_outside_paths,
             wait_compnodes=args.wait_compnodes,
+            key_path=args.key,
         )
     )
     print(f"deployed {reply.name} (job {reply.job_id}) on {reply.compnodes} compnodes")
@@ -119,6 +123,6 @@ def run(args: argparse.Namespace) -> int:
 def run_undeploy(args: argparse.Namespace) -> int:
     from fusionnet.runtime.deploy import undeploy
 
-    reply = asyncio.run(undeploy(args.name, args.initial_peers))
+    reply = asyncio.run(undeploy(args.name, args.initial_peers, args.key))
     print(reply.message or f"{reply.name} undeployed")
     return 0 if reply.undeployed else 1

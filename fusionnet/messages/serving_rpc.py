@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from fusionnet.dag.channel import MAX_IN_FLIGHT
+from fusionnet.messages.auth import SubmitterAuth, submission_digest
 from fusionnet.messages.base import Caller, JobId, Message, TypedCaller
 from fusionnet.messages.broker_rpc import SubmitJobRequest
 
@@ -56,6 +57,16 @@ class DeployRequest(Message):
     # generate: the ids that end a text (the causal LM's generation config); ids outside the
     # vocabulary, which a toy config may name, are dropped by the broker
     eos_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=64)] = []
+    # the submitter's signature (``messages.auth``), scope "deploy", subject ``deploy_subject``: the
+    # broker takes deployments from the submitters it takes jobs from, and only they undeploy them
+    auth: SubmitterAuth | None = None
+
+
+def deploy_subject(request: DeployRequest) -> str:
+    """What a deploy signature covers: the name and the submission's digest (spec, IR, state, data)."""
+    sub = request.submission
+    spec = sub.spec.model_dump(mode="json")
+    return f"{request.name}:{submission_digest(spec, sub.ir, sub.state, sub.data, sub.request_id or '')}"
 
 
 class DeployReply(Message):
@@ -67,6 +78,7 @@ class DeployReply(Message):
 
 class UndeployRequest(Message):
     name: DeploymentName
+    auth: SubmitterAuth | None = None  # scope "undeploy", subject the name: its deployer's key
 
 
 class UndeployReply(Message):

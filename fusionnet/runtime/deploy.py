@@ -35,9 +35,11 @@ from fusionnet.messages.serving_rpc import (
     ServingSettings,
     UndeployReply,
     UndeployRequest,
+    deploy_subject,
 )
 from fusionnet.runtime.jobcontrol import DEFAULT_WAIT_COMPNODES, wait_for_compnodes
 from fusionnet.runtime.submit import submission_payload
+from fusionnet.runtime.submitter import Signer, load_or_create_key
 from fusionnet.serving.tokenizers import tokenizer_files
 
 DEPLOY_TIMEOUT = 300.0  # the broker answers once the sub-DAGs are assigned
@@ -102,7 +104,10 @@ async def deploy(
     allow_outside_paths: bool = False,
     wait_compnodes: float = DEFAULT_WAIT_COMPNODES,
     stream: TextIO = sys.stderr,
+    key_path: Path | None = None,
 ) -> DeployReply:
+    """``key_path``: the submitter key the broker knows this user by (``runtime.submitter``); the
+    deployment is this key's, and only it undeploys it."""
     from fusionnet.daemon.observer import SwarmObserver
 
     # what can be told wrong now is, before the model is traced and shipped (seconds to minutes)
@@ -133,19 +138,26 @@ async def deploy(
         kv=kv,
         eos_token_ids=eos,
     )
+    key = load_or_create_key(key_path)
+    subject = await asyncio.to_thread(deploy_subject, request)
     async with SwarmObserver(initial_peers) as observer:
         broker = await observer.find_broker()
+        auth = Signer(key, broker, observer.peer_id).auth("deploy", subject)
+        request = request.model_copy(update={"auth": auth})
         await wait_for_compnodes(
             BrokerClient(observer.call), broker, submission.spec.compnodes, wait_compnodes, stream
         )
         return await ServingClient(observer.call).call_deploy(broker, request, timeout=DEPLOY_TIMEOUT)
 
 
-async def undeploy(name: str, initial_peers: Sequence[str]) -> UndeployReply:
+async def undeploy(name: str, initial_peers: Sequence[str], key_path: Path | None = None) -> UndeployReply:
+    """Ends deployment ``name``, signed with the submitter key that deployed it."""
     from fusionnet.daemon.observer import SwarmObserver
 
     check_initial_peers(initial_peers)
+    key = load_or_create_key(key_path)
     async with SwarmObserver(initial_peers) as observer:
         broker = await observer.find_broker()
-        request = UndeployRequest(name=name)
+        auth = Signer(key, broker, observer.peer_id).auth("undeploy", name)
+        request = UndeployRequest(name=name, auth=auth)
         return await ServingClient(observer.call).call_undeploy(broker, request, timeout=UNDEPLOY_TIMEOUT)
