@@ -22,9 +22,14 @@ Map of the package:
 - ``job_calls.py``    a job run's typed calls to its compnodes (assign, step, collect, release, probe).
 - ``assignment_payloads.py``  what each compnode of a placement is sent in ``assign``.
 - ``failures.py``     noticing that a job lost a compnode; the record of each recovery.
+- ``churn.py``        how often compnodes fail as this broker saw it; how far apart replica rounds go.
+- ``replicas.py``     the books of failover snapshots kept on compnodes (``ReplicaBook``, ring holders).
+- ``step_rows.py``    the metrics rows a checkpoint or replica pointer carries, in an append-only file.
 - ``checkpoints.py``  a job's durable state: its submission and the latest step-boundary checkpoint.
 - ``tensorfiles.py``  tensors by key in safetensors files, read when asked for (the broker never
                       holds a whole model in memory).
 - ``links.py``        probing a placement's links; the answers go into ``planning.links.LinkBook``.
 - ``store.py``        persistent state in SQLite under the state dir.
+- ``deployments.py``  the ``deploy`` / ``undeploy`` / ``deployments`` RPCs and the HTTP API's lookup.
+- ``deployment_run.py``  one deployment: a resident ``infer`` placement whose steps are request batches.
 """

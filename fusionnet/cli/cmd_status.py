@@ -4,6 +4,11 @@ Two sources, merged: the broker's registry (heartbeats, jobs) over RPC, and the 
 DHT directly, so that a compnode the broker has not seen yet, or one that already said goodbye (OFFLINE),
 still shows. ``--json`` prints the merged document instead of tables.
 
+The broker call is signed with the submitter key (``--key FILE``, else the default key of
+``fusionnet.runtime.submitter``) when that key exists; then the broker shows this user's own jobs in full.
+``status`` never makes a key: without one the call goes unsigned, and a ``--key`` file that does not exist
+is refused (exit 2).
+
 ``--wait-compnodes N`` is the readiness check for scripts: it waits (up to ``--timeout`` seconds in all) until
 the broker itself lists at least N compnodes ONLINE with a data path, i.e. compnodes it can place work on,
 then prints the status and exits 0; exit 3 when the time runs out first.
@@ -21,9 +26,11 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any, TextIO
 
 from fusionnet.cli.argtypes import add_initial_peers, positive_seconds
+from fusionnet.cli.jobflags import add_key_flag
 
 CLEAR_HOME = "\x1b[H"  # cursor to the top left
 CLEAR_LINE_END = "\x1b[K"
@@ -64,6 +71,13 @@ def add_parser(subparsers: Any) -> None:
         default=2.0,
         metavar="S",
         help="seconds between refreshes with --watch (default %(default)s)",
+    )
+    # status signs with the key when it exists (own jobs in full) but, unlike the others, never makes one
+    add_key_flag(
+        p,
+        "submitter key to sign the broker call with, so your own jobs show in full (default $FUSIONNET_KEY, "
+        "else $FUSIONNET_HOME/submitter.key, else ~/.fusionnet/submitter.key, when it exists; status never "
+        "makes a key)",
     )
     p.set_defaults(func=run)
 
@@ -200,8 +214,9 @@ def render_frame(doc: dict[str, Any] | None, error: str | None, *, interval: flo
     return "\n".join(lines) + "\n\n"
 
 
-async def collect(observer: Any, timeout: float) -> dict[str, Any]:
-    """The merged status document, read through an open ``SwarmObserver``."""
+async def collect(observer: Any, timeout: float, key: Any = None) -> dict[str, Any]:
+    """The merged status document, read through an open ``SwarmObserver``; the broker call is signed with
+    ``key`` (an ``Ed25519PrivateKey``, ``status_key``'s) when there is one."""
     from fusionnet.dht.records import CompnodeRecord
     from fusionnet.errors import FusionNetError
 
@@ -209,7 +224,7 @@ async def collect(observer: Any, timeout: float) -> dict[str, Any]:
     broker: dict[str, Any] | None = None
     error = None
     try:
-        broker = await observer.broker_status(timeout=timeout, auth=_own_jobs_auth(observer))
+        broker = await observer.broker_status(timeout=timeout, auth=_own_jobs_auth(observer, key))
     except FusionNetError as e:
         error = str(e)
     now = time.time()
@@ -227,24 +242,37 @@ async def collect(observer: Any, timeout: float) -> dict[str, Any]:
     }
 
 
-def _own_jobs_auth(observer: Any) -> Any:
-    """Signs the status call with the submitter key when this user has one (then the broker shows
-    their own jobs in full; others' jobs show id, state and step only). Never makes a key."""
-    from fusionnet.runtime.submitter import Signer, default_key_path, load_or_create_key
+def status_key(path: Path | None) -> Any:
+    """The submitter key ``status`` signs with: ``--key FILE`` (``path``), else the default key when this
+    user has one, else None (unsigned). Never makes a key: a ``--key`` file that does not exist, or is not a
+    key, raises ValueError (one line, exit 2)."""
+    from fusionnet.runtime.submitter import default_key_path, load_or_create_key
 
-    path = default_key_path()
-    if not path.is_file():
+    if path is None:
+        path = default_key_path()
+        if not path.is_file():
+            return None
+    elif not path.is_file():
+        raise ValueError(f"--key: {path}: no such key file (status never makes one; `fusionnet key` does)")
+    return load_or_create_key(path)
+
+
+def _own_jobs_auth(observer: Any, key: Any) -> Any:
+    """Signs the status call with ``key`` when there is one (then the broker shows this user's own jobs in
+    full; others' jobs show id, state and step only); None: unsigned."""
+    from fusionnet.runtime.submitter import Signer
+
+    if key is None:
         return None
-    key = load_or_create_key(path)
     return lambda broker: Signer(key, broker, observer.peer_id).auth("status")
 
 
-async def gather(initial_peers: list[str], timeout: float) -> dict[str, Any]:
+async def gather(initial_peers: list[str], timeout: float, key: Any = None) -> dict[str, Any]:
     from fusionnet.daemon.observer import SwarmObserver
 
     async with SwarmObserver(initial_peers) as observer:
         # the DHT lookup as well as the broker call: a swarm that answers nothing ends, as the other paths
-        return await asyncio.wait_for(collect(observer, timeout), timeout + 10)
+        return await asyncio.wait_for(collect(observer, timeout, key), timeout + 10)
 
 
 def placeable(doc: dict[str, Any]) -> int:
@@ -257,7 +285,9 @@ def placeable(doc: dict[str, Any]) -> int:
     )
 
 
-async def wait_compnodes(initial_peers: list[str], n: int, timeout: float) -> tuple[dict[str, Any], bool]:
+async def wait_compnodes(
+    initial_peers: list[str], n: int, timeout: float, key: Any = None
+) -> tuple[dict[str, Any], bool]:
     """Polls the broker through one swarm client until ``n`` compnodes are placeable or ``timeout`` passes;
     returns the last status document and whether ``n`` was reached."""
     from fusionnet.daemon.observer import SwarmObserver
@@ -266,7 +296,9 @@ async def wait_compnodes(initial_peers: list[str], n: int, timeout: float) -> tu
     async with SwarmObserver(initial_peers) as observer:
         while True:
             left = deadline - time.monotonic()
-            doc = await asyncio.wait_for(collect(observer, max(1.0, min(15.0, left))), max(1.0, left) + 10)
+            doc = await asyncio.wait_for(
+                collect(observer, max(1.0, min(15.0, left)), key), max(1.0, left) + 10
+            )
             if placeable(doc) >= n:
                 return doc, True
             if time.monotonic() >= deadline:
@@ -275,7 +307,7 @@ async def wait_compnodes(initial_peers: list[str], n: int, timeout: float) -> tu
 
 
 async def watch(
-    initial_peers: list[str], *, timeout: float, interval: float, as_json: bool, out: TextIO
+    initial_peers: list[str], *, timeout: float, interval: float, as_json: bool, out: TextIO, key: Any = None
 ) -> None:
     """Refreshes until cancelled (Ctrl-C), through one swarm client kept open between refreshes."""
     from fusionnet.daemon.observer import SwarmObserver
@@ -289,7 +321,7 @@ async def watch(
             started = time.monotonic()
             doc, error = None, None
             try:
-                doc = await asyncio.wait_for(collect(observer, timeout), timeout + 10)
+                doc = await asyncio.wait_for(collect(observer, timeout, key), timeout + 10)
             except Exception as e:  # a UI loop: show the failure, try again next time
                 error = f"{type(e).__name__}: {e}"
             if as_json:
@@ -302,6 +334,11 @@ async def watch(
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        key = status_key(getattr(args, "key", None))
+    except (OSError, ValueError) as e:  # a --key that is missing, unreadable or not a key: one line
+        print(f"fusionnet status: error: {e}", file=sys.stderr)
+        return 2
     if args.watch:
         if not args.interval > 0:
             print(f"fusionnet status: error: --interval must be > 0, got {args.interval}", file=sys.stderr)
@@ -314,6 +351,7 @@ def run(args: argparse.Namespace) -> int:
                     interval=args.interval,
                     as_json=args.json,
                     out=sys.stdout,
+                    key=key,
                 )
             )
         except KeyboardInterrupt:  # the way out of --watch: asyncio.run has closed the swarm client
@@ -323,9 +361,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
         return 0
     if args.wait_compnodes is not None:
-        return _run_wait(args)
+        return _run_wait(args, key)
     try:
-        doc = asyncio.run(gather(args.initial_peers, args.timeout))
+        doc = asyncio.run(gather(args.initial_peers, args.timeout, key))
     except ValueError as e:  # bad multiaddrs, unreachable swarm (WireError): one line
         print(f"fusionnet status: error: {e}", file=sys.stderr)
         return 2
@@ -342,13 +380,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if doc["broker"] is not None else 1
 
 
-def _run_wait(args: argparse.Namespace) -> int:
+def _run_wait(args: argparse.Namespace, key: Any = None) -> int:
     n = args.wait_compnodes
     if n < 1 or not args.timeout > 0:
         print("fusionnet status: error: --wait-compnodes needs N >= 1 and --timeout > 0", file=sys.stderr)
         return 2
     try:
-        doc, reached = asyncio.run(wait_compnodes(args.initial_peers, n, args.timeout))
+        doc, reached = asyncio.run(wait_compnodes(args.initial_peers, n, args.timeout, key))
     except (ValueError, TimeoutError) as e:
         print(f"fusionnet status: error: {e}", file=sys.stderr)
         return 2

@@ -150,12 +150,13 @@ def _missing_folders(folder: Path) -> list[Path]:
     return missing
 
 
-def add_key_flag(p: Any) -> None:
+def add_key_flag(p: Any, help: str | None = None) -> None:
     """``--key FILE``: the submitter key (``runtime.submitter``) a broker knows this user by."""
     p.add_argument(
         "--key",
         type=Path,
         metavar="FILE",
-        help="submitter key: who you are to the broker (default $FUSIONNET_KEY, else "
+        help=help
+        or "submitter key: who you are to the broker (default $FUSIONNET_KEY, else "
         "$FUSIONNET_HOME/submitter.key, else ~/.fusionnet/submitter.key; made on first use)",
     )

@@ -25,6 +25,9 @@ Map of the package:
 - ``sandbox_worker.py``  a job's worker process: builds and runs the sub-DAG under a memory budget.
 - ``sandbox_ipc.py`` the messages between daemon and worker (msgpack + raw tensor bytes, bounded).
 - ``sandbox_preload.py``  what the fork server imports, at a lower CPU priority.
+- ``worker_sends.py``  a sandbox worker's values to its peers, sent by the worker over the direct data path.
+- ``worker_receives.py``  a sandbox worker's values from its peers, read by the worker from the
+                     connections its daemon hands over (``wire.handoff``).
 - ``trust.py``       which brokers a compnode obeys; assignments whose broker went silent (or whose
                      broker's heartbeat no longer lists them) end.
 - ``compute.py``     the compute thread: FP/BP/Update (and state packing) off the event loop.

@@ -11,6 +11,8 @@ Map of the package:
 - ``entrypoint.py`` imports and calls the model entry point
 - ``weights.py``    ``model.weights``: a safetensors file or a ``save_pretrained`` folder (shards + index)
 - ``batches.py``    which samples each step uses; micro-batch slicing
+- ``kwargs_check.py`` checks shared by ``loss.kwargs`` and ``optimizer.kwargs``: every number finite
+- ``preflight.py``  checks that need the data and model: finite tensors, memory, one forward pass and loss
 - ``loader.py``     ``load_job``: all of the above in an order where nothing runs before validation
 - ``kv_decode.py``  a ``transformers`` causal LM as a ``SlotDecoder`` (KV caches in its buffers) for
                     generate deployments

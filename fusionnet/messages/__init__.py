@@ -12,6 +12,8 @@ Map of the package:
                        leaving) and ``BrokerClient``.
 - ``compnode_rpc.py``  a compnode's methods (ping, info, assign, step, collect, release, probe_links)
                        and ``CompnodeClient``.
+- ``serving_rpc.py``   deployments: the broker's ``deploy`` / ``undeploy`` / ``deployments``, the compnode's
+                       ``serve_step``, and ``ServingClient``.
 - ``auth.py``          ``SubmitterAuth``: a submitter's Ed25519 signature bound to broker, caller, method
                       and subject; the submission digest.
 - ``jobwire.py``       ``RunSpec``: the job-file settings the execution plane needs, as sent.

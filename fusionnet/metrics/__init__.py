@@ -5,6 +5,7 @@ Map of the package:
 - ``common.py``   label vocabularies, bucket layouts, build info, helpers shared by both sets.
 - ``broker.py``   ``BrokerMetrics``; ``BROKER_METRICS`` / ``BROKER_REGISTRY`` and its module-level objects.
 - ``compnode.py`` ``CompnodeMetrics``; ``COMPNODE_METRICS`` / ``COMPNODE_REGISTRY`` and its objects.
+- ``serving.py``  ``ServingMetrics`` (``BrokerMetrics.serving``): requests, tokens, latencies, batches, queue.
 - ``server.py``   ``start_metrics_server(registry, port, host) -> (host, port)`` and ``stop_metrics_server``.
 - ``sd.py``       ``file_sd_targets``, ``write_file_sd`` (atomic) and ``http_sd_app`` (``/sd/compnodes``).
 

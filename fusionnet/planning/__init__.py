@@ -20,6 +20,8 @@ Map of the package:
 - ``cut_plan.py``          a job's own cuts (``placement.cuts``) on devices: each piece's device, priced.
 - ``links.py``             ``LinkBook``: measured alpha-beta links per compnode pair, blended over jobs.
 - ``speeds.py``            ``SpeedBook``: per-compnode slowness refined from measured step times.
+- ``misprediction.py``     ``PredictionWatch``: when measured step times contradict the prediction enough
+                           to look at the placement again.
 - ``scheduler.py``         ``schedule``: the search over device orders and cuts (entry point).
 - ``scheduler_linear.py``  topological orders of the DAG and the prefix sums the DPs cut.
 - ``scheduler_dp.py``      segment DPs: one order cut into stages, a device per stage (``class_dp``).

@@ -10,4 +10,7 @@ Map:
   tensors); micro-batch outputs -> ``"mb/leaf"`` tensors (what a compnode sends) -> one tensor per
   output leaf (what ``outputs.safetensors`` holds)
 - ``files.py``    the result files: weights/grads/outputs (safetensors), metrics.jsonl, plan.json
+- ``stream_safetensors.py`` safetensors written a tensor at a time (weights the writer never holds whole)
+- ``slice_stream.py`` tensors as one safetensors byte stream, read in bounded parts (state sent ahead,
+  replicas)
 """

@@ -12,6 +12,12 @@ Map of the package:
                      broker does).
 - ``submit.py``      ``fusionnet submit``: send the IR, state and data to a broker, follow, download;
                      cancel the job on Ctrl-C or --timeout.
+- ``loadcheck.py``   the job loaded once in a bounded child process first (model code cannot hang or end the
+                     command).
+- ``microbatch_sizes.py`` which micro-batch sizes a job runs, whether its traced graph runs them, what
+                     ``data.microbatches: auto`` may choose.
+- ``deploy.py``      ``fusionnet deploy`` / ``undeploy``: trace here, send as a deployment, wait for its
+                     placement; or release one.
 - ``submitter.py``   the submitter's key (made on first use, 0600) and ``Signer`` for its calls.
 - ``jobcontrol.py``  waiting for the compnodes a job needs, ``cancel_job``, downloading kept results
                      (``submit``, ``fusionnet cancel``, ``fusionnet results``).
@@ -23,6 +29,7 @@ Map of the package:
                      flags.
 - ``processes.py``   one daemon as a child process (``DaemonProcess``, ``start_daemon``), process-tree
                      helpers.
-- ``blobs.py``       tensors <-> bytes for job messages (safetensors, never pickle).
-- ``jobwire.py``     what travels with a job between ``submit``, the broker and the compnodes.
+
+The tensor blobs and the run spec that travel with a job live below this layer, in
+``fusionnet.messages.blobs`` and ``fusionnet.messages.jobwire``.
 """

@@ -13,6 +13,10 @@ Map of the package:
 - ``kv_sessions.py``  with KV caches on the compnodes: cache slots, prefill + a row per token, replay
                       after a lost placement, sequences scored for ``/v1/infer``.
 - ``completions.py``  ``POST /v1/completions``: request model, prompts, choices, server-sent events.
+- ``chat.py``         ``POST /v1/chat/completions``: messages through the tokenizer's chat template, then
+                      generated as ``/v1/completions`` does.
+- ``logprobs.py``     log probabilities of generated tokens, in both APIs' formats.
+- ``stopping.py``     when a completion ends (end-of-text, stop tokens, stop strings) and the text streamed.
 - ``http.py``         the aiohttp application and its error middleware.
 - ``tokenizers.py``   the model folder's tokenizer files, sent by ``deploy`` and loaded on the broker.
 - ``client.py``       ``ServingClient``-free HTTP client for users and tests (``FusionNetClient``).

@@ -21,6 +21,9 @@ Map of the package:
 - ``pool.py``      outgoing streams: one per destination, ordered whole frames, reconnect once.
 - ``datapath.py``  ``DataPathServer`` / ``DataPathClient``: the direct TCP path (hello, connection caps).
 - ``p2p_path.py``  ``P2PDataPath``: the same frames over hivemind P2P streams (fallback).
+- ``compression.py`` ``placement.wire_compression``: the optional, inexact codecs (bf16, fp16, int8-ef).
+- ``handoff.py``   connections a compnode daemon hands over to its job's sandbox worker, which then reads
+                   its values itself.
 """
 
 from fusionnet.wire.datapath import DataPathClient, DataPathServer, parse_address
