@@ -79,7 +79,7 @@ def test_a_client_leaving_while_its_request_runs_alone_leaves_the_others_answere
     its run: setting its answer raised, the batch's task died and the other request waited forever."""
 
     async def scenario() -> None:
-        alone = asyncio.Event()
+        alone, go_on = asyncio.Event(), asyncio.Event()
         calls = 0
 
         async def run_batch(rows: torch.Tensor, pick: Any) -> torch.Tensor:
@@ -87,9 +87,9 @@ def test_a_client_leaving_while_its_request_runs_alone_leaves_the_others_answere
             calls += 1
             if calls == 1:
                 raise RowsFailed("a row the model fails on")
-            if calls == 2:
+            if calls == 2:  # the first request, alone: its client leaves while it runs
                 alone.set()
-                await asyncio.sleep(0.05)
+                await go_on.wait()
             return rows.float()
 
         batcher = DynamicBatcher(run_batch, max_batch=8, max_wait=0.0, queue_limit=8, in_flight=1)
@@ -98,6 +98,7 @@ def test_a_client_leaving_while_its_request_runs_alone_leaves_the_others_answere
             first, second = batcher.enqueue(torch.ones(1, 2)), batcher.enqueue(torch.ones(1, 2))
             await asyncio.wait_for(alone.wait(), 10)
             first.cancel()
+            go_on.set()
             assert (await asyncio.wait_for(second, 10)).shape == (1, 2)
         finally:
             await batcher.close()
@@ -271,7 +272,9 @@ def test_stop_releases_every_deployment_at_once_and_a_cancelled_stop_stays_cance
             await _deploy(service, name)
         _Run.release_seconds = 5.0
         stopping = asyncio.ensure_future(service.stop())
-        await asyncio.sleep(0.2)
+        async with asyncio.timeout(10):
+            while service.served:  # both are being released
+                await asyncio.sleep(0)
         stopping.cancel()  # the daemon's drain time is up
         with pytest.raises(asyncio.CancelledError):
             await stopping
