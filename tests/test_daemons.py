@@ -67,6 +67,17 @@ def broker_view(observer: BlockingObserver) -> dict[str, dict]:
     return {c["peer_id"]: c for c in observer.broker_status()["compnodes"]}
 
 
+def _kill_family(proc: subprocess.Popen[bytes], family: set[int]) -> None:
+    """What a test started outside ``ProcessSwarm`` and what it forked (its DHT child, p2pd), if alive."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    for pid in family:
+        with contextlib.suppress(ProcessLookupError):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def assert_left_nothing(daemon: DaemonProcess) -> None:
     daemon.reap()
     assert daemon.family, f"{daemon.name}: its DHT child and p2pd were never seen"
@@ -188,13 +199,7 @@ def test_status_watch_redraws_until_ctrl_c(swarm: ProcessSwarm, tmp_path: Path) 
             assert "Traceback" not in out_path.read_text()
             wait_until(lambda: not any(alive(p) for p in family), 15, "status --watch's DHT child to exit")
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-            for pid in family:
-                with contextlib.suppress(ProcessLookupError):
-                    if alive(pid):
-                        os.kill(pid, signal.SIGKILL)
+            _kill_family(proc, family)
 
 
 @pytest.mark.timeout(120)
@@ -363,10 +368,4 @@ def test_a_compnode_without_a_state_dir_joins_on_a_temporary_one(tmp_path: Path)
             assert "Traceback" not in log_path.read_text()
         finally:
             observer.close()
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-            for pid in family:
-                with contextlib.suppress(ProcessLookupError):
-                    if alive(pid):
-                        os.kill(pid, signal.SIGKILL)
+            _kill_family(proc, family)
