@@ -373,6 +373,11 @@ def assert_job_series(prom: Prometheus, job_id: str, steps: int) -> None:
     prom.wait_for(
         "sum(fusionnet_data_bytes_total)", lambda r: bool(r) and float(r[0]["value"][1]) > 0, "bytes moved"
     )
+    prom.wait_for(  # the sub-DAGs computed in sandbox workers: their CPU, not the daemons'
+        "sum(fusionnet_sandbox_cpu_seconds_total)",
+        lambda r: bool(r) and float(r[0]["value"][1]) > 0,
+        "the sandbox workers' CPU",
+    )
     prom.wait_for(
         'sum(fusionnet_compnode_subtasks_total{outcome="succeeded"})',
         lambda r: bool(r) and float(r[0]["value"][1]) >= steps,

@@ -74,6 +74,8 @@ class SandboxPool:
         self.fault = fault
         if fault is not None:
             fault.share()
+        # Told a worker's pid when it starts and just before it stops (``metrics.workers``: its CPU).
+        self.look: Callable[[int], None] | None = None
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(PRELOAD)
         self._warming: asyncio.Future[None] | None = None
@@ -128,6 +130,8 @@ class SandboxPool:
         args = (theirs, config) if handoff is None else (theirs, config, handoff[1])
         process = self.context.Process(target=main, args=args, name=f"fusionnet-job-{job_id}", daemon=True)
         await asyncio.to_thread(process.start)
+        if self.look is not None and process.pid is not None:
+            self.look(process.pid)
         theirs.close()
         if handoff is None:
             return process, IPCChannel(ours), None
@@ -217,6 +221,8 @@ class SandboxedJob:
             with contextlib.suppress(OSError, TimeoutError):
                 await asyncio.wait_for(self.channel.send({"op": "close", "why": why[:200]}), STOP_GRACE)
         if self.process is not None:
+            if self.pool.look is not None and self.process.pid is not None:
+                self.pool.look(self.process.pid)  # its CPU up to now, before it goes
             await asyncio.to_thread(self._stop_process)
         if self.channel is not None:
             self.channel.close()

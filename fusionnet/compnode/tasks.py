@@ -97,6 +97,8 @@ class SubtaskService(AssignRPC, ReplicaRPC, StepRPC):
         self._replicas: ReplicaStore | None = None  # under the state dir, which exists once started
         self.staging = StateStaging(ttl=max(settings.assignment_ttl, 120.0))  # slices ahead of ``assign``
         self.sandboxes = SandboxPool.of(settings, self.fault) if settings.sandbox else None
+        if self.sandboxes is not None:
+            self.sandboxes.look = compnode.metrics.workers.look
 
     @property
     def replicas(self) -> ReplicaStore:

@@ -26,6 +26,7 @@ from fusionnet.metrics.common import (
     label_value,
     set_one_hot,
 )
+from fusionnet.metrics.workers import WorkerProcesses
 from fusionnet.wire.refusal import REASONS
 
 REFUSAL_REASONS = tuple(sorted(REASONS))
@@ -53,6 +54,9 @@ class CompnodeMetrics(BaseMetrics):
         self.subtasks = Counter(
             "fusionnet_compnode_subtasks", "Sub-tasks finished, by outcome", ["outcome"], registry=r
         )
+        # The sandbox workers' CPU and memory: the daemon's process_* series do not include them.
+        self.workers = WorkerProcesses()
+        r.register(self.workers)
         self.speed_factor = Gauge(
             "fusionnet_compnode_speed_factor",
             "Fitted speed factor lambda_p = measured / peak FLOPS (FusionAI 3.7)",
