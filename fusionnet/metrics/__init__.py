@@ -5,6 +5,7 @@ Map of the package:
 - ``common.py``   label vocabularies, bucket layouts, build info, helpers shared by both sets.
 - ``broker.py``   ``BrokerMetrics``; ``BROKER_METRICS`` / ``BROKER_REGISTRY`` and its module-level objects.
 - ``compnode.py`` ``CompnodeMetrics``; ``COMPNODE_METRICS`` / ``COMPNODE_REGISTRY`` and its objects.
+- ``workers.py``  ``WorkerProcesses``: the sandbox workers' CPU and memory, read from ``/proc``.
 - ``serving.py``  ``ServingMetrics`` (``BrokerMetrics.serving``): requests, tokens, latencies, batches, queue.
 - ``server.py``   ``start_metrics_server(registry, port, host) -> (host, port)`` and ``stop_metrics_server``.
 - ``sd.py``       ``file_sd_targets``, ``write_file_sd`` (atomic) and ``http_sd_app`` (``/sd/compnodes``).
@@ -52,6 +53,9 @@ Compnode (``COMPNODE_REGISTRY``)
     fusionnet_data_bytes_total{path,direction}   tensor bytes; path: tcp|p2p, direction: sent|received
     fusionnet_data_frames_total{path,direction}  tensor frames, same labels
     fusionnet_frames_refused_total{reason}       refused frames; reason: ``wire.refusal.REASONS``
+    fusionnet_sandbox_workers                    sandbox worker processes running now
+    fusionnet_sandbox_cpu_seconds_total          their CPU (user + system), ended workers included
+    fusionnet_sandbox_resident_memory_bytes      resident memory of the live ones
 
 Scrape targets carry ``role``, ``backup`` and ``peer`` labels from service discovery (``sd.py``), so no
 compnode metric may have a label of those names (Prometheus would rename it ``exported_<name>``); the
