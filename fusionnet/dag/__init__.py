@@ -4,6 +4,7 @@ Map of the package:
 
 - ``ir.py``          ``IRGraph`` / ``IRNode``: the model as pure data.
 - ``trace.py``       ``nn.Module`` + loss + example inputs -> ``IRGraph`` with shapes and costs (torch.fx).
+- ``graph_builder.py`` an fx graph (symbolic or exported) -> normalised ``IRGraph``: parameters folded, costs.
 - ``registry.py``    the operator registry: how ops are added, and the decoder's allowlist.
 - ``allowlist.py``   the curated operator allowlist, the data behind ``registry.py`` (what must stay out).
 - ``guards.py``      argument checks of allowed ops whose sizes come from the IR or data (allocation caps).
