@@ -202,7 +202,7 @@ def test_an_unsaid_max_tokens_is_what_a_big_window_leaves_capped_at_the_request_
     """Without ``max_tokens`` a chat may use what the window leaves, but never more than a request may
     ask for: a window of 8192 tokens once made that 8000-odd, which the completion request refused (500)."""
     from fusionnet.serving.chat import ChatRequest, encode_chat
-    from fusionnet.serving.completions import MAX_NEW_TOKENS
+    from fusionnet.serving.completion_request import MAX_NEW_TOKENS
     from fusionnet.serving.served import ServedModel
 
     def model(context: int) -> ServedModel:

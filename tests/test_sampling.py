@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from fusionnet.serving.batching import RowAnswers
-from fusionnet.serving.completions import ApiError, parse_completion
+from fusionnet.serving.completion_request import parse_completion
 from fusionnet.serving.generation import Window, generate
 from fusionnet.serving.sampling import SamplingParams, adjusted_logits, generator_for, next_token
+from fusionnet.serving.served import ApiError
 from tests.serving_support import answer_rows
 
 pytestmark = pytest.mark.timeout(120)

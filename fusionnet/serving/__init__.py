@@ -12,7 +12,8 @@ Map of the package:
 - ``generation.py``   one session per choice without KV caches: the padded window per token (``Window``).
 - ``kv_sessions.py``  with KV caches on the compnodes: cache slots, prefill + a row per token, replay
                       after a lost placement, sequences scored for ``/v1/infer``.
-- ``completions.py``  ``POST /v1/completions``: request model, prompts, choices, server-sent events.
+- ``completion_request.py`` the ``/v1/completions`` request model, its 400s, prompts as checked token ids.
+- ``completions.py``  ``POST /v1/completions``: choices run and timed, the reply's parts, server-sent events.
 - ``chat.py``         ``POST /v1/chat/completions``: messages through the tokenizer's chat template, then
                       generated as ``/v1/completions`` does.
 - ``logprobs.py``     log probabilities of generated tokens, in both APIs' formats.

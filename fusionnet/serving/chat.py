@@ -17,15 +17,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from fusionnet.serving.completions import (
+from fusionnet.serving.completion_request import (
     MAX_NEW_TOKENS,
-    ChoiceRun,
     CompletionRequest,
     GenerationParams,
     MaxTokens,
-    TextChunks,
-    usage,
 )
+from fusionnet.serving.completions import ChoiceRun, TextChunks, usage
 from fusionnet.serving.generation import check_prompt
 from fusionnet.serving.logprobs import MAX_TOP, TokenLogprob, chat_logprobs
 from fusionnet.serving.served import ApiError, ServedModel

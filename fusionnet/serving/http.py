@@ -29,15 +29,12 @@ from aiohttp import web
 from fusionnet.errors import FusionNetError
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
 from fusionnet.serving.chat import CHAT_CHUNKS, ChatRequest, chat_reply, encode_chat
+from fusionnet.serving.completion_request import check_sessions, encode_prompts, parse_body, parse_completion
 from fusionnet.serving.completions import (
     TEXT_CHUNKS,
     ChoiceRun,
-    check_sessions,
     choice_doc,
     completion_id,
-    encode_prompts,
-    parse_body,
-    parse_completion,
     stream_choices,
     usage,
 )
