@@ -58,6 +58,10 @@ class EchoService:
     async def rpc_bad_result(self, payload: dict[str, Any], context: RPCContext) -> Any:
         return ["not", "a", "dict"]
 
+    async def rpc_slow(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
+        await asyncio.sleep(payload["seconds"])
+        return {"n": len(payload.get("blob", b""))}
+
     async def rpc_wait(self, payload: dict[str, Any], context: RPCContext) -> dict[str, Any]:
         await self.release.wait()
         return {}
@@ -206,6 +210,30 @@ def test_garbled_oversized_and_stalled_requests_get_errors() -> None:
             with pytest.raises(WireError, match="exceeds the limit of 4096 bytes"):
                 await small.call(peer, "echo", {"blob": b"x" * 5000})
             assert (await client.call(peer, "echo", {"ok": True}))["echo"] == {"ok": True}
+
+    run(scenario())
+
+
+@pytest.mark.swarm  # real hivemind processes (p2pd, DHT)
+@pytest.mark.timeout(60)
+def test_a_call_gets_the_time_its_bytes_take_at_the_slowest_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big request's attempt may take its timeout plus the request's transfer at ``SLOWEST_LINK``
+    (here made 2 s for any body over 1 kB, so a 1 s handler fits a 0.5 s timeout); a small one may not.
+    The server asks no more of an upload than that rate either."""
+    from fusionnet.rpc import client as client_module
+    from fusionnet.rpc.limits import SLOWEST_LINK, transfer_seconds
+
+    assert CallLimits().min_rate == SLOWEST_LINK <= 1 << 17  # 1 Mbit/s uplinks are served
+    assert transfer_seconds(32 << 20) == pytest.approx((32 << 20) / SLOWEST_LINK)
+    monkeypatch.setattr(client_module, "transfer_seconds", lambda n: 2.0 if n > 1000 else 0.0)
+
+    async def scenario() -> None:
+        async with pair() as (server, client, _service, _b):
+            peer = server.p2p.peer_id.to_base58()
+            big = await client.call(peer, "slow", {"seconds": 1.0, "blob": b"x" * 4096}, timeout=0.5)
+            assert big == {"n": 4096}
+            with pytest.raises(RPCError, match=r"no answer within 0\.5 s"):
+                await client.call(peer, "slow", {"seconds": 1.0}, timeout=0.5)
 
     run(scenario())
 

@@ -21,6 +21,7 @@ from hivemind.p2p import P2P, P2PDaemonError, P2PHandlerError, PeerID
 
 from fusionnet.errors import WireError
 from fusionnet.rpc.kept import KeptStreams
+from fusionnet.rpc.limits import transfer_seconds
 from fusionnet.rpc.protocol import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_UNARY_LIMIT,
@@ -91,7 +92,9 @@ class RPCClient:
         large_answer: bool = False,
     ) -> dict[str, Any]:
         """Calls ``rpc_<method>`` on ``peer`` and returns its result dict. ``timeout`` (seconds) bounds
-        each attempt, transfers included. ``large_answer``: the answer is expected over the unary limit,
+        each attempt, plus the time its request and its answer take at the slowest link FusionNet works
+        over (``limits.SLOWEST_LINK``): a 32 MiB state part over a 1 Mbit/s uplink is slow, not failed.
+        ``large_answer``: the answer is expected over the unary limit,
         so the call goes over a stream at once (the answer comes back on it) instead of a unary call
         whose answer would be stashed and fetched over a stream: one round trip instead of two.
 
@@ -126,12 +129,22 @@ class RPCClient:
                 f"{self.max_message_bytes} bytes"
             )
         timeout = self.default_timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        allowed = timeout + transfer_seconds(len(body))  # seconds this attempt may take, from ``started``
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(allowed) as window:
+
+                def answer_of(nbytes: int) -> None:
+                    """A big answer is on its way: the call gets the time it takes at the slowest link."""
+                    nonlocal allowed
+                    allowed = max(allowed, loop.time() - started + timeout + transfer_seconds(nbytes))
+                    window.reschedule(started + allowed)
+
                 raw = await (
                     self._unary(peer_id, body)
                     if len(body) <= self.unary_limit and not large_answer
-                    else self._stream(peer_id, body, timeout)
+                    else self._stream(peer_id, body, timeout, answer_of)
                 )
                 self._progressed(label)
                 response = decode_response(raw)
@@ -141,15 +154,17 @@ class RPCClient:
                             f"rpc {method} to {label}: answer of {response.size} bytes exceeds the limit of "
                             f"{self.max_message_bytes} bytes"
                         )
+                    answer_of(response.size)
                     raw = await self._stream(
-                        peer_id, encode_request(FETCH_METHOD, {"token": response.stashed}), timeout
+                        peer_id, encode_request(FETCH_METHOD, {"token": response.stashed}), timeout, answer_of
                     )
                     response = decode_response(raw)
                     if response.stashed is not None:
                         raise WireError(f"rpc {method} to {label}: stash reference answered with another one")
         except TimeoutError as e:
             raise RPCError(
-                f"rpc {method} on peer {label}: no answer within {timeout:g} s",
+                f"rpc {method} on peer {label}: no answer within {allowed:.3g} s"
+                + (f" (a request of {len(body)} bytes)" if transfer_seconds(len(body)) >= 1 else ""),
                 peer=label,
                 method=method,
                 kind="Timeout",
@@ -179,16 +194,25 @@ class RPCClient:
         )
         return reply.value
 
-    async def _stream(self, peer_id: PeerID, body: bytes, timeout: float) -> bytes:
+    async def _stream(
+        self,
+        peer_id: PeerID,
+        body: bytes,
+        timeout: float,
+        answer_of: Callable[[int], None] | None = None,
+    ) -> bytes:
         """``timeout`` also bounds the wait for the answer's first frame: a handler may work on a big
-        request (a 100M-parameter submission) for longer than the default before it answers."""
+        request (a 100M-parameter submission) for longer than the default before it answers.
+        ``answer_of(nbytes)`` hears the answer's size once its header is in."""
         label = peer_id.to_base58()
         progress = None if self.on_progress is None else lambda: self._progressed(label)
         what = f"rpc answer from {label}"
 
         async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
             await write_frame(writer, body, progress)
-            return await read_frame(reader, self.max_message_bytes, timeout, what, progress)
+            return await read_frame(
+                reader, self.max_message_bytes, timeout, what, progress, on_length=answer_of
+            )
 
         if self.kept is not None and self.kept.wanted(peer_id):
             answer = await self.kept.call(peer_id, exchange, left_open=_stream_left_open)
@@ -199,7 +223,9 @@ class RPCClient:
             # The server may refuse (oversize) and close before reading everything: its answer says why.
             with contextlib.suppress(ConnectionError, OSError):
                 await write_frame(writer, body, progress)
-            return await read_frame(reader, self.max_message_bytes, timeout, what, progress)
+            return await read_frame(
+                reader, self.max_message_bytes, timeout, what, progress, on_length=answer_of
+            )
         finally:
             await close_writer(writer)
 

@@ -10,6 +10,12 @@ serving everybody else. Budgets are returned when the call's answer is written.
 
 A request's body must arrive within ``read_base + length / min_rate`` seconds (a total deadline, on
 top of the per-chunk idle timeout), and a handler must answer within ``handler_timeout`` seconds.
+
+``SLOWEST_LINK`` is the slowest link FusionNet promises to work over (0.5 Mbit/s: a consumer uplink).
+Both ends size their deadlines by it: the server's ``min_rate``, and the client's (``rpc.client``)
+time for a call, which grows by the request's and the answer's bytes at that rate. Before, the server
+asked 1 MiB/s of every upload and callers gave a 32 MiB state part a fixed 120 s: a healthy job failed
+below about 4 Mbit/s, with a timeout that named neither the link nor the size.
 """
 
 from __future__ import annotations
@@ -19,6 +25,13 @@ from dataclasses import dataclass, field
 
 from fusionnet.errors import WireError
 
+SLOWEST_LINK = 64 * 1024  # bytes/s: 0.5 Mbit/s
+
+
+def transfer_seconds(nbytes: int) -> float:
+    """What ``nbytes`` take at the slowest link FusionNet works over."""
+    return nbytes / SLOWEST_LINK
+
 
 @dataclass(frozen=True)
 class CallLimits:
@@ -27,7 +40,7 @@ class CallLimits:
     bytes_per_peer: int | None = None  # request bytes in flight per peer; None: one largest message
     bytes_total: int | None = None  # for all peers; None: two largest messages
     read_base: float = 30.0  # s: a request body's deadline is read_base + length / min_rate
-    min_rate: float = 1 << 20  # bytes/s a large upload must keep up on average
+    min_rate: float = SLOWEST_LINK  # bytes/s a large upload must keep up on average
     handler_timeout: float = 1800.0  # s a handler may take (above any caller's timeout: a step, 600 s)
 
     def __post_init__(self) -> None:

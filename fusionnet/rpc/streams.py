@@ -29,18 +29,22 @@ async def read_frame(
     reserve: Callable[[int], None] | None = None,
     deadline: Callable[[int], float] | None = None,
     header: bytes | None = None,
+    on_length: Callable[[int], None] | None = None,
 ) -> bytearray:
     """One frame's body. Raises ``WireError`` for garbage, oversize, a stall, a body not in within
     ``deadline(length)`` seconds, or one ``reserve(length)`` refuses; ``IncompleteReadError`` when the
     peer closes the stream early (nothing to answer then). ``progress`` is called per chunk read.
     ``header``: the frame's header, when the caller has read it already (a kept stream's server waits
-    for it longer than for the rest)."""
+    for it longer than for the rest). ``on_length(length)`` learns the body's size once the header is
+    read (a client extends its call's deadline by the time a big answer takes)."""
     if header is None:
         try:
             header = await asyncio.wait_for(reader.readexactly(FRAME_HEADER_LEN), idle_timeout)
         except TimeoutError as e:
             raise WireError(f"{what}: no frame header within {idle_timeout:g} s") from e
     length = parse_frame_header(header, max_bytes, what)
+    if on_length is not None:
+        on_length(length)
     if reserve is not None:
         reserve(length)
     loop = asyncio.get_running_loop()
