@@ -180,9 +180,12 @@ def test_a_broker_whose_known_compnodes_are_gone_starts_anyway(tmp_path: Path) -
 
 
 @pytest.mark.timeout(360)
-def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
-    """A broker SIGKILLed mid-job and started again on its state dir, without ``--initial-peers``, finds
-    its compnodes again and finishes the job from its checkpoint, equal to plain PyTorch."""
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_broker_stopped_and_restarted_resumes_the_job(how: signal.Signals, tmp_path: Path) -> None:
+    """A broker SIGKILLed (or stopped gracefully: SIGTERM, a systemd restart) mid-job and started again on
+    its state dir, without ``--initial-peers``, finds its compnodes again and finishes the job from its
+    checkpoint, equal to plain PyTorch. A graceful stop must not lose more than a crash: its compnodes
+    keep the job's snapshots (it used to release them, and the job started over from step 0)."""
     workdir = tmp_path / "swarm"
     with running_swarm(workdir, [{}, {}]) as sw:
         observer = BlockingObserver(sw.initial_peers)
@@ -208,8 +211,8 @@ def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
             port = sw.broker.maddrs()[0].split("/tcp/")[1].split("/")[0]
             known = (Path(sw.broker.state_dir) / "known_peers").read_text()
             assert all(d.peer_id in known for d in sw.compnodes)  # what the restart rejoins through
-            sw.broker.send(signal.SIGKILL)
-            sw.broker.wait_exit(30)
+            sw.broker.send(how)
+            sw.broker.wait_exit(60)
             sw.broker.reap()
             maddr = f"/ip4/127.0.0.1/tcp/{port}"
             sw.broker = start_daemon(
@@ -237,8 +240,39 @@ def test_broker_sigkill_and_restart_resumes_the_job(tmp_path: Path) -> None:
             for name, blob in files.items():
                 (out / name).write_bytes(blob)
             _check_weights(job_path, out)
-            assert any(e["kind"] == "resumed" for e in status["events"])
+            resumed = [e for e in status["events"] if e["kind"] == "resumed"]
+            assert resumed and resumed[0]["detail"]["step"] > 0, status["events"]
             job_path.unlink()
+        finally:
+            observer.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_grad_job_whose_compnode_dies_while_its_gradients_are_collected_replays_the_last_step(
+    tmp_path: Path,
+) -> None:
+    """The last batch's gradients live on the compnodes until the broker collects them: a compnode
+    killed in that collection (``sync:2``, the 3rd step's) takes its share with it, so the backup runs
+    the last step again and the job succeeds with plain PyTorch's gradients (it used to fail)."""
+    specs: list[dict[str, Any]] = [{"env": {"FUSIONNET_FAULT": "sync:2"}} for _ in range(2)]
+    with running_swarm(tmp_path / "swarm", [*specs, {"backup": True}]) as sw:
+        observer = BlockingObserver(sw.initial_peers)
+        try:
+            observer.wait_online(3, 90)
+            job_path = example_job("mlp", tmp_path, task="grad", steps=3, placement={"compnodes": 2})
+            out = tmp_path / "out"
+            try:
+                asyncio.run(submit_and_wait(job_path, sw.initial_peers, out, timeout=240))
+                ref = run_reference(load_job(job_path))
+            finally:
+                job_path.unlink()
+            assert ref.grads is not None
+            assert _max_diff(load_file(out / "grads.safetensors"), ref.grads) <= TOL
+            assert sum(d.proc.poll() is not None for d in sw.compnodes[:2]) >= 1
+            plan = json.loads((out / "plan.json").read_text())
+            assert any("lost" in r and "replay" in r for r in plan["recoveries"]), plan["recoveries"]
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            assert [r["step"] for r in rows] == [0, 1, 2]
         finally:
             observer.close()
 

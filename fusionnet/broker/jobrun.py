@@ -110,6 +110,7 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
             mtbf=lambda: context.churn.job_mtbf(len(set(self.peers)), time.time()),
         )
         self._outputs: dict[int, dict[str, torch.Tensor]] = {}
+        self._grads: list[dict[str, torch.Tensor]] | None = None  # a grad job's last, per sub-DAG
         self._busy: dict[int, float] = {}  # sub-DAG -> FP+BP+Update seconds over the steps below
         self._busy_steps = 0
         self._next_sync = 0  # one compnode: the first step after which the broker collects again
@@ -144,6 +145,7 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
     # ---- orchestration ---------------------------------------------------------------------------
     async def run(self) -> None:
         job, store = self.job, self.ctx.store
+        broker_stops = False
         try:
             ckpt = await self._initial_checkpoint()
             store.update_job(job.job_id, state=JobState.PLANNING)
@@ -159,6 +161,16 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
                     step += 1
                     in_step = False
                     ckpt = await self._after_step(step, ckpt)
+                    if job.spec.task == "grad" and step == job.spec.step_count:
+                        # The last step's gradients are on its compnodes: taken here, in the loop, so
+                        # that a compnode lost meanwhile (with them) makes that step run again on a
+                        # new placement instead of failing a job a backup could finish.
+                        before_last = replace(ckpt, step=step - 1)
+                        try:
+                            self._grads = await self.watch.guarded(self._collect_grads())
+                        except PeerFailure:
+                            ckpt = before_last  # a grad step changes no parameters: only the count
+                            raise
                     if recovering is not None and step > recovering["failed_step"]:
                         self.recoveries.replayed(recovering)
                         recovering = None
@@ -192,6 +204,7 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
         except asyncio.CancelledError:
             if self.cancel_reason is None:  # the broker stops: the job stays RUNNING, its checkpoint on disk
                 log.warning("job %s: the broker stopped; the job resumes when it is back", job.job_id)
+                broker_stops = True
                 raise
             # ``cancel_job``: the in-flight step is abandoned; the compnodes are released below.
             task = asyncio.current_task()
@@ -212,9 +225,13 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
             self.watch.detach()
             if self._telling:
                 await asyncio.gather(*self._telling, return_exceptions=True)
-            await self._release_all(
-                "the job ended" if self.cancel_reason is None else "the job was cancelled"
-            )
+            if not broker_stops:
+                # Not when the broker stops: released, the compnodes would drop the job's snapshots
+                # (``replicas``), which a restarted broker resumes from (as after a crash); a broker
+                # that never comes back leaves them to expire (``--assignment-ttl``).
+                await self._release_all(
+                    "the job ended" if self.cancel_reason is None else "the job was cancelled"
+                )
             self._update_job_gauges()
             if JobState(self.ctx.store.get_job(job.job_id)["state"]).terminal:
                 # nothing resumes an ended job: its submission and checkpoints would only fill the disk
@@ -324,10 +341,9 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
     async def _collect_results(self, ckpt: Checkpoint) -> RunResult:
         assert self.partition is not None
         job, graph = self.job, self.job.graph
-        grads: list[dict[str, torch.Tensor]] | None = None  # per sub-DAG
-        if job.spec.task == "grad":
-            replies = await self.calls.collect(self.peers, subdags=range(len(self.peers)))
-            grads = [unpack_tensors(r.grads, f"grads from {p}") for p, r in zip(self.peers, replies)]
+        grads = self._grads
+        if job.spec.task == "grad" and grads is None:
+            raise AssertionError(f"job {job.job_id}: a grad job ended without its gradients")
         steps = max(self._busy_steps, 1)
         measured = {i: t / steps for i, t in self._busy.items()}
         plan = plan_document(
@@ -364,6 +380,11 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
         # the broker never holds the model, not even for the results.
         weights = StateView(graph.state_keys, ckpt.state, graph.aliases)
         return replace(result, weights=weights, measured_seconds=measured)
+
+    async def _collect_grads(self) -> list[dict[str, torch.Tensor]]:
+        """A grad job's last gradients, per sub-DAG, from the compnodes that computed them."""
+        replies = await self.calls.collect(self.peers, subdags=range(len(self.peers)))
+        return [unpack_tensors(r.grads, f"grads from {p}") for p, r in zip(self.peers, replies)]
 
     async def _release_all(self, why: str, only: list[str] | None = None) -> None:
         peers = self.peers if only is None else only
