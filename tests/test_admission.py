@@ -149,7 +149,7 @@ def test_quotas_per_submitter(tmp_path: Path, submission: dict[str, Any]) -> Non
         await service.rpc_submit_job(submission, ctx("submit_job"))
         await asyncio.wait_for(fake.in_flight.wait(), 60)
         second = signed(SubmitJobRequest.model_validate({**submission, "request_id": "other"}), SIGNER)
-        with pytest.raises(JobError, match=r"2 running jobs of this submitter exceeds .* of 1"):
+        with pytest.raises(JobError, match=r"2 jobs and deployments of this submitter live exceeds .* of 1"):
             await service.rpc_submit_job(second.model_dump(), ctx("submit_job"))
         other = signed(SubmitJobRequest.model_validate({**submission, "request_id": "o"}), OTHER)
         assert (await service.rpc_submit_job(other.model_dump(), ctx("submit_job", OTHER_PEER)))["job_id"]

@@ -11,6 +11,9 @@ Every submission is signed by its submitter's key (``messages.auth``); the broke
 
 Per-submitter quotas (``--max-jobs-per-submitter``, ``--max-steps``, ``--max-graph-nodes``,
 ``--max-submission-mb``) bound what one key can take of the swarm; a refusal names the limit and the flag.
+A submitter's live jobs and deployments count against ``--max-jobs-per-submitter`` together, each from the
+moment its admission passed the check (a ``Hold``, taken with no await between check and count, so that
+concurrent admissions see each other) until it fails or ends.
 A job's status details, its results and its cancellation are for its submitter only (``check_owner``).
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +94,24 @@ def loopback_only(host_maddrs: Sequence[str]) -> bool:
     return bool(host_maddrs)
 
 
+class Hold:
+    """One live job or deployment of a submitter, counted by its ``Admission`` until ``release``."""
+
+    def __init__(self, live: Counter[str], submitter: str) -> None:
+        self._live: Counter[str] | None = live
+        self.submitter = submitter
+        live[submitter] += 1
+
+    def release(self) -> None:
+        """Gives the place back; again is a no-op (a failed admission and its ended task may both call)."""
+        if self._live is None:
+            return
+        self._live[self.submitter] -= 1
+        if self._live[self.submitter] <= 0:
+            del self._live[self.submitter]
+        self._live = None
+
+
 @dataclass
 class Admission:
     """The broker's submission policy, built once at start-up."""
@@ -98,6 +120,8 @@ class Admission:
     open: bool
     _allowed: frozenset[str] = frozenset()
     _mtime: float = field(default=-1.0)
+    # submitter -> its jobs and deployments live or being admitted (the ``Hold``s not released)
+    _live: Counter[str] = field(default_factory=Counter)
 
     @classmethod
     def create(cls, config: AdmissionConfig, host_maddrs: Sequence[str]) -> Admission:
@@ -162,12 +186,35 @@ class Admission:
             "this broker takes no submissions (its operator set neither --submitters nor --open-submissions)"
         )
 
+    def live(self, submitter: str) -> int:
+        """The submitter's jobs and deployments that hold a place now (admitted, or being admitted)."""
+        return self._live[submitter]
+
+    def hold(self, submitter: str, *, check: bool = True) -> Hold:
+        """A place among the submitter's live jobs and deployments, refused over
+        ``--max-jobs-per-submitter``. Counted at once: an admission awaits a lot after its check (hashing,
+        decoding, writing the state), and a count of launched work only would let concurrent ones all pass.
+        ``check=False``: counted, never refused (a job resumed after a restart was admitted before)."""
+        if check:
+            self.check_quota(submitter, running=self._live[submitter], steps=0, nodes=0, nbytes=0)
+        return Hold(self._live, submitter)
+
+    def check_size(self, nbytes: int) -> None:
+        """Refuses a submission (a job's or a deployment's) over ``--max-submission-mb``: checked before its
+        signature is verified, since that hashes all of it (seconds at gigabytes)."""
+        limit = self.config.max_submission_bytes
+        if nbytes > limit:
+            raise JobError(
+                f"submission refused: {nbytes} submission bytes exceed this broker's limit of {limit} "
+                "(--max-submission-mb)"
+            )
+
     def check_quota(self, submitter: str, *, running: int, steps: int, nodes: int, nbytes: int) -> None:
         """Refuses a job over one of the per-submitter limits, naming the limit and its flag."""
         c = self.config
         for what, value, limit, flag in (
             (
-                "running jobs of this submitter",
+                "jobs and deployments of this submitter live",
                 running + 1,
                 c.max_jobs_per_submitter,
                 "--max-jobs-per-submitter",

@@ -1,10 +1,11 @@
 """Deployments on the broker (issue 14): the ``deploy``/``undeploy``/``deployments`` RPCs and the HTTP API.
 
 ``deploy`` checks the submission as ``submit_job`` does (IR through the allowlist, state against the IR,
-example data against the spec), creates a job row (so the deployment shows in ``fusionnet status`` and
-its placement events are recorded like a job's), starts a ``DeploymentRun`` and answers once the
-sub-DAGs are assigned, with the endpoint URL. Each deployment gets a ``DynamicBatcher`` feeding its
-run, which the HTTP API (``fusionnet.serving.http``, on ``--http-port``) looks up by name.
+example data against the spec, the per-submitter quotas, where a live deployment counts as a job),
+creates a job row (so the deployment shows in ``fusionnet status`` and its placement events are recorded
+like a job's), starts a ``DeploymentRun`` and answers once the sub-DAGs are assigned, with the endpoint
+URL. Each deployment gets a ``DynamicBatcher`` feeding its run, which the HTTP API
+(``fusionnet.serving.http``, on ``--http-port``) looks up by name.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from fusionnet.broker.admission import Admission
+from fusionnet.broker.admission import Admission, Hold
 from fusionnet.broker.checkpoints import JobFiles
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.deployment_run import DeploymentRun
@@ -80,6 +81,9 @@ class DeploymentService:
         # names of deployments being accepted: a second deploy of one (a retried call, say) while the
         # first awaits its submission must be refused, not overwrite it and leave its compnodes held
         self._arriving: set[str] = set()
+        # name -> its place in its submitter's --max-jobs-per-submitter (counted with its jobs) while it
+        # is accepted; then its run task keeps it until it ends
+        self._holds: dict[str, Hold] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         # name -> who undeployed it, for the last few: a repeated undeploy (the RPC client retries a
         # stream that closed before its answer) gets the first one's answer, not "no deployment"
@@ -185,6 +189,8 @@ class DeploymentService:
 
     async def _who_deploys(self, request: DeployRequest, context: RPCContext) -> str:
         """The submitter of a deploy signed by one this broker takes work from, else ``JobError``."""
+        sub = request.submission
+        self.admission.check_size(len(sub.ir) + len(sub.state) + len(sub.data))  # before hashing it all
         subject = await asyncio.to_thread(deploy_subject, request)  # hashes the state: seconds at GBs
         caller = str(context.remote_peer)
         return self.admission.authorise(
@@ -211,11 +217,18 @@ class DeploymentService:
             raise JobError(
                 f"the broker already serves {MAX_DEPLOYMENTS} deployments (its most); undeploy one first"
             )
+        # Counted from the check on, with no await between: concurrent deploys and submissions of one
+        # submitter each see the others' (its jobs hold theirs in the same ``Admission``).
+        hold = self._holds[name] = self.admission.hold(submitter)
         self._arriving.add(name)
         try:
             return await self._deploy(name, request, submitter)
+        except BaseException:
+            hold.release()
+            raise
         finally:
             self._arriving.discard(name)
+            self._holds.pop(name, None)
 
     async def _deploy(self, name: str, request: DeployRequest, submitter: str) -> DeployReply:
         job = await self._accept(request, submitter)
@@ -270,7 +283,13 @@ class DeploymentService:
             self.observer.serve_deployment(name)
             self.observer.observe_deployments(len(self.served))
         self.ctx.live_jobs.add(job.job_id)  # until its run ends (undeployed, or failed)
-        task.add_done_callback(lambda _t: self.ctx.live_jobs.discard(job.job_id))
+        hold = self._holds.pop(name)  # so is its place in its submitter's quota
+
+        def ended(_t: asyncio.Task[None]) -> None:
+            self.ctx.live_jobs.discard(job.job_id)
+            hold.release()
+
+        task.add_done_callback(ended)
         placed = asyncio.ensure_future(run.placed.wait())
         await asyncio.wait({placed, task}, timeout=PLACE_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
         placed.cancel()
@@ -290,6 +309,7 @@ class DeploymentService:
         if spec.task != "infer":
             raise JobError(f"deploy: the submission's task must be infer, got {spec.task!r}")
         graph = await asyncio.to_thread(decode_ir, sub.ir)
+        self.admission.check_quota(submitter, running=0, steps=0, nodes=len(graph.nodes), nbytes=0)
         if graph.task != "infer":
             raise JobError(f"deploy: the IR was traced for task {graph.task!r}, not infer")
         job_id = secrets.token_hex(6)

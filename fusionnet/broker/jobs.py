@@ -22,7 +22,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from fusionnet.broker.admission import Admission, check_owner
+from fusionnet.broker.admission import Admission, Hold, check_owner
 from fusionnet.broker.checkpoints import JobFiles
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.jobrun import JobRun, mark_cancelled
@@ -78,6 +78,9 @@ class JobService:
         # submissions being taken in, and how many calls of each wait on or hold its lock
         self._submitting: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}
         self.admission = Admission.create(context.settings.admission, context.settings.common.dht.host_maddrs)
+        # submissions past the MAX_RUNNING_JOBS check and not launched or refused yet: counted with the
+        # running ones, or concurrent submissions would all pass the check while each awaits its checks
+        self._admitting = 0
         self._uploads: StateUploads | None = None
 
     @property
@@ -107,7 +110,7 @@ class JobService:
                 )
                 continue
             log.info("job %s: resuming after a broker restart", job.job_id)
-            self._launch(job, resume=True)
+            self._launch(job, self.admission.hold(job.submitter, check=False), resume=True)
 
     def _load(self, job_id: str, submitter: str) -> SubmittedJob:
         files = JobFiles(self.jobs_dir / job_id)
@@ -124,7 +127,8 @@ class JobService:
             submitter=submitter,
         )
 
-    def _launch(self, job: SubmittedJob, *, resume: bool = False) -> None:
+    def _launch(self, job: SubmittedJob, hold: Hold, *, resume: bool = False) -> None:
+        """Starts the job's run, which keeps ``hold`` (its place in its submitter's quota) until it ends."""
         run = JobRun(self.ctx, job, self.jobs_dir / job.job_id, resume=resume)
         self.runs[job.job_id] = run
         task = asyncio.get_running_loop().create_task(run.run(), name=f"job-{job.job_id}")
@@ -134,6 +138,7 @@ class JobService:
         def ended(_t: asyncio.Task[None]) -> None:
             self._tasks.pop(job.job_id, None)
             self.ctx.live_jobs.discard(job.job_id)
+            hold.release()
 
         task.add_done_callback(ended)
 
@@ -142,12 +147,9 @@ class JobService:
             task.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
-    def _running(self, submitter: str | None = None) -> int:
-        return sum(
-            1
-            for job_id, t in self._tasks.items()
-            if not t.done() and (submitter is None or self.runs[job_id].job.submitter == submitter)
-        )
+    def _running(self) -> int:
+        """Jobs running, and those admitted but not launched yet (``_admitting``)."""
+        return sum(1 for t in self._tasks.values() if not t.done()) + self._admitting
 
     def _owner(self, job_id: str, auth: SubmitterAuth | None, context: RPCContext) -> dict:
         """The job's row, when the caller signed as its submitter (``admission.check_owner``)."""
@@ -171,11 +173,7 @@ class JobService:
             upload = request.state_upload
             uploader, state_bytes, state_sha256 = await asyncio.to_thread(self.uploads.sha256, upload)
         nbytes = len(request.ir) + state_bytes + len(request.data)
-        limit = self.admission.config.max_submission_bytes
-        if nbytes > limit:  # before hashing gigabytes
-            raise JobError(
-                f"submission refused: {nbytes} submission bytes exceed this broker's limit of {limit}"
-            )
+        self.admission.check_size(nbytes)  # before hashing gigabytes
         spec = request.spec.model_dump(mode="json")
         digest = await asyncio.to_thread(
             partial(submission_digest, state_sha256=state_sha256),
@@ -190,9 +188,9 @@ class JobService:
         )
         if uploader is not None and uploader != submitter:
             raise JobError(f"upload {request.state_upload}: not this submitter's upload")
-        self.admission.check_quota(
-            submitter, running=self._running(submitter), steps=request.spec.step_count, nodes=0, nbytes=nbytes
-        )
+        # its running jobs are counted in ``_accept``: a repeat of an accepted submission is not refused
+        steps = request.spec.step_count
+        self.admission.check_quota(submitter, running=0, steps=steps, nodes=0, nbytes=nbytes)
         return submitter
 
     # ---- RPC -------------------------------------------------------------------------------------
@@ -222,8 +220,24 @@ class JobService:
                 del self._submitting[key]
 
     async def _accept(self, request: SubmitJobRequest, submitter: str, context: RPCContext) -> SubmitJobReply:
+        # Both caps are checked and counted before the first await: the count lasts until the job is
+        # launched (then its task counts, and keeps the hold) or refused.
         if self._running() >= MAX_RUNNING_JOBS:
             raise JobError(f"the broker already runs {MAX_RUNNING_JOBS} jobs; try again later")
+        hold = self.admission.hold(submitter)
+        self._admitting += 1
+        try:
+            return await self._take_in(request, submitter, context, hold)
+        except BaseException:
+            hold.release()
+            raise
+        finally:
+            self._admitting -= 1
+
+    async def _take_in(
+        self, request: SubmitJobRequest, submitter: str, context: RPCContext, hold: Hold
+    ) -> SubmitJobReply:
+        """The checks, files and row of an admitted submission, then its launch (with ``hold``)."""
         spec = request.spec
         graph = await asyncio.to_thread(decode_ir, request.ir)
         self.admission.check_quota(submitter, running=0, steps=0, nodes=len(graph.nodes), nbytes=0)
@@ -259,7 +273,7 @@ class JobService:
             submitter=submitter,
         )
         await asyncio.to_thread(files.save_submission, spec.model_dump(mode="json"), job.ir, None, data)
-        self._launch(job)
+        self._launch(job, hold)
         log.info(
             "job %s (%s, %s, %d steps) accepted from submitter %s (peer %s)",
             job_id,

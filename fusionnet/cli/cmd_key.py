@@ -25,8 +25,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fusionnet.runtime.submitter import Signer, default_key_path, load_or_create_key
+    from fusionnet.runtime.submitter import Signer, load_or_create_key
 
-    path = args.key or default_key_path()
-    print(Signer(load_or_create_key(path), "", "").submitter_id)
+    # None: the default key (the loader's errors then name $FUSIONNET_KEY or the default, not --key)
+    print(Signer(load_or_create_key(args.key), "", "").submitter_id)
     return 0

@@ -249,12 +249,11 @@ def status_key(path: Path | None) -> Any:
     from fusionnet.runtime.submitter import default_key_path, load_or_create_key
 
     if path is None:
-        path = default_key_path()
-        if not path.is_file():
+        if not default_key_path().is_file():
             return None
-    elif not path.is_file():
+    elif not path.exists():  # a directory or a file of garbage is not "no such file": the loader says what
         raise ValueError(f"--key: {path}: no such key file (status never makes one; `fusionnet key` does)")
-    return load_or_create_key(path)
+    return load_or_create_key(path)  # None: the default key, named as such in its errors
 
 
 def _own_jobs_auth(observer: Any, key: Any) -> Any:

@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fusionnet.dht.identity import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE
+from fusionnet.errors import JobError
 from fusionnet.messages.auth import SubmitterAuth, public_bytes, sign_auth, submitter_id
 
 KEY_NAME = "submitter.key"
@@ -41,13 +42,31 @@ def _raw(key: Ed25519PrivateKey) -> bytes:
 def _read(path: Path) -> Ed25519PrivateKey:
     data = path.read_bytes()
     if len(data) != 32:
-        raise ValueError(f"{path}: not a FusionNet submitter key (32 bytes expected, got {len(data)})")
+        raise ValueError(f"not a FusionNet submitter key (32 bytes expected, got {len(data)})")
     return Ed25519PrivateKey.from_private_bytes(data)
 
 
 def load_or_create_key(path: Path | None = None) -> Ed25519PrivateKey:
-    """The key stored at ``path`` (default ``default_key_path()``); a new one when there is none."""
+    """The key stored at ``path`` (a command's ``--key FILE``; default ``default_key_path()``); a new one
+    when there is none. A file that is no key, or cannot be read or made, is the user's input: ``JobError``
+    naming where the path came from (exit 2, one line), never an internal error of every command."""
+    where = "--key"
+    if path is None:
+        where = "$FUSIONNET_KEY" if os.environ.get("FUSIONNET_KEY") else "submitter key"
     path = default_key_path() if path is None else Path(path)
+    try:
+        return _load_or_create(path)
+    except IsADirectoryError:
+        raise JobError(f"{where} {path}: is a directory, not a key file") from None
+    except (FileExistsError, NotADirectoryError):  # from making its folder: a file is in the way
+        raise JobError(f"{where} {path}: cannot create it ({path.parent} is not a directory)") from None
+    except OSError as e:
+        raise JobError(f"{where} {path}: cannot read or create it ({e.strerror or e})") from None
+    except ValueError as e:  # a file of the wrong size; a NUL byte in the path
+        raise JobError(f"{where} {path}: {e}") from None
+
+
+def _load_or_create(path: Path) -> Ed25519PrivateKey:
     if path.exists():
         return _read(path)
     path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
