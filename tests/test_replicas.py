@@ -230,6 +230,18 @@ def test_snapshot_files_complete_listed_pruned_and_dropped(tmp_path: Path) -> No
     assert store.held("j", 1) == {} and not (tmp_path / "j").exists()
 
 
+def test_what_an_earlier_process_left_is_dropped_at_start(tmp_path: Path) -> None:
+    """A compnode SIGKILLed mid-job and restarted on its state dir holds no job: the snapshots its last
+    run kept can never be asked for again, and go (``SubtaskService.start`` calls this)."""
+    assert ReplicaStore(tmp_path / "none").drop_leftovers() == []
+    old = ReplicaStore(tmp_path)
+    old.put("crashed", 1, 0, 4, (0, 1, "state"), b"s4")
+    old.put("other", 2, 1, 6, (0, 1, "state"), b"s6")
+    (tmp_path / "stray.tmp").write_bytes(b"x")
+    assert ReplicaStore(tmp_path).drop_leftovers() == ["crashed", "other", "stray.tmp"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_snapshot_is_cut_into_chunks_that_load_back_to_it() -> None:
     tensors = {f"w{i}": torch.full((1000,), float(i)) for i in range(10)}  # 4000 bytes each
     chunks = pack_chunks("state", tensors, limit=9000)

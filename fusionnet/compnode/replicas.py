@@ -164,6 +164,22 @@ class ReplicaStore:
     def drop(self, job_id: str) -> None:
         shutil.rmtree(self._job(job_id), ignore_errors=True)
 
+    def drop_leftovers(self) -> list[str]:
+        """Deletes what an earlier process of this state dir left (a SIGKILLed compnode restarted with
+        its identity): the jobs it held were released with it, and snapshots answer only for a job
+        held now (``replica_rpc``), so nobody could ever ask for them; without this each crash left up
+        to two sub-DAGs' parameters and optimizer state on the disk for good. The job ids dropped."""
+        if not self.folder.is_dir():
+            return []
+        gone = sorted(p.name for p in self.folder.iterdir())
+        for name in gone:
+            path = self.folder / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        return gone
+
 
 Pack = Awaitable[tuple[list[Chunk], float]]  # -> chunks, compute-thread seconds
 Send = Callable[[int, int, int, Chunk], Awaitable[bool]]  # step, index, count, chunk -> complete there
