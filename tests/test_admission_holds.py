@@ -81,7 +81,7 @@ def test_submissions_sent_at_once_do_not_get_past_the_submitters_quota(
         accepted, refused = _outcomes(await asyncio.gather(*calls, return_exceptions=True))
         assert len(accepted) == 2 and len(refused) == 3, refused
         for said in refused:
-            assert "jobs and deployments of this submitter live exceeds this broker's limit of 2" in said, said
+            assert "of this submitter live exceeds this broker's limit of 2" in said, said
             assert said.endswith("(--max-jobs-per-submitter)"), said
         assert service.admission.live(ME) == 2 and not service._admitting
         # another submitter's quota is its own

@@ -149,7 +149,11 @@ def add_admission_flags(p: Any) -> None:
         help="any submitter key may submit (logged as a warning; quotas still apply per key)",
     )
     for flag, default, what in (
-        ("--max-jobs-per-submitter", 4, "jobs (queued or running) and deployments one submitter may have at once"),
+        (
+            "--max-jobs-per-submitter",
+            4,
+            "jobs (queued or running) and deployments one submitter may have at once",
+        ),
         ("--max-steps", 100_000, "steps of one job"),
         ("--max-graph-nodes", 20_000, "IR nodes of one job"),
     ):
