@@ -150,7 +150,8 @@ def test_prober_fits_the_simulated_link() -> None:
     # 40 ms, 25 MB/s: far above the event loop's jitter, also on a loaded 2-core machine (at 10 ms and
     # 100 MB/s a load average of 14 skewed the fitted beta by 90 %)
     wire = Wire(alpha=0.04, beta=40e-9)
-    link, samples = asyncio.run(wire.a.measure(1, [1, 1 << 20, 2 << 20], 2))
+    measured = asyncio.run(wire.a.measure(1, [1, 1 << 20, 2 << 20], 2))
+    link, samples = measured.link, measured.samples
     assert [n for n, _ in samples] == [1, 1 << 20, 2 << 20]
     # round trip = probe there (alpha + beta M) + echo back (alpha + beta)
     assert link.alpha == pytest.approx(0.04, rel=0.3)

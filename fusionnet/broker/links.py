@@ -25,7 +25,12 @@ PROBE_TIMEOUT = 20.0  # seconds for one compnode's probes (a few dozen round tri
 def parse_probe_reply(reply: object) -> dict[int, Link]:
     """``probe_links``'s answer as sub-DAG index -> ``Link``; entries that are not two finite,
     non-negative numbers are left out (a confused or hostile compnode cannot poison the planner)."""
-    out: dict[int, Link] = {}
+    return {i: link for i, (link, _) in parse_probed_links(reply).items()}
+
+
+def parse_probed_links(reply: object) -> dict[int, tuple[Link, bool]]:
+    """``parse_probe_reply``, with whether each link is a bound (too slow for its probes to fit)."""
+    out: dict[int, tuple[Link, bool]] = {}
     links = reply.get("links") if isinstance(reply, dict) else None
     if not isinstance(links, dict):
         return out
@@ -37,7 +42,8 @@ def parse_probe_reply(reply: object) -> dict[int, Link]:
             isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v < 60
             for v in (alpha, beta)
         ):
-            out[int(key)] = Link(alpha=float(alpha), beta=float(beta))  # type: ignore[arg-type]
+            link = Link(alpha=float(alpha), beta=float(beta))  # type: ignore[arg-type]
+            out[int(key)] = (link, doc.get("bound") is True)
     return out
 
 
@@ -50,7 +56,8 @@ async def probe_placement(
     """Asks every sub-DAG's compnode (``peers[i]``) to time its links to the sub-DAGs it sends to
     (``consumers[i]``) that ``book`` has no fresh estimate of, all at once, and records the answers.
     A compnode that cannot probe costs only precision (its links keep the default figures; a dead one
-    is found by the next step). Returns whether anything was probed."""
+    is found by the next step), and is not asked again for a while (``LinkBook.probe_failed``): each
+    try costs a placement up to ``PROBE_TIMEOUT``. Returns whether anything was probed."""
     # One probe per pair of compnodes, however many sub-DAGs each holds (interleaved chunks): sent by
     # the sender's first sub-DAG, to the first sub-DAG of each compnode it feeds.
     first: dict[str, int] = {}
@@ -63,18 +70,20 @@ async def probe_placement(
                 wanted.setdefault(first[peers[i]], set()).add(first[peers[c]])
     calls, senders = [], []
     for i, to in sorted(wanted.items()):
-        senders.append(i)
+        senders.append((i, sorted(to)))
         calls.append(call(peers[i], "probe_links", {"job_id": job_id, "to": sorted(to)}, PROBE_TIMEOUT))
     if not calls:
         return False
     started = time.monotonic()
     replies = await asyncio.gather(*calls, return_exceptions=True)
-    for i, reply in zip(senders, replies):
+    for (i, to), reply in zip(senders, replies):
         if isinstance(reply, BaseException):
             log.warning("job %s: link probe from %s failed: %s", job_id, peers[i], reply)
+            for c in to:
+                book.probe_failed(peers[i], peers[c])
             continue
-        for dst, link in parse_probe_reply(reply).items():
+        for dst, (link, bound) in parse_probed_links(reply).items():
             if 0 <= dst < len(peers) and peers[dst] != peers[i]:
-                book.record(peers[i], peers[dst], link)
+                book.record(peers[i], peers[dst], link, bound)
     log.info("job %s: links probed in %.3f s", job_id, time.monotonic() - started)
     return True

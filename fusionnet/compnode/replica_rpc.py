@@ -41,6 +41,7 @@ from fusionnet.wire.frames import TensorFrame
 
 if TYPE_CHECKING:
     from fusionnet.compnode.job_host import HeldJob
+    from fusionnet.compnode.tcp_down import DownPeers
     from fusionnet.wire.datapath import DataPathClient
 
 log = logging.getLogger("fusionnet.compnode.replicas")
@@ -55,7 +56,7 @@ class ReplicaRPC:
     replicas: ReplicaStore
     landings: Landings
     bulk: DataPathClient | None  # a connection of its own per holder, beside the activations'
-    _tcp_down: set[str]
+    _tcp_down: DownPeers
     replica_refused: dict[str, int]  # job id -> replica frames refused
 
     def _job(self, request: JobRequest, context: RPCContext) -> HeldJob:

@@ -40,6 +40,7 @@ from fusionnet.compnode.sandbox_ipc import (
     int_field,
 )
 from fusionnet.compnode.sandbox_worker import EXIT_NO_ANSWER, WorkerConfig, main
+from fusionnet.compnode.tcp_down import Down, DownPeers
 from fusionnet.errors import ComputeError, ExecutionError, FusionNetError
 from fusionnet.messages.compnode_rpc import AssignRequest, CollectReply
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest
@@ -76,6 +77,9 @@ class SandboxPool:
             fault.share()
         # Told a worker's pid when it starts and just before it stops (``metrics.workers``: its CPU).
         self.look: Callable[[int], None] | None = None
+        # The daemon's peers that TCP failed to: a new worker starts with them, a worker's own failures
+        # are marked there (``tcp_down``).
+        self.tcp_down: DownPeers | None = None
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload(PRELOAD)
         self._warming: asyncio.Future[None] | None = None
@@ -126,6 +130,7 @@ class SandboxPool:
             direct_sends=self.direct_sends,
             direct_receives=handoff is not None,
             inline_seconds=self.inline_seconds,
+            tcp_down=() if self.tcp_down is None else tuple(self.tcp_down.entries()),
         )
         args = (theirs, config) if handoff is None else (theirs, config, handoff[1])
         process = self.context.Process(target=main, args=args, name=f"fusionnet-job-{job_id}", daemon=True)
@@ -190,6 +195,7 @@ class SandboxedJob:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._broker, self._device = "", ""  # of the first ``assign``: the job's later chunks share them
+        self._addresses: list[tuple[str, str | None]] = []  # each sub-DAG's peer and data path address
 
     # ---- life ------------------------------------------------------------------------------------
     async def assign(self, request: AssignRequest, broker: str, device: str) -> tuple[int, int]:
@@ -206,6 +212,8 @@ class SandboxedJob:
         return await self._assign(request)
 
     async def _assign(self, request: AssignRequest) -> tuple[int, int]:
+        if not self._addresses:  # every chunk of the job names the same peers
+            self._addresses = [(p.peer_id, p.data_address) for p in request.peers]
         doc = request.model_dump(exclude={"state", "optim"}) | {"state": b"", "optim": None}
         blobs: list[Any] = [msgpack.packb(doc, use_bin_type=True), request.state]
         if request.optim is not None:
@@ -327,12 +335,44 @@ class SandboxedJob:
             frame = frame_of(header, blobs)
             if frame.job_id != self.job_id:
                 raise IPCError(f"the worker sent a frame of job {frame.job_id!r}")
+            failed = header.get("tcp_failed")
+            if isinstance(failed, str):  # a hint: never a reason to refuse the value itself
+                self._tcp_failed(dst, failed[:2000])
             await self._send(dst, frame)
         except Exception as e:
             reply["error"] = [type(e).__name__, str(e)[:2000]]
         if self.channel is not None and not self._closed:
             with contextlib.suppress(OSError):
                 await self.channel.send(reply)
+
+    def _tcp_failed(self, dst: int, why: str) -> None:
+        """The worker's TCP to sub-DAG ``dst`` failed: the daemon does not dial that address either (only
+        a peer of this job can be named: a worker cannot send the daemon's other jobs off TCP)."""
+        if self.pool.tcp_down is None or not 0 <= dst < len(self._addresses):
+            return
+        peer, address = self._addresses[dst]
+        if address and self.pool.tcp_down.mark(peer, address, why):
+            log.warning("job %s: worker's TCP to %s failed (%s); using P2P streams", self.job_id, peer, why)
+
+    def tell_down(self, down: Down) -> None:
+        """A peer of this job the daemon found TCP down to: the worker stops dialling it too."""
+        if self.channel is None or self._closed or self._failure is not None:
+            return
+        if (down.peer_id, down.address) not in self._addresses:
+            return
+        message = {
+            "op": "down",
+            "peer": down.peer_id,
+            "address": down.address,
+            "why": down.why[:2000],
+            "seconds": down.seconds_left,
+        }
+        self._spawn(self._tell(message))
+
+    async def _tell(self, message: dict[str, Any]) -> None:
+        if self.channel is not None and not self._closed:
+            with contextlib.suppress(OSError):
+                await self.channel.send(message)
 
     async def _call(
         self,

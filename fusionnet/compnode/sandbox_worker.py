@@ -48,6 +48,7 @@ from fusionnet.compnode.sandbox_ipc import (
     int_field,
     str_field,
 )
+from fusionnet.compnode.tcp_down import Down
 from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.compnode.worker_receives import DirectReceiver
 from fusionnet.compnode.worker_sends import DirectSender
@@ -84,6 +85,7 @@ class WorkerConfig:
     direct_sends: bool = True  # values to peers over the worker's own TCP (``worker_sends``)
     direct_receives: bool = False  # values from peers read by the worker (``worker_receives``)
     inline_seconds: float = 0.0  # stretches this short run on the worker's loop (``dag.short_stretches``)
+    tcp_down: tuple[Down, ...] = ()  # peers the daemon found TCP down to: not dialled (``tcp_down``)
 
 
 def _die_with_parent() -> None:
@@ -143,7 +145,9 @@ class Worker:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._snapshots: dict[int, list[bytes | None]] = {}  # packed chunks by snapshot call, until fetched
         self.relayed_refused = 0  # relayed frames that were not frames (``_deliver``)
-        self.direct = DirectSender(config.peer_id, config.job_id) if config.direct_sends else None
+        self.direct = (
+            DirectSender(config.peer_id, config.job_id, config.tcp_down) if config.direct_sends else None
+        )
         self.receives = None if handoff is None else DirectReceiver(config.peer_id, handoff)
 
     async def serve(self) -> None:
@@ -166,6 +170,8 @@ class Worker:
                         self._deliver(header, blobs)
                 elif op == "sent":
                     self._sent(header)
+                elif op == "down":  # a peer the daemon found TCP down to: no connect of ours waits on it
+                    self._learn_down(header)
                 elif op == "snapshot":  # queued on the compute thread now, before any later step
                     self._spawn(self._reply_snapshot(header))
                 else:
@@ -177,6 +183,16 @@ class Worker:
                 await self.direct.close()
             if self.receives is not None:
                 await self.receives.close()
+
+    def _learn_down(self, header: dict[str, Any]) -> None:
+        if self.direct is None:
+            return
+        seconds = header.get("seconds")
+        if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+            log.warning("ignored a 'down' message without its seconds")  # a hint only: the job goes on
+            return
+        peer, address = str_field(header, "peer", 256), str_field(header, "address", 300)
+        self.direct.learn(Down(peer, address, str_field(header, "why", 2000), float(seconds)))
 
     def _deliver(self, header: dict[str, Any], blobs: list[Any]) -> None:
         """A peer's frame the daemon relayed. One that cannot be made a frame is refused and logged: it
@@ -363,6 +379,9 @@ class Worker:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._sends[send_id] = done
         header, blobs = frame_message(frame)
+        failed = None if self.direct is None else self.direct.take_failure(dst)
+        if failed is not None:  # the daemon marks that peer down too: it does not dial it again
+            header["tcp_failed"] = failed[:2000]
         try:
             await self.channel.send({"op": "send", "id": send_id, "dst": dst, **header}, blobs)
             await done

@@ -33,13 +33,14 @@ from fusionnet.compnode.assign_rpc import MAX_JOBS, AssignRPC, Build
 from fusionnet.compnode.daemon import CompnodeDaemon
 from fusionnet.compnode.faults import FaultPoint
 from fusionnet.compnode.job_host import HeldJob
-from fusionnet.compnode.linkprobe import LinkProber, check_probe_request
+from fusionnet.compnode.linkprobe import PROBE_BUDGET, LinkProber, check_probe_request
 from fusionnet.compnode.replica_frames import Landings
 from fusionnet.compnode.replica_rpc import ReplicaRPC
 from fusionnet.compnode.replicas import ReplicaStore
 from fusionnet.compnode.sandbox_client import SandboxedJob, SandboxPool
 from fusionnet.compnode.staging import StateStaging
 from fusionnet.compnode.step_rpc import StepRPC
+from fusionnet.compnode.tcp_down import Down, DownPeers
 from fusionnet.compnode.trust import TrustedBrokers, forgotten_jobs, stale_jobs
 from fusionnet.daemon.addresses import announced_host
 from fusionnet.dht.records import join_host_port
@@ -80,7 +81,9 @@ class SubtaskService(AssignRPC, ReplicaRPC, StepRPC):
         self.landings = Landings()
         self.replica_refused: dict[str, int] = {}
         self.p2p: Any = None  # P2PDataPath, imported lazily (hivemind import cost)
-        self._tcp_down: set[str] = set()  # peers whose TCP address failed: use P2P for them
+        # Peers whose TCP address failed: P2P for them until ``tcp_down.RETRY_AFTER``; shared with the
+        # sandbox workers, which would otherwise each pay the connect timeout again.
+        self._tcp_down = DownPeers(on_mark=self._tell_workers)
         self._released: dict[str, asyncio.Event] = {}
         self._probers: dict[str, LinkProber] = {}
         # Jobs whose assignment is being built (a sandbox worker forking and decoding it can take
@@ -99,6 +102,7 @@ class SubtaskService(AssignRPC, ReplicaRPC, StepRPC):
         self.sandboxes = SandboxPool.of(settings, self.fault) if settings.sandbox else None
         if self.sandboxes is not None:
             self.sandboxes.look = compnode.metrics.workers.look
+            self.sandboxes.tcp_down = self._tcp_down
 
     @property
     def replicas(self) -> ReplicaStore:
@@ -113,6 +117,9 @@ class SubtaskService(AssignRPC, ReplicaRPC, StepRPC):
         from fusionnet.wire.p2p_path import P2PDataPath
 
         settings = self.node.settings
+        left = await asyncio.to_thread(self.replicas.drop_leftovers)  # before any job: none of them is ours
+        if left:
+            log.info("dropped the snapshots of %d job(s) an earlier run of this compnode left", len(left))
         self.server = DataPathServer(peer_id=self.node.peer_id)
         self.server.handoff = self._hand_off
         self.server.receiver.on_refusal = self.node.metrics.count_refusal
@@ -215,19 +222,26 @@ class SubtaskService(AssignRPC, ReplicaRPC, StepRPC):
         self, client: DataPathClient, job: HeldJob, dst: int, frame: TensorFrame, otherwise: str
     ) -> bool:
         """``frame`` to sub-DAG ``dst``'s compnode over the direct data path; False when that compnode has
-        no data path address or its TCP path is down (a failure marks it down for every later frame, and
-        the caller falls back: ``otherwise`` says how, in the log)."""
+        no data path address or its TCP path is down (a failure marks it down for every later frame until
+        ``tcp_down.RETRY_AFTER``, for this daemon and its workers, and the caller falls back: ``otherwise``
+        says how, in the log)."""
         peer = job.peers[dst]
-        if not peer.data_address or peer.peer_id in self._tcp_down:
+        if not peer.data_address or self._tcp_down.is_down(peer.peer_id, peer.data_address):
             return False
         try:
             await client.send(peer.data_address, frame, job.link_keys[dst], job.spec.wire_encryption)
         except PeerUnreachable as e:
-            log.warning("job %s: TCP to %s failed (%s); %s", job.job_id, peer.peer_id, e, otherwise)
-            self._tcp_down.add(peer.peer_id)
+            if self._tcp_down.mark(peer.peer_id, peer.data_address, str(e)):  # frames queued with it: once
+                log.warning("job %s: TCP to %s failed (%s); %s", job.job_id, peer.peer_id, e, otherwise)
             return False
         self.node.metrics.count_data("tcp", "sent", frame.tensor.numel() * frame.tensor.element_size())
         return True
+
+    def _tell_workers(self, down: Down) -> None:
+        """A peer newly found TCP down: the running sandbox workers stop dialling it too."""
+        for job in self.jobs.values():
+            if isinstance(job.host, SandboxedJob):
+                job.host.tell_down(down)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _job(self, request: JobRequest, context: RPCContext) -> HeldJob:
@@ -302,12 +316,20 @@ class SubtaskService(AssignRPC, ReplicaRPC, StepRPC):
         sizes, repeats = check_probe_request(request.sizes, request.repeats)
         prober = self._probers[job.job_id]
         links = {}
-        for dst in sorted(set(targets)):
-            link, samples = await prober.measure(dst, sizes, repeats)
-            links[str(dst)] = ProbedLink(alpha=link.alpha, beta=link.beta, round_trips=samples)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PROBE_BUDGET  # the broker waits for all of them at once
+        todo = sorted(set(targets))
+        for i, dst in enumerate(todo):
+            budget = max(deadline - loop.time(), 0.0) / (len(todo) - i)  # a fair share of what is left
+            m = await prober.measure(dst, sizes, repeats, budget)
+            link = m.link
+            links[str(dst)] = ProbedLink(
+                alpha=link.alpha, beta=link.beta, round_trips=m.samples, bound=m.bound
+            )
             log.info(
-                "job %s: link to sub-DAG %d (%s): alpha %.0f us, %.3g GB/s",
+                "job %s: link to sub-DAG %d (%s): alpha %.0f us, %.3g GB/s%s",
                 job.job_id, dst, job.peers[dst].peer_id, link.alpha * 1e6, link.bandwidth / 1e9,
+                " at most (too slow to fit: a bound)" if m.bound else "",
             )  # fmt: skip
         return ProbeLinksReply(links=links)
 

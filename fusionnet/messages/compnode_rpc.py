@@ -249,6 +249,9 @@ class ProbedLink(Message):
     alpha: float
     beta: float
     round_trips: Any = None
+    # Too few probe sizes came back to fit (a very slow link): alpha and beta are a lower bound on its
+    # slowness (``compnode.linkprobe.bound_link``). An older broker ignores it and takes them as measured.
+    bound: bool = False
 
 
 class ProbeLinksReply(Message):

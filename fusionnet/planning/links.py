@@ -8,6 +8,11 @@ estimate only part of the way), and gives the planner the links of any pool of c
 measured in one direction only is assumed symmetric, and a pair never measured falls back to the
 planner's default (loopback figures). Pairs it already knows are not probed again until
 ``STALE_SECONDS`` have passed, so a failover does not pay for probes it needs not.
+
+A link too slow for its probes to fit is recorded as a bound (``bound=True``: at least that slow,
+``compnode.linkprobe.bound_link``): a later bound can only make the estimate slower, a later
+measurement replaces it. A pair whose probe failed outright (no answer from the compnode) is not probed
+again for ``RETRY_FAILED_SECONDS``: each try costs the placement the broker's probe timeout.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from fusionnet.perfmodel.types import Link
 
 WEIGHT = 0.5  # share of a new measurement in the blended estimate
 STALE_SECONDS = 600.0  # a link measured longer ago than this is probed again
+RETRY_FAILED_SECONDS = 120.0  # a pair whose probe got no answer is not probed again sooner
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,7 @@ class MeasuredLink:
     link: Link
     measured_at: float  # the book's clock
     probes: int  # how many measurements the estimate blends
+    bound: bool = False  # a lower bound on the link's slowness: its probes were too slow to fit
 
 
 class LinkBook:
@@ -45,23 +52,38 @@ class LinkBook:
         self.clock = clock
         self.on_change = on_change
         self._links: dict[tuple[str, str], MeasuredLink] = {}
+        self._failed: dict[tuple[str, str], float] = {}  # pair -> when its probe last failed (the clock)
 
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change(self.measured())
 
-    def record(self, src: str, dst: str, link: Link) -> Link:
-        """A new measurement of ``src -> dst``; returns the blended estimate."""
+    def record(self, src: str, dst: str, link: Link, bound: bool = False) -> Link:
+        """A new measurement of ``src -> dst`` (``bound``: a lower bound on its slowness); returns the
+        estimate it gives."""
         old = self._links.get((src, dst))
-        if old is not None:
+        self._failed.pop((src, dst), None)
+        if old is not None and bound:
+            # At least that slow: never faster for it, and an estimate it does not contradict stays.
+            merged = Link(alpha=max(old.link.alpha, link.alpha), beta=max(old.link.beta, link.beta))
+            bound = old.bound or merged != old.link
+            link = merged
+        elif old is not None and not old.bound:
             w = self.weight
             link = Link(
                 alpha=_blend(old.link.alpha, link.alpha, w),
                 beta=_blend(old.link.beta, link.beta, w),
             )
-        self._links[(src, dst)] = MeasuredLink(link, self.clock(), 1 if old is None else old.probes + 1)
+        # (a measurement after a bound replaces it: the bound only said "slower than this")
+        self._links[(src, dst)] = MeasuredLink(
+            link, self.clock(), 1 if old is None else old.probes + 1, bound
+        )
         self._changed()
         return link
+
+    def probe_failed(self, src: str, dst: str) -> None:
+        """The probe of ``src -> dst`` got no answer: not asked again for ``RETRY_FAILED_SECONDS``."""
+        self._failed[(src, dst)] = self.clock()
 
     def get(self, src: str, dst: str) -> Link | None:
         """The ``src -> dst`` estimate, the reverse direction's when only that was measured, or None."""
@@ -69,8 +91,12 @@ class LinkBook:
         return None if entry is None else entry.link
 
     def needs_probe(self, src: str, dst: str) -> bool:
+        now = self.clock()
+        failed = self._failed.get((src, dst))
+        if failed is not None and now - failed <= RETRY_FAILED_SECONDS:
+            return False
         entry = self._links.get((src, dst))
-        return entry is None or self.clock() - entry.measured_at > STALE_SECONDS
+        return entry is None or now - entry.measured_at > STALE_SECONDS
 
     def pairs(self) -> dict[tuple[str, str], Link]:
         """Every directed pair with an estimate (both directions of a pair measured one way)."""
@@ -85,6 +111,7 @@ class LinkBook:
     def forget(self, peer: str) -> None:
         for pair in [p for p in self._links if peer in p]:
             del self._links[pair]
+        self._failed = {pair: t for pair, t in self._failed.items() if peer not in pair}
         self._changed()
 
     def keep_only(self, peers: set[str]) -> None:
@@ -93,6 +120,7 @@ class LinkBook:
         gone = [pair for pair in self._links if not set(pair) <= peers]
         for pair in gone:
             del self._links[pair]
+        self._failed = {pair: t for pair, t in self._failed.items() if set(pair) <= peers}
         if gone:
             self._changed()
 
@@ -110,6 +138,7 @@ class LinkBook:
                             "alpha_seconds": entry.link.alpha,
                             "bandwidth_bytes_per_second": entry.link.bandwidth,
                             "probes": entry.probes,
+                            "bound": entry.bound,  # at least this slow: its probes did not fit
                         }
                     )
         return out

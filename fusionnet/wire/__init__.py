@@ -18,7 +18,8 @@ Map of the package:
                    ``PhasedSource`` (handshake / idle / progress timeouts).
 - ``refusal.py``   ``FrameRefused`` (reason codes, in-sync flag), ``StreamEnded``, ``PeerUnreachable``.
 - ``receiver.py``  job routes, replay windows, timeouts, per-connection frame loop, per-job counters.
-- ``pool.py``      outgoing streams: one per destination, ordered whole frames, reconnect once.
+- ``pool.py``      outgoing streams: one per destination, ordered whole frames, reconnect once, a timed-out
+                   connect remembered for a while (queued frames fail at once).
 - ``datapath.py``  ``DataPathServer`` / ``DataPathClient``: the direct TCP path (hello, connection caps).
 - ``p2p_path.py``  ``P2PDataPath``: the same frames over hivemind P2P streams (fallback).
 - ``compression.py`` ``placement.wire_compression``: the optional, inexact codecs (bf16, fp16, int8-ef).

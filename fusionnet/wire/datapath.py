@@ -25,6 +25,7 @@ import logging
 import socket
 import struct
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from fusionnet.errors import WireError
@@ -68,9 +69,22 @@ def parse_address(address: tuple[str, int] | str) -> Address:
 
 
 HELLO = b"FNH1"
+DOWN_FOR = 45.0  # seconds a client remembers an address whose connect timed out (``pool.StreamPool``)
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_MAX_PER_HOST = 32
 MAX_PAYLOAD = 1 << 30  # the largest frame payload a compnode receives (its daemon, and its workers)
+
+
+ANY6 = "::"
+
+
+def dual_stack_listener(port: int) -> socket.socket:
+    """A TCP socket listening on every IPv6 and, where the system allows, every IPv4 address. asyncio's
+    ``create_server("::")`` would set IPV6_V6ONLY (and bind IPv4 apart, on another port when it is 0):
+    a compnode that announces an IPv6 host must also serve peers that dial its IPv4 one."""
+    return socket.create_server(
+        ("::", port), family=socket.AF_INET6, dualstack_ipv6=socket.has_dualstack_ipv6()
+    )
 
 
 def hello_bytes(peer_id: str) -> bytes:
@@ -136,8 +150,12 @@ class DataPathServer(ReceivesFrames):
         if self._server is not None or self._stopping:
             raise RuntimeError("DataPathServer.start called twice")
         loop = asyncio.get_running_loop()
+        factory = partial(BufferedSource, self._on_connect)
         try:
-            self._server = await loop.create_server(lambda: BufferedSource(self._on_connect), host, port)
+            if host.strip("[]") == ANY6:
+                self._server = await loop.create_server(factory, sock=dual_stack_listener(port))
+            else:
+                self._server = await loop.create_server(factory, host, port)
         except OSError as e:  # taken, or a host that does not resolve: the compnode's flags, one line
             raise ValueError(
                 f"--data-port {port}: cannot listen on {host}:{port} ({e.strerror or e})"
@@ -275,11 +293,24 @@ class DataPathClient:
     ``job_hello``: a sandbox worker's client, whose connections carry that job's frames only and may
     be read by the receiving compnode's worker (``handoff.py``)."""
 
-    def __init__(self, *, peer_id: str, connect_timeout: float = 10.0, job_hello: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        peer_id: str,
+        connect_timeout: float = 10.0,
+        job_hello: str | None = None,
+        down_for: float = DOWN_FOR,
+    ) -> None:
         self.peer_id = check_text(peer_id, "peer_id", MAX_ID_LEN)
         self.connect_timeout = connect_timeout
         self._job_hello = None if job_hello is None else worker_hello(job_hello)
-        self._pool = StreamPool(self._open, describe=lambda dest: "%s:%d" % dest)  # noqa: UP031
+        # An address whose connect timed out fails every send for ``down_for`` s at once: its caller
+        # has a fallback (the P2P path), and each retry would stall a step by ``connect_timeout``.
+        self._pool = StreamPool(
+            self._open,
+            describe=lambda dest: "%s:%d" % dest,  # noqa: UP031
+            down_for=down_for,
+        )
         self._pacing: dict[Address, int | None] = {}  # bytes/s caps per address (``pace``)
 
     def pace(self, address: tuple[str, int] | str, bytes_per_second: float | None) -> None:
@@ -295,6 +326,14 @@ class DataPathClient:
             set_pacing(writer, rate)
 
     async def _open(self, dest: Address) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
+        try:
+            return await self._connect(dest)
+        except TimeoutError as e:
+            if str(e):  # the kernel's own (ETIMEDOUT) says what it is
+                raise
+            raise TimeoutError(f"timed out after {self.connect_timeout:g} s") from None
+
+    async def _connect(self, dest: Address) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
         async with asyncio.timeout(self.connect_timeout):
             reader, writer = await asyncio.open_connection(*dest)
             set_pacing(writer, self._pacing.get(dest))

@@ -6,6 +6,12 @@ order is what receivers rely on (a value's structure frame arrives after its ten
 found closed, or one that breaks while a frame is written, is dropped and the frame is sent again
 once over a fresh stream; a second failure is ``PeerUnreachable``.
 
+A connect that timed out or failed slowly (an address that black-holes its SYNs, a host that does not
+answer ARP) is remembered for ``down_for`` seconds: frames queued behind it, and later ones, fail at once
+with ``PeerUnreachable`` naming that first failure, instead of each paying the connect timeout again (a
+step with 8 micro-batches paid it 8 times). A refused connection costs nothing to retry (a peer that
+restarts is reachable again a moment later), so it is not remembered.
+
 When ``send`` returns, the whole frame has been handed to the kernel (the write buffer is drained to
 empty), so the caller may modify the tensor afterwards. It is not an acknowledgement: a frame
 written in the instant the peer dies can be lost with no error (the next send to it then fails);
@@ -18,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import select
+import time
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 
@@ -29,6 +36,7 @@ log = logging.getLogger("fusionnet.wire")
 
 # ``open_stream(dest)`` -> (reader, writer, the peer id of the receiver at the other end)
 Opener = Callable[[Hashable], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter, str]]]
+SLOW_FAILURE = 1.0  # seconds: a connect that timed out, or took this long to fail, is remembered
 
 
 @dataclass
@@ -53,24 +61,51 @@ class _Stream:
 
 
 class StreamPool:
-    """Sends over pooled streams opened by ``open_stream(dest)``; ``describe(dest)`` names a destination."""
+    """Sends over pooled streams opened by ``open_stream(dest)``; ``describe(dest)`` names a destination.
+    ``down_for``: seconds a slow connect failure to a destination is remembered (0: never)."""
 
-    def __init__(self, open_stream: Opener, describe: Callable[[Hashable], str] = str) -> None:
+    def __init__(
+        self,
+        open_stream: Opener,
+        describe: Callable[[Hashable], str] = str,
+        *,
+        down_for: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._open_stream = open_stream
         self._describe = describe
         self._streams: dict[Hashable, _Stream] = {}
         self._locks: dict[Hashable, asyncio.Lock] = {}
         self._closed = False
+        self.down_for = down_for
+        self._clock = clock
+        self._down: dict[Hashable, tuple[float, str]] = {}  # dest -> (when its connect failed, why)
+
+    def _refuse_if_down(self, dest: Hashable) -> None:
+        failed = self._down.get(dest)
+        if failed is None:
+            return
+        at, why = failed
+        age = self._clock() - at
+        if age >= self.down_for:
+            del self._down[dest]  # time to try again
+            return
+        raise PeerUnreachable(f"{why} ({age:.1f} s ago; not tried again for {self.down_for - age:.0f} s)")
 
     async def _open(self, dest: Hashable) -> _Stream:
         if self._closed:
             raise PeerUnreachable(f"cannot send to {self._describe(dest)}: the client is closed")
+        self._refuse_if_down(dest)  # frames queued behind a connect that timed out fail at once
+        started = self._clock()
         try:
             reader, writer, receiver = await self._open_stream(dest)
         except (TimeoutError, OSError) as e:
-            raise PeerUnreachable(
-                f"cannot open a stream to {self._describe(dest)}: {e or type(e).__name__}"
-            ) from e
+            # str(e) is empty for a bare TimeoutError (an ``asyncio.timeout``): name its type at least
+            why = f"cannot open a stream to {self._describe(dest)}: {str(e) or type(e).__name__}"
+            now = self._clock()
+            if self.down_for > 0 and (isinstance(e, TimeoutError) or now - started >= SLOW_FAILURE):
+                self._down[dest] = (now, why)
+            raise PeerUnreachable(why) from e
         if self._closed:  # closed while connecting
             writer.close()
             raise PeerUnreachable(f"cannot send to {self._describe(dest)}: the client is closed")

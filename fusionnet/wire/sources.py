@@ -84,7 +84,15 @@ class BufferedSource(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports are duck-typed
         peer = transport.get_extra_info("peername")
-        self.peername = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        if isinstance(peer, tuple):
+            host = str(peer[0])
+            # An IPv4 peer of a dual-stack (``::``) listener: its plain address, so that the loopback and
+            # per-host rules see 127.0.0.1 as loopback and count a host the same whichever way it came.
+            if host.startswith("::ffff:") and "." in host:
+                host = host[len("::ffff:") :]
+            self.peername = f"{host}:{peer[1]}"
+        else:
+            self.peername = str(peer)
         if self._on_connect is not None:
             self._on_connect(self)
 
