@@ -97,6 +97,20 @@ def figure3_data(n: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
     return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
 
 
+class TokenTagger(nn.Module):
+    """Per-token classes: (batch, seq) ids -> (batch, classes, seq) logits, as ``cross_entropy`` takes
+    them with (batch, seq) targets (some of them ignore_index)."""
+
+    def __init__(self, vocab: int = 40, width: int = 16, classes: int = 12) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.hidden = nn.Linear(width, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(self.emb(ids)))).transpose(1, 2)
+
+
 class HFCausalLM(nn.Module):
     """A tiny random-init GPT-2 from ``transformers`` (nothing downloaded), input and output embeddings tied;
     forward returns the loss, or the logits when no labels are given (infer)."""

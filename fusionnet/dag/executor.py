@@ -112,6 +112,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         self.channel = channel
         self.task = task
         self.loss_reduction = loss_reduction
+        self._targets: tuple[int, int] | None = None  # (step, its count of targets): ``_loss_weight``
         self.compute = compute
         # Which stretches may run inline on the loop (a sandbox worker's; None: all on ``compute``).
         self.short_stretches: ShortStretches | None = None

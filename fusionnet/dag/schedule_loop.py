@@ -7,6 +7,7 @@ its loss (the size-weighted sum of micro-batch losses) and, for infer, the outpu
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -42,6 +43,7 @@ class ScheduleLoop:
     scaler: LossScaler | None
     loss_name: str | None
     loss_reduction: str
+    _targets: tuple[int, int] | None
     output_names: list[str]
 
     async def _run(self, phase: Phase, step: int, mb: int, work: Callable[[], T]) -> T:
@@ -149,19 +151,19 @@ class ScheduleLoop:
         last_seeded: bool,
     ) -> None:
         """Runs one F, B, I or W of this sub-DAG (the update is ``_end_actions``'s)."""
-        mb, batch = action.mb, sum(sizes)
+        mb = action.mb
         if action.kind == "F":
             values = dict(zip(self.output_names, await self.forward(step, mb, microbatches[mb])))
             if self.subdag.holds_loss:
                 loss = float(values[self.loss_name].detach())
-                losses.append(loss * self._loss_weight(sizes[mb], batch))
+                losses.append(loss * self._loss_weight(step, mb, sizes, microbatches))
             if self.task == "infer" and self.subdag.holds_output:
                 report.outputs.append(_detach(_rebuild_output(self.graph, values)))
         elif action.kind == "B":
-            weight = self._loss_weight(sizes[mb], batch)
+            weight = self._loss_weight(step, mb, sizes, microbatches)
             await self.backward(step, mb, weight, last=last_bp, last_seeded=last_seeded)
         elif action.kind == "I":
-            weight = self._loss_weight(sizes[mb], batch)
+            weight = self._loss_weight(step, mb, sizes, microbatches)
             await self.backward_input(step, mb, weight, last_seeded=last_seeded)
         elif action.kind == "W":
             await self.backward_weight(step, mb, last=last_bp)
@@ -178,9 +180,28 @@ class ScheduleLoop:
         if losses:
             report.loss = sum(losses)
 
-    def _loss_weight(self, size: int, batch: int) -> float:
-        # A "mean" loss over the whole batch is the size-weighted sum of micro-batch means.
-        return size / batch if self.loss_reduction == "mean" else 1.0
+    def _loss_weight(
+        self, step: int, mb: int, sizes: Sequence[int], microbatches: Sequence[Mapping[str, Any]]
+    ) -> float:
+        """Micro-batch ``mb``'s share of the batch's loss (``runtime.loss_reduction``)."""
+        if self.loss_reduction == "mean":  # over samples: the size-weighted sum of micro-batch means
+            return sizes[mb] / sum(sizes)
+        if not self.loss_reduction.startswith("targets:") or not self.subdag.holds_loss:
+            return 1.0  # (only the loss's sub-DAG seeds a backward with it)
+        # Over the batch's targets that are not ignore_index: the graph gives the micro-batch's sum.
+        # Counted once per step, from the labels of every micro-batch (this sub-DAG holds the loss,
+        # which reads them), before the first backward: 1F1B runs it before the last forward.
+        if self._targets is None or self._targets[0] != step:
+            ignore = int(self.loss_reduction.removeprefix("targets:"))
+            try:
+                count = sum(int((m["labels"] != ignore).sum()) for m in microbatches)
+            except KeyError:
+                raise ExecutionError(
+                    f"sub-DAG {self.subdag.index} holds a per-target loss but not the labels"
+                ) from None
+            self._targets = (step, count)
+        count = self._targets[1]
+        return 1.0 / count if count else math.nan  # no target at all: NaN, as plain PyTorch's mean
 
 
 async def together(calls: Sequence[Awaitable[T]]) -> list[T]:

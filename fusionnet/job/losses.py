@@ -5,6 +5,14 @@ model output and the labels. Keyword values must be plain scalars or strings: th
 as constants, which cannot hold tensors (so ``cross_entropy``'s class ``weight`` is not available).
 The batch loss must be one number (``reduction`` ``mean`` or ``sum``): micro-batch losses are
 combined into it.
+
+``cross_entropy`` and ``nll_loss`` over class indices average over the targets that are not
+``ignore_index`` (-100 by default: padding, unmasked tokens), not over the samples: the mean of a
+micro-batch is over its own count of such targets, which differs from micro-batch to micro-batch, so
+micro-batch means weighted by their share of the samples are not the batch's mean (a padded causal LM's
+gradient was off by more than its own size). Such a loss is traced with ``reduction="sum"`` instead
+(``per_target_loss``) and each micro-batch is weighted by one over the whole batch's count of targets
+(``schedule_loop``): the batch's mean exactly, and a micro-batch of padding only adds 0, not NaN.
 """
 
 from __future__ import annotations
@@ -95,6 +103,22 @@ def check_loss_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_TARGET_MEAN_LOSSES = frozenset({"cross_entropy", "nll_loss"})
+
+
+def per_target_ignore_index(name: str, kwargs: Mapping[str, Any], labels: torch.Tensor | None) -> int | None:
+    """The ``ignore_index`` of a loss that averages over its non-ignored class targets (see above), or
+    None for a loss whose mean is over samples (or a sum)."""
+    if name not in _TARGET_MEAN_LOSSES or kwargs.get("reduction", "mean") != "mean":
+        return None
+    if labels is None or labels.is_floating_point():  # class probabilities: a mean over the samples
+        return None
+    return int(kwargs.get("ignore_index", -100))
+
+
+def per_target_loss(name: str, kwargs: Mapping[str, Any]) -> LossFn:
+    """The loss summed over its targets, for a run that divides by the batch's count of targets."""
+    return make_loss_fn(name, {**kwargs, "reduction": "sum"})
 
 
 def make_loss_fn(name: str, kwargs: Mapping[str, Any]) -> LossFn:

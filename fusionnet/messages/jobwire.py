@@ -39,7 +39,8 @@ class RunSpec(BaseModel):
     microbatches: int = Field(ge=1, le=MAX_MICROBATCHES)
     steps: int = Field(ge=1, le=MAX_STEPS)
     n_samples: int = Field(ge=1, le=1 << 40)
-    loss_reduction: Literal["mean", "sum", "none"] = "mean"
+    # mean | sum | none | targets:I (a class loss's mean over targets not ignore_index I: ``job.losses``)
+    loss_reduction: str = Field("mean", pattern=r"^(mean|sum|none|targets:-?[0-9]{1,12})$")
     compnodes: int = Field(ge=1, le=MAX_COMPNODES)
     optimizer: dict[str, Any] | None = None  # an OptimizerSpec document, re-validated by ``optimizer_spec``
     # Autocast dtype of the forward pass (``fusionnet.dag.precision``); older peers omit it: fp32.
@@ -140,7 +141,7 @@ def run_spec_of(
         microbatch_choices=list(choices),
         steps=spec.steps,
         n_samples=int(job.inputs.shape[0]),
-        loss_reduction=loss_reduction,  # type: ignore[arg-type]
+        loss_reduction=loss_reduction,
         compnodes=spec.placement.compnodes,
         optimizer=None if spec.optimizer is None else spec.optimizer.model_dump(mode="json"),
         precision=spec.precision,

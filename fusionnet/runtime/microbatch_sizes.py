@@ -24,6 +24,7 @@ from fusionnet.job.batches import (
 )
 from fusionnet.job.loader import LoadedJob
 from fusionnet.job.schema import JobSpec, interleaved_count_problem
+from fusionnet.runtime.loss_reduction import traced_loss_fn
 
 
 def traced_count(spec: JobSpec) -> int:
@@ -105,7 +106,7 @@ def check_every_microbatch_size(job: LoadedJob, traced: TracedModel, traced_size
 def _problem_at(job: LoadedJob, traced: TracedModel, size: int) -> str | None:
     idx = torch.arange(size) % job.n_samples  # a batch larger than the dataset repeats samples
     labels = None if job.labels is None else job.labels[idx]
-    return reproduces_on(traced, job.model, job.inputs[idx], labels, job.loss_fn)
+    return reproduces_on(traced, job.model, job.inputs[idx], labels, traced_loss_fn(job))
 
 
 def runnable_counts(job: LoadedJob, traced: TracedModel) -> list[int]:

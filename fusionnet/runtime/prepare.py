@@ -14,6 +14,7 @@ from fusionnet.dag.trace import ForwardFailed, TracedModel, trace_model
 from fusionnet.errors import JobError, PartitionError, TraceError
 from fusionnet.job.loader import LoadedJob
 from fusionnet.runtime.batches import iter_steps
+from fusionnet.runtime.loss_reduction import check_own_loss_combines, loss_reduction_of, traced_loss_fn
 from fusionnet.runtime.microbatch_sizes import check_every_microbatch_size, traced_count
 
 
@@ -26,12 +27,6 @@ class PreparedJob:
     @property
     def loss_reduction(self) -> str:
         return loss_reduction_of(self.job)
-
-
-def loss_reduction_of(job: LoadedJob) -> str:
-    """How the job's loss reduces over a batch (decides how micro-batch losses are weighted)."""
-    loss = job.spec.loss
-    return str(loss.kwargs.get("reduction", "mean")) if loss is not None else "mean"
 
 
 def example_microbatch(job: LoadedJob) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -53,9 +48,10 @@ def trace_job(
 
     A model that cannot be traced, or whose forward raises on the micro-batch, is a ``TraceError``
     naming ``model.entrypoint`` (``model.kwargs`` when an embedding is too small for the data)."""
+    check_own_loss_combines(job)
     inputs, labels = example_microbatch(job)
     try:
-        traced = trace_model(job.model, inputs, labels, job.loss_fn, job.spec.task)
+        traced = trace_model(job.model, inputs, labels, traced_loss_fn(job), job.spec.task)
     except ForwardFailed as e:
         raise TraceError(_forward_failure(job, e)) from None
     except TraceError as e:
