@@ -4,6 +4,7 @@ Map of the package:
 
 - ``prepare.py``     job -> traced IR + initial state + partition (what ``plan``, ``run`` and ``submit``
                      share).
+- ``loss_reduction.py`` how a job's loss combines over micro-batches, and the loss its graph computes.
 - ``planjob.py``     ``fusionnet plan``: the job traced and planned (``fusionnet.planning``) for a nodes
                      file or for compnodes like this machine (``fusionnet.profiling``).
 - ``batches.py``     the data a step feeds to each sub-DAG, micro-batch by micro-batch.
