@@ -485,3 +485,31 @@ def test_each_step_row_carries_its_schedule_run_on_its_measured_compute(
     rows = run.progress.metrics
     assert [r["compute_path_seconds"] for r in rows] == [pytest.approx(want)] * STEPS
     assert all(r["compute_path_seconds"] >= max(r["compute_seconds"]) for r in rows)
+
+
+@pytest.mark.timeout(120)
+def test_a_misprediction_look_times_the_jobs_links_again_however_recent(
+    tmp_path: Path, submitted: SubmittedJob, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A link that slows down mid-job showed as steps far slower than planned, and the look that
+    followed probed only links older than 10 minutes: the job's own, measured at its placement, kept
+    their old figure. Every look now times them again."""
+    fake = FakeCompnodes()
+    answer = fake.call
+
+    async def call(peer: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
+        if method == "probe_links":
+            fake.calls.append((peer, method))
+            to = (payload or {})["to"]
+            return {"links": {str(c): {"alpha": 0.001, "beta": 1e-8} for c in to}}
+        return await answer(peer, method, payload, **kw)
+
+    fake.call = call  # type: ignore[method-assign]  # what make_context's client calls
+    run, context = make_run(tmp_path, submitted, fake)
+    looks: list[float] = []
+    monkeypatch.setattr(run.prediction, "observe", lambda measured: looks.append(measured) or True)
+    monkeypatch.setattr(run.prediction, "min_seconds", 0.0)
+    asyncio.run(run.run())
+    assert context.store.get_job("j1")["state"] == "SUCCEEDED", context.store.get_job("j1")["error"]
+    probes = [c for c in fake.calls if c[1] == "probe_links"]
+    assert looks and len(probes) >= len(looks), (len(probes), len(looks))

@@ -51,10 +51,17 @@ Call = Callable[[str, str, dict[str, Any], float], Awaitable[dict[str, Any]]]
 
 
 async def probe_placement(
-    job_id: str, peers: Sequence[str], consumers: Mapping[int, set[int]], book: LinkBook, call: Call
+    job_id: str,
+    peers: Sequence[str],
+    consumers: Mapping[int, set[int]],
+    book: LinkBook,
+    call: Call,
+    *,
+    fresh: bool = False,
 ) -> bool:
     """Asks every sub-DAG's compnode (``peers[i]``) to time its links to the sub-DAGs it sends to
-    (``consumers[i]``) that ``book`` has no fresh estimate of, all at once, and records the answers.
+    (``consumers[i]``) that ``book`` has no fresh estimate of (``fresh``: every one of them, however
+    recent: the job's steps contradict what the book says), all at once, and records the answers.
     A compnode that cannot probe costs only precision (its links keep the default figures; a dead one
     is found by the next step), and is not asked again for a while (``LinkBook.probe_failed``): each
     try costs a placement up to ``PROBE_TIMEOUT``. Returns whether anything was probed."""
@@ -66,7 +73,7 @@ async def probe_placement(
     wanted: dict[int, set[int]] = {}
     for i, targets in consumers.items():
         for c in targets:
-            if peers[c] != peers[i] and book.needs_probe(peers[i], peers[c]):
+            if peers[c] != peers[i] and book.needs_probe(peers[i], peers[c], fresh=fresh):
                 wanted.setdefault(first[peers[i]], set()).add(first[peers[c]])
     calls, senders = [], []
     for i, to in sorted(wanted.items()):

@@ -86,7 +86,10 @@ class PlacementReview:
         self._probes_contradict = False
         if not looks:
             return None
-        await self._probe_links()
+        # The steps contradict the plan: the job's links are timed again, however recently, since a
+        # link that slowed down mid-job (a shared uplink, a throttled route) would otherwise keep its
+        # old figure for 10 minutes, and the re-pricing below (and the snapshots' pace) with it.
+        await self._probe_links(fresh=True)
         self._probes_contradict = False  # this look covers what those probes found
         placement = self._placement
         assert placement is not None
@@ -110,16 +113,16 @@ class PlacementReview:
         self.ctx.store.add_job_event(self.job.job_id, "misprediction", event)
         return replan
 
-    async def _probe_links(self) -> None:
+    async def _probe_links(self, *, fresh: bool = False) -> None:
         """Times the links this placement's activations take that the broker has not measured lately
-        (``links.probe_placement``), then predicts the step again on them."""
+        (all of them with ``fresh``; ``links.probe_placement``), then predicts the step again on them."""
         assert self.partition is not None
         consumers = {
             s.index: {c for cs in s.consumers.values() for c in cs if c != s.index}
             for s in self.partition.subdags
         }
         probed = await probe_placement(
-            self.job.job_id, self.peers, consumers, self.ctx.links, self.calls.probe
+            self.job.job_id, self.peers, consumers, self.ctx.links, self.calls.probe, fresh=fresh
         )
         placement = self._placement
         if probed and placement is not None and placement.predicted_step is not None:

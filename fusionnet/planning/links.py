@@ -90,13 +90,16 @@ class LinkBook:
         entry = self._links.get((src, dst)) or self._links.get((dst, src))
         return None if entry is None else entry.link
 
-    def needs_probe(self, src: str, dst: str) -> bool:
+    def needs_probe(self, src: str, dst: str, *, fresh: bool = False) -> bool:
+        """Whether ``src -> dst`` is worth a probe: never measured, measured too long ago, or, with
+        ``fresh``, measured at all (the caller has reason to doubt the estimate) — unless a probe of it
+        just got no answer."""
         now = self.clock()
         failed = self._failed.get((src, dst))
         if failed is not None and now - failed <= RETRY_FAILED_SECONDS:
             return False
         entry = self._links.get((src, dst))
-        return entry is None or now - entry.measured_at > STALE_SECONDS
+        return fresh or entry is None or now - entry.measured_at > STALE_SECONDS
 
     def pairs(self) -> dict[tuple[str, str], Link]:
         """Every directed pair with an estimate (both directions of a pair measured one way)."""
