@@ -25,17 +25,26 @@ from fusionnet.errors import ExecutionError
 from fusionnet.job.batches import batch_indices, infer_batches
 from fusionnet.job.loader import LoadedJob
 from fusionnet.job.optim import make_optimizers
+from fusionnet.results.assemble import OUTPUTS, join_outputs, output_tensors
 
 
 @dataclass
 class ReferenceResult:
     weights: dict[str, torch.Tensor]  # state_dict after the run
     grads: dict[str, torch.Tensor] | None  # grad task: last batch's gradients, keyed like state_dict
-    outputs: torch.Tensor | None  # infer task: one row per sample, in order
+    outputs: torch.Tensor | None  # infer task: the model's output (its first tensor), one row per sample
     losses: list[float]  # one per step (train/grad)
     # Wall seconds of each step (forward, backward, update; the device synchronised at its end): the
     # benchmarks' plain-PyTorch figure, without the model copy and device placement before step 0.
     step_seconds: list[float] = field(default_factory=list)
+    # infer, a model returning several tensors: the others, "outputs.1", "outputs.2", ... (RunResult's)
+    more_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def output_files(self) -> dict[str, torch.Tensor]:
+        """The tensors a run writes to ``outputs.safetensors``, under the same names."""
+        if self.outputs is None:
+            return {}
+        return {OUTPUTS: self.outputs, **self.more_outputs}
 
 
 def _batch_loss(
@@ -53,16 +62,24 @@ def _batch_loss(
 
 
 def _infer(job: LoadedJob, model: torch.nn.Module, device: torch.device) -> ReferenceResult:
+    """Each batch's output (a tensor, or a tuple/list/dict of them) flattened and joined exactly as the
+    distributed run's results are (``results.assemble``: one whole batch here where it has micro-batches,
+    which joins to the same rows), so a multi-output model compares leaf by leaf, name by name."""
     model.eval()
-    outputs = []
+    per_batch: list[dict[str, torch.Tensor]] = []
     with torch.no_grad(), autocast(job.spec.precision, device.type):
         for i, idx in enumerate(infer_batches(job.n_samples, job.spec.data.batch_size)):
             out = model(job.inputs[idx].to(device))
-            if not isinstance(out, torch.Tensor):
-                raise ExecutionError(f"infer batch {i}: model returned {type(out).__name__}, not a Tensor")
-            outputs.append(out.cpu())
+            leaves = output_tensors([out])
+            if not leaves:
+                raise ExecutionError(
+                    f"infer batch {i}: model returned {type(out).__name__} holding no tensor"
+                )
+            per_batch.append({k: v.cpu() for k, v in leaves.items()})
+    joined = join_outputs(per_batch)
+    first = joined.pop(OUTPUTS, None)
     weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return ReferenceResult(weights=weights, grads=None, outputs=torch.cat(outputs), losses=[])
+    return ReferenceResult(weights=weights, grads=None, outputs=first, losses=[], more_outputs=joined)
 
 
 def run_reference(job: LoadedJob, device: str | torch.device = "cpu") -> ReferenceResult:

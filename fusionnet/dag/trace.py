@@ -111,11 +111,14 @@ def _trace(
     task: str,
     frontend: str,
 ) -> TracedModel:
+    if task != "infer":
+        _refuse_active_dropout(model, task)
     wrapper: nn.Module = _InferWrapper(model) if task == "infer" else _LossWrapper(model, loss_fn)
     args = (inputs,) if task == "infer" else (inputs, labels)
     wrapper.train(task != "infer")
     expected = _eager_result(wrapper, args, task)
     errors: list[str] = []
+    differs = False  # some front end built a graph whose output is not the eager one
     if frontend in ("auto", "symbolic_trace"):
         try:
             fx_graph = _NoLeafTracer().trace(wrapper)
@@ -123,6 +126,7 @@ def _trace(
             _check_reproduces(traced, expected, args)
             return traced
         except (TraceError, IRError) as e:
+            differs |= isinstance(e, NotReproduced)
             errors.append(f"symbolic_trace: {e}")
         except Exception as e:  # fx raises arbitrary errors on data-dependent control flow
             errors.append(f"symbolic_trace: {type(e).__name__}: {e}")
@@ -135,10 +139,52 @@ def _trace(
             _check_reproduces(traced, expected, args)
             return traced
         except (TraceError, IRError) as e:
+            differs |= isinstance(e, NotReproduced)
             errors.append(f"torch.export: {e}")
         except Exception as e:
             errors.append(f"torch.export: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    raise TraceError("model cannot be traced: " + "; ".join(errors))
+    hint = f"; {_RANDOMNESS_HINT}" if differs and task != "infer" else ""
+    raise TraceError("model cannot be traced: " + "; ".join(errors) + hint)
+
+
+# Why a hint and not a diagnosis: a graph that differs from its own eager run is most often randomness
+# the eager run and the graph drew apart, but fx can also bake in control flow; the message says which
+# is common and what to change, the user knows which applies.
+_RANDOMNESS_HINT = (
+    "in train mode a common cause is randomness, such as functional dropout (F.dropout(training=True), "
+    "scaled_dot_product_attention(dropout_p > 0), a transformers config's attention_dropout) or other random "
+    "ops, whose draws cannot be reproduced exactly across compnodes: set their probability to 0"
+)
+
+# Shown when a train/grad model has more dropout modules than this; the count says how many in all.
+_DROPOUT_NAMED = 3
+
+
+def _refuse_active_dropout(model: nn.Module, task: str) -> None:
+    """Refuses a train/grad model with a dropout-family module of ``p > 0`` (``_DropoutNd``: Dropout,
+    Dropout1d/2d/3d, AlphaDropout, FeatureAlphaDropout), before it is traced. Why: in train mode each
+    draws a fresh random mask per call, so the eager run, the traced graph and every compnode draw
+    different masks. Seeding them alike would not help: a compnode runs its piece of the graph on its
+    own RNG stream and could never draw plain PyTorch's masks, and exactness is the bar (design.md).
+    Without this the job failed later as "does not reproduce the model's output", naming no cause.
+    Eval mode (infer) turns these modules off, so they are fine there."""
+    active = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0
+    ]
+    if not active:
+        return
+    named = ", ".join(
+        f"{name or '<root>'} ({type(m).__name__}, p={m.p:g})" for name, m in active[:_DROPOUT_NAMED]
+    )
+    more = f" and {len(active) - _DROPOUT_NAMED} more" if len(active) > _DROPOUT_NAMED else ""
+    raise TraceError(
+        f"a {task} job cannot use dropout: {named}{more}: randomness in train mode cannot be reproduced "
+        "exactly across compnodes; set their p to 0 (in transformers configs: resid_pdrop, embd_pdrop, "
+        "attn_pdrop for GPT-2; hidden_dropout_prob, attention_probs_dropout_prob for BERT; "
+        "attention_dropout for Llama-style models)"
+    )
 
 
 class ForwardFailed(TraceError):
@@ -148,6 +194,11 @@ class ForwardFailed(TraceError):
     def __init__(self, message: str, cause: BaseException) -> None:
         super().__init__(message)
         self.cause = cause
+
+
+class NotReproduced(TraceError):
+    """The traced graph ran but its output is not the eager model's on the example (``_check_reproduces``):
+    ``_trace`` adds a hint about randomness when that is why a train/grad job cannot be traced."""
 
 
 def _eager_result(wrapper: nn.Module, args: tuple[Any, ...], task: str) -> Any:
@@ -242,4 +293,4 @@ def _check_reproduces(traced: TracedModel, expected: Any, args: tuple[Any, ...])
         and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
         for a, b in zip(flat_got, flat_exp)
     ):
-        raise TraceError("the traced graph does not reproduce the model's output on the example input")
+        raise NotReproduced("the traced graph does not reproduce the model's output on the example input")
