@@ -513,3 +513,32 @@ def test_a_misprediction_look_times_the_jobs_links_again_however_recent(
     assert context.store.get_job("j1")["state"] == "SUCCEEDED", context.store.get_job("j1")["error"]
     probes = [c for c in fake.calls if c[1] == "probe_links"]
     assert looks and len(probes) >= len(looks), (len(probes), len(looks))
+
+
+@pytest.mark.timeout(120)
+def test_a_compnode_lost_while_the_job_is_placed_is_a_recorded_recovery(
+    tmp_path: Path, submitted: SubmittedJob
+) -> None:
+    """A compnode that dies before it got its sub-DAG: placed again without it, and recorded like any
+    recovery (a ``recoveries`` entry, the events, ``fusionnet_failovers_total``), with nothing to replay.
+    It used to be left out of all of them."""
+    fake = FakeCompnodes()
+    answer = fake.call
+    victims: list[str] = []
+
+    async def call(peer: str, method: str, payload: dict[str, Any] | None = None, **kw: Any) -> dict:
+        if method == "assign" and not victims:
+            victims.append(peer)
+            fake.dead.add(peer)
+        return await answer(peer, method, payload, **kw)
+
+    fake.call = call  # type: ignore[method-assign]  # what make_context's client calls
+    run, context = make_run(tmp_path, submitted, fake)
+    asyncio.run(run.run())
+    assert context.store.get_job("j1")["state"] == "SUCCEEDED", context.store.get_job("j1")["error"]
+    (recovery,) = run.progress.recoveries
+    assert recovery["lost"] == victims and recovery["replay"] == 0.0 and "redistribution" in recovery
+    assert recovery["replay_from"] == 0 and "detection" in recovery
+    assert len(events(context, "recovered")) == 1
+    assert context.metrics.registry.get_sample_value("fusionnet_failovers_total") == 1
+    assert victims[0] not in run.peers

@@ -234,6 +234,16 @@ class RecoveryLog:
             self._handover_started = None
         self._replay_started = time.monotonic()
 
+    def placed_after_loss(self, info: dict[str, Any], seconds: float) -> None:
+        """A compnode lost while its placement was being assigned (``failed``'s ``info``), before it
+        ran any step: the next placement (``seconds`` from the first try) is the whole recovery, with
+        nothing to replay. Recorded as any other: a ``recoveries`` entry, events, metrics."""
+        info["redistribution"] = seconds
+        self.context.metrics.observe_recovery("redistribution", seconds)
+        info["replay"] = 0.0
+        self.context.store.add_job_event(self.job_id, "recovered", info)
+        log.info("job %s: placed again without %s in %.2f s", self.job_id, ", ".join(info["lost"]), seconds)
+
     def replayed(self, info: dict[str, Any]) -> None:
         info["replay"] = time.monotonic() - self._replay_started
         self.context.metrics.observe_recovery("replay", info["replay"])

@@ -109,6 +109,7 @@ class JobPlacement:
     ) -> None:
         started = time.monotonic()
         lost = set(replan.lost)
+        while_placing: list[dict[str, Any]] = []  # recoveries of compnodes lost during this placement
         for _ in range(MAX_RECOVERIES):
             placement = await asyncio.to_thread(self._plan, replan)
             old = self.peers
@@ -121,12 +122,18 @@ class JobPlacement:
                 await self.watch.guarded(self._assign_all(ckpt))
                 break
             except PeerFailure as failure:  # a chosen compnode died before it got its sub-DAG
+                # A recovery like any other (log line, event, failovers_total, plan.json's entry),
+                # though no step ran on it: nothing to replay once placed again.
+                while_placing.append(self.recoveries.failed(failure, ckpt.step, ckpt.step, "broker"))
                 self._exclude(failure)
                 replan = replanning.failure(failure.dead)
                 lost |= failure.dead
         else:
             raise ExecutionError(f"job {self.job.job_id}: could not assign its sub-DAGs")
-        self.recoveries.placed(recovering, time.monotonic() - started, len(self.peers), lost)
+        seconds = time.monotonic() - started
+        self.recoveries.placed(recovering, seconds, len(self.peers), lost)
+        for info in while_placing:
+            self.recoveries.placed_after_loss(info, seconds)
         self.pending = None
         self._seen_candidates = {c.peer_id for c in self._candidates()}
         await self._probe_links()
