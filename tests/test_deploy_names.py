@@ -40,6 +40,8 @@ def test_a_name_being_deployed_is_taken_until_its_deploy_ends() -> None:
 
         service._accept = accept  # type: ignore[method-assign]
         service._who_deploys = anyone  # type: ignore[method-assign]
+        # Quotas are tests/test_admission_holds.py's: here every deploy gets its place.
+        service._admission = SimpleNamespace(hold=lambda submitter: SimpleNamespace(release=lambda: None))
         first = asyncio.ensure_future(deploy(service, SimpleNamespace(name="tiny"), context))
         await until_waiting(1)  # the first call now waits in its submission's acceptance
         with pytest.raises(JobError, match="named 'tiny' exists already"):
