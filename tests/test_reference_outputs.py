@@ -22,6 +22,8 @@ RETURNS = {
     "tuple": ("(self.cls(h), h)", ["outputs", "outputs.1"]),
     "dict": ('{"logits": self.cls(h), "hidden": h}', ["outputs", "outputs.1"]),
     "tensor": ("self.cls(h)", ["outputs"]),
+    # leaves that are no tensors are no results: a model may return them (it used to be "untraceable")
+    "dict with None": ('{"logits": self.cls(h), "cache": None, "layers": 2}', ["outputs"]),
 }
 
 MODEL = """

@@ -284,12 +284,12 @@ def _check_reproduces(traced: TracedModel, expected: Any, args: tuple[Any, ...])
     from fusionnet.dag.rebuild import run_whole_graph
 
     got = run_whole_graph(traced.graph, traced.state, dict(zip(("inputs", "labels"), args)))
-    flat_got, _ = torch.utils._pytree.tree_flatten(got)
-    flat_exp, _ = torch.utils._pytree.tree_flatten(expected)
+    # Tensor leaves only: the others (None, Python numbers in a model's output dict) are no results
+    # (``results.assemble.output_tensors`` drops them), and a graph may not keep them as they were.
+    flat_got = [v for v in torch.utils._pytree.tree_flatten(got)[0] if isinstance(v, torch.Tensor)]
+    flat_exp = [v for v in torch.utils._pytree.tree_flatten(expected)[0] if isinstance(v, torch.Tensor)]
     if len(flat_got) != len(flat_exp) or not all(
-        isinstance(a, torch.Tensor)
-        and isinstance(b, torch.Tensor)
-        and a.shape == b.shape
+        a.shape == b.shape
         and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
         for a, b in zip(flat_got, flat_exp)
     ):
