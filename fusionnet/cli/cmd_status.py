@@ -10,8 +10,9 @@ The broker call is signed with the submitter key (``--key FILE``, else the defau
 is refused (exit 2).
 
 ``--wait-compnodes N`` is the readiness check for scripts: it waits (up to ``--timeout`` seconds in all) until
-the broker itself lists at least N compnodes ONLINE with a data path, i.e. compnodes it can place work on,
-then prints the status and exits 0; exit 3 when the time runs out first.
+the broker itself lists at least N compnodes ONLINE with a data path outside the backup pool, i.e. compnodes
+it places a new job on (as ``submit`` counts them), then prints the status and exits 0; exit 3 when the time
+runs out first.
 
 ``--watch`` keeps one swarm client open and redraws every ``--interval`` seconds until Ctrl-C (exit 0): on a
 terminal the screen is cleared and redrawn in place; into a pipe or file each refresh is appended as a
@@ -31,6 +32,7 @@ from typing import Any, TextIO
 
 from fusionnet.cli.argtypes import add_initial_peers, positive_seconds
 from fusionnet.cli.jobflags import add_key_flag
+from fusionnet.runtime.jobcontrol import ready_compnodes
 
 CLEAR_HOME = "\x1b[H"  # cursor to the top left
 CLEAR_LINE_END = "\x1b[K"
@@ -59,8 +61,8 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="wait until the broker can place work on N compnodes (ONLINE with a data path); --timeout "
-        "bounds the whole wait; exit 3 if it runs out",
+        help="wait until the broker can place a job on N compnodes (ONLINE with a data path, backups not "
+        "counted); --timeout bounds the whole wait; exit 3 if it runs out",
     )
     p.add_argument(
         "--watch", action="store_true", help="keep refreshing (clear screen and redraw) until Ctrl-C"
@@ -274,14 +276,14 @@ async def gather(initial_peers: list[str], timeout: float, key: Any = None) -> d
         return await asyncio.wait_for(collect(observer, timeout, key), timeout + 10)
 
 
-def placeable(doc: dict[str, Any]) -> int:
-    """Compnodes the broker itself lists ONLINE with a data path: the ones it can place work on now (the
-    DHT, and a compnode's address file, can be ahead of the broker's registry)."""
-    return sum(
-        1
-        for c in doc["compnodes"]
-        if c.get("known_to_broker") and c["state"] == "ONLINE" and c.get("data_path_address")
-    )
+def placeable(doc: dict[str, Any], *, backups: bool = False) -> int:
+    """Compnodes the broker itself lists ONLINE with a data path (the DHT, and a compnode's address file,
+    can be ahead of the broker's registry) and that a new job is placed on: not the backup pool, which a
+    placement takes only when no other compnode is there, as ``submit`` counts them
+    (``jobcontrol.ready_compnodes``). ``backups``: those only."""
+    known = [c for c in doc["compnodes"] if c.get("known_to_broker")]
+    regular, spare = ready_compnodes(known)
+    return spare if backups else regular
 
 
 async def wait_compnodes(

@@ -9,6 +9,7 @@ Readiness is what the README tells scripts to use: each daemon's address file, t
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusionnet.errors import ExecutionError
+from fusionnet.runtime.jobcontrol import ready_compnodes
 from fusionnet.runtime.netns import NetLab
 from fusionnet.runtime.processes import READY_TIMEOUT, DaemonProcess, start_daemon
 
@@ -124,7 +126,9 @@ class NetnsSwarm:
                 )
             for daemon in self.compnodes:
                 daemon.wait_ready(max(1.0, deadline - time.monotonic()))
-            self.wait_compnodes(len(self.compnodes), max(5.0, deadline - time.monotonic()))
+            self.wait_compnodes(len(self.compnodes) - self.backups, max(5.0, deadline - time.monotonic()))
+            if self.backups:
+                self.wait_backups(self.backups, deadline)
         except BaseException:
             self.stop()
             raise
@@ -144,6 +148,19 @@ class NetnsSwarm:
             raise ExecutionError(
                 f"{n} compnodes not ready at the broker:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
             )
+
+    def wait_backups(self, n: int, deadline: float) -> None:
+        """Until the broker lists ``n`` backups ready too (``status --wait-compnodes`` counts the others)."""
+        while True:
+            left = deadline - time.monotonic()
+            done = self.run_head(["status", "--initial-peers", *self.initial_peers, "--json"], 60)
+            if done.returncode == 0:
+                listed = [c for c in json.loads(done.stdout)["compnodes"] if c.get("known_to_broker")]
+                if ready_compnodes(listed)[1] >= n:
+                    return
+            if left <= 0:
+                raise ExecutionError(f"{n} backup compnodes not ready at the broker:\n{done.stdout[-2000:]}")
+            time.sleep(1.0)  # a poll of a daemon in another namespace; the deadline bounds it
 
     def submit(self, job: Path, out: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         """The README's ``fusionnet submit JOB --initial-peers ... --output OUT`` from the broker's host."""
