@@ -15,7 +15,7 @@
 Prints a table, then one JSON line. Logs and results stay in ``--workdir``.
 
     python benchmarks/responsiveness.py [--d-model 384] [--layers 24] [--batch 128] [--steps 2]
-                                         [--workdir DIR]
+                                         [--slowdown F] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -111,6 +111,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument(
+        "--slowdown",
+        type=float,
+        default=None,
+        metavar="F",
+        help="the compnodes' --slowdown F (devices F times slower: each FP/BP/Update sleeps (F-1)x its "
+        "compute), for sub-tasks of tens of seconds from a smaller model (the README's --slowdown 60 runs "
+        "pair it with --d-model 128 --layers 4 or so)",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help=WORKDIR_HELP)
     args = parser.parse_args()
     workdir = work_folder(args.workdir, "fusionnet-responsiveness-")
@@ -124,7 +133,8 @@ def main() -> None:
         placement={"compnodes": 2},
     )
     out = workdir / "out"
-    with ProcessSwarm(workdir / "swarm", [CompnodeSpec(threads=1)] * 3) as swarm:
+    extra = () if args.slowdown is None else ("--slowdown", str(args.slowdown))
+    with ProcessSwarm(workdir / "swarm", [CompnodeSpec(threads=1, extra=extra)] * 3) as swarm:
         startup = startup_seconds(swarm)
         errors: list[str] = []
         rtts, outcome = asyncio.run(run_job(swarm, job_path, out, errors))
