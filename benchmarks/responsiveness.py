@@ -117,8 +117,7 @@ def main() -> None:
         default=None,
         metavar="F",
         help="the compnodes' --slowdown F (devices F times slower: each FP/BP/Update sleeps (F-1)x its "
-        "compute), for sub-tasks of tens of seconds from a smaller model (the README's --slowdown 60 runs "
-        "pair it with --d-model 128 --layers 4 or so)",
+        "compute), for sub-tasks of tens of seconds from a smaller model (with --d-model and --layers)",
     )
     parser.add_argument("--workdir", type=Path, default=None, help=WORKDIR_HELP)
     args = parser.parse_args()
