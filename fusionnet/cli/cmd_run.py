@@ -25,7 +25,11 @@ def add_parser(subparsers: Any) -> None:
         "--local", type=int, required=True, metavar="N", help="number of virtual compnodes (sub-DAGs)"
     )
     p.add_argument("--output", type=Path, required=True, metavar="DIR", help="directory for the result files")
-    p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="only the last line: no plan table, no per-step progress, no measured-against-predicted lines",
+    )
     p.add_argument(
         "--no-predict",
         action="store_true",
