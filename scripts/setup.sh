@@ -9,9 +9,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip >/dev/null
-# torch first and pinned: asking for it any other way resolves a multi-GB CUDA build.
+# torch first and pinned, so that nothing installed after it asks for another build. Which wheel
+# `torch==2.13.0` resolves to is pip's configuration's: a CPU wheel where pip is pointed at one (this
+# project's machines), PyPI's CUDA build on a plain Linux machine; FUSIONNET_TORCH_INDEX names an index
+# to take it from instead (https://download.pytorch.org/whl/cpu for the CPU build).
 python -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null \
-  || python -m pip install -q torch==2.13.0
+  || python -m pip install -q torch==2.13.0 ${FUSIONNET_TORCH_INDEX:+--index-url "$FUSIONNET_TORCH_INDEX"}
 python -m pip install -q -e '.[dev,transformers,plot]'
 if [ "${FUSIONNET_SKIP_PROMETHEUS:-0}" != "1" ] && [ -x scripts/install-prometheus.sh ]; then
   scripts/install-prometheus.sh
