@@ -56,7 +56,9 @@ class StepRPC:
                 raise
             except Exception as e:
                 job.step_ended(step, ok=False)
-                self.node.metrics.count_subtask("failed")
+                # A step its job's release ended (its values fail with the release's error) is cancelled
+                released = self.jobs.get(job.job_id) is not job
+                self.node.metrics.count_subtask("cancelled" if released else "failed")
                 if isinstance(e, DeviceMemoryError):  # the daemon lives on; the broker places again
                     log.warning("job %s: %s", job.job_id, e)
                     await job.host.drop_inflight()

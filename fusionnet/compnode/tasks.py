@@ -25,6 +25,7 @@ data path, the replicas and who may drive what (``job_host.HeldJob``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from typing import Any
@@ -271,6 +272,11 @@ class SubtaskService(AssignRPC, ReplicaRPC, StepRPC):
         job.release()  # a step sent ahead stops waiting
         closing = asyncio.ensure_future(job.host.close(why))  # a sandbox worker is stopped
         closing.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if not isinstance(job.host, SandboxedJob):
+            # In this process (--sandbox off) the executor, its autograd graphs and its tensors hold
+            # each other in reference cycles: an idle daemon may not run a full collection for a long
+            # time, and GBs of a released job would stay resident until then.
+            closing.add_done_callback(lambda _: self.node.spawn(asyncio.to_thread(gc.collect), "collect"))
         self.forget_replicas(job)
         if job_id in self._released:
             self._released.pop(job_id).set()

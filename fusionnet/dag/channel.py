@@ -59,6 +59,7 @@ class Mailbox:
         self.duplicates_dropped = 0
         self.unexpected_dropped = 0
         self.floor: int | None = None  # the current step, once the executor has said it
+        self.failed: BaseException | None = None  # ``fail_all``'s error: every later take gets it too
 
     def expects(self, key: MessageKey) -> bool:
         """Whether a message with this key could still be taken (its step is current or near)."""
@@ -69,6 +70,9 @@ class Mailbox:
         slot = self._slots.get((src, key))
         if slot is None:
             slot = asyncio.get_running_loop().create_future()
+            if self.failed is not None:  # the job was released: a value asked for now never comes
+                slot.set_exception(self.failed)
+                slot.add_done_callback(lambda f: f.exception())  # retrieved even if nobody takes it
             self._slots[(src, key)] = slot
         return slot
 
@@ -114,9 +118,14 @@ class Mailbox:
             slot.add_done_callback(lambda f: f.exception())  # retrieved even if nobody takes it
 
     def fail_all(self, error: BaseException) -> None:
+        """Every value waited for, and every one asked for later, fails with ``error``: a step still
+        computing a stretch when its job is released asks for its next value after this, and would
+        otherwise wait for ever, holding the job's tensors (hundreds of MB) in the daemon."""
+        self.failed = error
         for slot in self._slots.values():
             if not slot.done():
                 slot.set_exception(error)
+                slot.add_done_callback(lambda f: f.exception())
 
 
 class LocalHub:
