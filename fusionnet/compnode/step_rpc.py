@@ -35,6 +35,9 @@ class StepRPC:
     def after_step(self, job: HeldJob, request: StepRequest) -> None:
         raise NotImplementedError  # ReplicaRPC's
 
+    def collect_released(self, job: HeldJob) -> None:
+        raise NotImplementedError  # SubtaskService's
+
     @handles(StepRequest)
     async def rpc_step(self, request: StepRequest, context: RPCContext) -> StepReply:
         """Runs one step of the caller's job: its sub-DAG's program of the schedule, then Update."""
@@ -53,12 +56,15 @@ class StepRPC:
                 outcome = await job.host.run_step(step, subdag)
             except asyncio.CancelledError:  # the job was released (or the daemon stops) mid-step
                 self.node.metrics.count_subtask("cancelled")
+                self.collect_released(job)
                 raise
             except Exception as e:
                 job.step_ended(step, ok=False)
                 # A step its job's release ended (its values fail with the release's error) is cancelled
                 released = self.jobs.get(job.job_id) is not job
                 self.node.metrics.count_subtask("cancelled" if released else "failed")
+                if released:
+                    self.collect_released(job)
                 if isinstance(e, DeviceMemoryError):  # the daemon lives on; the broker places again
                     log.warning("job %s: %s", job.job_id, e)
                     await job.host.drop_inflight()

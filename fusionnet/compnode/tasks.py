@@ -272,16 +272,20 @@ class SubtaskService(AssignRPC, ReplicaRPC, StepRPC):
         job.release()  # a step sent ahead stops waiting
         closing = asyncio.ensure_future(job.host.close(why))  # a sandbox worker is stopped
         closing.add_done_callback(lambda f: f.cancelled() or f.exception())
-        if not isinstance(job.host, SandboxedJob):
-            # In this process (--sandbox off) the executor, its autograd graphs and its tensors hold
-            # each other in reference cycles: an idle daemon may not run a full collection for a long
-            # time, and GBs of a released job would stay resident until then.
-            closing.add_done_callback(lambda _: self.node.spawn(asyncio.to_thread(gc.collect), "collect"))
+        closing.add_done_callback(lambda _: self.collect_released(job))
         self.forget_replicas(job)
         if job_id in self._released:
             self._released.pop(job_id).set()
         self._set_load()
         log.info("job %s: released (%s)", job_id, why)
+
+    def collect_released(self, job: HeldJob) -> None:
+        """In this process (--sandbox off) a released job's executor, autograd graphs and tensors hold
+        each other in reference cycles, and an idle daemon may not run a full collection for a long
+        time: GBs would stay resident. Collected once the release is done, and again when a step that
+        was still computing then ends (until it does, it holds them)."""
+        if not isinstance(job.host, SandboxedJob):
+            self.node.spawn(asyncio.to_thread(gc.collect), f"collect {job.job_id}")
 
     def _hand_off(self, job_id: str, connection: Any) -> bool | None:
         """A peer worker's connection for ``job_id`` (``wire.handoff``): to the job's worker when it reads
