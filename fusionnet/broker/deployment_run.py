@@ -136,12 +136,12 @@ class DeploymentRun(JobRun):
             if self.abandoned is not None:
                 self._fail(self.abandoned)
             else:
-                store.update_job(job.job_id, state=JobState.SUCCEEDED, step=self.batches)
+                self._end(JobState.SUCCEEDED, step=self.batches)
         except asyncio.CancelledError:
             if self.abandoned is not None:  # deploy's own time limit, not the broker stopping
                 self._fail(self.abandoned)
             else:
-                self.ctx.store.update_job(job.job_id, state=JobState.CANCELLED, error="the broker stopped")
+                self._end(JobState.CANCELLED, error="the broker stopped")
             raise
         except FusionNetError as e:
             self.failed = str(e)
@@ -155,6 +155,23 @@ class DeploymentRun(JobRun):
             self.watch.detach()
             await self._release_all("undeployed")
             self._update_job_gauges()
+
+    def _end(self, state: JobState, *, step: int | None = None, error: str | None = None) -> None:
+        if not self._ended_already():
+            self.ctx.store.update_job(self.job.job_id, state=state, step=step, error=error)
+
+    def _fail(self, reason: str, error: BaseException | None = None) -> None:
+        if not self._ended_already():
+            super()._fail(reason, error)
+
+    def _ended_already(self) -> bool:
+        """Whether something else ended the row first: it then keeps that state. Raising instead would
+        fail the ``undeploy`` that has just removed the deployment (``cancel_job`` ended live deployment
+        rows once; it refuses them now, and this keeps any other such path harmless)."""
+        current = self.ctx.store.get_job(self.job.job_id)["state"]
+        if JobState(current).terminal:
+            log.info("deployment %s: its job row is %s already; kept", self.job.spec.name, current)
+        return JobState(current).terminal
 
     def _checkpoint(self) -> Checkpoint:
         return Checkpoint(0, self.job.state, {}, [])

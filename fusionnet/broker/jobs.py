@@ -367,9 +367,14 @@ class JobService:
     async def rpc_cancel_job(self, request: CancelJobRequest, context: RPCContext) -> CancelJobReply:
         """Stops a job now: its in-flight step is abandoned, its compnodes released, its state CANCELLED.
         Answers once the compnodes are released (or ``CANCEL_WAIT`` passed). A job that already ended
-        keeps its state."""
+        keeps its state. A live deployment's row is refused: it has no run here to stop (its
+        ``DeploymentRun`` is the deployment service's), so marking it CANCELLED would leave it serving."""
         job_id = request.job_id
         row = self._owner(job_id, request.auth, context)
+        name = str(row.get("name") or "")
+        if name.startswith(DEPLOYMENT_ROW) and not JobState(row["state"]).terminal:
+            deployment = name.removeprefix(DEPLOYMENT_ROW)
+            raise JobError(f"job {job_id} is deployment {deployment}: use fusionnet undeploy {deployment}")
         if JobState(row["state"]).terminal:
             if row["state"] == JobState.CANCELLED and self._cancelled_by(job_id, context.remote_peer):
                 # A repeat of the call that cancelled it (the RPC layer retries a stream p2pd dropped

@@ -33,7 +33,14 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def add_initial_peers(p: Any, help: str = "any peer of the swarm") -> None:
+# Clients pin their broker (README "Security model"): the peers given are the broker's, not any member's.
+BROKER_PEERS_HELP = (
+    "the broker's multiaddr, /ip4/HOST/tcp/PORT/p2p/PEERID: its --address-file lines (the command talks "
+    "to that broker only, never to a peer a DHT record names)"
+)
+
+
+def add_initial_peers(p: Any, help: str = BROKER_PEERS_HELP) -> None:
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help=help)
 
 

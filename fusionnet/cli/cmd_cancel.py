@@ -3,8 +3,8 @@
 The broker cancels the job's run at once (the step in flight is abandoned), releases its compnodes
 (they drop their sub-DAGs) and records the job CANCELLED; a cancelled job has no results. Exit 0 when
 the job is cancelled now or was already; 1 when it had already ended otherwise (SUCCEEDED, FAILED) or
-no broker answers; 2 for an unknown job id, or a job submitted with another key (only its submitter
-may cancel it).
+no broker answers; 2 for an unknown job id, a job submitted with another key (only its submitter
+may cancel it), or a live deployment's job (``fusionnet undeploy`` ends a deployment).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def add_parser(subparsers: Any) -> None:
         description="Asks the swarm's broker to stop job JOB_ID now: its in-flight step is abandoned, its "
         "compnodes released, its state CANCELLED (no results are kept). Returns once the compnodes are "
         "released. Exit 0 when the job is cancelled (now or before), 1 when it had already ended "
-        "otherwise, 2 for an unknown id.",
+        "otherwise, 2 for an unknown id or a deployment's job (use undeploy NAME).",
     )
     add_job_id_argument(p)
     add_initial_peers(p)

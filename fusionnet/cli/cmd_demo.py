@@ -38,12 +38,23 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fusionnet.cli.jobflags import check_output_dir
     from fusionnet.errors import JobError
+    from fusionnet.job.loader import check_job_without_model
 
     if args.compnodes < 1:
         raise JobError(f"--compnodes: must be >= 1, got {args.compnodes}")
     if not args.job.is_file():
+        if args.job == BUNDLED_JOB:  # examples/ lives in the repository: a wheel install has none
+            raise JobError(
+                f"the bundled example job is not installed with the package ({BUNDLED_JOB} is missing: "
+                "a non-editable install); pass --job JOB.yaml, e.g. examples/gpt/job.yaml of the repository"
+            )
         raise JobError(f"--job: no such file {args.job}")
+    # Before the swarm starts, as ``submit`` checks them before it sends the job: found out afterwards, a
+    # bad --output loses the results (the broker that kept them is stopped), a bad job file the start-up.
+    check_output_dir(args.output)
+    check_job_without_model(args.job)
     if args.workdir is not None:
         return _demo(args, args.workdir)
     with tempfile.TemporaryDirectory(prefix="fusionnet-demo-") as tmp:

@@ -82,7 +82,10 @@ def add_parser(subparsers: Any) -> None:
     add_key_flag(p)
     p.set_defaults(func=run)
     u = subparsers.add_parser(
-        "undeploy", help="release a deployment's compnodes", description="Ends deployment NAME."
+        "undeploy",
+        help="release a deployment's compnodes",
+        description="Ends deployment NAME (deployed with this --key) and releases its compnodes. Exit 2 when "
+        "this key has no deployment of that name, 1 when no broker answers or the undeploy failed.",
     )
     u.add_argument("name", type=_name, help="deployment name")
     add_initial_peers(u)

@@ -32,8 +32,17 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fusionnet.cli.jobflags import check_output_dir
+    from fusionnet.errors import JobError
     from fusionnet.perfmodel.section4 import main
 
+    # Refused here, in one line, before anything is written: the inner parser's own refusal would show
+    # its usage (with flags this command does not take) after --output was made.
+    sizes = (("--n-batches", args.n_batches), ("--batch-size", args.batch_size), ("--gpt-seq", args.gpt_seq))
+    for flag, value in sizes:
+        if value is not None and value < 1:
+            raise JobError(f"{flag}: must be >= 1, got {value}")
+    check_output_dir(args.output)  # a folder it cannot write: one line now, not a traceback at the end
     args.output.mkdir(parents=True, exist_ok=True)
     argv = [
         "--n-batches",

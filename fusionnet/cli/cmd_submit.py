@@ -28,7 +28,7 @@ def add_parser(subparsers: Any) -> None:
         "non-zero with a one-line reason on failure.",
     )
     p.add_argument("job", type=Path, help="job definition file (YAML)")
-    add_initial_peers(p, "multiaddrs of any swarm members (e.g. the broker's address file lines)")
+    add_initial_peers(p)
     p.add_argument("--output", type=Path, required=True, metavar="DIR", help="directory for the result files")
     p.add_argument(
         "--timeout",

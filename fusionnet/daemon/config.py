@@ -7,6 +7,8 @@ name); the broker and compnode add their own settings in their own config classe
 from __future__ import annotations
 
 import argparse
+import contextlib
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +49,8 @@ class DaemonConfig:
             )
         if self.address_file is not None and self.address_file.is_dir():
             raise ValueError(f"--address-file {self.address_file}: is a directory; give the file's path")
+        if self.address_file is not None:
+            check_address_folder(self.address_file)
         if self.state_dir is not None and self.state_dir.exists() and not self.state_dir.is_dir():
             raise ValueError(f"--state-dir {self.state_dir}: is not a directory")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -59,6 +63,28 @@ class DaemonConfig:
             raise ValueError(f"--shutdown-grace must be >= 0, got {self.shutdown_grace}")
         if self.drain_timeout < 0:
             raise ValueError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
+
+
+def check_address_folder(path: Path) -> None:
+    """The address file is written once the daemon is up (``files.write_address_file``): a folder it
+    cannot be written in is refused now, in one line, not found out after the daemon started. Folders
+    made for the check are removed again (the daemon makes them when it writes the file)."""
+    made: list[Path] = []  # deepest first
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        made.append(folder)
+        folder = folder.parent
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(prefix=f".{path.name}.", dir=path.parent):  # as the daemon will
+            pass
+    except OSError as e:
+        why = e.strerror or str(e)
+        raise ValueError(f"--address-file {path}: cannot write a file in {path.parent} ({why})") from None
+    finally:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def common_config(args: argparse.Namespace, role: str) -> DaemonConfig:

@@ -289,8 +289,7 @@ def _check_reproduces(traced: TracedModel, expected: Any, args: tuple[Any, ...])
     flat_got = [v for v in torch.utils._pytree.tree_flatten(got)[0] if isinstance(v, torch.Tensor)]
     flat_exp = [v for v in torch.utils._pytree.tree_flatten(expected)[0] if isinstance(v, torch.Tensor)]
     if len(flat_got) != len(flat_exp) or not all(
-        a.shape == b.shape
-        and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
+        a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
         for a, b in zip(flat_got, flat_exp)
     ):
         raise NotReproduced("the traced graph does not reproduce the model's output on the example input")

@@ -38,6 +38,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 from fusionnet.dht.identity import load_or_create_identity
+from fusionnet.dht.peerids import peer_ids_of_maddrs
 from fusionnet.errors import JobError, WireError
 
 log = logging.getLogger("fusionnet.dht.node")
@@ -83,12 +84,20 @@ class DHTConfig:
 
 
 def check_initial_peers(initial_peers: Sequence[str]) -> None:
-    """``JobError`` (bad input: one line, exit 2) for an ``--initial-peers`` value that is not a multiaddr,
-    before a command traces, uploads or dials anything."""
+    """``JobError`` (bad input: one line, exit 2) for an ``--initial-peers`` value that is not a multiaddr
+    or names no peer id, before a command (a client or a daemon) traces, uploads or dials anything. Without
+    ``/p2p/PEERID`` libp2p cannot dial it (its daemon fails seconds later with a Go log line), and a client
+    could not pin its broker."""
     try:
         DHTConfig(initial_peers=list(initial_peers))  # validates them, starts nothing
     except ValueError as e:
         raise JobError(str(e)) from None
+    for addr in initial_peers:
+        if not peer_ids_of_maddrs([addr]):
+            raise JobError(
+                f"--initial-peers: {addr[:200]!r} names no peer id: give the whole address, "
+                "/ip4/HOST/tcp/PORT/p2p/PEERID (a line of the peer's --address-file)"
+            )
 
 
 class SwarmDHT(hivemind.DHT):

@@ -74,13 +74,22 @@ def write_json(path: Path, doc: Mapping[str, Any]) -> None:
 
 
 def write_results(output_dir: Path, result: RunResult, task: str) -> None:
-    """``output_dir`` as interface.md's "Results" table describes it, for ``task``."""
+    """``output_dir`` as interface.md's "Results" table describes it, for ``task``: this job's result files
+    only. Those of an earlier job in a reused folder (the weights of a train job beside an infer job's
+    outputs) are removed, as ``fusionnet submit`` and ``results`` do (``runtime.jobcontrol``)."""
     output_dir.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, Mapping[str, torch.Tensor]] = {}
     if task in ("train", "grad"):
-        write_tensors(output_dir / "weights.safetensors", result.weights)
+        tensors["weights.safetensors"] = result.weights
     if task == "grad" and result.grads is not None:
-        write_tensors(output_dir / "grads.safetensors", result.grads)
+        tensors["grads.safetensors"] = result.grads
     if task == "infer" and result.outputs is not None:
-        write_tensors(output_dir / "outputs.safetensors", result.output_files())
+        tensors["outputs.safetensors"] = result.output_files()
+    for name, values in tensors.items():
+        write_tensors(output_dir / name, values)
     write_metrics(output_dir / "metrics.jsonl", result.metrics)
     write_json(output_dir / "plan.json", result.plan)
+    for name in set(RESULT_FILES) - {*tensors, "metrics.jsonl", "plan.json"}:
+        stale = output_dir / name
+        if stale.is_file() or stale.is_symlink():  # a directory there was refused before the job ran
+            stale.unlink()
