@@ -65,12 +65,15 @@ def test_a_real_process_is_scraped_on_the_compnode_registry() -> None:
         [
             sys.executable,
             "-c",
-            "import time\nt=time.process_time()\nwhile time.process_time()-t<0.3: pass\n"
-            "import sys; sys.stdin.read()",
+            "import sys, time\nprint('up', flush=True)\n"
+            "t=time.process_time()\nwhile time.process_time()-t<0.3: pass\nsys.stdin.read()",
         ],
         stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
     )
     try:
+        # started: its interpreter is in memory (read before that, its RSS was 132 kB)
+        assert busy.stdout is not None and busy.stdout.readline() == b"up\n"
         metrics.workers.look(busy.pid)
 
         def sample(name: str) -> float:
