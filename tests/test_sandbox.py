@@ -20,8 +20,9 @@ import torch
 
 from fusionnet.compnode.daemon import CompnodeConfig
 from fusionnet.compnode.faults import ENV as FAULT_ENV
-from fusionnet.compnode.sandbox_client import SandboxedJob, SandboxPool
+from fusionnet.compnode.sandbox_client import SandboxedJob
 from fusionnet.compnode.sandbox_ipc import IPCChannel, IPCError, frame_message, frame_of
+from fusionnet.compnode.sandbox_pool import SandboxPool
 from fusionnet.compnode.tasks import SubtaskService
 from fusionnet.errors import ExecutionError, JobError
 from fusionnet.messages.blobs import unpack_tensors

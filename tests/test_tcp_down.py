@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from fusionnet.compnode.sandbox_client import SandboxedJob, SandboxPool
+from fusionnet.compnode.sandbox_client import SandboxedJob
 from fusionnet.compnode.sandbox_ipc import IPCChannel, frame_message
+from fusionnet.compnode.sandbox_pool import SandboxPool
 from fusionnet.compnode.tcp_down import Down, DownPeers
 from fusionnet.compnode.worker_sends import DirectSender
 from fusionnet.wire import DataPathClient, PeerUnreachable, TensorFrame

@@ -236,7 +236,7 @@ def test_lanes_partition_the_sequence_numbers() -> None:
 
 def test_worker_receives_daemon_keeps_the_relay() -> None:
     from fusionnet.compnode.daemon import CompnodeConfig
-    from fusionnet.compnode.sandbox_client import SandboxPool
+    from fusionnet.compnode.sandbox_pool import SandboxPool
 
     assert SandboxPool.of(CompnodeConfig(), None).direct_receives
     assert not SandboxPool.of(CompnodeConfig(worker_receives="daemon"), None).direct_receives

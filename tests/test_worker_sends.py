@@ -96,7 +96,7 @@ def test_a_frame_under_a_wrong_link_key_is_refused_by_the_receiver() -> None:
 
 def test_worker_sends_daemon_makes_the_workers_hand_every_value_to_the_daemon() -> None:
     from fusionnet.compnode.daemon import CompnodeConfig
-    from fusionnet.compnode.sandbox_client import SandboxPool
+    from fusionnet.compnode.sandbox_pool import SandboxPool
 
     assert SandboxPool.of(CompnodeConfig(), None).direct_sends
     assert not SandboxPool.of(CompnodeConfig(worker_sends="daemon"), None).direct_sends

@@ -21,7 +21,8 @@ Map of the package:
                      in-process or in its sandbox worker; ``HeldJob``, the daemon's record of it.
 - ``device_step.py`` a compnode holding several sub-DAGs of a job (interleaved-1f1b's chunks): one
                      step of all of them in its program's order, answered per sub-DAG.
-- ``sandbox_client.py``  the daemon's side of per-job sandbox workers: fork server, calls, worker death.
+- ``sandbox_pool.py``    where the sandbox workers come from: the fork server, a worker per assignment.
+- ``sandbox_client.py``  the daemon's side of a job's sandbox worker: calls, values, worker death.
 - ``sandbox_worker.py``  a job's worker process: builds and runs the sub-DAG under a memory budget.
 - ``sandbox_ipc.py`` the messages between daemon and worker (msgpack + raw tensor bytes, bounded).
 - ``sandbox_preload.py``  what the fork server imports, at a lower CPU priority.

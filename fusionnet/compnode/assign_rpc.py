@@ -21,7 +21,8 @@ from fusionnet.compnode.assignment_intake import build_assignment
 from fusionnet.compnode.faults import FaultPoint, fault_hooks
 from fusionnet.compnode.job_host import HeldJob, JobHost
 from fusionnet.compnode.linkprobe import LinkProber
-from fusionnet.compnode.sandbox_client import SandboxedJob, SandboxPool
+from fusionnet.compnode.sandbox_client import SandboxedJob
+from fusionnet.compnode.sandbox_pool import SandboxPool
 from fusionnet.compnode.staging import StateStaging
 from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.compnode.trust import TrustedBrokers

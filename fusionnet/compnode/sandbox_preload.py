@@ -1,4 +1,4 @@
-"""What the sandbox fork server imports before it forks any worker (``sandbox_client.PRELOAD``): the
+"""What the sandbox fork server imports before it forks any worker (``sandbox_pool.PRELOAD``): the
 worker's modules and what torch would import lazily inside a worker's first assignment.
 
 It first lowers its own CPU priority, which every worker inherits: importing torch (seconds) while

@@ -1,6 +1,6 @@
 """A job's sandbox worker: the process where one assignment's IR is decoded, rebuilt and executed.
 
-Forked from the compnode's fork server (``sandbox_client.SandboxPool``, torch already imported), it
+Forked from the compnode's fork server (``sandbox_pool.SandboxPool``, torch already imported), it
 serves the daemon's calls over its socket (``sandbox_ipc``) with a ``job_host.JobHost``: ``assign``
 builds the job, then ``step``, ``serve``, ``collect``, ``snapshot`` and ``drop`` run it, and
 ``frame`` hands it a value a peer sent. Values it sends go to the daemon as ``send`` calls, which the
@@ -63,7 +63,7 @@ from fusionnet.wire.replay import set_seq_lane
 
 log = logging.getLogger("fusionnet.compnode.sandbox")
 PR_SET_PDEATHSIG = 1
-EXIT_NO_ANSWER = 70  # the worker could not answer a call (``sandbox_client.describe_exit``)
+EXIT_NO_ANSWER = 70  # the worker could not answer a call (``sandbox_pool.describe_exit``)
 # What torch and its backends say when an allocation fails (the memory budget is one cause).
 # A thread's stack is private memory too: under the budget, starting one fails.
 ALLOCATION_FAILED = re.compile(

@@ -38,7 +38,8 @@ from fusionnet.compnode.linkprobe import PROBE_BUDGET, LinkProber, check_probe_r
 from fusionnet.compnode.replica_frames import Landings
 from fusionnet.compnode.replica_rpc import ReplicaRPC
 from fusionnet.compnode.replicas import ReplicaStore
-from fusionnet.compnode.sandbox_client import SandboxedJob, SandboxPool
+from fusionnet.compnode.sandbox_client import SandboxedJob
+from fusionnet.compnode.sandbox_pool import SandboxPool
 from fusionnet.compnode.staging import StateStaging
 from fusionnet.compnode.step_rpc import StepRPC
 from fusionnet.compnode.tcp_down import Down, DownPeers
