@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fusionnet.serving.batching import RowAnswers
+from fusionnet.serving.answers import RowAnswers
 
 
 def answer_rows(outputs: torch.Tensor, keep: list[bool]) -> RowAnswers:

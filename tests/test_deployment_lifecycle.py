@@ -27,7 +27,8 @@ from fusionnet.job.loader import load_job
 from fusionnet.messages.blobs import pack_tensors, unpack_tensors
 from fusionnet.messages.serving_rpc import ServingClient
 from fusionnet.runtime.submit import submission_payload
-from fusionnet.serving.batching import DynamicBatcher, RowsFailed
+from fusionnet.serving.answers import RowsFailed
+from fusionnet.serving.batching import DynamicBatcher
 from tests.test_jobrun_decisions import FakeCompnodes, make_context
 
 pytestmark = pytest.mark.timeout(120)

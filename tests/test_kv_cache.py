@@ -16,7 +16,8 @@ import torch
 from fusionnet.dag.rebuild import run_whole_graph
 from fusionnet.dag.trace import trace_model
 from fusionnet.job.kv_decode import SlotDecoder, example_rows, find_causal_lm
-from fusionnet.serving.batching import DynamicBatcher, Overloaded
+from fusionnet.serving.answers import Overloaded
+from fusionnet.serving.batching import DynamicBatcher
 from fusionnet.serving.kv_sessions import CacheLost, SlotPool, StaleRows, generate_cached
 from fusionnet.serving.sampling import SamplingParams
 from tests.serving_support import answer_rows

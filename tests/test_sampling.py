@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from fusionnet.serving.batching import RowAnswers
+from fusionnet.serving.answers import RowAnswers
 from fusionnet.serving.completion_request import parse_completion
 from fusionnet.serving.generation import Window, generate
 from fusionnet.serving.sampling import SamplingParams, adjusted_logits, generator_for, next_token

@@ -20,14 +20,8 @@ from safetensors.torch import save as save_st
 
 from fusionnet.compnode.serve_steps import kept, picked
 from fusionnet.errors import ExecutionError, JobError
-from fusionnet.serving.batching import (
-    BatchStats,
-    DynamicBatcher,
-    Overloaded,
-    Oversized,
-    RowAnswers,
-    RowsFailed,
-)
+from fusionnet.serving.answers import Overloaded, Oversized, RowAnswers, RowsFailed
+from fusionnet.serving.batching import BatchStats, DynamicBatcher
 from fusionnet.serving.generation import Window, generate
 from fusionnet.serving.http import CLIENT_GONE, build_app, start_api
 from fusionnet.serving.kv_sessions import SlotPool

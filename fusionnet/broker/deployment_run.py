@@ -46,7 +46,7 @@ from fusionnet.messages.blobs import pack_tensors, unpack_tensors
 from fusionnet.messages.serving_rpc import ServeStepReply, ServeStepRequest, ServingClient
 from fusionnet.results.assemble import join_outputs
 from fusionnet.rpc.windows import gather
-from fusionnet.serving.batching import Answer, RowAnswers, RowsFailed
+from fusionnet.serving.answers import Answer, RowAnswers, RowsFailed
 from fusionnet.serving.kv_sessions import CacheLost, StaleRows
 
 log = logging.getLogger("fusionnet.broker.deployments")

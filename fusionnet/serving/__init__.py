@@ -8,6 +8,7 @@ Map of the package:
 
 - ``served.py``       ``ServedModel``, the ``Deployments`` lookup, ``ApiError``, ``ServingObserver``.
 - ``batching.py``     ``DynamicBatcher``: bounded wait, max batch, bounded queue, batches in flight.
+- ``answers.py``      what the batcher answers (``RowAnswers``, a request's part) and why it may not.
 - ``sampling.py``     greedy, temperature, top-p, seeded generators.
 - ``generation.py``   one session per choice without KV caches: the padded window per token (``Window``).
 - ``kv_sessions.py``  with KV caches on the compnodes: cache slots, prefill + a row per token, replay

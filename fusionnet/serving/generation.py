@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusionnet.serving.batching import Answer, RowAnswers, Submit
+from fusionnet.serving.answers import Answer, RowAnswers, Submit
 from fusionnet.serving.sampling import SamplingParams, generator_for, next_token
 
 

@@ -29,7 +29,7 @@ from contextlib import asynccontextmanager
 import torch
 
 from fusionnet.errors import ExecutionError
-from fusionnet.serving.batching import Answer, Overloaded, Submit
+from fusionnet.serving.answers import Answer, Overloaded, Submit
 from fusionnet.serving.generation import ask_ahead, needs_logits, next_of, withdraw
 from fusionnet.serving.sampling import SamplingParams, generator_for
 

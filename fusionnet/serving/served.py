@@ -11,7 +11,8 @@ from typing import Any, Protocol
 import torch
 
 from fusionnet.errors import FusionNetError
-from fusionnet.serving.batching import Closed, DynamicBatcher, Overloaded, Oversized, RowsFailed
+from fusionnet.serving.answers import Closed, Overloaded, Oversized, RowsFailed
+from fusionnet.serving.batching import DynamicBatcher
 from fusionnet.serving.generation import Window
 from fusionnet.serving.kv_sessions import SlotPool
 
