@@ -84,7 +84,8 @@ def test_chat_renders_the_template_and_generates_as_completions_does(tokenizer: 
         assert doc["object"] == "chat.completion" and doc["id"].startswith("chatcmpl-")
         (choice,) = doc["choices"]
         assert choice["token_ids"] == want and choice["finish_reason"] == "length"
-        assert choice["message"] == {"role": "assistant", "content": tokenizer.decode(want)}
+        # the answer decoded after the prompt's last tokens: a word-level tokenizer joins words with spaces
+        assert choice["message"] == {"role": "assistant", "content": " " + tokenizer.decode(want)}
         assert doc["usage"] == {
             "prompt_tokens": len(prompt),
             "completion_tokens": 6,
@@ -111,7 +112,7 @@ def test_chat_renders_the_template_and_generates_as_completions_does(tokenizer: 
         assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
         deltas = [c["choices"][0]["delta"] for c in chunks]
         assert deltas[0] == {"role": "assistant", "content": ""}
-        assert "".join(d.get("content", "") for d in deltas) == tokenizer.decode(want)
+        assert "".join(d.get("content", "") for d in deltas) == " " + tokenizer.decode(want)
         assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == want
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -156,7 +157,9 @@ def test_chat_logprobs_in_the_chat_form(tokenizer: Any) -> None:
         assert r.status == 200, doc
         choice = doc["choices"][0]
         content = choice["logprobs"]["content"]
-        assert [c["token"] for c in content] == [tokenizer.decode([t]) for t in choice["token_ids"]]
+        # each token as the text it adds to the answer (after the prompt): the words with their spaces
+        assert [c["token"] for c in content] == [" " + tokenizer.decode([t]) for t in choice["token_ids"]]
+        assert "".join(c["token"] for c in content) == choice["message"]["content"]
         for c in content:  # greedy: each token is its own best alternative
             assert len(c["top_logprobs"]) == 3 and c["top_logprobs"][0]["token"] == c["token"]
             assert c["top_logprobs"][0]["logprob"] == c["logprob"] <= 0.0

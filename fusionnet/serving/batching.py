@@ -23,7 +23,10 @@ Overload is answered, never queued without bound: when more than ``queue_limit``
 ``submit`` raises ``Overloaded`` at once (the HTTP layer answers 503). The limit admits new work; a
 session already admitted (a caller whose rows got in once) keeps going: its next token's row is queued
 beyond the limit, since refusing it would end a generation half-way. Such rows stay bounded, one per
-live session at a time (a session's replay after a lost cache: its tokens so far). A request larger than
+live session at a time (a session's replay after a lost cache: its tokens so far). The sessions of one
+request (several prompts, ``n`` choices) are admitted as one (``caller(group)``): were each admitted
+alone, the first one's prompt would count as waiting rows against its sibling's, and a request whose
+prompts together exceed the limit would get a 503 on an idle deployment, every time. A request larger than
 the limit itself could never get in, and is refused as ``Oversized`` (HTTP 400), not as a busy queue that
 a retry might find free. A request larger than ``max_batch`` rows is cut into several batches and joined
 again.
@@ -115,6 +118,11 @@ class DynamicBatcher:
         self._missed = 0  # callers given up on since the last batch's stats
         self._callers = 0  # ``caller()`` blocks open: the live sessions
         self._admitted: set[object] = set()  # callers whose rows got in once: queued past the limit
+        # A request's sessions (its prompts, its ``n`` choices) are admitted as one: once the first is
+        # in, its siblings' rows get in too, so they never refuse each other (``caller(group)``).
+        self._group_of: dict[object, object] = {}  # caller -> its request
+        self._group_callers: dict[object, int] = {}  # request -> its callers open
+        self._admitted_groups: set[object] = set()
         # a moving average of a batch's wall time: how long the away callers are waited for
         self._batch_seconds = 0.0
         self._loop_task: asyncio.Task[None] | None = None
@@ -153,16 +161,27 @@ class DynamicBatcher:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     @asynccontextmanager
-    async def caller(self) -> AsyncIterator[Submit]:
+    async def caller(self, group: object | None = None) -> AsyncIterator[Submit]:
         """A ``submit`` for one caller that submits again as soon as it has each answer, until the block
-        ends; an idle pipeline waits for it meanwhile (see the module's text)."""
+        ends; an idle pipeline waits for it meanwhile (see the module's text). Callers of one ``group``
+        (the sessions of one request) are admitted together: the first one's rows face the queue's
+        limit, its siblings' then get in whatever waits (a request's rows are bounded by its own size)."""
         handle = object()
         self._callers += 1
+        if group is not None:
+            self._group_of[handle] = group
+            self._group_callers[group] = self._group_callers.get(group, 0) + 1
         try:
             yield partial(self.enqueue, caller=handle)
         finally:
             self._callers -= 1
             self._admitted.discard(handle)
+            if group is not None:
+                del self._group_of[handle]
+                self._group_callers[group] -= 1
+                if not self._group_callers[group]:
+                    del self._group_callers[group]
+                    self._admitted_groups.discard(group)
             self._arrived.set()  # fewer sessions: a held batch may now go
             self._slow.discard(handle)
             if handle in self._away:
@@ -207,10 +226,14 @@ class DynamicBatcher:
                     f"the request needs {n} rows at once (a prompt's tokens, or samples), more than this "
                     f"deployment queues (deploy --queue-limit {self.queue_limit})"
                 )
-            if self._queued_rows + n > self.queue_limit:
-                self._purge()  # the rows of clients that went away leave only when a batch is taken
-            if self._queued_rows + n > self.queue_limit:
-                raise Overloaded(f"{self._queued_rows} rows already wait (limit {self.queue_limit})")
+            group = self._group_of.get(caller)
+            if group is None or group not in self._admitted_groups:  # a sibling admitted: it is in
+                if self._queued_rows + n > self.queue_limit:
+                    self._purge()  # the rows of clients that went away leave only when a batch is taken
+                if self._queued_rows + n > self.queue_limit:
+                    raise Overloaded(f"{self._queued_rows} rows already wait (limit {self.queue_limit})")
+                if group is not None:
+                    self._admitted_groups.add(group)
             if caller is not None:
                 self._admitted.add(caller)
         loop = asyncio.get_running_loop()

@@ -118,8 +118,8 @@ class ChatChunks(TextChunks):
             "finish_reason": finish,
         }
 
-    def logprobs(self, run: ChoiceRun, entries: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
-        return None if run.top is None else chat_logprobs(entries, run.model.tokenizer)
+    def logprobs(self, run: ChoiceRun, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        return None if run.top is None else chat_logprobs(entries)
 
 
 CHAT_CHUNKS = ChatChunks()
@@ -139,10 +139,10 @@ def chat_reply(
                 "index": i,
                 "message": {"role": "assistant", "content": c.text},
                 "token_ids": c.tokens,
-                "logprobs": CHAT_CHUNKS.logprobs(runs[i], runs[i].logprobs, 0),
+                "logprobs": CHAT_CHUNKS.logprobs(runs[i], runs[i].logprobs),
                 "finish_reason": c.finish_reason,
             }
             for i, c in enumerate(choices)
         ],
-        "usage": usage([prompt] * len(choices), choices),
+        "usage": usage(runs),
     }

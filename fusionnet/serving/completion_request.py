@@ -143,9 +143,16 @@ def encode_prompts(req: CompletionRequest, model: ServedModel) -> list[list[int]
             raise ApiError(
                 400, "this deployment has no tokenizer: send the prompt as token ids", param="prompt"
             )
+        for i, text in enumerate(texts):
+            try:
+                text.encode("utf-8")  # type: ignore[union-attr]
+            except UnicodeEncodeError as e:  # a lone surrogate (JSON's "\ud800"): no tokenizer takes it
+                where = f"prompt {i}" if len(texts) > 1 else "prompt"
+                why = f"{where}: not text: {e.reason} at character {e.start}"
+                raise ApiError(400, why, param="prompt") from None
         try:
             ids = [list(model.tokenizer.encode(t)) for t in texts]  # type: ignore[arg-type]
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise ApiError(400, f"prompt: {e}"[:300], param="prompt") from None
     elif prompt and isinstance(prompt[0], list):
         ids = [list(p) for p in prompt]  # type: ignore[union-attr]

@@ -27,7 +27,7 @@ from fusionnet.errors import ExecutionError
 from fusionnet.serving.completion_request import CompletionRequest
 from fusionnet.serving.generation import generate
 from fusionnet.serving.kv_sessions import generate_cached, score_cached
-from fusionnet.serving.logprobs import TokenLogprob, completion_logprobs, logprob_of
+from fusionnet.serving.logprobs import CONTEXT, TokenLogprob, completion_logprobs, logprob_of, placed
 from fusionnet.serving.sampling import SamplingParams
 from fusionnet.serving.served import ApiError, ServedModel, ServingObserver, api_error
 from fusionnet.serving.stopping import Piece, StopRule, StopTracker
@@ -46,13 +46,16 @@ class ChoiceRun:
         params: SamplingParams,
         index: int,
         observer: ServingObserver | None,
+        group: object | None = None,
     ) -> None:
         self.model, self.prompt, self.req, self.params = model, prompt, req, params
         self.index, self.observer = index, observer
+        self.group = group  # the request: its choices are admitted together (``DynamicBatcher.caller``)
         rule = StopRule.of(model.eos_token_ids, req.stop_token_ids, req.stop, req.ignore_eos)
-        self.tracker = StopTracker(rule, model.tokenizer)
+        self.tracker = StopTracker(rule, model.tokenizer, context=prompt[-CONTEXT:])
         self.top = req.logprobs  # None: no logprobs
         self.logprobs: list[TokenLogprob] = []  # one per token of the answer (after the echo's), if asked
+        self._at = 0  # where the next logprob entry's text begins in the choice's text
         self.echoed = ""  # the prompt's text, with echo
         self._logits: torch.Tensor | None = None  # what the next token is sampled from
 
@@ -74,7 +77,7 @@ class ChoiceRun:
         count = 0
         on_logits = self._saw if self.top is not None else None
         # this choice asks again right after each token: the batcher waits for it (``caller``)
-        async with model.batcher.caller() as submit:
+        async with model.batcher.caller(self.group) as submit:
             choice = (self.prompt, req.max_tokens, self.params, req.seed, self.index, on_logits)
             tokens = (
                 generate(submit, model.window, *choice)
@@ -93,15 +96,21 @@ class ChoiceRun:
                     last, count = now, count + 1
                     piece = tracker.push(token)
                     if self.top is not None and piece.tokens and self._logits is not None:
-                        piece.logprobs = [logprob_of(self._logits, token, self.top)]
-                        self.logprobs.extend(piece.logprobs)
+                        # the answer's text is decoded after the prompt's last tokens (``StopTracker``)
+                        before = tracker.context + tracker.tokens[:-1]
+                        entry = placed(
+                            logprob_of(self._logits, token, self.top), model.tokenizer, before, self._at
+                        )
+                        self._at += len(entry.text)
+                        piece.logprobs = [entry]
+                        self.logprobs.append(entry)
                     yield piece
                     if tracker.finish_reason is not None:
                         break
         if tracker.finish_reason is None:
             yield tracker.finish()
-        if observer is not None:
-            observer.observe_tokens(model.name, len(self.prompt), count)
+        if observer is not None:  # a prompt is counted once, with its first choice (as ``usage``)
+            observer.observe_tokens(model.name, len(self.prompt) if self.first_choice else 0, count)
 
     async def _echo(self) -> Piece:
         """The prompt as the choice's first piece: its text (decoded by the tokenizer) and, with logprobs,
@@ -111,21 +120,32 @@ class ChoiceRun:
         piece = Piece([], self.echoed, echo=True)
         if self.top is not None:
             logits = await self._prompt_logits()
-            piece.logprobs = [TokenLogprob(prompt[0], None, None)] + [
+            entries = [TokenLogprob(prompt[0], None, None)] + [
                 logprob_of(logits[i - 1], prompt[i], self.top) for i in range(1, len(prompt))
             ]
+            at = 0
+            for i, entry in enumerate(entries):
+                piece.logprobs.append(placed(entry, model.tokenizer, prompt[:i], at))
+                at += len(piece.logprobs[-1].text)
             self.logprobs.extend(piece.logprobs)
+        self._at = len(self.echoed)  # the answer's text follows the echo
         return piece
 
     async def _prompt_logits(self) -> torch.Tensor:
         """The logits at every position of the prompt (``[len(prompt), vocab]``)."""
         model, prompt, window = self.model, self.prompt, self.model.window
         assert window is not None
-        if model.kv is not None:
-            return await score_cached(model.batcher.submit, model.kv, model.epoch, prompt)
-        row = torch.full((1, window.context), window.pad_id, dtype=window.dtype)
-        row[0, : len(prompt)] = torch.tensor(prompt, dtype=window.dtype)
-        return (await model.batcher.submit(row, None))[0, : len(prompt)]
+        async with model.batcher.caller(self.group) as submit:
+            if model.kv is not None:
+                return await score_cached(submit, model.kv, model.epoch, prompt)
+            row = torch.full((1, window.context), window.pad_id, dtype=window.dtype)
+            row[0, : len(prompt)] = torch.tensor(prompt, dtype=window.dtype)
+            return (await submit(row, None))[0, : len(prompt)]
+
+    @property
+    def first_choice(self) -> bool:
+        """Whether this is its prompt's first choice (``n`` choices per prompt, in order)."""
+        return self.index % self.req.n == 0
 
     async def run(self) -> StopTracker:
         async for _ in self.events():
@@ -143,8 +163,10 @@ def choice_doc(
     return {"index": index, "text": text, "token_ids": tokens, "logprobs": logprobs, "finish_reason": finish}
 
 
-def usage(prompts: list[list[int]], choices: list[StopTracker]) -> dict[str, int]:
-    p, c = sum(map(len, prompts)), sum(t.generated for t in choices)
+def usage(runs: list[ChoiceRun]) -> dict[str, int]:
+    """OpenAI's ``usage``: each prompt's tokens once (not once per choice), every choice's tokens."""
+    p = sum(len(r.prompt) for r in runs if r.first_choice)
+    c = sum(r.tracker.generated for r in runs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -162,10 +184,8 @@ class TextChunks:
     ) -> dict[str, Any]:
         return choice_doc(index, tokens, text, finish, logprobs)
 
-    def logprobs(self, run: ChoiceRun, entries: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
-        if run.top is None:
-            return None
-        return completion_logprobs(entries, run.model.tokenizer, run.top, offset)
+    def logprobs(self, run: ChoiceRun, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        return None if run.top is None else completion_logprobs(entries, run.top)
 
 
 TEXT_CHUNKS = TextChunks()
@@ -218,7 +238,6 @@ async def stream_choices(
 
     try:
         live = len(runs)
-        sent = [0] * len(runs)  # characters of each choice's text sent so far
         while live:
             index, item = await queue.get()
             # One turn of the loop before the chunk is written: with this token its choice also asked
@@ -242,15 +261,14 @@ async def stream_choices(
             if item.tokens or item.text or done or item.echo:
                 logprobs = None
                 if item.tokens or item.echo:
-                    logprobs = shape.logprobs(runs[index], item.logprobs, sent[index])
-                sent[index] += len(item.text)
+                    logprobs = shape.logprobs(runs[index], item.logprobs)
                 await send(shape.chunk(index, item.tokens, item.text, finish if done else None, logprobs))
             if finish is not None and item.tokens:  # ended by this token (a stop string): say so
                 await send(shape.chunk(index, [], "", finish))
         else:
             options = runs[0].req.stream_options if runs else None
             if options is not None and options.include_usage:  # as OpenAI: after every choice's end
-                await send(None, usage=usage([r.prompt for r in runs], [r.tracker for r in runs]))
+                await send(None, usage=usage(runs))
         await response.write(b"data: [DONE]\n\n")  # also after an error: the stream ends as streams do
     finally:
         for t in tasks:

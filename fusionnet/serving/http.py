@@ -167,8 +167,14 @@ class _Api:
             outputs = await model.batcher.submit(inputs.contiguous())
         else:  # rows of a KV deployment address caches: each sequence is scored as a prefill of its own
             check_sessions(model, len(inputs), "inputs")
-            submit, kv, epoch = model.batcher.submit, model.kv, model.epoch
-            outputs = torch.stack(await _all_of(score_cached(submit, kv, epoch, r.tolist()) for r in inputs))
+            group = object()  # the request's sequences are admitted as one
+
+            async def score(row: torch.Tensor) -> torch.Tensor:
+                async with model.batcher.caller(group) as submit:
+                    assert model.kv is not None
+                    return await score_cached(submit, model.kv, model.epoch, row.tolist())
+
+            outputs = torch.stack(await _all_of(score(r) for r in inputs))
         return web.Response(body=pack_tensors({"outputs": outputs.contiguous()}), content_type=SAFETENSORS)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -179,7 +185,8 @@ class _Api:
         if req.max_tokens or req.logprobs is not None:  # echo alone scores nothing: no session
             check_sessions(model, len(prompts), "n" if req.n > 1 else "prompt")
         params = req.sampling()
-        runs = [ChoiceRun(model, prompt, req, params, i, self.observer) for i, prompt in enumerate(prompts)]
+        group = object()  # the request's choices are admitted as one
+        runs = [ChoiceRun(model, p, req, params, i, self.observer, group) for i, p in enumerate(prompts)]
         if req.stream:
             return await stream_choices(request, model, runs)
         choices = await _all_of(run.run() for run in runs)
@@ -189,7 +196,7 @@ class _Api:
                 c.tokens,
                 runs[i].echoed + c.text,
                 c.finish_reason,
-                TEXT_CHUNKS.logprobs(runs[i], runs[i].logprobs, 0),
+                TEXT_CHUNKS.logprobs(runs[i], runs[i].logprobs),
             )
             for i, c in enumerate(choices)
         ]
@@ -200,7 +207,7 @@ class _Api:
                 "created": int(time.time()),
                 "model": model.name,
                 "choices": docs,
-                "usage": usage(prompts, choices),
+                "usage": usage(runs),
             }
         )
 
@@ -210,7 +217,8 @@ class _Api:
         prompt, as_completion = await encode_chat(req, model)
         check_sessions(model, req.n, "n")
         params = req.sampling()
-        runs = [ChoiceRun(model, prompt, as_completion, params, i, self.observer) for i in range(req.n)]
+        group, observer = object(), self.observer  # the request's choices are admitted as one
+        runs = [ChoiceRun(model, prompt, as_completion, params, i, observer, group) for i in range(req.n)]
         if req.stream:
             return await stream_choices(request, model, runs, CHAT_CHUNKS)
         await _all_of(run.run() for run in runs)

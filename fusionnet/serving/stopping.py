@@ -8,7 +8,10 @@ request's ``stop`` strings: the text is cut before the string, the token ids kee
 Otherwise it runs for ``max_tokens`` tokens ("length").
 
 Text is decoded from all of a choice's tokens at once, never token by token: a BPE token's leading
-space, or a character split over several byte-level tokens, only comes out right in context. Streaming
+space, or a character split over several byte-level tokens, only comes out right in context. The
+context includes the prompt's last few tokens (``logprobs.CONTEXT``, as vLLM's detokenizer does): a
+SentencePiece tokenizer (the Llama family's) decodes a word at the start of a text without the space
+before it, so the answer "▁again" after "Hello world" must read " again", not "again". Streaming
 therefore holds back the end of the text that could still change: an incomplete character (the
 tokenizer's replacement character U+FFFD at the end) and any tail that could be the start of a stop
 string. Nothing sent is ever taken back.
@@ -65,8 +68,21 @@ class StopTracker:
     tokens: list[int] = field(default_factory=list)  # the answer's ids
     generated: int = 0  # tokens the model produced (a stop id included): the usage's count
     finish_reason: str | None = None
+    context: list[int] = field(default_factory=list)  # the prompt's last tokens (``logprobs.CONTEXT``)
     _text: str = ""  # the answer's text, cut at a stop string once one appeared
     _sent: int = 0  # characters of it handed out
+    _head: str | None = None  # the context's own text
+
+    def decode_after_context(self, ids: list[int]) -> tuple[str, int]:
+        """The text of ``context + ids`` decoded as a whole and where ``ids``' part of it begins (the
+        context's own text's length); where the context's text does not survive whole (half a character
+        completed by the answer) the answer's ids alone and 0."""
+        if self._head is None:
+            self._head = str(self.tokenizer.decode(self.context)) if self.context else ""
+        whole = str(self.tokenizer.decode(self.context + ids))
+        if whole.startswith(self._head):
+            return whole, len(self._head)
+        return str(self.tokenizer.decode(ids)), 0
 
     def push(self, token: int) -> Piece:
         """Takes the model's next token; afterwards ``finish_reason`` says whether the choice ended."""
@@ -78,7 +94,8 @@ class StopTracker:
         self.tokens.append(token)
         if self.tokenizer is None:
             return Piece([token], "")
-        self._text = self.tokenizer.decode(self.tokens)
+        whole, start = self.decode_after_context(self.tokens)
+        self._text = whole[start:]
         cut = self._first_stop()
         if cut is not None:
             self._text, self.finish_reason = self._text[:cut], "stop"
