@@ -221,7 +221,12 @@ def test_registry_merges_records_and_heartbeats() -> None:
     # still missing once its record expired (SIGKILL + expiry): gone
     events = reg.update_records([found(PEERS[0], NodeState.OFFLINE, 20)], now=32)
     assert {(e.peer_id, e.kind) for e in events} == {(PEERS[1], "left")}
-    assert reg.to_ping() == [] and {e.effective_state for e in reg.entries()} == {"OFFLINE"}
+    assert reg.to_ping() == []
+    # the goodbye reads OFFLINE; the crash UNREACHABLE (as the metrics say), never a graceful leave
+    assert {e.peer_id: e.effective_state for e in reg.entries()} == {
+        PEERS[0]: "OFFLINE",
+        PEERS[1]: "UNREACHABLE",
+    }
     # it comes back with the same identity: judged afresh
     reg.update_records([found(PEERS[1], NodeState.JOINING, 35)], now=35)
     assert reg.get(PEERS[1]).reachable and not reg.get(PEERS[1]).gone and reg.to_ping() == [PEERS[1]]

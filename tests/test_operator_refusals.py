@@ -53,6 +53,43 @@ def test_a_damaged_broker_database_names_the_file(tmp_path: Path) -> None:
         BrokerStore(path)
 
 
+def test_a_broker_database_damaged_past_its_header_names_the_file(tmp_path: Path) -> None:
+    """Disk damage to one table's page, the header and schema intact: refused at start with the file's
+    name, not an "internal error" at the broker's first query."""
+    import sqlite3
+
+    from fusionnet.broker.store import BrokerStore
+
+    path = tmp_path / "broker.sqlite3"
+    store = BrokerStore(path)
+    for i in range(3):
+        store.create_job(f"job{i}", "mlp", steps=10)
+    store.close()
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    root = db.execute("SELECT rootpage FROM sqlite_master WHERE name = 'jobs'").fetchone()[0]
+    size = db.execute("PRAGMA page_size").fetchone()[0]
+    db.close()
+    raw = bytearray(path.read_bytes())
+    raw[(root - 1) * size : root * size] = b"Z" * size
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"broker.sqlite3: not a FusionNet broker database .* move it aside"):
+        BrokerStore(path)
+
+
+def test_a_state_dir_the_daemon_cannot_write_is_one_line(tmp_path: Path) -> None:
+    """A read-only state dir (a read-only mount, another user's folder): "cannot use it", not an
+    internal error. (Root ignores permission bits, so the read-only case is made with a file where the
+    lock file would go: ``os.open`` of it fails the same way.)"""
+    from fusionnet.daemon.files import StateDir
+
+    folder = tmp_path / "state"
+    folder.mkdir(mode=0o700)
+    (folder / "lock").mkdir()  # the lock file cannot be opened: EISDIR, as EROFS on a read-only mount
+    with pytest.raises(ValueError, match=r"^--state-dir .*state: cannot use it \(Is a directory\)$"):
+        StateDir(folder, "broker").acquire()
+
+
 def test_an_sd_file_that_is_a_folder_is_refused(tmp_path: Path) -> None:
     from fusionnet.broker.config import BrokerConfig
 

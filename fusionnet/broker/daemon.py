@@ -238,9 +238,9 @@ class BrokerDaemon(Daemon):
         # The failover reserve: backups that take work (ONLINE, answering) and hold none now.
         pool = sum(1 for e in entries if e.schedulable and e.record.backup and e.record.running_tasks == 0)
         # A compnode whose record expired without an OFFLINE goodbye (a crash) counts as unreachable until
-        # the registry forgets it: as "offline" it would look like a graceful leave, and the
-        # FusionNetCompnodesUnreachable alert would lose it 30 s after the crash, before its ``for:``.
-        states = ((e.record.role, "UNREACHABLE" if e.gone else e.effective_state) for e in entries)
+        # the registry forgets it (``effective_state``): as "offline" it would look like a graceful leave,
+        # and the FusionNetCompnodesUnreachable alert would lose it 30 s after the crash, before its ``for:``.
+        states = ((e.record.role, e.effective_state) for e in entries)
         self.metrics.set_swarm(states, backup_pool=pool)
         mtbf = self.churn.compnode_mtbf(time.time())
         # no estimate (``--compnode-mtbf 0`` and no loss seen): NaN, not 0 ("a loss every 0 s")

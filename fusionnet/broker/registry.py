@@ -55,10 +55,12 @@ class CompnodeEntry:
 
     @property
     def effective_state(self) -> str:
-        """What status shows: the announced state, unless the peer is gone or not answering."""
-        if self.gone or self.record.state == NodeState.OFFLINE:
+        """What status shows: the announced state, unless the peer is not answering or its record expired
+        without a goodbye (a crash): UNREACHABLE, as the metrics count it, never OFFLINE (a graceful
+        leave, said only by the OFFLINE record a compnode writes as it stops)."""
+        if self.record.state == NodeState.OFFLINE:
             return NodeState.OFFLINE.value
-        if not self.reachable:
+        if self.gone or not self.reachable:
             return "UNREACHABLE"
         return self.record.state.value
 

@@ -128,6 +128,10 @@ class BrokerStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
+            # a damaged page past the header: found now, not by the first query the broker makes
+            problem = self._db.execute("PRAGMA quick_check(1)").fetchone()[0]
+            if problem != "ok":
+                raise sqlite3.DatabaseError("damaged: " + " ".join(str(problem).split())[:200])
         except sqlite3.DatabaseError as e:  # a file that is not a database, or a damaged one
             self._db.close()
             raise ValueError(

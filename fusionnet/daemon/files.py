@@ -82,13 +82,16 @@ class StateDir:
             self.path.mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
         except OSError as e:
             raise ValueError(f"--state-dir {self.path}: cannot create it ({e.strerror})") from e
-        mode = stat.S_IMODE(self.path.stat().st_mode)
-        if mode & 0o077:  # a folder from an older version, or made by hand: keys and jobs live here
-            log.warning(
-                "--state-dir %s was readable by others (mode %o): restricting it to 0700", self.path, mode
-            )
-            os.chmod(self.path, PRIVATE_DIR_MODE)
-        fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            mode = stat.S_IMODE(self.path.stat().st_mode)
+            if mode & 0o077:  # a folder from an older version, or made by hand: keys and jobs live here
+                log.warning(
+                    "--state-dir %s was readable by others (mode %o): restricting it to 0700", self.path, mode
+                )
+                os.chmod(self.path, PRIVATE_DIR_MODE)
+            fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:  # a read-only file system, a folder of another user's
+            raise ValueError(f"--state-dir {self.path}: cannot use it ({e.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
