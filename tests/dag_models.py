@@ -69,6 +69,18 @@ class TwoHeads(nn.Module):
         return self.cls(h), h
 
 
+class WithBatchMean(nn.Module):
+    """Returns per-sample scores and their mean over the batch (not one row per sample)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.cls(x)
+        return y, y.mean()
+
+
 def make_data(model: str, n: int = 24, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     width = 12 if model == "skip" else 8

@@ -145,3 +145,27 @@ def test_auto_keeps_within_memory(two_stages: tuple[Any, Any]) -> None:
         pytest.fail("no memory up to 256 MiB fits the job")
     assert tight.microbatches is not None and tight.microbatches > 1
     assert set(tight.by_microbatches) < {1, 2, 4, 8}  # counts that do not fit are not offered
+
+
+def test_an_infer_output_without_a_row_per_sample_needs_whole_batches(tmp_path: Path) -> None:
+    """A batch's mean cut into micro-batches would come back as one mean per micro-batch (the results
+    said [m] where plain PyTorch says one value per batch): refused naming the output and the key; with
+    whole batches it runs and equals plain PyTorch, output by output."""
+    from fusionnet.errors import JobError
+    from fusionnet.runtime.prepare import trace_job
+    from tests.jobfiles import write_job
+
+    torch.manual_seed(0)
+    inputs = torch.randn(12, 8)
+    split = write_job(tmp_path / "split", model_class="WithBatchMean", inputs=inputs, labels=None,
+                      task="infer", microbatches=2, batch_size=4, loss=False)  # fmt: skip
+    with pytest.raises(JobError, match=r"^data.microbatches: the model's output outputs.1 \(shape \[\]"):
+        trace_job(load_job(split))
+    whole = write_job(tmp_path / "whole", model_class="WithBatchMean", inputs=inputs, labels=None,
+                      task="infer", microbatches=1, batch_size=4, loss=False)  # fmt: skip
+    job = load_job(whole)
+    ref, got = run_reference(job), run_local(load_job(whole), 2)
+    assert got.outputs is not None and ref.outputs is not None
+    assert (got.outputs - ref.outputs).abs().max().item() <= 1e-6
+    assert got.more_outputs["outputs.1"].shape == ref.more_outputs["outputs.1"].shape == (3,)
+    assert (got.more_outputs["outputs.1"] - ref.more_outputs["outputs.1"]).abs().max().item() <= 1e-6

@@ -1,5 +1,5 @@
-"""Micro-batch sizes: which ones a job runs, whether its traced graph runs them, and what
-``data.microbatches: auto`` may choose.
+"""Micro-batch sizes: which ones a job runs, whether its traced graph runs them, what
+``data.microbatches: auto`` may choose, and whether an ``infer`` job's outputs join across micro-batches.
 
 A graph traced by ``torch.export`` fixes the batch dimension it saw (a ``view`` to ``[3, 16, 96]``), so
 it runs micro-batches of the traced size only; a symbolic trace usually runs any. Both are tried, on
@@ -10,9 +10,11 @@ before the job starts (a fixed count) or left out of the counts ``auto`` chooses
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
+from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.trace import TracedModel, reproduces_on
 from fusionnet.errors import JobError
 from fusionnet.job.batches import (
@@ -127,3 +129,40 @@ def runnable_counts(job: LoadedJob, traced: TracedModel) -> list[int]:
         if all(works[size] for size in sizes):
             counts.append(m)
     return sorted(set(counts) | {traced_count(spec)})
+
+
+def _output_leaves(graph: IRGraph, value: Any) -> list[list[int]]:
+    """The shapes of the tensors the model's output holds, in order (``results.assemble``'s leaves)."""
+    if isinstance(value, dict):
+        if "$node" in value:
+            return _meta_leaves(graph.node(value["$node"]).meta)
+        return [s for v in value.values() for s in _output_leaves(graph, v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _output_leaves(graph, v)]
+    return []
+
+
+def _meta_leaves(meta: Any) -> list[list[int]]:
+    if isinstance(meta, dict) and "shape" in meta:
+        return [list(meta["shape"])]
+    if isinstance(meta, dict) and "$seq" in meta:
+        return [s for m in meta["$seq"] for s in _meta_leaves(m)]
+    return []
+
+
+def check_outputs_join(job: LoadedJob, traced: TracedModel, rows: int) -> None:
+    """An ``infer`` job cut into micro-batches joins their outputs along dimension 0, which equals the
+    whole batch's output only where every output tensor holds one row per sample there. A scalar (a
+    batch's mean) or a tensor of another leading size (a sum over the batch, a sequence-first layout)
+    would come back as one value per micro-batch, not the batch's: refused, naming the output."""
+    spec = job.spec
+    if spec.task != "infer" or spec.data.microbatches == 1:
+        return
+    for i, shape in enumerate(_output_leaves(traced.graph, traced.graph.output.args)):
+        if not shape or shape[0] != rows:
+            name = "outputs" if i == 0 else f"outputs.{i}"
+            raise JobError(
+                f"data.microbatches: the model's output {name} (shape {shape} on a micro-batch of {rows} "
+                "samples) does not hold one row per sample along its first dimension, so the "
+                "micro-batches' outputs cannot be joined into the batch's; set data.microbatches: 1"
+            )

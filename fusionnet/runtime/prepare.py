@@ -15,7 +15,7 @@ from fusionnet.errors import JobError, PartitionError, TraceError
 from fusionnet.job.loader import LoadedJob
 from fusionnet.runtime.batches import iter_steps
 from fusionnet.runtime.loss_reduction import check_own_loss_combines, loss_reduction_of, traced_loss_fn
-from fusionnet.runtime.microbatch_sizes import check_every_microbatch_size, traced_count
+from fusionnet.runtime.microbatch_sizes import check_every_microbatch_size, check_outputs_join, traced_count
 
 
 @dataclass
@@ -59,6 +59,7 @@ def trace_job(
     placement = job.spec.placement
     if placement.chunks_per_compnode > 1 and not placement.cuts:
         check_subdags_fit(traced.graph, placement.compnodes, placement.chunks_per_compnode, compnodes_key)
+    check_outputs_join(job, traced, len(inputs))
     if every_size:
         check_every_microbatch_size(job, traced, len(inputs))
     return traced
