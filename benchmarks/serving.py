@@ -27,7 +27,7 @@ Prints a table, then one JSON line.
         [--max-tokens 16] [--batch 16] [--microbatches 1] [--kv-slots 16] [--in-flight 1|2]
         [--max-wait-ms MS] [--pairs 3] [--sandbox process|off] [--worker-sends direct|daemon]
         [--worker-receives direct|daemon] [--inline-compute-ms MS]
-        [--placement balanced|model] [--workdir DIR]
+        [--placement balanced|model] [--serve-path direct|rpc] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -399,6 +399,12 @@ def main() -> int:
         help="broker --placement (default balanced)",
     )
     ap.add_argument(
+        "--serve-path",
+        choices=["direct", "rpc"],
+        default="direct",
+        help="broker --serve-path: batches to the workers over the data path (default) or as RPC calls",
+    )
+    ap.add_argument(
         "--pairs",
         type=int,
         default=3,
@@ -427,7 +433,7 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
     # balanced: the model cut in 3 stages whatever the performance model makes of this machine's load
-    argv = ["--http-port", "0", "--placement", args.placement]  # the broker's own periods and parts
+    argv = ["--http-port", "0", "--placement", args.placement, "--serve-path", args.serve_path]
     with ProcessSwarm(work / "swarm", specs, argv) as sw:
         given = {"in_flight": args.in_flight, "max_wait_ms": args.max_wait_ms}
         settings = ServingSettings(
@@ -516,6 +522,7 @@ def main() -> int:
         "worker_receives": args.worker_receives,
         "inline_compute_ms": args.inline_compute_ms,
         "placement": args.placement,
+        "serve_path": args.serve_path,
         "reference": reference,
         **{k: v for k, v in predicted.items()},
         "exact": exact,

@@ -20,6 +20,7 @@ from fusionnet.broker.checkpoints import JobFiles
 from fusionnet.broker.deployment_run import DeploymentRun
 from fusionnet.broker.deployments import DeploymentService
 from fusionnet.broker.jobs import JobService
+from fusionnet.broker.serve_links import ServeLinks
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.dag.codec import decode_ir
 from fusionnet.errors import DeviceMemoryError
@@ -169,6 +170,7 @@ class _Run(DeploymentRun):
         self.progress = SimpleNamespace(placement=None)
         self.watch = SimpleNamespace(detach=lambda: None)
         self.row_shape, self.row_dtype, self.mb_rows = (2,), torch.float32, 1
+        self.links = ServeLinks()
 
     async def _place(self, replan: Any) -> None:
         await asyncio.sleep(self.place_seconds)

@@ -271,6 +271,9 @@ def test_greedy_completions_equal_transformers_generate(
         assert err.value.status == 400 and "context window" in err.value.message
         if model_class == "HFCausalLM":
             _check_openai(url, name, want)
+        # every sub-DAG's batches went straight to its worker over the data path, none as an RPC
+        (deployment,) = [d for d in _status(swarm)["deployments"] if d["id"] == name]
+        assert deployment["serve_calls"]["rpc"] == 0 and deployment["serve_calls"]["direct"] > 0, deployment
     finally:
         asyncio.run(undeploy(name, swarm.initial_peers))
 

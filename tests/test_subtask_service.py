@@ -197,7 +197,7 @@ def test_a_release_that_comes_while_the_assignment_is_built_drops_it(assign_docs
 def test_an_assignment_is_held_and_only_its_broker_may_drive_it(assign_docs: list[dict]) -> None:
     s = service()
     doc = assign_docs[1]
-    assert call(s, "assign", doc) == {"subdag": 1, "nodes": s.jobs["j1"].nodes}
+    assert call(s, "assign", doc) == {"subdag": 1, "nodes": s.jobs["j1"].nodes, "serves_direct": False}
     assert s.node.ways_made == 1  # a calibration in progress would give way to it
     assert s.server.jobs["j1"] == [PEERS[0], PEERS[2]]  # type: ignore[union-attr]  # only the job's peers
     assert call(s, "assign", doc)["subdag"] == 1  # a repeated request: same answer, same job

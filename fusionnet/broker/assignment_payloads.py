@@ -75,12 +75,14 @@ def iter_assignment_payloads(
     chunks: int | None = None,
     replica_holders: list[int] | None = None,
     stage_over: int | None = PART_BYTES,
+    serve_keys: Sequence[bytes] | None = None,
 ) -> Iterator[PreparedAssignment]:
     """``assignment_payloads`` one at a time: the broker sends each before it reads the next slice of
     the checkpoint. ``schedule``, ``chunks``: the pipeline schedule the placement settled on (the job's
     ``auto`` becomes a name here, and may become interleaved-1f1b with its chunks). A state or optimizer
     slice over ``stage_over`` bytes is not packed: it is staged part by part (``results.slice_stream``),
-    so the broker holds one part at a time (issue 11); ``None`` packs every slice inline."""
+    so the broker holds one part at a time (issue 11); ``None`` packs every slice inline. ``serve_keys``
+    (a deployment): per sub-DAG, the key of the broker's link to it (``broker.serve_links``)."""
     spec = job.spec
     if schedule is not None:  # ``chunks``: sub-DAGs per compnode of that schedule (auto may interleave)
         spec = spec.model_copy(
@@ -123,6 +125,7 @@ def iter_assignment_payloads(
             staged_optim=staged["optim"].total if "optim" in staged else None,
             data=pack_tensors({k: v for k, v in job.data.items() if k in wanted}),
             replica_holders=replica_holders,
+            serve_key=None if serve_keys is None else serve_keys[s.index],
         )
         del blobs
         yield PreparedAssignment(request, staged)

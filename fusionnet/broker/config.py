@@ -41,6 +41,9 @@ class BrokerConfig:
     # from this prior (seconds between unplanned losses of one compnode) and what the registry saw;
     # 0: off (``broker.churn``).
     compnode_mtbf: float = PRIOR_MTBF
+    # A deployment's batches: "direct" to the compnodes' sandbox workers over the data path
+    # (``broker.serve_links``), falling back to RPC; "rpc": ``serve_step`` calls through the daemons.
+    serve_path: str = "direct"
 
     def __post_init__(self) -> None:
         if not self.heartbeat_period > 0:
@@ -62,6 +65,8 @@ class BrokerConfig:
             raise ValueError(f"--replan-gain must be in [0, 1), got {self.replan_gain}")
         if not -1.0 <= self.interleave_gain <= 1.0:
             raise ValueError(f"--interleave-gain must be in [-1, 1], got {self.interleave_gain}")
+        if self.serve_path not in ("direct", "rpc"):
+            raise ValueError(f"--serve-path must be direct or rpc, got {self.serve_path!r}")
         if self.placement_policy not in (SCHEDULER, BALANCED):
             raise ValueError(f"unknown placement policy {self.placement_policy!r}")
         if self.ping_timeout is None:

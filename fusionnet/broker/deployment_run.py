@@ -28,17 +28,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from fusionnet.broker import replanning
+from fusionnet.broker.assignment_payloads import KEY_BYTES
 from fusionnet.broker.checkpoints import Checkpoint
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.failures import PeerFailure
 from fusionnet.broker.job_calls import JobCalls
 from fusionnet.broker.jobrun import JobRun
+from fusionnet.broker.serve_links import ServeLink, ServeLinks
 from fusionnet.broker.store import JobState
 from fusionnet.broker.submission import SubmittedJob
 from fusionnet.errors import ComputeError, ExecutionError, FusionNetError
@@ -89,6 +93,10 @@ class DeploymentRun(JobRun):
         self.row_shape = tuple(int(d) for d in meta["shape"][1:])
         self.row_dtype = getattr(torch, meta["dtype"])
         self._readers: set[int] = set()  # sub-DAG indices whose placeholders read the inputs
+        # Batches straight to the compnodes' workers over the data path (``serve_links``): the keys of
+        # the broker's links to this placement's sub-DAGs, and the links.
+        self._keys: list[bytes] | None = None
+        self.links = ServeLinks()
 
     def _input_placeholder(self) -> str:
         names = [n.name for n in self.job.graph.nodes if n.kind == "placeholder" and n.target == "inputs"]
@@ -153,6 +161,7 @@ class DeploymentRun(JobRun):
         finally:
             self.placed.clear()
             self.watch.detach()
+            await self.links.replace({})
             await self._release_all("undeployed")
             self._update_job_gauges()
 
@@ -176,9 +185,34 @@ class DeploymentRun(JobRun):
     def _checkpoint(self) -> Checkpoint:
         return Checkpoint(0, self.job.state, {}, [])
 
+    def _serve_keys(self) -> list[bytes] | None:
+        """Fresh keys of the broker's links to this placement's sub-DAGs (none with ``--serve-path
+        rpc``): frames of an earlier placement no longer authenticate."""
+        direct = self.ctx.settings.serve_path == "direct"
+        self._keys = [secrets.token_bytes(KEY_BYTES) for _ in self.peers] if direct else None
+        return self._keys
+
+    async def _link_up(self) -> None:
+        """The links to the sub-DAGs whose compnodes said their workers serve batches themselves."""
+        links: dict[int, ServeLink] = {}
+        keys, encryption = self._keys, self.job.spec.wire_encryption
+        for i, peer in enumerate(self.peers if keys is not None else ()):
+            reply, entry = self.calls.assigned.get(i), self.ctx.registry.get(peer)
+            address = None if entry is None else entry.record.data_path_address
+            if keys is not None and reply is not None and reply.serves_direct and address:
+                links[i] = ServeLink(
+                    self.ctx.broker_id(), self.job.job_id, peer, address, keys[i], encryption
+                )
+        await self.links.replace(links)
+        if links:
+            log.info("deployment %s: %d of %d sub-DAGs take their batches over the data path",
+                     self.job.spec.name, len(links), len(self.peers))  # fmt: skip
+
     async def _place(self, replan: replanning.Replan) -> None:
         self.placed.clear()
+        await self.links.replace({})
         await self._place_and_assign(self._checkpoint(), None, replan)
+        await self._link_up()
         assert self.partition is not None
         names = {n.name for n in self.job.graph.nodes if n.kind == "placeholder"}
         self._readers = {s.index for s in self.partition.subdags if names & set(s.placeholders)}
@@ -304,7 +338,10 @@ class DeploymentRun(JobRun):
             # limit; there an answer over it is stashed and fetched: slower, never wrong.)
             out = self.partition is not None and self.partition.subdags[i].holds_output
             big = out and (keep is None or any(keep))
-            call = self.serving.call_serve_step(peer, request, timeout=BATCH_TIMEOUT, large_answer=big)
+            rpc = partial(
+                self.serving.call_serve_step, peer, request, timeout=BATCH_TIMEOUT, large_answer=big
+            )
+            call = self.links.call(i, request, rpc)  # over the data path where it can, else the RPC
             # named: a compnode out of device memory is then excluded from the next placement (unfit)
             calls.append(JobCalls.named_call(peer, "serve_step", call))
         return await asyncio.wait_for(gather(calls), BATCH_TIMEOUT)
@@ -330,6 +367,8 @@ class DeploymentRun(JobRun):
             "batch_seconds_mean": self.batch_seconds / n,
             "batch_rows_mean": self.batch_rows / n,
             "stage_fp_seconds_mean": [s / n for s in self.stage_seconds],
+            # sub-DAG calls answered over the data path (``serve_links``) and as serve_step RPCs
+            "serve_calls": dict(self.links.calls),
         }
 
     def _outputs_of(self, replies: list[ServeStepReply]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fusionnet.errors import DeviceMemoryError, FusionNetError
 from fusionnet.messages.compnode_rpc import (
+    AssignReply,
     AssignRequest,
     CollectReply,
     CompnodeClient,
@@ -51,15 +52,18 @@ class JobCalls:
     def __init__(self, client: CompnodeClient, job_id: str) -> None:
         self.client = client
         self.job_id = job_id
+        self.assigned: dict[int, AssignReply] = {}  # the last ``assign`` reply of each sub-DAG
 
     async def assign(self, peers: Sequence[str], requests: Sequence[AssignRequest]) -> None:
-        """Sub-DAG ``i`` (``requests[i]``) to ``peers[i]``."""
-        await gather(
+        """Sub-DAG ``i`` (``requests[i]``) to ``peers[i]``; the replies are kept (``assigned``)."""
+        replies = await gather(
             [
                 self.named_call(p, "assign", self.client.call_assign(p, r, timeout=ASSIGN_TIMEOUT))
                 for p, r in zip(peers, requests, strict=True)
             ]
         )
+        for reply in replies:
+            self.assigned[reply.subdag] = reply
 
     async def stage_and_assign(
         self,
@@ -74,6 +78,7 @@ class JobCalls:
         most ``window`` at once; a compnode holding several sub-DAGs gets them in order. The first
         failure cancels the assigns in flight and is raised before the next slice is staged."""
         assigning: list[tuple[str, asyncio.Task[None]]] = []
+        self.assigned.clear()  # this round's replies only
         try:
             for peer in peers:
                 for other, task in assigning:

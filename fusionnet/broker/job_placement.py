@@ -181,6 +181,11 @@ class JobPlacement:
             },
         )
 
+    def _serve_keys(self) -> list[bytes] | None:
+        """Per sub-DAG, the key of the broker's link to it for serving batches (a deployment's); a job
+        has none."""
+        return None
+
     async def _assign_all(self, ckpt: Checkpoint) -> None:
         assert self.partition is not None
         addresses = {}
@@ -200,6 +205,7 @@ class JobPlacement:
             chunks=None if chosen is None else chosen.chunks,
             replica_holders=self.replicas.holders(),
             stage_over=part_bytes,
+            serve_keys=self._serve_keys(),
         )
         # The broker never holds the whole model (issue 11): one slice at a time is read and sent.
         await self.calls.stage_and_assign(self.peers, partial(asyncio.to_thread, next, requests), part_bytes)

@@ -128,6 +128,14 @@ def add_parser(subparsers: Any) -> None:
         metavar="HOST",
         help="where --http-port listens (default 127.0.0.1)",
     )
+    p.add_argument(
+        "--serve-path",
+        choices=["direct", "rpc"],
+        default="direct",
+        help="how a deployment's batches reach its compnodes: straight to their sandbox workers over the "
+        "data path, answered on it (direct, the default; a compnode that cannot takes RPC calls) or "
+        "as serve_step RPC calls through the daemons (rpc)",
+    )
     p.set_defaults(func=run)
 
 
@@ -194,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             replan_gain=args.replan_gain,
             **({} if args.interleave_gain is None else {"interleave_gain": args.interleave_gain}),
             placement_policy=BALANCED if args.placement == "balanced" else SCHEDULER,
+            serve_path=args.serve_path,
             sd_file=args.sd_file,
             admission=AdmissionConfig(
                 submitters_file=args.submitters,

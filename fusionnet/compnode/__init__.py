@@ -27,6 +27,8 @@ Map of the package:
 - ``sandbox_ipc.py`` the messages between daemon and worker (msgpack + raw tensor bytes, bounded).
 - ``sandbox_preload.py``  what the fork server imports, at a lower CPU priority.
 - ``worker_sends.py``  a sandbox worker's values to its peers, sent by the worker over the direct data path.
+- ``worker_serves.py``  a deployment's batches at its sandbox worker, straight from the broker over the
+                     data path, answered on the connection they came on.
 - ``tcp_down.py``    peers whose direct data path failed, shared by the daemon and its workers, retried later.
 - ``worker_receives.py``  a sandbox worker's values from its peers, read by the worker from the
                      connections its daemon hands over (``wire.handoff``).

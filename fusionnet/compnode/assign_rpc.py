@@ -153,7 +153,20 @@ class AssignRPC:
             job.nodes,
             job.params,
         )
-        return AssignReply(subdag=job.index, nodes=job.nodes)
+        serves = isinstance(job.host, SandboxedJob) and job.host.serves_direct
+        if isinstance(job.host, SandboxedJob):
+            job.host.on_served = self._served_direct
+        return AssignReply(subdag=job.index, nodes=job.nodes, serves_direct=serves)
+
+    def _served_direct(self, fp_seconds: list[float], failed: int) -> None:
+        """Batches a worker served straight from the broker (``worker_serves``), counted as the
+        ``serve_step`` RPC counts its own."""
+        metrics = self.node.metrics
+        for seconds in fp_seconds:
+            metrics.observe_compute("fp", seconds)
+            metrics.count_subtask("succeeded")
+        for _ in range(failed):
+            metrics.count_subtask("failed")
 
     async def _assign_chunk(self, held: HeldJob, request: AssignRequest, context: RPCContext) -> AssignReply:
         """Another sub-DAG of a job and round we hold already (interleaved-1f1b: compnode d holds

@@ -83,6 +83,9 @@ class SandboxedJob:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._broker, self._device = "", ""  # of the first ``assign``: the job's later chunks share them
+        self.serves_direct = False  # the worker reads a deployment's batches from its broker itself
+        # (FP seconds of each batch it served so, batches that failed): for the daemon's metrics
+        self.on_served: Callable[[list[float], int], None] | None = None
         self._addresses: list[tuple[str, str | None]] = []  # each sub-DAG's peer and data path address
 
     # ---- life ------------------------------------------------------------------------------------
@@ -107,6 +110,7 @@ class SandboxedJob:
         if request.optim is not None:
             blobs.append(request.optim)
         header, _ = await self._call("assign", {"broker": self._broker, "device": self._device}, blobs)
+        self.serves_direct = header.get("serves") is True
         return int_field(header, "nodes"), int_field(header, "params")
 
     async def close(self, why: str) -> None:
@@ -146,6 +150,8 @@ class SandboxedJob:
                     self._answer(header, blobs)
                 elif op == "send":
                     self._spawn(self._carry(header, blobs))
+                elif op == "served":
+                    self._served(header)
                 else:
                     raise IPCError(f"unknown message {op[:40]!r} from the worker")
         except asyncio.CancelledError:
@@ -213,6 +219,18 @@ class SandboxedJob:
             future.set_exception(error_from(header["error"]))
         else:
             future.set_result((header, blobs))
+
+    def _served(self, header: dict[str, Any]) -> None:
+        """What the worker served straight from the broker since it last said (``worker_serves``)."""
+        fp, failed = header.get("fp"), int_field(header, "failed", 0, 1 << 30)
+        if (
+            not isinstance(fp, list)
+            or len(fp) > 1 << 16
+            or not all(isinstance(x, float | int) and not isinstance(x, bool) and 0 <= x < 1e7 for x in fp)
+        ):
+            raise IPCError("served: 'fp' is not a list of seconds")
+        if self.on_served is not None:
+            self.on_served([float(x) for x in fp], failed)
 
     async def _carry(self, header: dict[str, Any], blobs: list[Any]) -> None:
         """A value the worker sends to a peer: checked like a frame from the network, then sent."""

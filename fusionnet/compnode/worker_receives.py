@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import socket
 from collections.abc import Callable
 
 from fusionnet.errors import WireError
 from fusionnet.messages.compnode_rpc import AssignRequest
+from fusionnet.messages.serve_frames import SERVE
 from fusionnet.wire.datapath import MAX_PAYLOAD, close_connections
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.handoff import GO, WORKER_LANE, take_sockets
@@ -36,6 +38,10 @@ from fusionnet.wire.sources import BufferedSource
 log = logging.getLogger("fusionnet.compnode.sandbox")
 MAX_CONNECTIONS = 64
 VALUE_KINDS = frozenset({"act", "grad"})
+# The connection the frame being delivered came on (each connection is read by a task of its own): where
+# the answer to a broker's ``serve`` frame goes.
+_SOURCE: contextvars.ContextVar[BufferedSource] = contextvars.ContextVar("source")
+ServeHandler = Callable[[TensorFrame, BufferedSource], None]
 
 
 class DirectReceiver:
@@ -47,16 +53,29 @@ class DirectReceiver:
         self._refusals: dict[str, int] = {}  # reason -> frames refused since the last tally
         self._job_id: str | None = None
         self._deliver: Callable[[TensorFrame], None] | None = None
+        self._broker: str | None = None  # a deployment's broker, whose ``serve`` frames go to ``_serve``
+        self._on_serve: ServeHandler | None = None
         self._sources: set[BufferedSource] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._bytes = self._frames = 0
         self._reading = False
 
-    def use(self, request: AssignRequest, deliver: Callable[[TensorFrame], None]) -> None:
-        """Reads the job's values from now on, into ``deliver`` (once: later chunks share the peers)."""
+    def use(
+        self,
+        request: AssignRequest,
+        deliver: Callable[[TensorFrame], None],
+        broker: str | None = None,
+        serve: ServeHandler | None = None,
+    ) -> None:
+        """Reads the job's values from now on, into ``deliver`` (once: later chunks share the peers); with
+        ``broker`` and ``serve`` (a deployment whose assignment carries ``serve_key``), also the broker's
+        ``serve`` frames, into ``serve`` with the connection each came on."""
         if self._job_id is not None:
             return
         keys = request.keys_by_sender()
+        if broker is not None and serve is not None and request.serve_key is not None:
+            keys[broker] = request.serve_key
+            self._broker, self._on_serve = broker, serve
         self.receiver.register_job(
             request.job_id, keys, keys, self._on_frame, request.spec.wire_encryption, lanes={WORKER_LANE}
         )
@@ -92,12 +111,20 @@ class DirectReceiver:
             source.transport.write(GO)
             host = source.peername.rpartition(":")[0]
             log.info("values from %s: read here, not relayed by the daemon", source.peername)
+            _SOURCE.set(source)  # this task's: ``_on_frame`` runs inside ``serve`` below
             await self.receiver.serve(source, source.peername, remote_host=host)
         finally:
             source.close()
             self._sources.discard(source)
 
     def _on_frame(self, frame: TensorFrame) -> None:
+        if frame.sender == self._broker:  # the broker sends batches, never values
+            if frame.kind != "ctrl" or frame.name != SERVE or self._on_serve is None:
+                raise WireError(
+                    f"a {frame.kind!r} frame {frame.name[:40]!r} from the broker: it sends batches only"
+                )
+            self._on_serve(frame, _SOURCE.get())
+            return
         if frame.kind not in VALUE_KINDS:
             raise WireError(f"a {frame.kind!r} frame on a worker's connection: those go to the daemon")
         assert self._deliver is not None

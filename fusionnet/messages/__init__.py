@@ -14,6 +14,7 @@ Map of the package:
                        and ``CompnodeClient``.
 - ``serving_rpc.py``   deployments: the broker's ``deploy`` / ``undeploy`` / ``deployments``, the compnode's
                        ``serve_step``, and ``ServingClient``.
+- ``serve_frames.py`` a batch's ``serve_step`` and its answer as frames on the direct data path (issue 14).
 - ``auth.py``          ``SubmitterAuth``: a submitter's Ed25519 signature bound to broker, caller, method
                       and subject; the submission digest.
 - ``jobwire.py``       ``RunSpec``: the job-file settings the execution plane needs, as sent.

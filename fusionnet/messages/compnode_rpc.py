@@ -93,6 +93,9 @@ class AssignRequest(Message):
     # Per sub-DAG: the sub-DAG whose compnode keeps the replica of its state (None: no replication,
     # the broker collects checkpoints itself).
     replica_holders: Annotated[list[NonNegative], Field(max_length=MAX_PEERS)] | None = None
+    # A deployment's sub-DAG: the key of the broker's link to it, for ``serve_step`` as frames on the
+    # direct data path (``messages.serve_frames``); None: batches come as RPC calls only.
+    serve_key: Annotated[bytes, Field(min_length=MIN_KEY_BYTES, max_length=1024)] | None = None
 
     @model_validator(mode="after")
     def _subdag_has_a_peer(self) -> AssignRequest:
@@ -171,6 +174,8 @@ class StageStateReply(Message):
 class AssignReply(Message):
     subdag: NonNegative
     nodes: NonNegative
+    # the sub-DAG's worker reads the broker's ``serve`` frames itself (``compnode.worker_serves``)
+    serves_direct: bool = False
 
 
 class StepRequest(JobRequest):

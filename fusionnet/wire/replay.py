@@ -55,6 +55,21 @@ def next_seq() -> int:
         return seq
 
 
+_lanes_last: dict[int, int] = {}
+
+
+def next_seq_in(lane: int) -> int:
+    """``next_seq`` in ``lane``, whatever this process's own lane: a broker writing a deployment's batches
+    to sandbox workers numbers them in the lane the workers read (``handoff.WORKER_LANE``)."""
+    if not 0 <= lane < SEQ_LANES:
+        raise ValueError(f"sequence lane must be in [0, {SEQ_LANES}), got {lane}")
+    with _lock:
+        seq = max(_lanes_last.get(lane, 0) + 1, time.time_ns())
+        seq += (lane - seq) % SEQ_LANES
+        _lanes_last[lane] = seq
+        return seq
+
+
 # Frame nonces (``mac.py``): 8 random bytes drawn once per process, then a counter. Unique per
 # frame, which is all the MAC needs of them, without a getrandom syscall per frame.
 _nonce = [os.urandom(8), itertools.count()]
@@ -116,4 +131,4 @@ def min_below(seen: set[int], limit: int) -> bool:
     return len(seen) % 1024 == 0 and min(seen) <= limit
 
 
-__all__ = ["DEFAULT_MAX_SEEN", "DEFAULT_SPAN_NS", "ReplayWindow", "next_nonce", "next_seq"]
+__all__ = ["DEFAULT_MAX_SEEN", "DEFAULT_SPAN_NS", "ReplayWindow", "next_nonce", "next_seq", "next_seq_in"]
