@@ -22,6 +22,10 @@ dimension except the micro-batch one; the IR is traced in float32, so under mixe
 value may also arrive in the job's compute dtype): a peer that sends a wrongly shaped tensor is refused and
 logged, and the executor keeps waiting for a correct value (a retry, or a replacement's).
 
+A value lost on its way in to a failure of this compnode (out of memory reading or decoding its frame,
+``wire.receiver.is_local_failure``) is not waited for: its sender will not send it again, so
+``fail_receives`` fails every receive of the job, then and later, and the step ends with that error.
+
 Tensors that wait for their structure frame are bounded: a frame for a step the mailbox no longer
 (or not yet) expects is refused, at most ``max_pending_bytes`` may wait in all, and waiting tensors
 of past steps are dropped when the step moves on.
@@ -40,10 +44,11 @@ import torch
 from fusionnet.compnode.valuepack import PACK_MAX, is_packed, pack_value, unpack_value
 from fusionnet.dag.channel import Channel, Mailbox, MessageKey
 from fusionnet.dag.ir import dtype_name
-from fusionnet.errors import JobError, WireError
+from fusionnet.errors import ExecutionError, JobError, WireError
 from fusionnet.wire.compression import Compressor, decompress
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.header import MAX_NAME_LEN
+from fusionnet.wire.receiver import is_local_failure
 
 log = logging.getLogger("fusionnet.compnode.netchannel")
 BUNDLE_SEP = "+"  # a frame named "a+b" carries the values of nodes a and b (FX names hold no "+")
@@ -267,6 +272,9 @@ class NetChannel(Channel):
                 return
             self._on_frame(frame)
         except Exception as e:  # whatever a member's bytes make a decoder raise is a refusal, not a crash
+            if is_local_failure(e):  # but our memory running out on a good frame loses its value
+                self.fail_receives(frame.sender, e)
+                return
             if not isinstance(e, WireError):
                 e = WireError(f"malformed frame ({type(e).__name__}: {str(e)[:120]})")
             self.refused += 1
@@ -279,6 +287,38 @@ class NetChannel(Channel):
                 e,
             )
             self._fail_awaited(frame, e)
+
+    def fail_receives(self, sender: str | None, error: BaseException) -> None:
+        """A frame of this job from ``sender`` (None: unknown) was lost to ``error``, a failure of this
+        compnode (``FrameReceiver.on_local_failure``: out of memory while reading it). Its sender will not
+        send it again, and which value it carried is unknown (its header went with it), so every receive,
+        waited for now or asked for later, fails with the reason: the step ends with that error and the
+        broker fails the job (the compnode's worker names its ``--sandbox-memory-gb`` budget) instead of
+        waiting for a value that never comes until the submitter's timeout."""
+        # Tensors parked for a structure frame can no longer make a value: free them (memory is short).
+        self._pending.clear()
+        self._pending_bytes = 0
+        if self.mailbox.failed is not None:  # failing already (released): the first reason stands
+            return
+        what = "ran out of memory" if is_local_failure(error) else "failed"
+        why = (
+            f"job {self.job_id}: compnode {self.peer_id} {what} while receiving a value from "
+            f"{self._who(sender)}: {type(error).__name__}: {str(error)[:300]}"
+        )
+        log.error("%s", why)
+        self.mailbox.fail_all(ExecutionError(why))
+
+    def _who(self, sender: str | None) -> str:
+        """``sender`` and the sub-DAG(s) of this job it holds, for an error message."""
+        if sender is None:
+            return "a peer"
+        if self.routes is None:
+            held = [self.subdag_of_peer[sender]] if sender in self.subdag_of_peer else []
+        else:
+            held = [i for i, peer in enumerate(self.routes[1]) if peer == sender and i != self.routes[0]]
+        if not held:
+            return sender
+        return f"{sender} (sub-DAG {', '.join(map(str, held))})"
 
     def _unroute(self, frame: TensorFrame) -> tuple[int, TensorFrame]:
         """A routed frame's source sub-DAG and the frame under its plain name: the route must be from a

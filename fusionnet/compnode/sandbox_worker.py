@@ -52,6 +52,7 @@ from fusionnet.compnode.tcp_down import Down
 from fusionnet.compnode.throttle import throttle_hooks
 from fusionnet.compnode.worker_receives import DirectReceiver
 from fusionnet.compnode.worker_sends import DirectSender
+from fusionnet.compnode.worker_serves import WorkerServes
 from fusionnet.core_dumps import forbid_core_dumps
 from fusionnet.daemon.memory import keep_freed_memory
 from fusionnet.dag.short_stretches import ShortStretches, TrackedPool
@@ -149,6 +150,9 @@ class Worker:
             DirectSender(config.peer_id, config.job_id, config.tcp_down) if config.direct_sends else None
         )
         self.receives = None if handoff is None else DirectReceiver(config.peer_id, handoff)
+        if self.receives is not None:  # a value lost to the memory budget fails the step, never hangs it
+            self.receives.receiver.on_local_failure = self._lost_value
+        self.serves: WorkerServes | None = None  # a deployment's batches from its broker (``worker_serves``)
 
     async def serve(self) -> None:
         try:
@@ -181,8 +185,17 @@ class Worker:
             self.channel.close()
             if self.direct is not None:
                 await self.direct.close()
+            if self.serves is not None:
+                await self.serves.close()
             if self.receives is not None:
                 await self.receives.close()
+
+    def _lost_value(self, job_id: str | None, sender: str | None, error: BaseException) -> None:
+        """A peer's frame was lost to a failure here (out of memory reading it: --sandbox-memory-gb): its
+        value never comes, so every receive of our job fails now and the step ends with that error."""
+        if self.host is not None:
+            for job in self.host.jobs.values():  # every sub-DAG held here: which one it was for is unknown
+                job.channel.fail_receives(sender, error)
 
     def _learn_down(self, header: dict[str, Any]) -> None:
         if self.direct is None:
@@ -326,10 +339,19 @@ class Worker:
         else:
             self.host = JobHost(job, self.compute)
         if self.receives is not None:
-            self.receives.use(request, self.host.deliver)
+            broker = str_field(header, "broker", 256)
+            if request.serve_key is not None and self.serves is None:  # a deployment: batches come here
+                serve, tell = self.host.serve, self.channel.send
+                key, policy = request.serve_key, request.spec.wire_encryption
+                self.serves = WorkerServes(
+                    self.config.peer_id, broker, request.job_id, key, policy, serve, tell
+                )
+            on_serve = None if self.serves is None else self.serves.on_frame
+            self.receives.use(request, self.host.deliver, broker, on_serve)
         # Where the state went is the first thing to check when a --device cuda node seems slow.
         log.info("%d nodes, %d parameters on %s", len(job.subdag.nodes), len(job.subdag.params), device)
-        return {"nodes": len(job.subdag.nodes), "params": len(job.subdag.params)}
+        serves = self.serves is not None
+        return {"nodes": len(job.subdag.nodes), "params": len(job.subdag.params), "serves": serves}
 
     async def _reply_snapshot(self, header: dict[str, Any]) -> None:
         try:

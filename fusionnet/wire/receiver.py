@@ -7,12 +7,20 @@ frame (that await is the connection's backpressure). A refused frame is logged w
 the reason and counted; the connection is closed only when the stream can no longer be trusted
 to be at a frame boundary. ``serve`` never raises (except cancellation): one bad peer never takes
 down the server or another connection.
+
+A frame lost to a failure on our side (``is_local_failure``: out of memory, typically a sandbox worker at
+its ``--sandbox-memory-gb`` budget, while allocating the payload) is no refusal: the peer sent it
+properly and will not send it again, so the value it carried never comes. The connection is closed and
+``on_local_failure`` is told, so that the job fails its waits for values (``NetChannel.fail_receives``)
+instead of waiting for them until the submitter's timeout.
 """
 
 from __future__ import annotations
 
+import errno
 import inspect
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,11 +39,37 @@ from fusionnet.wire.sources import ByteSource, PhasedSource
 log = logging.getLogger("fusionnet.wire")
 
 FrameHandler = Callable[[TensorFrame], Awaitable[None] | None]
+# ``(job_id, sender, error)``: an authenticated frame of ``job_id`` from ``sender`` was lost to ``error``, a
+# failure on our side. Both are None when the frame's header was not yet authenticated and the
+# connection had delivered no frame before (the owner decides: a sandbox worker holds one job only).
+LocalFailureHandler = Callable[[str | None, str | None, BaseException], None]
 # Stats bucket for refusals that cannot be charged to a registered job (unreadable header, unknown job).
 NO_JOB = "<no job>"
 # Jobs remembered after they end, so that their late frames are skipped rather than closing a
 # connection that other jobs share; a frame of any other unknown job closes its connection.
 MAX_ENDED_JOBS = 1024
+
+
+# What torch, numpy and the interpreter say when an allocation fails: torch's CPU allocator ("can't
+# allocate memory", the form RLIMIT_DATA gives; "not enough memory: you tried to allocate" elsewhere),
+# CUDA's and MPS's "out of memory", numpy's "unable to allocate", C++'s bad_alloc, and a thread the
+# threaded MAC could not start (its stack is memory of the same budget). Narrow on purpose: a decoder's
+# complaint about a peer's bytes must stay a refusal.
+_ALLOCATION_FAILED = re.compile(
+    r"(can't|cannot|could not|unable to|failed to|tried to) allocate|out of memory|not enough memory"
+    r"|bad_alloc|can't start new thread",
+    re.IGNORECASE,
+)
+
+
+def is_local_failure(error: BaseException) -> bool:
+    """Whether ``error`` is this process failing to allocate (memory, or a thread), not anything about a
+    peer's bytes: the frame being read is lost through no fault of its sender."""
+    if isinstance(error, MemoryError):
+        return True
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOMEM
+    return isinstance(error, RuntimeError) and bool(_ALLOCATION_FAILED.search(str(error)))
 
 
 @dataclass
@@ -86,6 +120,32 @@ class Timeouts:
             raise WireError(f"timeouts must be > 0 seconds, got {self}")
 
 
+class _Reading:
+    """The replay guard ``serve`` hands ``read_frame`` for one connection: the receiver's own windows, and
+    a note of the frame being read once its header is authentic and its sequence number fresh, for a
+    frame lost mid-way to a failure of ours (``read_frame`` raises such a failure as it is, with nothing
+    that names the frame's job)."""
+
+    def __init__(self, receiver: FrameReceiver) -> None:
+        self.receiver = receiver
+        self.frame: tuple[str, str] | None = None  # (job, sender) of the frame being read, once known
+
+    def next_frame(self) -> None:
+        self.frame = None
+
+    def fresh(self, job_id: str, sender: str, seq: int) -> bool:
+        # ``read_frame`` asks this right after the header's MAC (and its receiver) checked out and before it
+        # allocates the payload: a fresh frame from here on is the sender's own frame of that job. A stale
+        # one (a replay, another reader's lane) is skipped and would carry nothing this job waits for.
+        fresh = self.receiver.fresh(job_id, sender, seq)
+        if fresh:
+            self.frame = (job_id, sender)
+        return fresh
+
+    def accept(self, job_id: str, sender: str, seq: int) -> bool:
+        return self.receiver.accept(job_id, sender, seq)
+
+
 class FrameReceiver:
     """Job routes, replay windows and counters of one peer; ``serve`` runs one connection's frame loop."""
 
@@ -103,6 +163,10 @@ class FrameReceiver:
         self.stats: dict[str, JobStats] = {NO_JOB: JobStats()}
         # Called with each refusal's reason code (the compnode's ``fusionnet_frames_refused_total``).
         self.on_refusal: Callable[[str], None] | None = None
+        # Called when a frame of a job is lost to a failure on our side (``LocalFailureHandler``); without
+        # it the loss is only logged, and the job waits for that value until its timeout.
+        self.on_local_failure: LocalFailureHandler | None = None
+        self.frames_lost = 0  # frames lost so far (not refusals: their senders did nothing wrong)
 
     def register_job(
         self,
@@ -243,15 +307,20 @@ class FrameReceiver:
         # job's key, whose frames are refused and who stays in sync, must not hold the connection (and
         # its slot in the per-host limit) for the idle timeout.
         wait = self.timeouts.handshake
+        reading = _Reading(self)
+        # Jobs whose frames this connection delivered, with their sender: a frame lost before its header
+        # was authentic is charged to them (whose else could it be).
+        delivered: dict[str, str] = {}
         while True:
             phased.next_frame(wait)
+            reading.next_frame()
             try:
                 frame = await read_frame(
                     phased,
                     self.keyring,
                     max_payload=self.max_payload,
                     receiver=self.peer_id,
-                    replay=self,
+                    replay=reading,
                     job_ended=self.job_ended,
                     accept_sender=self.accept_sender,
                     bound_sender=bound_sender,
@@ -272,12 +341,46 @@ class FrameReceiver:
             except WireError as e:  # read_frame only raises the two above; stay safe if that changes
                 self.count_refusal(FrameRefused(str(e), reason=R.MALFORMED), peer)
                 return
-            except Exception as e:  # a peer's bytes that a check let through and a decoder did not
+            except Exception as e:
+                if is_local_failure(e):  # our memory, not the peer's bytes: no refusal, but a lost value
+                    known = dict([reading.frame]) if reading.frame is not None else delivered
+                    self._lost(known or None, peer, e, closing=True)
+                    return
+                # A peer's bytes that a check let through and a decoder did not.
                 why = f"malformed frame ({type(e).__name__}: {str(e)[:120]})"
                 self.count_refusal(FrameRefused(why, reason=R.MALFORMED), peer)
                 return
             wait = self.timeouts.idle
+            delivered[frame.job_id] = frame.sender
             await self._deliver(frame, peer)
+
+    def _lost(
+        self, jobs: Mapping[str, str] | None, peer: str, error: BaseException, *, closing: bool
+    ) -> None:
+        """A frame from ``peer`` was lost to ``error``, a failure of ours: ``jobs`` (job -> sender; None:
+        unknown) can never get the value it carried, so ``on_local_failure`` fails them (those that still
+        run here: one that ended meanwhile waits for nothing)."""
+        self.frames_lost += 1
+        log.error(
+            "%s lost a frame from %s (%s; %s) to a failure here: %s: %s%s",
+            self.peer_id,
+            peer,
+            ", ".join(f"job {j!r}" for j in jobs or ()) or "job unknown",
+            ", ".join(sorted(set((jobs or {}).values()))) or "sender unknown",
+            type(error).__name__,
+            str(error)[:300],
+            "; closing the connection" if closing else "",
+        )
+        if self.on_local_failure is None:
+            return
+        running: list[tuple[str | None, str | None]] = (
+            [(None, None)] if jobs is None else [(j, s) for j, s in jobs.items() if j in self._routes]
+        )
+        for job_id, sender in running:
+            try:
+                self.on_local_failure(job_id, sender, error)
+            except Exception:  # ``serve`` never raises: a bug of the handler is logged, and that is all
+                log.exception("%s: failing job %r after a lost frame failed", self.peer_id, job_id)
 
     async def _deliver(self, frame: TensorFrame, peer: str) -> None:
         route = self._routes.get(frame.job_id)
@@ -301,6 +404,10 @@ class FrameReceiver:
             if inspect.isawaitable(result):
                 await result
         except Exception as e:
+            if is_local_failure(e):  # the handler ran out of memory: the value is lost as in ``serve``
+                # (the frame was read whole, so the connection stays usable for the next one)
+                self._lost({frame.job_id: frame.sender}, peer, e, closing=False)
+                return
             log.error(
                 "%s: handler of job %r failed on frame %s/%r from %s",
                 self.peer_id,
