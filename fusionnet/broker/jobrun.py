@@ -65,6 +65,7 @@ from fusionnet.planning.optimizers import optimizer_profiles
 from fusionnet.planning.placement import JobShape, Placement
 from fusionnet.results.assemble import RunResult, StateView, assemble_result
 from fusionnet.results.files import plan_document, write_results
+from fusionnet.schedules import ScheduleError, make_schedule
 
 log = logging.getLogger("fusionnet.broker.jobs")
 # The broker's own files failing (not a network error, which is an OSError too): the job fails saying so.
@@ -333,9 +334,25 @@ class JobRun(JobPlacement, PlacementReview, JobSteps):
 
     def _schedule_doc(self) -> dict[str, Any]:
         chosen = None if self._placement is None else self._placement.schedule
+        doc: dict[str, Any]
         if chosen is None:
-            return {"name": self.job.spec.schedule, "why": "placement.schedule", "predicted_step_seconds": {}}
-        return chosen.to_dict()
+            doc = {"name": self.job.spec.schedule, "why": "placement.schedule", "predicted_step_seconds": {}}
+        else:
+            doc = chosen.to_dict()
+        # The programs the compnodes ran, one line each, as ``run --local`` writes them (README): built
+        # as each compnode builds its own (``schedule_loop.schedule_for``), for the last step's count.
+        spec, partition = self.job.spec, self.partition
+        metrics = self.progress.metrics
+        m = int(metrics[-1]["microbatches"]) if metrics else spec.microbatches
+        chunks = chosen.chunks if chosen is not None else spec.chunks
+        if partition is not None:
+            try:
+                program = make_schedule(str(doc["name"]), len(partition.subdags), m, spec.task, chunks)
+            except ScheduleError as e:  # a name no compnode ran either: the document goes without it
+                log.warning("job %s: no schedule text for plan.json: %s", self.job.job_id, e)
+            else:
+                doc["text"] = program.text()
+        return doc
 
     # ---- results ---------------------------------------------------------------------------------
     async def _collect_results(self, ckpt: Checkpoint) -> RunResult:

@@ -125,6 +125,14 @@ class CompnodeConfig:
         if host is not None and (is_bind_all(host) or not is_host_port(join_host_port(host, 1))):
             raise ValueError(f"--metrics-announce-host: {host!r} is not a host name or IP address to reach")
 
+    def job_memory_bytes(self) -> int | None:
+        """What one job may allocate on this node, announced as D_cpu when below the host's RAM (the
+        broker plans against D_cpu): the sandbox worker's budget (``SandboxPool.of``), which caps only CPU
+        devices; None without a sandbox, or on an accelerator."""
+        if not self.sandbox or self.sandbox_memory_gb is None or self.device != "cpu":
+            return None
+        return int(self.sandbox_memory_gb * 2**30)
+
 
 def _physical_memory_gb() -> float:
     import os
@@ -214,6 +222,7 @@ class CompnodeDaemon(Daemon):
             device=self.settings.device,
             threads=self.settings.threads,
             refresh=self.settings.reprofile,
+            job_memory_bytes=self.settings.job_memory_bytes(),
         )
         # The per-op overheads: from the cache at once on a restart; on a first start the calibration
         # (seconds, tens of them with several nodes starting on 2 cores) goes on after ONLINE, on the

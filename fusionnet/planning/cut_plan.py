@@ -237,4 +237,5 @@ def plan_cuts(
     plan = plan_for_assignment(cg, swarm, workload, ops)
     planned = per_subdag(plan, assignment, order)
     explanation = explain_plan(plan, every, order, planned.predicted_seconds, k)
-    return replace(planned, explanation=f"{explanation}\n{choice.explain()}")
+    notes = choice.explain()
+    return replace(planned, explanation=f"{explanation}\n{notes}", notes=notes)

@@ -38,6 +38,9 @@ class PlannedJob:
     stage_timing: dict[int, tuple[float, float]]
     explanation: str  # the plan as text: per-stage times, memory, bottleneck
     plan: Plan  # the scheduler's plan (stage i of ``plan.stages`` is sub-DAG i)
+    # what ``explanation`` says after the priced plan (``plan_cuts``: why these devices): kept when
+    # ``priced_with`` prices the cut again, which writes the rest anew
+    notes: str = ""
 
 
 Links = Mapping[tuple[int, int], Link] | Link | None
@@ -146,10 +149,13 @@ def priced_with(
     optimizer: str | Mapping[str, str] | None = None,
     links: Mapping[tuple[int, int], Link] | None = None,
     default_link: Link | None = None,
+    max_devices: int | None = None,
 ) -> PlannedJob:
     """``planned``'s cut on its devices (indices into ``devices``) priced with ``pipeline_schedule``: a
     cut searched with one schedule's pricing and run with another (``auto`` choosing zero-bubble, say)
-    then reports the memory, micro-batches in flight and step time of the schedule that runs."""
+    then reports the memory, micro-batches in flight and step time of the schedule that runs, in its
+    ``plan`` and in its ``explanation``, written again as ``plan_graph`` writes it (``max_devices`` as
+    passed there) followed by ``planned.notes``."""
     order = planned.devices
     by_subdag = {
         (i, j): link_between(links or {}, a, b, default_link or LOOPBACK)
@@ -163,7 +169,14 @@ def priced_with(
     swarm = make_swarm([devices[d] for d in order], by_subdag, default_link)
     ops = {op.name: planned.assignment[op.name] for op in cg.ops}
     plan = plan_for_assignment(cg, swarm, Workload(microbatches, graph.task, pipeline_schedule), ops)
-    return replace(per_subdag(plan, planned.assignment, list(order)), explanation=planned.explanation)
+    repriced = per_subdag(plan, planned.assignment, list(order))
+    # Not ``planned.explanation``: that is the other schedule's table (its step time, its micro-batches
+    # in flight), which ``fusionnet plan`` then printed above the schedule that runs.
+    every = make_swarm(devices, links, default_link)  # the text numbers devices as given, as planned's
+    text = explain_plan(plan, every, list(order), repriced.predicted_seconds, max_devices)
+    if planned.notes:
+        text = f"{text}\n{planned.notes}"
+    return replace(repriced, explanation=text, notes=planned.notes)
 
 
 def plan_interleaved(

@@ -86,6 +86,19 @@ def host_memory_bytes() -> int:
         return 0
 
 
+def announced_cpu_memory(device_kind: str, job_memory_bytes: int | None) -> int:
+    """D_cpu as announced: the host's RAM, or less when a job may use less of it. ``job_memory_bytes``:
+    the sandbox worker's budget (``--sandbox-memory-gb``), which ``sandbox_worker.apply_limits`` grants a
+    job as ``RLIMIT_DATA`` = the worker's data at start + the budget, so a job's parameters, optimizer
+    state and activations get the budget and no more. The planner fits sub-DAGs into D_cpu: announcing
+    the host's RAM there planned a 23 GiB node with an 80 MiB budget as if the job fitted, and it died of
+    the cap. Only on CPU devices, the only ones that limit applies to (CUDA maps its own address space)."""
+    host = host_memory_bytes()
+    if job_memory_bytes is None or device_kind != "cpu":
+        return host
+    return min(host, job_memory_bytes) if host else job_memory_bytes
+
+
 def _timed(fn: Any, sync: Any, min_seconds: float) -> tuple[int, float]:
     """(1, the fastest single call) over at least ``min_seconds`` of calls. The fastest, not the mean:
     compnodes often start side by side and profile at the same moment, and other processes only ever
@@ -154,9 +167,22 @@ def measure(device: str, threads: int | None, disk_path: Path) -> HardwareInfo:
 
 
 def profile_hardware(
-    state_dir: Path, *, device: str = "cpu", threads: int | None = None, refresh: bool = False
+    state_dir: Path,
+    *,
+    device: str = "cpu",
+    threads: int | None = None,
+    refresh: bool = False,
+    job_memory_bytes: int | None = None,
 ) -> HardwareInfo:
-    """The hardware record for this node: from the cache when it matches, else measured (and cached)."""
+    """The hardware record for this node: from the cache when it matches, else measured (and cached).
+    ``job_memory_bytes``: what a job may allocate here (the sandbox's budget), announced as D_cpu when it
+    is below the host's RAM (``announced_cpu_memory``)."""
+    hw = _profile_hardware(state_dir, device=device, threads=threads, refresh=refresh)
+    # Applied to what is returned, never cached: the budget is a flag of this start, not of the machine.
+    return hw.model_copy(update={"d_cpu": announced_cpu_memory(hw.device_kind, job_memory_bytes)})
+
+
+def _profile_hardware(state_dir: Path, *, device: str, threads: int | None, refresh: bool) -> HardwareInfo:
     import torch
 
     key = {

@@ -25,7 +25,7 @@ from fusionnet.profiling.calibration import local_device_spec
 from fusionnet.results.files import plan_document
 from fusionnet.runtime.microbatch_sizes import runnable_counts, traced_count, with_microbatches
 from fusionnet.runtime.prepare import PreparedJob, job_assignment, prepare_job, trace_job
-from fusionnet.schedules import INTERLEAVED
+from fusionnet.schedules import INTERLEAVED, make_schedule
 
 
 @dataclass
@@ -151,7 +151,12 @@ def plan_job(
     if spec.placement.schedule == AUTO and schedule["name"] != planned.plan.workload.schedule:
         # searched with 1F1B's pricing, run with another: the plan describes what runs
         priced = {"microbatches": m, "links": links, "default_link": default, **priced_by}
-        planned = priced_with(traced.graph, planned, devices, schedule["name"], **priced)
+        allowed = cap if cut is None else len(planned.devices)  # as ``plan`` above priced it
+        planned = priced_with(traced.graph, planned, devices, schedule["name"], max_devices=allowed, **priced)
+    # each compnode's program, as ``run --local`` and the broker write it into plan.json
+    per_compnode = int(schedule.get("chunks", 1))  # interleaved-1f1b's, which auto may choose
+    program = make_schedule(schedule["name"], len(planned.devices), m, spec.task, per_compnode)
+    schedule["text"] = program.text()
     step = schedule["predicted_step_seconds"].get(schedule["name"], planned.predicted_step_seconds)
     explanation = (
         f"planned for {where}\n\n{planned.explanation}\n"
