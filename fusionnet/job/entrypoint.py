@@ -21,6 +21,7 @@ import torch
 
 from fusionnet.errors import JobError
 from fusionnet.job.data import resolve_file
+from fusionnet.job.preflight import short_error
 
 _counter = itertools.count()
 
@@ -37,7 +38,8 @@ def _import_file(path: Path, shown: str) -> Any:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:  # SystemExit: a model file must not end the command silently
         del sys.modules[name]
-        raise JobError(f"model.entrypoint: {shown}: importing it raised {type(e).__name__}: {e}") from e
+        # short_error: torch errors carry a C++ backtrace that must not end up in the one-line message.
+        raise JobError(f"model.entrypoint: {shown}: importing it raised {short_error(e)}") from e
     return module
 
 
@@ -70,7 +72,7 @@ def resolve_entrypoint(entrypoint: str, base_dir: Path, *, allow_outside: bool =
         except ModuleNotFoundError as e:
             raise JobError(f"model.entrypoint: module {where!r} not found ({e})") from e
         except Exception as e:
-            raise JobError(f"model.entrypoint: importing {where!r} raised {type(e).__name__}: {e}") from e
+            raise JobError(f"model.entrypoint: importing {where!r} raised {short_error(e)}") from e
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -106,7 +108,9 @@ def build_model(
     try:
         model = fn(**kwargs)
     except (Exception, SystemExit) as e:
-        raise JobError(f"model.entrypoint: {entrypoint} raised {type(e).__name__}: {e}") from e
+        # A huge size in model.kwargs fails in torch's C++ code, whose message ends in a backtrace of
+        # mangled frames: short_error keeps the one line that says what went wrong.
+        raise JobError(f"model.entrypoint: {entrypoint} raised {short_error(e)}") from e
     if not isinstance(model, torch.nn.Module):
         got = type(model).__name__
         raise JobError(f"model.entrypoint: {entrypoint} returned {got}, not a torch.nn.Module")

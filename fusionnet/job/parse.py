@@ -1,8 +1,11 @@
 """Job file text -> validated ``JobSpec``, or one ``JobError`` that names the key (or file and line).
 
-YAML is read with two fixes over PyYAML's YAML 1.1 defaults, both of which otherwise turn a typo into
-a silently different job: ``1e-3`` is a float (YAML 1.2; 1.1 reads it as a string) and a duplicate
-key is an error (1.1 keeps the last one).
+YAML is read with fixes over PyYAML's YAML 1.1 defaults, each of which otherwise turns a typo into a
+silently different job. Numbers follow YAML 1.2's core schema: ``1e-3`` is a float (1.1 reads it as a
+string), ``010`` is ten (1.1: octal 8; octal is written ``0o10``), and ``1:30`` is the string it looks
+like (1.1: the base-60 number 90), so an integer key refuses it instead of running 90 steps. Underscores
+between digits (``1_000``) and ``0b`` binary are still read as 1.1 reads them: neither is ambiguous. A
+duplicate key is an error (1.1 keeps the last one).
 
 A job file is untrusted text, so reading it is bounded before anything is built: the file's size,
 the nesting depth (deep ``[[[...`` otherwise ends in a ``RecursionError``), the number of nodes and
@@ -23,8 +26,23 @@ from pydantic import ValidationError
 from fusionnet.errors import JobError
 from fusionnet.job.schema import JobSpec, KeyProblem
 
+_INT_TAG = "tag:yaml.org,2002:int"
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+
+# YAML 1.2 core integers: decimal (a leading zero is still decimal), 0o octal, 0x hex; plus 0b binary and
+# ``_`` between digits, as PyYAML has always read them. No base-60 ``1:30``: that stays a string.
+_INT_1_2 = re.compile(
+    r"""^[-+]?(?:[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+|0b[01_]+)$""",
+)
+# YAML 1.2 core floats (a dot or an exponent, or .inf/.nan): ``1e-3`` without a dot is a float, ``-.5`` is
+# too (1.1 reads both as strings), and there is no base-60 ``1:30.5``.
 _FLOAT_1_2 = re.compile(
-    r"""^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$""",
+    r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+    re.X,
 )
 
 
@@ -120,7 +138,55 @@ class _JobYamlLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-_JobYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_1_2, list("-+0123456789"))
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """An int as YAML 1.2 reads it (``010`` is ten; PyYAML's 1.1 constructor makes it octal 8); also for an
+    explicit ``!!int``, whose text no resolver has checked: anything else is a YAML error with the line,
+    not a ValueError from inside the parser (nor Python's 4300-digit limit on ``int()``)."""
+    text = str(loader.construct_scalar(node))
+    digits = text.replace("_", "")
+    sign = -1 if digits[:1] == "-" else 1
+    digits = digits[1:] if digits[:1] in ("+", "-") else digits
+    try:
+        if digits[:2].lower() in ("0o", "0x", "0b"):
+            return sign * int(digits, 0)
+        if not digits.isascii() or not digits.isdigit():
+            raise ValueError("not decimal digits")
+        return sign * int(digits, 10)
+    except ValueError as e:
+        problem = f"{short_repr(text)} is not an integer ({str(e)[:80]})"
+        raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from None
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+    """A float as YAML 1.2 reads it; an explicit ``!!float`` that is none is a YAML error with the line (no
+    base-60 ``1:30``: PyYAML's 1.1 constructor would compute it)."""
+    text = str(loader.construct_scalar(node))
+    value = text.replace("_", "").lower()
+    sign = -1.0 if value[:1] == "-" else 1.0
+    value = value[1:] if value[:1] in ("+", "-") else value
+    if value == ".inf":
+        return sign * float("inf")
+    if value == ".nan":
+        return float("nan")
+    try:
+        if ":" in value:  # float() does not read it, but refuse it by name rather than by accident
+            raise ValueError("base-60 numbers are YAML 1.1")
+        return sign * float(value)
+    except ValueError as e:
+        problem = f"{short_repr(text)} is not a number ({str(e)[:80]})"
+        raise yaml.constructor.ConstructorError(None, None, problem, node.start_mark) from None
+
+
+# SafeLoader's YAML 1.1 int and float resolvers are dropped, not just added to: the first resolver that
+# matches wins, and 1.1's would still read ``010`` as octal and ``1:30`` as base 60.
+_JobYamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_JobYamlLoader.add_implicit_resolver(_INT_TAG, _INT_1_2, list("-+0123456789"))
+_JobYamlLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_1_2, list("-+0123456789."))
+_JobYamlLoader.add_constructor(_INT_TAG, _construct_int)
+_JobYamlLoader.add_constructor(_FLOAT_TAG, _construct_float)
 
 
 def read_yaml(path: Path) -> Any:

@@ -5,6 +5,7 @@ traceback from deep inside torch (``mat1 and mat2 shapes cannot be multiplied``,
 bounds``) or as the wrong cause ("cannot be traced" for NaN inputs). Here the same mistakes are found
 once, on one sample, with a message that names the key, the tensor, and what was expected:
 
+- inputs and labels have a dtype the wire carries (no float8, uint16/32/64 or complex);
 - inputs, labels and weights hold only finite numbers;
 - one batch's inputs fit in memory many times over (``batch_size: 10**9`` is refused, not allocated);
 - one forward pass on ``data.inputs[0:1]`` succeeds and returns what the task needs, and succeeds again
@@ -44,10 +45,42 @@ class LoadedJob(Protocol):
 _BATCH_MEMORY_SHARE = 0.25
 _CLASS_LOSSES = {"cross_entropy", "nll_loss", "multi_margin_loss"}
 
+# The dtypes a data tensor may have: those the wire carries (``fusionnet.wire.header.ALLOWED_DTYPES``; the
+# job package sits beside the wire in the layers and does not import it), because every micro-batch's
+# inputs and labels travel to compnodes as frames. The other dtypes torch has (float8, uint16/32/64,
+# complex, quantized) would otherwise fail later, deep inside torch or at the first send.
+_DATA_DTYPE_ORDER = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+DATA_DTYPES: frozenset[torch.dtype] = frozenset(_DATA_DTYPE_ORDER)
+_DATA_DTYPE_NAMES = [str(d).removeprefix("torch.") for d in _DATA_DTYPE_ORDER]  # in messages, this order
+# Float dtypes ``torch.isfinite`` is implemented for (on CPU); any other float is widened first.
+_ISFINITE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    text = text if len(text) <= 300 else text[:297] + "..."
+
+# Where torch's C++ errors (c10::Error) start the backtrace they append to the message: frame after frame
+# of mangled symbols and library addresses, which would swamp the one line a user is shown.
+_CPP_BACKTRACE_MARKERS = ("Exception raised from ", "frame #0: ")
+
+
+def short_error(e: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line of at most ``limit`` characters, for an error raised by user code or
+    by torch inside it: a C++ backtrace is cut off, and the first line kept (the rest of a multi-line
+    message is detail, a traceback or a backtrace, not what went wrong)."""
+    text = str(e)
+    for marker in _CPP_BACKTRACE_MARKERS:
+        text = text.split(marker, 1)[0]
+    text = text.strip().splitlines()[0].strip() if text.strip() else ""
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
@@ -66,11 +99,29 @@ def _machine_memory_bytes() -> int:
         return 8 << 30
 
 
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """``torch.isfinite`` elementwise, also for the float dtypes it is not implemented for (float8, which
+    a model's own parameters or outputs may use): those widen to float32 exactly, NaN and inf included."""
+    if t.is_floating_point() and t.dtype not in _ISFINITE_DTYPES:
+        t = t.to(torch.float32)
+    return torch.isfinite(t)
+
+
 def check_data(spec: JobSpec, inputs: torch.Tensor, labels: torch.Tensor | None) -> None:
-    """The checks that need the data but not the model (no user code): finite values, one batch's size."""
+    """The checks that need the data but not the model (no user code): dtypes, finite values, one batch's
+    size."""
     for name, t in (("inputs", inputs), ("labels", labels)):
-        if t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            first = int((~torch.isfinite(t)).reshape(t.shape[0], -1).any(dim=1).nonzero()[0, 0])
+        # First, so that no check below (nor the model, nor the wire) meets a dtype torch half supports:
+        # float8_e4m3fn has no isfinite, uint64 no min, and neither can be sent to a compnode.
+        if t is not None and t.dtype not in DATA_DTYPES:
+            dtype = str(t.dtype).removeprefix("torch.")
+            raise JobError(
+                f"data.path: {spec.data.path}: {name!r} has dtype {dtype}, which FusionNet does not carry; "
+                f"save it as one of {', '.join(_DATA_DTYPE_NAMES)} (e.g. tensor.float(), tensor.long())"
+            )
+    for name, t in (("inputs", inputs), ("labels", labels)):
+        if t is not None and t.is_floating_point() and not bool(_finite(t).all()):
+            first = int((~_finite(t)).reshape(t.shape[0], -1).any(dim=1).nonzero()[0, 0])
             where = f"data.path: {spec.data.path}"
             raise JobError(f"{where}: '{name}' holds NaN or inf (first in sample {first})")
     per_sample = inputs[0].nbytes + (labels[0].nbytes if labels is not None else 0)
@@ -87,7 +138,7 @@ def check_data(spec: JobSpec, inputs: torch.Tensor, labels: torch.Tensor | None)
 def _check_weights_finite(job: LoadedJob) -> None:
     key = "model.weights" if job.spec.model.weights is not None else "model.entrypoint"
     for name, t in job.model.state_dict().items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and not bool(_finite(t).all()):
             raise JobError(f"{key}: {name!r} holds NaN or inf")
 
 
@@ -159,9 +210,9 @@ def _dry_forward(job: LoadedJob) -> None:
         else:
             out = job.model(x)
     except Exception as e:
-        raise JobError(f"{where} ({_describe(x)}) failed: {_short(e)}") from None
+        raise JobError(f"{where} ({_describe(x)}) failed: {short_error(e)}") from None
     leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if any(not bool(torch.isfinite(t).all()) for t in leaves):
+    if any(not bool(_finite(t).all()) for t in leaves):
         raise JobError(f"{where} ({_describe(x)}) returned NaN or inf from finite inputs and weights")
     if not uses_loss:
         # Infer results are every tensor the output holds (fusionnet.results.assemble.output_tensors).
@@ -185,11 +236,11 @@ def _dry_forward(job: LoadedJob) -> None:
     except Exception as e:
         raise JobError(
             f"loss: {loss_name} of the model's output ({_describe(out)}) and data.labels[0:1] "
-            f"({_describe(y)}) failed: {_short(e)}"
+            f"({_describe(y)}) failed: {short_error(e)}"
         ) from None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         raise JobError(f"loss: {loss_name} must give one number per batch, got {_describe(loss)}")
-    if not bool(torch.isfinite(loss)):
+    if not bool(_finite(loss)):
         raise JobError(f"loss: {loss_name} of the model's output and data.labels[0:1] is {float(loss)}")
 
 
@@ -220,7 +271,7 @@ def _dry_forward_autocast(job: LoadedJob) -> None:
         what = "forward" if job.spec.task == "infer" else "forward and loss"
         raise JobError(
             f"precision: {job.spec.precision}: the model's {what} on data.inputs[0:1] fails under "
-            f"{job.spec.precision} autocast (it runs in fp32): {_short(e)}"
+            f"{job.spec.precision} autocast (it runs in fp32): {short_error(e)}"
         ) from None
 
 

@@ -86,11 +86,19 @@ def _sharded(folder: Path, rel: str) -> dict[str, Path]:
     try:
         if index.stat().st_size > MAX_INDEX_BYTES:
             raise JobError(f"model.weights: {rel}/{INDEX}: larger than {MAX_INDEX_BYTES >> 20} MiB")
-        doc = json.loads(index.read_text(encoding="utf-8"))
+        text = index.read_text(encoding="utf-8")
     except OSError as e:
         raise JobError(f"model.weights: {rel}/{INDEX}: cannot read ({e.strerror or e})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except UnicodeDecodeError as e:
         raise JobError(f"model.weights: {rel}/{INDEX}: not valid JSON ({e})") from e
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        # ``[[[...`` nested past the interpreter's stack ends json's C decoder this way: the file is
+        # still just bad input, named as such (not a failure of the model or of the loader).
+        raise JobError(f"model.weights: {rel}/{INDEX}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError, or any other refusal of the decoder
+        raise JobError(f"model.weights: {rel}/{INDEX}: not valid JSON ({str(e)[:200]})") from e
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
