@@ -111,7 +111,7 @@ def test_probe_pings_a_compnode_the_registry_gave_up_on_and_keeps_it_if_it_answe
         reg = registry(now, expires_in=5.0)
         reg.check_timeouts(now + 10)  # no pong from either for 10 s: both UNREACHABLE
         reg.update_records([], now + 10)  # and both records expired: both gone
-        assert [reg.get(p).effective_state for p in (BUSY, DEAD)] == ["OFFLINE", "OFFLINE"]
+        assert [reg.get(p).effective_state for p in (BUSY, DEAD)] == ["UNREACHABLE", "UNREACHABLE"]
         calls = Calls(answer_at=now)  # BUSY answers at once, DEAD never
         watch = FailureWatch(Context(reg, calls), lambda: [BUSY, DEAD], set())  # type: ignore[arg-type]
         dead = await watch.probe()
