@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fusionnet.cli.argtypes import add_initial_peers, seconds
-from fusionnet.cli.jobflags import add_key_flag
+from fusionnet.cli.jobflags import add_job_loading_flags, add_key_flag
 from fusionnet.dag.channel import MAX_IN_FLIGHT
 from fusionnet.messages.serving_rpc import DEPLOYMENT_NAME, DEPLOYMENT_NAME_RULE
 
@@ -76,9 +76,9 @@ def add_parser(subparsers: Any) -> None:
         metavar="S",
         help="wait this long for compnodes (default 60)",
     )
-    p.add_argument(
-        "--allow-outside-paths", action="store_true", help="allow job paths outside the job file's folder"
-    )
+    # --allow-outside-paths and --load-timeout as plan, run and submit have them: the job's model code is
+    # loaded in a bounded child first, and its paths (the tokenizer's too) stay in the job folder
+    add_job_loading_flags(p)
     add_key_flag(p)
     p.set_defaults(func=run)
     u = subparsers.add_parser(
@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
             name=args.name,
             settings=settings,
             allow_outside_paths=args.allow_outside_paths,
+            load_timeout=args.load_timeout,
             wait_compnodes=args.wait_compnodes,
             key_path=args.key,
         )

@@ -27,8 +27,8 @@ def add_job_loading_flags(p: Any) -> None:
         type=positive_seconds,  # nan, inf, 0 or -1 would never or always time out: refused by argparse
         default=DEFAULT_LOAD_TIMEOUT,
         metavar="S",
-        help="give up when loading the job's model takes longer than S seconds "
-        f"(default {DEFAULT_LOAD_TIMEOUT:g})",
+        help="give up when loading the job's model (and running its forward once on the first "
+        f"micro-batch) takes longer than S seconds (default {DEFAULT_LOAD_TIMEOUT:g})",
     )
 
 

@@ -69,6 +69,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_initial_peers(args)
         return int(args.func(args) or 0)
+    except SystemExit as e:
+        # Only the command's own run reaches here (argparse's --help and usage errors exit in parse_args
+        # above, untouched). A command that names a job runs its model code in this process (load, trace):
+        # a sys.exit there must not end the command silently, with status 0 and nothing done. Commands
+        # without a job keep SystemExit's own meaning (a daemon's library may exit on purpose).
+        if getattr(args, "job", None) is None:
+            raise
+        code = " ".join(repr(e.code).split())[:100]
+        print(
+            f"fusionnet {args.command}: error: model.entrypoint: the model code called sys.exit({code}) "
+            "while the command ran it",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
     except FusionNetError as e:
         # User-facing errors are one line, no traceback: the message already says what and where.
         # One line even when a message quotes text with line breaks (a parser's, a model's exception).

@@ -4,6 +4,8 @@ Map of the package:
 
 - ``ir.py``          ``IRGraph`` / ``IRNode``: the model as pure data.
 - ``trace.py``       ``nn.Module`` + loss + example inputs -> ``IRGraph`` with shapes and costs (torch.fx).
+- ``custom_backward.py`` refusing backward code of a model's own (custom autograd Functions, backward hooks)
+                     in train/grad jobs: the backward is rebuilt from the traced forward ops.
 - ``graph_builder.py`` an fx graph (symbolic or exported) -> normalised ``IRGraph``: parameters folded, costs.
 - ``registry.py``    the operator registry: how ops are added, and the decoder's allowlist.
 - ``allowlist.py``   the curated operator allowlist, the data behind ``registry.py`` (what must stay out).

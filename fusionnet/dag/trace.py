@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fusionnet.dag.custom_backward import refuse_backward_hooks, refuse_custom_functions, tensor_hooks_refused
 from fusionnet.dag.graph_builder import GraphBuilder, TracedModel
 from fusionnet.errors import IRError, TraceError
 
@@ -78,8 +79,9 @@ def trace_model(
     """Traces ``model`` for ``task`` on an example (one micro-batch) and returns its IR.
 
     ``frontend`` is ``auto`` (symbolic, then export), ``symbolic_trace`` or ``torch.export``.
-    Raises ``TraceError`` naming both front ends' failures when neither works. The model's buffers are as
-    they were when it returns (``buffers_kept``).
+    Raises ``TraceError`` naming both front ends' failures when neither works, and for a train/grad model
+    that brings backward code of its own, which the rebuilt backward could not run (``custom_backward``).
+    The model's buffers are as they were when it returns (``buffers_kept``).
     """
     if task not in ("train", "grad", "infer"):
         raise ValueError(f"unknown task {task!r}")
@@ -113,10 +115,11 @@ def _trace(
 ) -> TracedModel:
     if task != "infer":
         _refuse_active_dropout(model, task)
+        refuse_backward_hooks(model, loss_fn, task)
+    expected = eager_result(model, inputs, labels, loss_fn, task)
     wrapper: nn.Module = _InferWrapper(model) if task == "infer" else _LossWrapper(model, loss_fn)
     args = (inputs,) if task == "infer" else (inputs, labels)
     wrapper.train(task != "infer")
-    expected = _eager_result(wrapper, args, task)
     errors: list[str] = []
     differs = False  # some front end built a graph whose output is not the eager one
     if frontend in ("auto", "symbolic_trace"):
@@ -201,14 +204,36 @@ class NotReproduced(TraceError):
     ``_trace`` adds a hint about randomness when that is why a train/grad job cannot be traced."""
 
 
-def _eager_result(wrapper: nn.Module, args: tuple[Any, ...], task: str) -> Any:
-    """The wrapper's eager output on the example: the reference every front end must reproduce. Why
-    guarded: the example is a whole micro-batch in the task's mode, which the job's one-row, eval-mode
+def eager_result(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor | None,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    task: str,
+) -> Any:
+    """The model's eager output on the example, as the task runs it (with its loss, in train mode, for
+    train/grad): the reference every front end must reproduce. Leaves the model in the task's mode.
+
+    Why guarded: the example is a whole micro-batch in the task's mode, which the job's one-row, eval-mode
     preflight never ran (a ``view(1, 16)``, a module that raises when training, a token id past the
-    embedding), so user code may raise here; that is a ``ForwardFailed``, not an internal error."""
+    embedding), so user code may raise here; that is a ``ForwardFailed``, not an internal error.
+
+    Why with grad for train/grad: only an autograd graph shows backward code of the model's own (a custom
+    ``autograd.Function``, a hook put on a tensor in ``forward``), which FusionNet could not run
+    (``custom_backward``): refused here as a ``TraceError``. The graph is dropped before returning.
+    The load check (``runtime.loadcheck``) runs this too, in a child process, before the command does."""
+    wrapper: nn.Module = _InferWrapper(model) if task == "infer" else _LossWrapper(model, loss_fn)
+    args = (inputs,) if task == "infer" else (inputs, labels)
+    wrapper.train(task != "infer")
+    backward = task != "infer"
     try:
-        with torch.no_grad():
-            return wrapper(*args)
+        with (
+            torch.set_grad_enabled(backward),
+            tensor_hooks_refused(task) if backward else contextlib.nullcontext(),
+        ):
+            result = wrapper(*args)
+    except TraceError:
+        raise
     except Exception as e:
         shapes = ", ".join(f"{name} {tuple(a.shape)}" for name, a in zip(("inputs", "labels"), args))
         mode = "train" if wrapper.training else "eval"
@@ -219,6 +244,9 @@ def _eager_result(wrapper: nn.Module, args: tuple[Any, ...], task: str) -> Any:
             f"{type(e).__name__}: {text}",
             e,
         ) from e
+    if backward:
+        refuse_custom_functions(result, task)
+    return torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, result)
 
 
 # torch's own loggers (``torch``, ``torch._dynamo``, ``torch.fx.experimental.symbolic_shapes``, ...)

@@ -71,10 +71,12 @@ def _check_without_model(
     return spec, dataset
 
 
-def check_job_without_model(path: str | Path, *, allow_outside_paths: bool = False) -> JobSpec:
+def check_job_without_model(
+    path: str | Path, *, allow_outside_paths: bool = False, deployment: bool = False
+) -> JobSpec:
     """Every check of ``load_job`` that runs no user code (schema, paths, data): quick, and safe to do
     in the command's own process before the model is loaded in a child (``runtime.loadcheck``)."""
-    return _check_without_model(path, allow_outside_paths)[0]
+    return _check_without_model(path, allow_outside_paths, deployment)[0]
 
 
 def load_job(path: str | Path, *, allow_outside_paths: bool = False, deployment: bool = False) -> LoadedJob:

@@ -3,7 +3,13 @@ on the deployer's machine, as for ``submit``), send the submission as a deployme
 has placed it; or ask the broker to release one.
 
 The tokenizer of a ``generate`` deployment is the model folder's (the weights folder when
-``model.weights`` is one, else the job file's folder): its JSON/text files travel with the deployment.
+``model.weights`` is one, else the job file's folder): its JSON/text files travel with the deployment,
+each one inside the job folder after symlinks unless ``--allow-outside-paths``.
+
+Before the job is loaded here, it is loaded once in a child process under ``--load-timeout``, as
+``plan``, ``run`` and ``submit`` do (``runtime.loadcheck``): model code that loops at import, exits or
+crashes the interpreter ends ``deploy`` with one line (exit 2) instead of hanging it or ending it
+silently.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from torch import nn
 from fusionnet.dht.node import check_initial_peers
 from fusionnet.errors import JobError
 from fusionnet.job.kv_decode import SlotDecoder, disagreement, example_rows, find_causal_lm, sliding_span
-from fusionnet.job.loader import LoadedJob, load_job
+from fusionnet.job.loader import LoadedJob, check_job_without_model, load_job
 from fusionnet.job.parse import load_job_spec
 from fusionnet.messages.broker_rpc import BrokerClient
 from fusionnet.messages.serving_rpc import (
@@ -38,6 +44,10 @@ from fusionnet.messages.serving_rpc import (
     deploy_subject,
 )
 from fusionnet.runtime.jobcontrol import DEFAULT_WAIT_COMPNODES, wait_for_compnodes
+from fusionnet.runtime.loadcheck import (
+    DEFAULT_LOAD_TIMEOUT,
+    check_job_loads,
+)
 from fusionnet.runtime.submit import submission_payload
 from fusionnet.runtime.submitter import Signer, load_or_create_key
 from fusionnet.serving.tokenizers import tokenizer_files
@@ -95,6 +105,14 @@ def model_folder(job: LoadedJob) -> Path:
     return job.base_dir
 
 
+def check_deployment_loads(job_path: Path, *, allow_outside_paths: bool, timeout: float) -> None:
+    """Loads the job once, as a deployment, in the load check's child process (``runtime.loadcheck``),
+    bounded by ``timeout`` seconds; one ``JobError`` when loading it fails, exits, crashes or takes
+    longer (``deploy`` then says so in one line, exit 2)."""
+    check_job_without_model(job_path, allow_outside_paths=allow_outside_paths, deployment=True)
+    check_job_loads(job_path, allow_outside_paths=allow_outside_paths, timeout=timeout, deployment=True)
+
+
 async def deploy(
     job_path: Path,
     initial_peers: Sequence[str],
@@ -102,12 +120,14 @@ async def deploy(
     name: str | None = None,
     settings: ServingSettings | None = None,
     allow_outside_paths: bool = False,
+    load_timeout: float = DEFAULT_LOAD_TIMEOUT,
     wait_compnodes: float = DEFAULT_WAIT_COMPNODES,
     stream: TextIO = sys.stderr,
     key_path: Path | None = None,
 ) -> DeployReply:
     """``key_path``: the submitter key the broker knows this user by (``runtime.submitter``); the
-    deployment is this key's, and only it undeploys it."""
+    deployment is this key's, and only it undeploys it. ``load_timeout``: the bound on loading the
+    job's model in the child process that checks it first (``check_deployment_loads``)."""
     from fusionnet.daemon.observer import SwarmObserver
 
     # what can be told wrong now is, before the model is traced and shipped (seconds to minutes)
@@ -121,13 +141,20 @@ async def deploy(
         raise JobError(why)
     kind = spec.task
     settings = settings or ServingSettings()
+    # the model code runs here only once a bounded child has loaded it: it cannot hang or end deploy
+    # (in this thread, not asyncio.to_thread: Ctrl-C must end the check, and its child, at once)
+    check_deployment_loads(job_path, allow_outside_paths=allow_outside_paths, timeout=load_timeout)
     job = load_job(job_path, allow_outside_paths=allow_outside_paths, deployment=True)
+    tokenizer = None
+    if kind == "generate":  # before tracing: a tokenizer file outside the job folder is refused at once
+        tokenizer = await asyncio.to_thread(
+            tokenizer_files, model_folder(job), job_folder=job.base_dir, allow_outside=allow_outside_paths
+        )
     kv = None
     eos = end_of_text_ids(job.model) if kind == "generate" else []
     if kind == "generate" and settings.kv_slots:
         job, kv = with_kv_cache(job, settings.kv_slots, stream)
     submission = await asyncio.to_thread(submission_payload, job, deployment=True)
-    tokenizer = await asyncio.to_thread(tokenizer_files, model_folder(job)) if kind == "generate" else None
     request = DeployRequest(
         name=name,
         kind=kind,

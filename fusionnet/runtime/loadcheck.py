@@ -4,8 +4,10 @@ A job file names Python code (``model.entrypoint``) that ``plan``, ``run`` and `
 call. Code that loops at import, calls ``sys.exit(0)``, crashes the interpreter or returns the wrong
 thing would otherwise hang the command, make it exit 0 with no output, or end in a traceback. The
 child process loads the job exactly as the command will (``load_job``: schema, paths, model, weights,
-data, preflight forward) under a time limit; the command loads it itself only once the child said the
-job is sound. The child's verdict travels as one JSON object in a file: nothing is unpickled.
+data, preflight forward), then runs the model's forward on the job's first whole micro-batch as tracing
+will (``prepare.forward_on_example``: model code may misbehave only on more than one row, or only in
+train mode), all under one time limit; the command loads it itself only once the child said the job is
+sound. The child's verdict travels as one JSON object in a file: nothing is unpickled.
 
 The children are forked from one server process per command that has torch and the loader imported
 already (``python -m fusionnet.runtime.loadcheck --serve``, started by the first check, ending with the
@@ -142,37 +144,74 @@ def kill_child(pid: int) -> None:
 _SERVER = _Server()
 
 
-def _verdict(code: int | None, result: Path, entrypoint_hint: str) -> str | None:
-    """None when the child loaded the job; else the one-line error to show."""
+# How messages name the check's second stage (``prepare.forward_on_example``).
+FORWARD = "the model's forward on the first micro-batch"
+
+
+def _report_doc(result: Path) -> dict[str, Any] | None:
+    """What the child last wrote to its result file: its verdict, or the stage it had reached (a child
+    that was killed or ended itself wrote no verdict), or None."""
     try:
         doc = json.loads(result.read_text() or "null")
     except (OSError, ValueError):
-        doc = None
-    if isinstance(doc, dict) and doc.get("ok") is True and code == 0:
         return None
-    if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+    return doc if isinstance(doc, dict) else None
+
+
+def _forward_stage(doc: dict[str, Any] | None) -> str | None:
+    """``the model's forward on the first micro-batch (inputs (8, 16))`` when the child had got as far as
+    that forward, else None (it was still loading the job)."""
+    if doc is None or doc.get("stage") != "forward":
+        return None
+    example = doc.get("example")
+    return FORWARD + (f" ({example})" if isinstance(example, str) else "")
+
+
+def _verdict(code: int | None, result: Path, entrypoint_hint: str) -> str | None:
+    """None when the child loaded the job; else the one-line error to show."""
+    doc = _report_doc(result)
+    if doc is not None and doc.get("ok") is True and code == 0:
+        return None
+    if doc is not None and isinstance(doc.get("error"), str):
         return doc["error"][:1000]
+    forward = _forward_stage(doc)
+    doing = forward or "loading the model"
     if code is not None and code < 0:
         name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
-        return f"{entrypoint_hint}: loading the model killed the process ({name})"
+        return f"{entrypoint_hint}: {doing} killed the process ({name})"
+    if forward is not None:
+        return f"{entrypoint_hint}: {forward} ended the process (exit code {code})"
     return f"{entrypoint_hint}: loading the model ended the process (exit code {code}) before it was loaded"
 
 
 def check_job_loads(
-    job_path: Path, *, allow_outside_paths: bool, timeout: float = DEFAULT_LOAD_TIMEOUT
+    job_path: Path,
+    *,
+    allow_outside_paths: bool,
+    timeout: float = DEFAULT_LOAD_TIMEOUT,
+    deployment: bool = False,
 ) -> None:
-    """Raises one JobError when loading ``job_path`` fails, exits, crashes or exceeds ``timeout``."""
+    """Raises one JobError when loading ``job_path`` fails, exits, crashes or exceeds ``timeout``.
+    ``deployment`` (``fusionnet deploy``): loaded as a deployment (task ``generate`` admitted), and only
+    loaded: ``deploy`` traces what it serves its own way (a causal LM wrapped for KV caches)."""
     with tempfile.TemporaryDirectory(prefix="fusionnet-loadcheck-") as tmp:
         result, printed = Path(tmp) / "result.json", Path(tmp) / "output.txt"
         request = {
             "job": str(Path(job_path).absolute()),
             "allow_outside_paths": allow_outside_paths,
+            "deployment": deployment,
             "result": str(result),
             "printed": str(printed),
             "cwd": os.getcwd(),  # the server started in an earlier state of this process
             "env": dict(os.environ),
         }
         code, timed_out = _SERVER.run(request, timeout)
+        forward = _forward_stage(_report_doc(result)) if timed_out else None
+        if forward is not None:
+            raise JobError(
+                f"model.entrypoint: {forward} did not finish in {timeout:g} s (a loop or a wait in "
+                "forward?); raise --load-timeout if the model is really that slow"
+            )
         if timed_out:
             raise JobError(
                 f"model.entrypoint: loading the job did not finish in {timeout:g} s (a loop at import or in "
@@ -192,7 +231,9 @@ def check_job_loads(
 def _serve() -> int:
     """The fork server: one JSON request a line on stdin; forks a child per request, answers its pid,
     then its exit code (``-signal`` when killed). Ends when stdin closes."""
-    import fusionnet.job.loader  # noqa: F401  (imported once here, inherited by every child)
+    # Imported once here, inherited by every child: the loader, and what runs the first micro-batch.
+    import fusionnet.job.loader
+    import fusionnet.runtime.prepare  # noqa: F401
 
     for line in sys.stdin:
         request = json.loads(line)
@@ -245,7 +286,10 @@ def _check_in_child(request: dict[str, Any]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        code = _load_and_report(Path(request["job"]), request["allow_outside_paths"], Path(request["result"]))
+        job, result = Path(request["job"]), Path(request["result"])
+        code = _load_and_report(
+            job, request["allow_outside_paths"], result, request.get("deployment") is True
+        )
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
@@ -253,14 +297,15 @@ def _check_in_child(request: dict[str, Any]) -> None:
         os._exit(code)  # no interpreter teardown: nothing the model code registered (atexit, threads) runs
 
 
-def _load_and_report(job: Path, allow_outside_paths: bool, result: Path) -> int:
+def _load_and_report(job: Path, allow_outside_paths: bool, result: Path, deployment: bool = False) -> int:
     from fusionnet.job.loader import load_job
+    from fusionnet.runtime.prepare import example_shapes, forward_on_example
 
     def report(doc: dict[str, object]) -> None:
         result.write_text(json.dumps(doc))
 
     try:
-        load_job(job, allow_outside_paths=allow_outside_paths)
+        loaded = load_job(job, allow_outside_paths=allow_outside_paths, deployment=deployment)
     except JobError as e:
         report({"error": str(e)})
         return 1
@@ -269,6 +314,34 @@ def _load_and_report(job: Path, allow_outside_paths: bool, result: Path) -> int:
         return 1
     except BaseException as e:  # anything else the user's code raised outside build_model's own guard
         report({"error": f"model.entrypoint: loading the job raised {type(e).__name__}: {str(e)[:300]}"})
+        return 1
+    if deployment:
+        report({"ok": True})
+        return 0
+    # Why here too: the command traces the model on its first whole micro-batch in its own process, with
+    # no time limit; the preflight above ran one row in eval mode. What that forward does beyond raising
+    # (sys.exit, os._exit, a hang, a crash) is caught here, where it ends only this child. The stage is
+    # written first, so that a child killed or ended meanwhile is said to have died in the forward.
+    try:
+        example = example_shapes(loaded)
+    except Exception as e:  # the command's trace builds the same micro-batch and says what is wrong with it
+        log.debug("the first micro-batch could not be built: %s: %s", type(e).__name__, e)
+        report({"ok": True})
+        return 0
+    report({"stage": "forward", "example": example})
+    forward = f"{FORWARD} ({example})"
+    try:
+        forward_on_example(loaded)
+    except SystemExit as e:
+        report({"error": f"model.entrypoint: the model code called sys.exit({e.code!r}) in {forward}"})
+        return 1
+    except Exception as e:
+        # An exception is the command's to report: its trace runs the same forward and says what failed
+        # with the job's context (the micro-batch's shapes, an embedding too small for the data).
+        log.debug("the forward on the first micro-batch raised %s: %s", type(e).__name__, e)
+    except BaseException as e:  # KeyboardInterrupt and the like, raised by the model code on purpose
+        said = f": {str(e)[:300]}" if str(e) else ""
+        report({"error": f"model.entrypoint: {forward} raised {type(e).__name__}{said}"})
         return 1
     report({"ok": True})
     return 0

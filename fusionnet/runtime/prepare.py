@@ -10,7 +10,7 @@ import torch
 from fusionnet.dag.cuts import cut_assignment
 from fusionnet.dag.ir import IRGraph
 from fusionnet.dag.partition import Partition, balanced_assignment, build_partition, op_nodes
-from fusionnet.dag.trace import ForwardFailed, TracedModel, trace_model
+from fusionnet.dag.trace import ForwardFailed, TracedModel, buffers_kept, eager_result, trace_model
 from fusionnet.errors import JobError, PartitionError, TraceError
 from fusionnet.job.loader import LoadedJob
 from fusionnet.runtime.batches import iter_steps
@@ -35,6 +35,23 @@ def example_microbatch(job: LoadedJob) -> tuple[torch.Tensor, torch.Tensor | Non
     first = next(iter_steps(spec.task, job.inputs, job.labels, spec.data.batch_size, traced_count(spec), 1))
     mb = first.microbatches[0]
     return mb["inputs"], mb.get("labels")
+
+
+def example_shapes(job: LoadedJob) -> str:
+    """The first micro-batch's shapes as messages show them: ``inputs (8, 16), labels (8,)``."""
+    inputs, labels = example_microbatch(job)
+    named = [("inputs", inputs)] + ([("labels", labels)] if labels is not None else [])
+    return ", ".join(f"{name} {tuple(t.shape)}" for name, t in named)
+
+
+def forward_on_example(job: LoadedJob) -> None:
+    """Runs the model's eager forward on the first micro-batch exactly as ``trace_job`` will before it
+    traces (with its loss and in train mode for train/grad), and nothing else: the load check runs this in
+    its child process, so that model code that exits, hangs or crashes on a whole micro-batch ends the
+    child, not the command. Raises what ``trace_model``'s eager run raises; buffers are left as they were."""
+    inputs, labels = example_microbatch(job)
+    with buffers_kept(job.model):
+        eager_result(job.model, inputs, labels, traced_loss_fn(job), job.spec.task)
 
 
 def trace_job(

@@ -5,10 +5,12 @@ JSON/text files ``PreTrainedTokenizerFast`` reads are accepted); or, for a job o
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from fusionnet.errors import JobError
+from fusionnet.job.data import resolve_file
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -24,11 +26,25 @@ TOKENIZER_FILES = (
 MAX_TOKENIZER_BYTES = 64 << 20
 
 
-def tokenizer_files(folder: Path) -> dict[str, bytes] | None:
-    """The tokenizer files in ``folder``; None without ``tokenizer.json`` or ``tokenizer_config.json``."""
+def tokenizer_files(
+    folder: Path, *, job_folder: Path | None = None, allow_outside: bool = False
+) -> dict[str, bytes] | None:
+    """The tokenizer files in ``folder``; None without ``tokenizer.json`` or ``tokenizer_config.json``.
+
+    Each file must lie inside ``job_folder`` (default ``folder``) after symlinks, unless ``allow_outside``
+    (``deploy --allow-outside-paths``): these bytes are sent to the broker and stored there, so a
+    ``merges.txt`` that is a symlink to a file outside the folder the user reviewed would ship that file.
+    A refused file is one ``JobError`` naming it (``resolve_file``, as for every other path of a job)."""
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
         return None
-    files = {name: (folder / name).read_bytes() for name in TOKENIZER_FILES if (folder / name).is_file()}
+    job_folder = job_folder or folder
+    files: dict[str, bytes] = {}
+    for name in TOKENIZER_FILES:
+        if not (folder / name).is_file():
+            continue
+        # relative to the job folder, as the user sees it (the model folder may be a weights subfolder)
+        rel = os.path.relpath(folder / name, job_folder)
+        files[name] = resolve_file(job_folder, rel, "tokenizer", allow_outside=allow_outside).read_bytes()
     if sum(map(len, files.values())) > MAX_TOKENIZER_BYTES:
         raise JobError(f"tokenizer files in {folder} exceed {MAX_TOKENIZER_BYTES >> 20} MiB")
     return files
