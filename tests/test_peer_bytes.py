@@ -15,8 +15,9 @@ import msgpack
 import pytest
 import torch
 
-from fusionnet.compnode.netchannel import NetChannel, split_route
+from fusionnet.compnode.netchannel import NetChannel
 from fusionnet.compnode.sandbox_ipc import IPCError, frame_of
+from fusionnet.compnode.value_frames import split_route
 from fusionnet.compnode.valuepack import MAGIC, pack_value, unpack_value
 from fusionnet.dag.registry import REGISTRY
 from fusionnet.errors import ExecutionError, JobError, WireError

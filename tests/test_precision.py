@@ -29,7 +29,8 @@ import yaml
 from safetensors.torch import load_file
 
 from fusionnet.broker.checkpoints import Checkpoint
-from fusionnet.compnode.netchannel import NetChannel, check_against_meta
+from fusionnet.compnode.netchannel import NetChannel
+from fusionnet.compnode.value_frames import check_against_meta
 from fusionnet.dag.channel import LocalHub
 from fusionnet.dag.precision import LossScaler, autocast
 from fusionnet.errors import JobError, WireError

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from fusionnet.compnode.netchannel import NetChannel, check_against_meta
+from fusionnet.compnode.netchannel import NetChannel
+from fusionnet.compnode.value_frames import check_against_meta
 from fusionnet.compnode.valuepack import pack_value
 from fusionnet.dag.channel import MAX_STEPS_AHEAD, Mailbox
 from fusionnet.errors import JobError, WireError

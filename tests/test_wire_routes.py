@@ -9,7 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from fusionnet.compnode.netchannel import NetChannel, route_prefix, split_route
+from fusionnet.compnode.netchannel import NetChannel
+from fusionnet.compnode.value_frames import route_prefix, split_route
 from fusionnet.errors import JobError, WireError
 from fusionnet.wire.frames import TensorFrame
 from tests.wire_support import frame_bytes, read_bytes

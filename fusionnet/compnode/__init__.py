@@ -36,6 +36,7 @@ Map of the package:
                      broker's heartbeat no longer lists them) end.
 - ``compute.py``     the compute thread: FP/BP/Update (and state packing) off the event loop.
 - ``netchannel.py``  the executor's ``Channel`` over the network (authenticated tensor frames).
+- ``value_frames.py`` what a value frame carries: its route, the value's structure, the check against the IR.
 - ``linkprobe.py``   timing the links to the job's other compnodes (alpha + beta * M).
 - ``throttle.py``    an emulated slow device (``--slowdown F``) for heterogeneous swarms on one host.
 - ``faults.py``      fault injection for recovery tests and benchmarks.

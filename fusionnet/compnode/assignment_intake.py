@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from fusionnet.compnode.netchannel import NetChannel, check_against_meta
+from fusionnet.compnode.netchannel import NetChannel
+from fusionnet.compnode.value_frames import check_against_meta
 from fusionnet.dag.channel import MessageKey
 from fusionnet.dag.checkpoint import load_optimizer_tensors, optimizer_tensors
 from fusionnet.dag.codec import decode_ir

@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 from fusionnet.compnode.assignment_intake import JobAssignment
 from fusionnet.compnode.device_step import DeviceSteps
-from fusionnet.compnode.netchannel import split_route
 from fusionnet.compnode.replicas import Chunk, Replicator
 from fusionnet.compnode.serve_steps import StepOrder, serve_step
 from fusionnet.compnode.snapshots import Snapshotter
+from fusionnet.compnode.value_frames import split_route
 from fusionnet.errors import JobError, WireError
 from fusionnet.messages.blobs import pack_tensors
 from fusionnet.messages.compnode_rpc import (
