@@ -24,6 +24,7 @@ Map of the package:
 - ``sandbox_pool.py``    where the sandbox workers come from: the fork server, a worker per assignment.
 - ``sandbox_client.py``  the daemon's side of a job's sandbox worker: calls, values, worker death.
 - ``sandbox_worker.py``  a job's worker process: builds and runs the sub-DAG under a memory budget.
+- ``worker_process.py`` a worker process's settings and limits (config, death with its parent, memory).
 - ``sandbox_ipc.py`` the messages between daemon and worker (msgpack + raw tensor bytes, bounded).
 - ``sandbox_preload.py``  what the fork server imports, at a lower CPU priority.
 - ``worker_sends.py``  a sandbox worker's values to its peers, sent by the worker over the direct data path.

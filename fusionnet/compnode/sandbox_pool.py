@@ -18,8 +18,9 @@ from typing import Any
 
 from fusionnet.compnode.faults import FaultPoint
 from fusionnet.compnode.sandbox_ipc import IPCChannel
-from fusionnet.compnode.sandbox_worker import EXIT_NO_ANSWER, WorkerConfig, main
+from fusionnet.compnode.sandbox_worker import main
 from fusionnet.compnode.tcp_down import DownPeers
+from fusionnet.compnode.worker_process import EXIT_NO_ANSWER, WorkerConfig
 
 PRELOAD = ["fusionnet.compnode.sandbox_preload"]  # niced, then the workers' imports
 

@@ -6,7 +6,7 @@ builds the job, then ``step``, ``serve``, ``collect``, ``snapshot`` and ``drop``
 ``frame`` hands it a value a peer sent. Values it sends go to the daemon as ``send`` calls, which the
 daemon's data path carries.
 
-Limits, set before any of the job runs: private writable memory (``RLIMIT_DATA``, CPU devices; the
+Limits (``worker_process``), set before any of the job runs: private writable memory (``RLIMIT_DATA``, CPU devices; the
 budget is ``--sandbox-memory-gb``), a lower CPU priority than the daemon, inherited from the fork server
 (``sandbox_preload``: its heartbeats and RPCs win a contended core), and death with the fork server
 (``PR_SET_PDEATHSIG``), which dies with the daemon: a compnode killed hard leaves no worker behind, even
@@ -18,16 +18,12 @@ until the dump is written, so the daemon would learn of the crash minutes late o
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import logging
 import os
 import re
-import resource
 import signal
 import socket
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -35,7 +31,7 @@ import torch
 
 from fusionnet.compnode.assignment_intake import build_assignment
 from fusionnet.compnode.compute import compute_pool
-from fusionnet.compnode.faults import FaultPoint, fault_hooks
+from fusionnet.compnode.faults import fault_hooks
 from fusionnet.compnode.job_host import JobHost
 from fusionnet.compnode.sandbox_ipc import (
     Blob,
@@ -50,6 +46,7 @@ from fusionnet.compnode.sandbox_ipc import (
 )
 from fusionnet.compnode.tcp_down import Down
 from fusionnet.compnode.throttle import throttle_hooks
+from fusionnet.compnode.worker_process import EXIT_NO_ANSWER, WorkerConfig, apply_limits, die_with_parent
 from fusionnet.compnode.worker_receives import DirectReceiver
 from fusionnet.compnode.worker_sends import DirectSender
 from fusionnet.compnode.worker_serves import WorkerServes
@@ -63,8 +60,6 @@ from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.replay import set_seq_lane
 
 log = logging.getLogger("fusionnet.compnode.sandbox")
-PR_SET_PDEATHSIG = 1
-EXIT_NO_ANSWER = 70  # the worker could not answer a call (``sandbox_pool.describe_exit``)
 # What torch and its backends say when an allocation fails (the memory budget is one cause).
 # A thread's stack is private memory too: under the budget, starting one fails.
 ALLOCATION_FAILED = re.compile(
@@ -72,53 +67,10 @@ ALLOCATION_FAILED = re.compile(
 )
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    peer_id: str
-    job_id: str
-    subdag: int
-    threads: int | None
-    slowdown: float
-    memory_bytes: int | None  # RLIMIT_DATA budget above what the worker uses at start (None: none)
-    daemon_pid: int
-    fault: FaultPoint | None  # test fault injection: its step count is shared with the daemon
-    log_level: int
-    direct_sends: bool = True  # values to peers over the worker's own TCP (``worker_sends``)
-    direct_receives: bool = False  # values from peers read by the worker (``worker_receives``)
-    inline_seconds: float = 0.0  # stretches this short run on the worker's loop (``dag.short_stretches``)
-    tcp_down: tuple[Down, ...] = ()  # peers the daemon found TCP down to: not dialled (``tcp_down``)
-
-
-def _die_with_parent() -> None:
-    # Not Linux: no prctl; the socket's end still stops an idle worker.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def _data_in_use() -> int:
-    """Bytes of private writable memory this process maps now (``VmData``), what RLIMIT_DATA counts."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmData:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def apply_limits(config: WorkerConfig, device: str | None = None) -> None:
-    """The memory budget (the lower CPU priority comes from the fork server: ``sandbox_preload``)."""
-    if config.memory_bytes is not None and (device is None or device == "cpu"):
-        # CUDA maps its address space as private writable memory: a data limit would break it.
-        limit = _data_in_use() + config.memory_bytes
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-
-
 def main(sock: socket.socket, config: WorkerConfig, handoff: socket.socket | None = None) -> None:
     """The worker process (``multiprocessing`` target). ``handoff``: where the daemon passes the peer
     connections this worker reads itself (``worker_receives``)."""
-    _die_with_parent()
+    die_with_parent()
     forbid_core_dumps()
     logging.basicConfig(
         level=config.log_level,

@@ -4,7 +4,7 @@ Why: a connect to an address that black-holes its SYNs (a NAT host whose data po
 wrong ``--announce-maddrs``) costs the connect timeout, 10 s, on a step's critical path. Paid once per
 frame, then once per job, that made a step of 8 micro-batches take 80 s. So the compnode daemon keeps
 one ``DownPeers`` for all its jobs: a new job's sandbox worker starts with what it holds
-(``sandbox_worker.WorkerConfig.tcp_down``), a failure the daemon meets later is passed on to the running
+(``worker_process.WorkerConfig.tcp_down``), a failure the daemon meets later is passed on to the running
 workers, and a failure a worker meets is reported to the daemon with the value it hands over
 (``sandbox_client.SandboxedJob``), so each of them pays for a bad address at most once.
 

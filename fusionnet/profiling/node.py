@@ -88,7 +88,7 @@ def host_memory_bytes() -> int:
 
 def announced_cpu_memory(device_kind: str, job_memory_bytes: int | None) -> int:
     """D_cpu as announced: the host's RAM, or less when a job may use less of it. ``job_memory_bytes``:
-    the sandbox worker's budget (``--sandbox-memory-gb``), which ``sandbox_worker.apply_limits`` grants a
+    the sandbox worker's budget (``--sandbox-memory-gb``), which ``worker_process.apply_limits`` grants a
     job as ``RLIMIT_DATA`` = the worker's data at start + the budget, so a job's parameters, optimizer
     state and activations get the budget and no more. The planner fits sub-DAGs into D_cpu: announcing
     the host's RAM there planned a 23 GiB node with an 80 MiB budget as if the job fitted, and it died of
