@@ -11,13 +11,11 @@ or a job silently different from the file.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file, save_file
 
 from fusionnet.cli.main import EXIT_BAD_INPUT, main
@@ -26,6 +24,7 @@ from fusionnet.job.loader import check_job_without_model, load_job, load_job_spe
 from fusionnet.job.parse import parse_yaml_text
 from fusionnet.job.preflight import DATA_DTYPES, short_error
 from fusionnet.wire.header import ALLOWED_DTYPES
+from tests.test_job_refusals_audit import _copy as copy_example
 
 REPO = Path(__file__).resolve().parent.parent
 MLP = REPO / "examples" / "mlp"
@@ -35,18 +34,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _copy(tmp: Path, **keys: Any) -> Path:
     """The MLP example copied to ``tmp/job`` with dotted ``keys`` set in its job.yaml."""
-    folder = tmp / "job"
-    shutil.copytree(MLP, folder, ignore=shutil.ignore_patterns("__pycache__", ".test-*"))
-    job = folder / "job.yaml"
-    doc = yaml.safe_load(job.read_text())
-    for dotted, value in keys.items():
-        *parents, last = dotted.split(".")
-        node = doc
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
-    job.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return job
+    return copy_example(MLP, tmp, **keys)
 
 
 def _with_data(tmp: Path, inputs: torch.dtype | None = None, labels: torch.dtype | None = None) -> Path:
