@@ -191,3 +191,93 @@ def test_a_link_that_cannot_connect_leaves_the_batch_to_the_rpc() -> None:
         await links.replace({})
 
     asyncio.run(scenario())
+
+
+def test_a_worker_reached_by_a_name_answers_in_the_encryption_both_ends_agree_on() -> None:
+    """Announced by a name that resolves to loopback (``--data-host $(hostname)``): the worker sees the
+    broker at 127.0.0.1 and answers as on loopback; the broker judges by the address it reached, not the
+    name, so it takes that answer (it used to refuse it and wait for the batch until its timeout)."""
+    name = socket.gethostname()
+    try:
+        if not socket.gethostbyname(name).startswith("127."):
+            pytest.skip(f"{name} does not resolve to loopback here")
+    except OSError:
+        pytest.skip(f"{name} does not resolve here")
+
+    async def scenario() -> None:
+        async with _Worker() as worker:
+            port = worker.address.rpartition(":")[2]
+            links = ServeLinks()
+            await links.replace({0: ServeLink(BROKER, "j1", PEERS[1], f"{name}:{port}", SERVE_KEY, "auto")})
+            try:
+                reply = await asyncio.wait_for(links.call(0, _request(0), _rpc_never), 10)
+                assert reply.step == 0 and links.calls == {"direct": 1, "rpc": 0}
+            finally:
+                await links.replace({})
+
+    asyncio.run(scenario())
+
+
+def test_a_connection_that_ends_right_after_its_go_leaves_the_batch_to_the_rpc() -> None:
+    """A worker stopping right after its go: each batch goes to the RPC (it used to fail with an
+    ``AssertionError``), and after ``GIVE_UP_AFTER`` such connections the link is given up."""
+    from fusionnet.wire.datapath import hello_bytes
+    from fusionnet.wire.handoff import GO, worker_hello
+
+    async def scenario() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(hello_bytes(PEERS[1]))
+            await reader.readexactly(len(worker_hello("j1")))
+            writer.write(GO)
+            writer.close()
+
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        links = ServeLinks()
+        await links.replace({0: ServeLink(BROKER, "j1", PEERS[1], f"127.0.0.1:{port}", SERVE_KEY, "auto")})
+
+        async def rpc() -> ServeStepReply:
+            return ServeStepReply(step=0)
+
+        try:
+            for step in range(GIVE_UP_AFTER + 2):
+                await links.call(0, _request(step), rpc)
+            assert links.calls == {"direct": 0, "rpc": GIVE_UP_AFTER + 2}
+            assert links.links[0].lost is not None
+        finally:
+            await links.replace({})
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(scenario())
+
+
+def test_a_link_closed_while_it_opens_leaves_its_batch_to_the_rpc() -> None:
+    """A new placement closes the old links; a batch waiting for its link to open goes to the RPC (it
+    used to be cancelled, and its requests failed as if the deployment were gone)."""
+
+    async def scenario() -> None:
+        opened = asyncio.Event()
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            opened.set()
+            await asyncio.sleep(30)  # never says hello: the link stays opening
+
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        links = ServeLinks()
+        await links.replace({0: ServeLink(BROKER, "j1", PEERS[1], f"127.0.0.1:{port}", SERVE_KEY, "auto")})
+
+        async def rpc() -> ServeStepReply:
+            return ServeStepReply(step=0, outputs=b"rpc")
+
+        try:
+            call = asyncio.ensure_future(links.call(0, _request(0), rpc))
+            await asyncio.wait_for(opened.wait(), 10)
+            await links.replace({})  # the placement ends while the link opens
+            reply = await asyncio.wait_for(call, 10)
+            assert reply.outputs == b"rpc" and links.calls == {"direct": 0, "rpc": 1}
+        finally:
+            server.close()
+
+    asyncio.run(scenario())

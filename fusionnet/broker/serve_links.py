@@ -59,6 +59,7 @@ class ServeLink:
         self._opening: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[TensorFrame]] = {}
         self.lost: str | None = None  # why the link is given up
+        self._peer_host = self.host  # the address the connection reached (``_open``)
         self._losses = 0  # connections lost in a row without an answer
 
     async def _open(self) -> None:
@@ -78,7 +79,13 @@ class ServeLink:
             except BaseException:
                 source.close()
                 raise
+        # The host the connection reached, not the announced name: the worker decides encryption by the
+        # address it sees us at, and both ends must agree (a name that resolves to loopback, say).
+        self._peer_host = source.peername.rpartition(":")[0]
         receiver = FrameReceiver(peer_id=self.broker, max_payload=MAX_PAYLOAD, timeouts=LINK_TIMEOUTS)
+        # Any answer refused (its MAC, its encryption, its kind): the connection closes, so the batches
+        # waiting on it go to the RPC at once instead of waiting for one that will never pass.
+        receiver.on_refusal = lambda reason: source.close()
         receiver.register_job(
             self.job_id, {self.peer_id: self._key}, {self.peer_id}, self._on_frame, self._encryption
         )
@@ -87,7 +94,7 @@ class ServeLink:
 
     async def _read(self, receiver: FrameReceiver, source: BufferedSource) -> None:
         try:
-            await receiver.serve(source, source.peername, remote_host=self.host)
+            await receiver.serve(source, source.peername, remote_host=self._peer_host)
         finally:
             self._closed(source)
 
@@ -141,12 +148,19 @@ class ServeLink:
                 self._opening = asyncio.ensure_future(self._open())
             try:
                 await asyncio.shield(self._opening)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # this batch itself is cancelled
+                # the opening was (the link closed for a new placement): the batch goes to the RPC
+                raise LinkLost(self.lost or "the link closed while it opened") from None
             except Exception as e:
                 self._lose(f"cannot connect: {type(e).__name__}: {e}"[:300])
                 raise LinkLost(self.lost or "cannot connect") from None
         source = self._source
-        assert source is not None and source.transport is not None
-        if self.lost is not None or source.transport.is_closing():
+        # closed meanwhile (the worker stopping right after its go), or given up
+        transport = None if source is None else source.transport
+        if self.lost is not None or transport is None or transport.is_closing():
             raise LinkLost(self.lost or "the connection closed")
         future: asyncio.Future[TensorFrame] = asyncio.get_running_loop().create_future()
         self._pending[request.step] = future
@@ -155,10 +169,10 @@ class ServeLink:
             self._key,
             receiver=self.peer_id,
             seq=next_seq_in(WORKER_LANE),
-            encrypt=encrypt_to(self._encryption, self.host),
-            bare=bare_ok(self._encryption, self.host),
+            encrypt=encrypt_to(self._encryption, self._peer_host),
+            bare=bare_ok(self._encryption, self._peer_host),
         )
-        source.transport.writelines(buffers)
+        transport.writelines(buffers)
         try:
             frame = await future
         finally:

@@ -6,13 +6,14 @@ builds the job, then ``step``, ``serve``, ``collect``, ``snapshot`` and ``drop``
 ``frame`` hands it a value a peer sent. Values it sends go to the daemon as ``send`` calls, which the
 daemon's data path carries.
 
-Limits (``worker_process``), set before any of the job runs: private writable memory (``RLIMIT_DATA``, CPU devices; the
-budget is ``--sandbox-memory-gb``), a lower CPU priority than the daemon, inherited from the fork server
-(``sandbox_preload``: its heartbeats and RPCs win a contended core), and death with the fork server
-(``PR_SET_PDEATHSIG``), which dies with the daemon: a compnode killed hard leaves no worker behind, even
-one stuck in an op. No core dump: a job that crashes its worker would otherwise write hundreds of MB
-of the worker's memory into the compnode's folder, and the kernel keeps the dying worker's socket open
-until the dump is written, so the daemon would learn of the crash minutes late on a slow disk.
+Limits (``worker_process``), set before any of the job runs: private writable memory (``RLIMIT_DATA``,
+CPU devices; the budget is ``--sandbox-memory-gb``), a lower CPU priority than the daemon, inherited
+from the fork server (``sandbox_preload``: its heartbeats and RPCs win a contended core), and death with
+the fork server (``PR_SET_PDEATHSIG``), which dies with the daemon: a compnode killed hard leaves no
+worker behind, even one stuck in an op. No core dump: a job that crashes its worker would otherwise
+write hundreds of MB of the worker's memory into the compnode's folder, and the kernel keeps the dying
+worker's socket open until the dump is written, so the daemon would learn of the crash minutes late on a
+slow disk.
 """
 
 from __future__ import annotations

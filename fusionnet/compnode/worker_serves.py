@@ -70,22 +70,25 @@ class WorkerServes:
             raise
         except Exception as e:  # the batch's error goes to the broker, as the RPC would carry it
             error = e
-            if not isinstance(e, WireError):
-                self._failed += 1
+        # Counted only once its answer is out: an answer that cannot be written is asked for again over
+        # RPC, and the daemon counts the batch then (it would be counted twice).
+        if not self._write(answer_frame(self.job_id, self.peer_id, frame.step, reply, error), source):
+            return
         if reply is not None:
             self._fp.append(reply.fp_seconds)
             if len(self._fp) > MAX_TALLY:
                 self._fp[-2:] = [sum(self._fp[-2:])]
-        self._write(answer_frame(self.job_id, self.peer_id, frame.step, reply, error), source)
+        elif not isinstance(error, WireError):
+            self._failed += 1
         self._maybe_tell()
 
-    def _write(self, frame: TensorFrame, source: BufferedSource) -> None:
+    def _write(self, frame: TensorFrame, source: BufferedSource) -> bool:
         transport = source.transport
         if transport is None or transport.is_closing():
             log.info(
                 "job %s: step %d's answer not sent: the broker's connection closed", self.job_id, frame.step
             )
-            return  # the broker asks again over RPC and gets the kept answer
+            return False  # the broker asks again over RPC and gets the kept answer
         host = source.peername.rpartition(":")[0]
         buffers = encode_frame(
             frame,
@@ -95,6 +98,7 @@ class WorkerServes:
             bare=bare_ok(self._encryption, host),
         )
         transport.writelines(buffers)
+        return True
 
     def _maybe_tell(self) -> None:
         """The tally within ``TELL_EVERY`` seconds, one message for all the batches until then."""
