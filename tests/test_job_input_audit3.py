@@ -25,6 +25,7 @@ from fusionnet.job.parse import parse_yaml_text
 from fusionnet.job.preflight import DATA_DTYPES, short_error
 from fusionnet.wire.header import ALLOWED_DTYPES
 from tests.test_job_refusals_audit import _copy as copy_example
+from tests.test_job_refusals_audit import _one_line
 
 REPO = Path(__file__).resolve().parent.parent
 MLP = REPO / "examples" / "mlp"
@@ -46,14 +47,6 @@ def _with_data(tmp: Path, inputs: torch.dtype | None = None, labels: torch.dtype
         data["labels"] = data["labels"].to(labels)
     save_file({k: v.contiguous() for k, v in data.items()}, str(job.parent / "data.safetensors"))
     return job
-
-
-def _one_line(capsys: pytest.CaptureFixture[str], command: str, starts: str) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1, err
-    assert err[0].startswith(f"fusionnet {command}: error: {starts}"), err
-    assert "internal error" not in err[0]
-    return err[0]
 
 
 # -- data dtypes ---------------------------------------------------------------------------------------
