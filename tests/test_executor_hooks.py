@@ -255,3 +255,34 @@ def test_let_go_runs_started_sends_up_to_their_first_wait() -> None:
         return log
 
     assert asyncio.run(scenario()) == ["written"]
+
+
+def test_a_later_stage_sends_its_input_gradients_before_its_weight_gradients() -> None:
+    """A whole BP (GPipe here) on a stage after the first runs as I, then its input gradients leave,
+    then W (``dag.backward_pass``): the producer's BP waits for I only. The result stays the plain
+    backward's (``test_exactness``)."""
+    swarm, steps = _swarm(pieces=2, microbatches=2)
+    later = swarm.executors[1]
+    log: list[tuple[Any, ...]] = []
+    later.hooks.add(Recorder("later", log))
+    real = later.channel.send_values
+
+    async def logging(dst: int, items: Any) -> None:
+        mbs = {key[2] for key, _ in items if key[0] == "grad"}  # one frame: a micro-batch's gradients
+        log.extend(("send", "grad", mb) for mb in sorted(mbs))
+        await real(dst, items)
+
+    later.channel.send_values = logging  # type: ignore[method-assign]
+    asyncio.run(swarm.step(steps[0]))
+    sends = [(e[1], e[2]) for e in log if e[0] == "send" and e[1] == "grad"]
+    assert sends == [("grad", 1), ("grad", 0)]
+    stretch = [("later", "before", "bp"), ("later", "after", "bp")]
+    order = [
+        (e[1], e[2]) if e[0] == "send" else (e[1], e[2], e[4])
+        for e in log
+        if (e[0], e[1]) == ("send", "grad") or e[:3] in stretch
+    ]
+    assert order == [
+        *[("before", "bp", 1), ("after", "bp", 1), ("grad", 1), ("before", "bp", 1), ("after", "bp", 1)],
+        *[("before", "bp", 0), ("after", "bp", 0), ("grad", 0), ("before", "bp", 0), ("after", "bp", 0)],
+    ], order

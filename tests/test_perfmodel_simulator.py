@@ -25,11 +25,12 @@ def test_gpipe_two_stages_two_microbatches_by_hand():
     assert t[(1, "F", 1)] == (3.5, 5.5)  # arrived at 2.5, stage busy until 3.5
     assert t[(1, "B", 1)] == (5.5, 8.5)  # GPipe: backwards in reverse micro-batch order
     assert t[(1, "B", 0)] == (8.5, 11.5)
-    assert t[(0, "B", 1)] == (9.5, 11.5)  # gradient arrives 8.5 + 1
-    assert t[(0, "B", 0)] == (12.5, 14.5)  # arrives 11.5 + 1
+    # A B sends its input gradients after its I half (1.5 of 3), before its W half
+    assert t[(0, "B", 1)] == (8.0, 10.0)  # gradient sent 5.5 + 1.5, arrives + 1
+    assert t[(0, "B", 0)] == (11.0, 13.0)  # sent 8.5 + 1.5, arrives 11.0
     assert t[(1, "U", -1)] == (11.5, 11.75)
-    assert t[(0, "U", -1)] == (14.5, 15.0)
-    assert r.step_seconds == pytest.approx(15.0)
+    assert t[(0, "U", -1)] == (13.0, 13.5)
+    assert r.step_seconds == pytest.approx(13.5)
     assert r.peak_inflight == (2, 2)
     assert r.stage_busy == pytest.approx((2 + 4 + 0.5, 4 + 6 + 0.25))
 
@@ -55,9 +56,12 @@ def test_1f1b_two_stages_three_microbatches_by_hand():
         ("B", 2),
     ]
     assert t[(1, "F", 0)] == (1, 2) and t[(1, "B", 0)] == (2, 3)
-    assert t[(0, "B", 0)] == (3, 4)  # stage 0 did F0, F1, waits for B0's gradient
-    assert t[(0, "F", 2)] == (4, 5) and t[(1, "F", 1)] == (3, 4)
-    assert r.step_seconds == pytest.approx(8.0)
+    # stage 0 did F0, F1 and waits for B0's gradient, sent when B0's I half ends (2.5)
+    assert t[(0, "B", 0)] == (2.5, 3.5)
+    assert t[(0, "F", 2)] == (3.5, 4.5) and t[(1, "F", 1)] == (3, 4)
+    assert t[(1, "B", 1)] == (4, 5) and t[(0, "B", 1)] == (4.5, 5.5)
+    assert t[(1, "F", 2)] == (5, 6) and t[(1, "B", 2)] == (6, 7) and t[(0, "B", 2)] == (6.5, 7.5)
+    assert r.step_seconds == pytest.approx(7.5)  # 8.0 had each B sent its gradients at its end
     assert r.peak_inflight == (2, 1)  # 1F1B: stage k holds at most S - k micro-batches
 
 
@@ -122,16 +126,16 @@ def test_compute_path_is_the_step_had_messages_been_free():
     """A step's measured FP / BP / Update per sub-DAG, run through its schedule with free messages: what
     the broker writes to metrics.jsonl as ``compute_path_seconds`` beside the step's wall time."""
     # the 1F1B step above, in the totals a step reports: 3 micro-batches of 1 s FP and 1 s BP each
-    assert compute_path([(3.0, 3.0, 0.0)] * 2, [[1], []], 3, schedule="1f1b", task="grad") == 8.0
-    # the GPipe step by hand above without its link's 1.5 s: stage 1 ends B0 at 11, stage 0 then
-    # runs B0 (2) and its update (0.5)
+    assert compute_path([(3.0, 3.0, 0.0)] * 2, [[1], []], 3, schedule="1f1b", task="grad") == 7.5
+    # the GPipe step by hand above without its link: stage 1 runs B0 from 8 and sends its gradient
+    # after the I half, at 9.5; stage 0 then runs B0 (2) and its update (0.5)
     gpipe = compute_path([(2.0, 4.0, 0.5), (4.0, 6.0, 0.25)], [[1], []], 2, task="train")
-    assert gpipe == pytest.approx(13.5)
+    assert gpipe == pytest.approx(12.0)
     # sub-DAGs that exchange nothing do not wait for each other: the longer one's compute
     assert compute_path([(2.0, 2.0, 0.0), (3.0, 3.0, 0.0)], [[], []], 2, task="grad") == 6.0
     # a skip edge alone (0 -> 2) chains 0 and 2; readers out of range or backwards are ignored
     skip = compute_path([(1.0, 1.0, 0.0)] * 3, [[2, 7], [0], []], 1, task="grad")
-    assert skip == pytest.approx(4.0)
+    assert skip == pytest.approx(3.5)  # 0's B starts once 2's B is half done (its I half)
     # interleaved: 2 devices x 2 chunks; never shorter than a device's own compute
     chunks = compute_path(
         [(2.0, 2.0, 0.0)] * 4, [[1], [2], [3], []], 2, schedule="interleaved-1f1b", chunks=2

@@ -110,14 +110,17 @@ def _chain(n: int, f: float, b: float, u: float, link: float = 0.0) -> tuple[lis
 @pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 4), (3, 2, 6), (4, 2, 8), (4, 4, 8), (3, 3, 9)])
 def test_simulated_step_matches_the_theory(p: int, v: int, m: int) -> None:
     """Equal chunks, free links: 1F1B takes (m + p - 1)(f + b) + u; interleaved m (f + b) + (p - 1)(f + b)
-    / v + u, the bubble cut to 1/v (Narayanan et al. 2021, section 2.2)."""
+    / v + u, the bubble cut to 1/v (Narayanan et al. 2021, section 2.2). Both less a W (half a B) per
+    hop of the last backward wave, a chunk's W with interleaving: a B sends its input gradients after
+    its I half (``dag.backward_pass``)."""
     f, b, u = 1.0, 2.0, 0.3
+    w = b / 2
     stages, hops = _chain(p, f, b, u)
     plain = simulate(stages, hops, m, schedule="1f1b").step_seconds
-    assert plain == pytest.approx((m + p - 1) * (f + b) + u)
+    assert plain == pytest.approx((m + p - 1) * (f + b) + u - (p - 1) * w)
     stages, hops = _chain(p * v, f / v, b / v, u / v)
     inter = simulate(stages, hops, m, schedule=interleaved_1f1b(p, m, v))
-    assert inter.step_seconds == pytest.approx(m * (f + b) + (p - 1) * (f + b) / v + u)
+    assert inter.step_seconds == pytest.approx(m * (f + b) + (p - 1) * (f + b - w) / v + u)
     assert inter.step_seconds < plain
     # a device's chunks share it: busy time per device is the whole of its stages' work
     for d in range(p):

@@ -1,16 +1,19 @@
 """The split backward of zero-bubble schedules (``fusionnet.dag.split_backward``): I then W give the
 gradients of one plain backward bit for bit, with torch's parameter groups where they apply and the
-plain split where they do not (first stage, a parameter sent on as a value, a tied weight)."""
+plain split where they do not (first stage, a parameter sent on as a value, a tied weight). A whole
+BP that sends its input gradients first (``input_gradients_first``: GPipe's and 1F1B's B on a later
+stage) splits only where W would not run the input side again, and equals one backward too."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fusionnet.dag.split_backward import input_gradients, weight_gradients
+from fusionnet.dag.split_backward import input_gradients, input_gradients_first, weight_gradients
 
 Body = Callable[[list[torch.Tensor], list[torch.nn.Parameter]], list[torch.Tensor]]
 
@@ -43,8 +46,13 @@ CASES: dict[str, tuple[Body, list[tuple[int, ...]], int]] = {
 }
 
 
+# The cases where a whole BP is split (W runs from the kept gradients); elsewhere it runs whole.
+SPLIT_FIRST = {"mlp", "unused_param"}
+
+
+@pytest.mark.parametrize("mode", ["zero-bubble", "whole BP"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_i_then_w_equals_one_backward(case: str) -> None:
+def test_i_then_w_equals_one_backward(case: str, mode: str) -> None:
     body, shapes, received = CASES[case]
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
@@ -59,9 +67,15 @@ def test_i_then_w_equals_one_backward(case: str) -> None:
             roots = body(xs, params)
             seeds = [torch.ones_like(r) for r in roots]
             leaves = [x for x in xs if x.requires_grad]
-            if split:
+            if split and mode == "zero-bubble":
                 work = input_gradients(roots, seeds, leaves, list(params))
                 weight_gradients(work)
+            elif split:
+                first = input_gradients_first(roots, seeds, leaves, list(params))
+                assert (first is not None) == (case in SPLIT_FIRST)
+                if first is not None:
+                    assert first.groups is not None  # never the split that reruns the input side
+                    weight_gradients(first)
             else:
                 torch.autograd.backward(roots, seeds)
             input_grads += [x.grad for x in xs]
@@ -112,3 +126,33 @@ def test_deferred_weight_passes_equal_plain_backwards_in_layout_too() -> None:
     for a, b, p in zip(grads(False), grads(True), params):
         assert torch.equal(a, b)
         assert b.stride() == p.stride()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_param_groups_walk_the_graph_as_torch_s_pipelining_does(case: str) -> None:
+    """``param_groups`` keeps torch's walk (``torch.distributed.pipelining._backward``) without its
+    import: the same reverse graph, closures and groups, node for node."""
+    from torch.distributed.pipelining import _backward as torch_walk
+
+    from fusionnet.dag.param_groups import closure, node_of, param_groups, reverse_graph
+
+    body, shapes, received = CASES[case]
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    xs = [torch.randn(3, 8, generator=gen).requires_grad_(i < max(received, 1)) for i in range(2)]
+    outs = body(xs, params)
+    roots = [node_of(r) for r in outs]
+    assert roots == [torch_walk._get_grad_fn_or_grad_acc(r) for r in outs]
+    mine, theirs = reverse_graph(roots), torch_walk.construct_reverse_graph(roots)
+    assert {k: list(v) for k, v in mine.items()} == {k: list(v) for k, v in theirs.items()}
+    leaves = [node_of(x) for x in xs if x.requires_grad]
+    assert closure(leaves, set(), mine) == torch_walk.reverse_closure(leaves, set(), theirs)
+    nodes = [node_of(p) for p in params]
+    reachable = [n for n in nodes if n in mine]
+
+    def as_sets(groups: list[dict[str, Any]]) -> set[tuple[frozenset[Any], frozenset[Any]]]:
+        return {(frozenset(g["params"]), frozenset(g["intermediates"])) for g in groups}
+
+    assert as_sets(param_groups(leaves, reachable, mine)) == as_sets(
+        torch_walk.get_param_groups(leaves, reachable, theirs)
+    )

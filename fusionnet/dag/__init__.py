@@ -22,6 +22,7 @@ Map of the package:
 - ``schedule_loop.py`` one step of the schedule: the sub-DAG's program of actions in order, then Update.
 - ``outbox.py``      the executor's sends in flight during a step.
 - ``split_backward.py`` a backward split into I (input gradients) and W (weight gradients).
+- ``param_groups.py`` where each parameter's autograd branch joins the inputs' path (for the split).
 - ``backward_pass.py`` BP of one sub-DAG: gradients in from consumers, out to producers (a mixin).
 - ``activation_memory.py`` the activation bytes a sub-DAG holds between F and B, measured per step.
 - ``short_stretches.py`` which compute stretches of a sandbox worker run on its event loop, not its thread.

@@ -4,8 +4,10 @@ Gradients for the outwards data arrive from the consumers (summed when several r
 latest consumer first, as eager autograd accumulates), the loss is seeded with its share of the batch,
 and the gradients of received inputs go back to their producers (placeholders get none). A split BP
 (zero-bubble schedules) is I, the received inputs' gradients sent at once, then W, the parameters'
-(``split_backward``). Step-wide values (parameters read across a cut) get their summed gradient once,
-at the step's last seeding BP. Every stretch runs on the compute pool through ``SubDagExecutor._run``.
+(``split_backward``); a whole BP with inputs to send gradients to runs I and W too, back to back,
+sending between them, so the producers do not wait for W. Step-wide values (parameters read across
+a cut) get their summed gradient once, at the step's last seeding BP. Every stretch runs on the
+compute pool through ``SubDagExecutor._run``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from fusionnet.dag.hooks import Phase
 from fusionnet.dag.outbox import Outbox
 from fusionnet.dag.partition import SubDag
 from fusionnet.dag.precision import LossScaler
-from fusionnet.dag.split_backward import WeightWork, input_gradients, weight_gradients
+from fusionnet.dag.split_backward import WeightWork, input_gradients, input_gradients_first, weight_gradients
 from fusionnet.errors import ExecutionError
 
 T = TypeVar("T")
@@ -80,22 +82,30 @@ class BackwardPass:
         inputs, outs = self._stash.pop(mb)
         received = await self._receive_grads(step, mb, outs, step_wide=last_seeded)
 
-        def work() -> tuple[dict[str, list[Any]], Any]:
+        def work() -> tuple[WeightWork | None, tuple[dict[str, list[Any]], Any]]:
             try:
                 roots, seeds = self._seeds(self._placed(received), loss_weight)
-                if roots:
-                    torch.autograd.backward(roots, seeds)
+                leaves = [v for v in self._grad_leaves(inputs) if v.requires_grad]
+                params = [p for p in self.named_params.values() if p.requires_grad]
+                pending = input_gradients_first(roots, seeds, leaves, params)
             except ExecutionError:
                 raise
             except Exception as e:
                 raise self._failed("BP", step, mb, e) from e
-            if last:
+            if last and pending is None:
                 self._unscale()
-            return self._input_grads_to_host(inputs, step_wide=last_seeded)
+            return pending, self._input_grads_to_host(inputs, step_wide=last_seeded)
 
-        back, ready = await self._run("bp", step, mb, work)
-        self.activations.release(mb)
+        pending, (back, ready) = await self._run("bp", step, mb, work)
+        if pending is None:
+            self.activations.release(mb)
+            self._send_input_grads(step, mb, back, ready)
+            return
+        # The producers' gradients leave now, while this stage computes its weights' gradients: each
+        # hop of the backward wave waits for I only, not the whole BP (the order stays the schedule's).
         self._send_input_grads(step, mb, back, ready)
+        self._weight_work[mb] = pending
+        await self.backward_weight(step, mb, last=last)
 
     async def backward_input(
         self, step: int, mb: int, loss_weight: float, *, last_seeded: bool = False

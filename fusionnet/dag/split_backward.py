@@ -3,7 +3,7 @@ inputs (the earlier stages wait for them), then W, later, the gradients of its p
 
 I runs ``torch.autograd.grad`` to the input leaves on a retained graph and keeps (pre-hooks) the
 gradients that reach the nodes where the parameters' branches join the input's path (the parameter
-groups of torch's pipelining, ``torch.distributed.pipelining._backward``); W runs only those
+groups of torch's pipelining, ``param_groups``); W runs only those
 parameter branches from the kept gradients into ``.grad`` (what torch's ``stage_backward_weight`` does,
 through autograd's own accumulation: ``_grouped_weight_gradients``). Both
 halves run the ops a plain backward runs, so the gradients are the same (bit-exact on the models
@@ -15,7 +15,6 @@ parameters only: the same ops again, exact, at the price of recomputing the inpu
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,17 +22,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
-
-@functools.cache
-def _torch_split() -> Any:
-    """torch's own I/W split (private, so a torch without it gets the plain split below), imported on
-    first use: ``torch.distributed.pipelining`` takes 1.5-4 s to import, which every compnode and
-    sandbox worker would pay at start for schedules that may never split a BP."""
-    try:
-        from torch.distributed.pipelining import _backward
-    except ImportError:  # pragma: no cover - torch 2.13 has it
-        return None
-    return _backward
+from fusionnet.dag.param_groups import closure, node_of, param_groups, reverse_graph
 
 
 @dataclass
@@ -52,21 +41,19 @@ Tensors = Sequence[torch.Tensor]
 def _param_groups(roots: Tensors, leaves: Tensors, params: Tensors) -> list[dict[str, Any]] | None:
     """torch's parameter groups (parameters + the nodes where their branches join the inputs' path),
     or None where they would leave a reachable parameter without its gradient."""
-    _tpb = _torch_split()
-    if _tpb is None or not leaves or not roots:
+    if not leaves or not roots:
         return None
-    node_of = _tpb._get_grad_fn_or_grad_acc
     root_fns = [f for f in map(node_of, roots) if f is not None]
-    reverse = _tpb.construct_reverse_graph(root_fns)
+    reverse = reverse_graph(root_fns)
     leaf_fns = [f for f in map(node_of, leaves) if f is not None]
     # Every root must depend on the received inputs: then each path from a root to a parameter meets
     # the inputs' path, where I keeps the gradient. (A root that does not, e.g. a parameter sent on
     # as a value, would seed a parameter directly, and that seed would be lost.)
-    closure, _ = _tpb.reverse_closure(leaf_fns, set(), reverse)
-    if not all(f in closure for f in root_fns):
+    on_input_path, _ = closure(leaf_fns, set(), reverse)
+    if not all(f in on_input_path for f in root_fns):
         return None
     reachable = [f for f in map(node_of, params) if f is not None and f in reverse]
-    groups = _tpb.get_param_groups(leaf_fns, reachable, reverse)
+    groups = param_groups(leaf_fns, reachable, reverse)
     covered: set[Any] = set()
     for group in groups:
         if len(group["intermediates"]) != 1:
@@ -100,7 +87,32 @@ def input_gradients(
 ) -> WeightWork:
     """I: adds to ``leaf.grad`` of every input leaf (a leaf read by every micro-batch of a step sums
     them, as a plain backward would) and returns W's work."""
-    groups = _param_groups(roots, leaves, params)
+    return _input_gradients(roots, seeds, leaves, params, _param_groups(roots, leaves, params))
+
+
+def input_gradients_first(
+    roots: list[torch.Tensor], seeds: list[torch.Tensor], leaves: Tensors, params: list[torch.Tensor]
+) -> WeightWork | None:
+    """A whole BP whose input gradients the producers wait for (GPipe's or 1F1B's B on a stage after
+    the first): I now, so they can leave while W runs, and W's work returned; or, where the split
+    would cost more than it saves (no input leaves, or no parameter groups, so W would run the
+    input side again), the BP whole, and None. I then W is the plain BP's ops in two passes: on a
+    4-block GPT-2 stage I took 0.57 of a plain BP and I + W 1.00-1.03 of it."""
+    groups = _param_groups(roots, leaves, params) if leaves and roots else None
+    if groups is None:
+        if roots:
+            torch.autograd.backward(roots, seeds)
+        return None
+    return _input_gradients(roots, seeds, leaves, params, groups)
+
+
+def _input_gradients(
+    roots: list[torch.Tensor],
+    seeds: list[torch.Tensor],
+    leaves: Tensors,
+    params: list[torch.Tensor],
+    groups: list[dict[str, Any]] | None,
+) -> WeightWork:
     handles = _capture(groups) if groups else []
     try:
         if roots and leaves:
@@ -132,7 +144,6 @@ def _grouped_weight_gradients(params: list[torch.Tensor], groups: list[dict[str,
     (``AccumulateGrad``, as a plain backward does) instead of ``torch.autograd.grad`` then ``.grad +=``:
     the same sums in the same order, bit for bit, and on the pipeline benchmark's MLP (1024 x 4096
     linears, 16 rows) W took 36-45 ms a micro-batch against 71-84 ms torch's way."""
-    node_of = _torch_split()._get_grad_fn_or_grad_acc
     param_of = {node_of(p): p for p in params}
     for group in groups:
         edges, seeds = [], []

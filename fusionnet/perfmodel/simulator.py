@@ -11,7 +11,8 @@ their gradients backward (``bwd`` seconds on dst -> src). Any DAG of stages work
 Schedules are the executor's own ``fusionnet.schedules.Schedule`` objects (or their names: gpipe,
 1f1b, zero-bubble), so the prediction follows the order that runs. A split backward runs I (input
 gradients, sent on at its end) for ``input_share`` of the stage's BP seconds and W (weight gradients)
-for the rest; ``infer`` tasks run forwards only; ``grad`` tasks skip the update.
+for the rest; a whole B runs the two back to back, its gradients sent after the I part, as the
+executor does; ``infer`` tasks run forwards only; ``grad`` tasks skip the update.
 
 The step ends when the last stage finishes its last operation.
 """
@@ -234,7 +235,9 @@ def simulate(
                     _send(outs[s], k, end, fwd_free, fwd_arrival, fwd_t, once)
                 if kind in ("B", "I"):
                     once = bwd_once if here == last_seed[s] else None
-                    _send(ins[s], k, end, bwd_free, bwd_arrival, bwd_t, once)
+                    # A whole B sends its input gradients after its I part too (``dag.backward_pass``)
+                    sent = end if kind == "I" else start + dur["I"][s]
+                    _send(ins[s], k, sent, bwd_free, bwd_arrival, bwd_t, once)
                 if kind in ("B", "W"):
                     held[s] -= 1
         if not progressed:  # check names what each stuck stage waits for
