@@ -32,16 +32,22 @@ def node_of(t: torch.Tensor) -> Node | None:
     return t.grad_fn
 
 
+def _start(nodes: Iterable[Node | None]) -> tuple[set[Node], deque[Node]]:
+    """A breadth-first walk's start: the distinct nodes given, as the seen set and the queue."""
+    seen: set[Node] = set()
+    queue: deque[Node] = deque()
+    for node in nodes:
+        if node is not None and node not in seen:
+            seen.add(node)
+            queue.append(node)
+    return seen, queue
+
+
 def reverse_graph(roots: Iterable[Node | None]) -> ReverseGraph:
     """Every node reachable from ``roots``, mapped to the nodes that feed it gradients (its users in
     the forward)."""
     edges: ReverseGraph = defaultdict(list)
-    queue: deque[Node] = deque()
-    seen: set[Node] = set()
-    for node in roots:
-        if node is not None and node not in seen:
-            seen.add(node)
-            queue.append(node)
+    _, queue = _start(roots)
     while queue:
         node = queue.popleft()
         for fn, _ in node.next_functions:
@@ -57,13 +63,8 @@ def closure(
 ) -> tuple[set[Node], set[Node]]:
     """The nodes reached from ``starts`` along ``edges`` without entering ``stop_at``, and the nodes
     of ``stop_at`` met on the way."""
-    reached: set[Node] = set()
+    reached, queue = _start(starts)
     met: set[Node] = set()
-    queue: deque[Node] = deque()
-    for node in starts:
-        if node is not None and node not in reached:
-            reached.add(node)
-            queue.append(node)
     while queue:
         for fn in edges[queue.popleft()]:
             if fn is None or fn in reached:
