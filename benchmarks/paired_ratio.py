@@ -1,10 +1,15 @@
 """How sure a step-time ratio is: FusionNet's pipeline against torch's, measured in alternating rounds.
 
 A benchmark run gives each contender a few rounds (``--repeat``), run in turn, so the two sides of one
-round ran under the same load on a shared machine. The ratio of the pooled medians is the headline;
-these say how far it can be trusted:
+round ran under the same load on a shared machine. Two figures come of them, and both are printed:
 
-- ``round_ratios``: each round's median over the other side's median in the same round (paired in time).
+- ``round_ratios``: each round's median over the other side's median in the same round (paired in time),
+  and ``median_of_rounds``, their median: the run's ratio. When the machine's speed moves between rounds
+  (on a shared host it does, by 10-20 %), each round's ratio still compares steps taken under one load,
+  and the median keeps one odd round from moving the figure.
+- The ratio of the pooled medians (every round's steps in one list per side). Under such a move the pooled
+  steps fall in two clusters and each side's median lands between them, wherever the count of steps puts
+  it: a run whose every round read 0.97-0.99 has pooled 1.03. Kept for comparison with older runs.
 - ``ratio_interval``: a bootstrap interval of the pooled ratio that keeps the rounds: each draw resamples
   every round's steps (with replacement, both sides, each round as many steps as it had), pools them and
   takes the ratio of the medians. Seeded, so a run's printed interval can be reproduced from its steps.
@@ -30,6 +35,11 @@ def round_ratios(ours: Rounds, theirs: Rounds) -> list[float]:
         for a, b in zip(ours, theirs)
         if a and b and statistics.median(b) > 0
     ]
+
+
+def median_of_rounds(ratios: Sequence[float]) -> float | None:
+    """The median of the rounds' ratios (``round_ratios``); None when no round was timed by both sides."""
+    return statistics.median(ratios) if ratios else None
 
 
 def ratio_interval(

@@ -50,9 +50,11 @@ Several ``--schedule``s run in turn within each round (plain PyTorch once per ro
 step is held against another's measured at the same time; a last table sets them side by side.
 
 With ``--repeat`` R, every contender's steps of all rounds make its median, and each FusionNet row also
-shows its ratio to torch's pipeline round by round ("rounds", paired in time) and a 95 % bootstrap
-interval of the pooled ratio that resamples each round's steps on its own (``paired_ratio.py``): on a
-shared machine one run's ratio moves by several percent, and these say by how much.
+shows its ratio to torch's pipeline round by round ("rounds", paired in time), the median of those
+("rounds median": the run's ratio, the figure the README quotes; on a shared machine whose speed moves
+between rounds the pooled medians can land between two clusters of steps, ``paired_ratio.py``) and a 95 %
+bootstrap interval of the pooled ratio that resamples each round's steps on its own: one run's ratio moves
+by several percent, and these say by how much.
 
     python benchmarks/pipeline_vs_torch.py [--schedule gpipe 1f1b zero-bubble] [--steps 20]
         [--microbatches 4] [--stages 2 3] [--model mlp|gpt2] [--placement blocks|model|balanced]
@@ -72,7 +74,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from paired_ratio import fmt_interval, fmt_rounds, ratio_interval, round_ratios
+from paired_ratio import fmt_interval, fmt_rounds, median_of_rounds, ratio_interval, round_ratios
 from pipeline_common import KINDS, Config, Result, balanced_split, format_split, make_data, split_from_plan
 from pipeline_fusionnet import run_fusionnet_local, run_fusionnet_swarms
 from pipeline_torch import run_plain, run_torchpipe
@@ -111,18 +113,20 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
     plain = med.get("plain torch")
     by_name = {r.name: r for r in results}
     rows = [
-        ("contender", "step ms", "min ms", "x plain", "x torch pipe N", "rounds", "95% interval",
-         "act. MB per stage", "bubble", "beyond path", "loss first", "loss last", "notes")
+        ("contender", "step ms", "min ms", "x plain", "x torch pipe N", "rounds", "rounds median",
+         "95% interval", "act. MB per stage", "bubble", "beyond path", "loss first", "loss last", "notes")
     ]  # fmt: skip
     for r in results:
         n = r.name.rsplit(" ", 1)[-1]
         pipe = med.get(f"torch pipe {n}") if n.isdigit() and r.name.startswith("fusionnet") else None
         theirs = by_name.get(f"torch pipe {n}") if pipe else None
         paired = theirs is not None and r.error is None and theirs.error is None
+        rounds = round_ratios(r.round_times, theirs.round_times) if paired else []
+        rounds_median = median_of_rounds(rounds)
         rows.append((
             r.name, fmt_ms(med[r.name]), fmt_ms(low[r.name]),
             fmt_ratio(med[r.name], plain), fmt_ratio(med[r.name], pipe) if pipe else "",
-            fmt_rounds(round_ratios(r.round_times, theirs.round_times)) if paired else "",
+            fmt_rounds(rounds), "" if rounds_median is None else f"{rounds_median:.2f}",
             fmt_interval(ratio_interval(r.round_times, theirs.round_times)) if paired else "",
             "/".join(f"{b / 1e6:.2f}" for b in r.activation_peak) if r.activation_peak else "",
             "" if r.bubble(cfg.warmup) is None else f"{r.bubble(cfg.warmup):.2f}",
@@ -158,6 +162,10 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
             if ours is not None and theirs is not None and ours.error is None and theirs.error is None:
                 rounds = round_ratios(ours.round_times, theirs.round_times)
                 summary[f"{k}_over_torchpipe_{n}_rounds"] = [round(x, 4) for x in rounds]
+                middle = median_of_rounds(rounds)
+                summary[f"{k}_over_torchpipe_{n}_rounds_median"] = (
+                    None if middle is None else round(middle, 4)
+                )
                 interval = ratio_interval(ours.round_times, theirs.round_times)
                 summary[f"{k}_over_torchpipe_{n}_interval95"] = (
                     None if interval is None else [round(x, 4) for x in interval]
@@ -382,6 +390,9 @@ def side_by_side(summaries: dict[str, dict[str, Any]], stages: list[int]) -> dic
             out[f"fusionnet_{n}_{tag}_beyond_path"] = summary.get(f"fusionnet_{n}_beyond_path")
             interval = summary.get(f"fusionnet_{n}_over_torchpipe_{n}_interval95")
             out[f"fusionnet_{n}_{tag}_interval95"] = interval
+            out[f"fusionnet_{n}_{tag}_rounds_median"] = summary.get(
+                f"fusionnet_{n}_over_torchpipe_{n}_rounds_median"
+            )
             if schedule != first:
                 v = summary.get(f"fusionnet_{n}_ms")
                 out[f"fusionnet_{n}_{tag}_over_{first.replace('-', '_')}"] = ratio(v, base)
@@ -390,7 +401,8 @@ def side_by_side(summaries: dict[str, dict[str, Any]], stages: list[int]) -> dic
 
 def print_side_by_side(figures: dict[str, Any], schedules: list[str], stages: list[int]) -> None:
     first = schedules[0]
-    rows = [("schedule", "stages", "fusionnet ms", "torch pipe ms", "fusionnet / torch pipe", "95% interval",
+    rows = [("schedule", "stages", "fusionnet ms", "torch pipe ms", "fusionnet / torch pipe", "rounds median",
+             "95% interval",
              f"fusionnet / fusionnet {first}", "bubble", "beyond path")]  # fmt: skip
     for n in stages:
         for schedule in schedules:
@@ -400,9 +412,11 @@ def print_side_by_side(figures: dict[str, Any], schedules: list[str], stages: li
             bubble = figures[f"fusionnet_{n}_{tag}_bubble"]
             beyond = figures[f"fusionnet_{n}_{tag}_beyond_path"]
             interval = figures.get(f"fusionnet_{n}_{tag}_interval95")
+            middle = figures.get(f"fusionnet_{n}_{tag}_rounds_median")
             rows.append((
                 schedule, str(n), fmt_ms(None if mine is None else mine / 1e3),
                 fmt_ms(None if pipe is None else pipe / 1e3), fmt_ratio(mine, pipe),
+                "" if middle is None else f"{middle:.2f}",
                 fmt_interval(None if interval is None else tuple(interval)),
                 "" if over is None else f"{over:.2f}", "" if bubble is None else f"{bubble:.2f}",
                 "" if beyond is None else f"{beyond:.3f}",

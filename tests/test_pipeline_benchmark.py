@@ -174,6 +174,27 @@ def test_paired_ratios_hold_each_round_against_the_same_round() -> None:
     assert ratio_interval([[]], theirs) is None and fmt_interval(None) == ""
 
 
+def test_the_median_of_rounds_stays_with_the_rounds_where_pooling_drifts() -> None:
+    """The machine slows down between two rounds for both sides alike: each round reads below par, and so
+    does the median of the rounds; the pooled steps form two clusters, each side's pooled median is read
+    at the clusters' edges (one stray step each), and their ratio is far above par."""
+    import statistics
+
+    from paired_ratio import median_of_rounds, round_ratios
+
+    ours = [[0.66] * 8 + [0.76], [0.80] + [0.82] * 8]
+    theirs = [[0.684] * 9, [0.70] + [0.833] * 8]
+    rounds = round_ratios(ours, theirs)
+    assert all(0.96 <= r <= 0.99 for r in rounds)
+    assert median_of_rounds(rounds) == statistics.median(rounds)
+    pooled = statistics.median([t for r in ours for t in r]) / statistics.median(
+        [t for r in theirs for t in r]
+    )
+    assert pooled > 1.0 > median_of_rounds(rounds)
+    assert median_of_rounds([1.1, 0.9, 0.95]) == 0.95  # one odd round does not move it
+    assert median_of_rounds([]) is None
+
+
 def test_the_ratio_interval_is_seeded_and_separates_what_differs() -> None:
     import random
 
@@ -208,6 +229,7 @@ def test_report_prints_and_keeps_the_rounds_and_the_interval(capsys: pytest.Capt
                  threads=1, data_path="x")  # fmt: skip
     summary = report(results, cfg, [2], {})
     assert summary["fusionnet_2_over_torchpipe_2_rounds"] == [0.9, 1.0]
+    assert summary["fusionnet_2_over_torchpipe_2_rounds_median"] == 0.95
     low, high = summary["fusionnet_2_over_torchpipe_2_interval95"]
     assert 0.75 <= low <= high <= 1.0
     assert "0.90/1.00" in capsys.readouterr().out
