@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import re
 import statistics
 import sys
@@ -50,9 +51,10 @@ class Config:
     placement: str = "blocks"
     replica_interval: float | None = None  # the broker's --replica-interval (None: its default)
     steps_ahead: bool = False  # the broker's --steps-ahead: each step's call sent while the one before runs
-    # The torch contenders' allocator: glibc's defaults (what a user of torch gets), or "kept", the setting
-    # FusionNet's sandbox workers use (``fusionnet.daemon.memory.keep_freed_memory``), to show what of a
-    # difference is that setting alone.
+    # The torch contenders' allocator: glibc's and torch's defaults (what a user of torch gets), or "kept",
+    # the settings FusionNet's sandbox workers use (``fusionnet.daemon.memory.keep_freed_memory`` and huge
+    # pages for large tensors, ``fusionnet.compnode.sandbox_preload``), to show what of a difference is
+    # those settings alone.
     torch_allocator: str = "default"
     # mlp: ``pipeline_model.BlockStack`` (dim, hidden, layers); gpt2: a transformers GPT-2 of ``layers``
     # blocks of width ``dim`` (MLP ``hidden``, ``heads`` heads) on ``seq`` token ids out of ``vocab``
@@ -142,6 +144,25 @@ def load_batches(cfg: Config) -> list[tuple[Any, Any]]:
         idx = torch.arange(s * cfg.batch_size, (s + 1) * cfg.batch_size) % n
         out.append((data["inputs"][idx].contiguous(), data["labels"][idx].contiguous()))
     return out
+
+
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"  # torch's switch, read once when its C library loads
+
+
+@contextlib.contextmanager
+def torch_allocator_env(allocator: str) -> Any:
+    """The environment a torch contender is spawned in: its huge-page advice is read when torch loads,
+    before ``set_threads`` runs, so it travels in the environment ("kept": on, as FusionNet's workers;
+    "default": off, torch's own default, whatever the caller's environment says)."""
+    before = os.environ.get(HUGE_PAGES_ENV)
+    os.environ[HUGE_PAGES_ENV] = "1" if allocator == "kept" else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(HUGE_PAGES_ENV, None)
+        else:
+            os.environ[HUGE_PAGES_ENV] = before
 
 
 def set_threads(threads: int, allocator: str = "default") -> None:

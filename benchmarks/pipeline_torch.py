@@ -11,7 +11,7 @@ import traceback
 from functools import partial
 from typing import Any
 
-from pipeline_common import Config, Result, format_split, load_batches, set_threads
+from pipeline_common import Config, Result, format_split, load_batches, set_threads, torch_allocator_env
 
 
 # ---- (c) plain PyTorch -----------------------------------------------------------------------------
@@ -178,7 +178,8 @@ def run_processes(targets: list[tuple[Any, tuple]], expect: int, timeout: float)
 def run_plain(cfg: Config, timeout: float) -> Result:
     res = Result("plain torch", note="1 process")
     try:
-        [(_, times, losses)] = run_processes([(plain_worker, (cfg,))], 1, timeout)
+        with torch_allocator_env(cfg.torch_allocator):
+            [(_, times, losses)] = run_processes([(plain_worker, (cfg,))], 1, timeout)
         res.times, res.losses = times, losses
     except Exception as e:
         res.error = str(e)
@@ -190,7 +191,10 @@ def run_torchpipe(cfg: Config, split: list[tuple[int, int]], split_source: str, 
     res = Result(f"torch pipe {world}", note=f"split {format_split(split)} ({split_source})")
     port = free_port()
     try:
-        msgs = run_processes([(pipe_worker, (r, world, port, cfg, split)) for r in range(world)], 2, timeout)
+        with torch_allocator_env(cfg.torch_allocator):
+            msgs = run_processes(
+                [(pipe_worker, (r, world, port, cfg, split)) for r in range(world)], 2, timeout
+            )
         for kind, _, payload in msgs:
             if kind == "times":
                 res.times = payload

@@ -39,9 +39,10 @@ as assumed. The first and last losses are printed per contender as a check that 
 thing.
 
 FusionNet's sandbox workers keep freed memory in their heap (``fusionnet.daemon.memory.keep_freed_memory``):
-a step's tensors reuse the last step's pages instead of faulting fresh ones in. The torch contenders run
-with glibc's defaults, as torch's users do; ``--torch-allocator kept`` gives them the same setting, to
-show what of a difference is that setting alone.
+a step's tensors reuse the last step's pages instead of faulting fresh ones in; and they advise huge pages
+for tensors of 2 MiB and more (``fusionnet.compnode.sandbox_preload``). The torch contenders run with
+glibc's and torch's defaults, as torch's users do; ``--torch-allocator kept`` gives them the same
+settings, to show what of a difference is those settings alone.
 
 On a 2-core machine, 3 stages (plus the broker and hivemind's p2pd helpers for FusionNet) oversubscribe
 the cores; the ratios then measure that too. Prints a table, then one JSON line.
@@ -67,6 +68,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -147,6 +149,11 @@ def report(results: list[Result], cfg: Config, stages: list[int], splits: dict[i
         summary[f"{key_of(r.name)}_ms"] = None if med[r.name] is None else round(med[r.name] * 1e3, 3)
     for r in results:
         summary[f"{key_of(r.name)}_min_ms"] = None if low[r.name] is None else round(low[r.name] * 1e3, 3)
+    for r in results:  # each round's median: another schedule's rounds pair with these (``side_by_side``)
+        if r.error is None and r.round_times:
+            summary[f"{key_of(r.name)}_round_ms"] = [
+                round(statistics.median(t) * 1e3, 3) if t else None for t in r.round_times
+            ]
     for n in stages:
         pipe = med.get(f"torch pipe {n}")
         summary[f"torchpipe_{n}_over_plain"] = ratio(pipe, plain)
@@ -296,9 +303,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--torch-allocator",
         choices=("default", "kept"),
         default="default",
-        help="the torch contenders' malloc settings: glibc's defaults (default, what torch's users get) or "
-        "'kept', the settings FusionNet's sandbox workers use (freed tensors stay in the heap for the next "
-        "step: no page faults per step), to show what of a difference is that setting alone",
+        help="the torch contenders' allocator settings: glibc's and torch's defaults (default, what torch's "
+        "users get) or 'kept', the settings FusionNet's sandbox workers use (freed tensors stay in the heap "
+        "for the next step: no page faults per step; huge pages advised for tensors of 2 MiB and more), to "
+        "show what of a difference is those settings alone",
     )
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
@@ -382,6 +390,7 @@ def side_by_side(summaries: dict[str, dict[str, Any]], stages: list[int]) -> dic
     out: dict[str, Any] = {}
     for n in stages:
         base = summaries[first].get(f"fusionnet_{n}_ms")
+        base_rounds = summaries[first].get(f"fusionnet_{n}_round_ms") or []
         for schedule, summary in summaries.items():
             tag = schedule.replace("-", "_")
             for k in ("fusionnet", "torchpipe"):
@@ -396,19 +405,29 @@ def side_by_side(summaries: dict[str, dict[str, Any]], stages: list[int]) -> dic
             if schedule != first:
                 v = summary.get(f"fusionnet_{n}_ms")
                 out[f"fusionnet_{n}_{tag}_over_{first.replace('-', '_')}"] = ratio(v, base)
+                paired = [
+                    a / b
+                    for a, b in zip(summary.get(f"fusionnet_{n}_round_ms") or [], base_rounds)
+                    if a is not None and b  # a round either schedule did not time pairs with nothing
+                ]
+                middle = median_of_rounds(paired)
+                out[f"fusionnet_{n}_{tag}_over_{first.replace('-', '_')}_rounds_median"] = (
+                    None if middle is None else round(middle, 4)
+                )
     return out
 
 
 def print_side_by_side(figures: dict[str, Any], schedules: list[str], stages: list[int]) -> None:
     first = schedules[0]
     rows = [("schedule", "stages", "fusionnet ms", "torch pipe ms", "fusionnet / torch pipe", "rounds median",
-             "95% interval",
-             f"fusionnet / fusionnet {first}", "bubble", "beyond path")]  # fmt: skip
+             "95% interval", f"fusionnet / fusionnet {first}", "rounds median", "bubble",
+             "beyond path")]  # fmt: skip
     for n in stages:
         for schedule in schedules:
             tag = schedule.replace("-", "_")
             mine, pipe = figures[f"fusionnet_{n}_{tag}_ms"], figures[f"torchpipe_{n}_{tag}_ms"]
             over = figures.get(f"fusionnet_{n}_{tag}_over_{first.replace('-', '_')}")
+            over_rounds = figures.get(f"fusionnet_{n}_{tag}_over_{first.replace('-', '_')}_rounds_median")
             bubble = figures[f"fusionnet_{n}_{tag}_bubble"]
             beyond = figures[f"fusionnet_{n}_{tag}_beyond_path"]
             interval = figures.get(f"fusionnet_{n}_{tag}_interval95")
@@ -418,7 +437,8 @@ def print_side_by_side(figures: dict[str, Any], schedules: list[str], stages: li
                 fmt_ms(None if pipe is None else pipe / 1e3), fmt_ratio(mine, pipe),
                 "" if middle is None else f"{middle:.2f}",
                 fmt_interval(None if interval is None else tuple(interval)),
-                "" if over is None else f"{over:.2f}", "" if bubble is None else f"{bubble:.2f}",
+                "" if over is None else f"{over:.2f}", "" if over_rounds is None else f"{over_rounds:.2f}",
+                "" if bubble is None else f"{bubble:.2f}",
                 "" if beyond is None else f"{beyond:.3f}",
             ))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

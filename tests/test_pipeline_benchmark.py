@@ -117,6 +117,21 @@ def test_schedules_side_by_side_are_each_over_the_first() -> None:
         and figures["fusionnet_2_zero_bubble_beyond_path"] is None
     )
     assert "fusionnet_2_1f1b_over_1f1b" not in figures
+    assert figures["fusionnet_2_zero_bubble_over_1f1b_rounds_median"] is None  # no rounds kept: none paired
+
+
+def test_schedules_side_by_side_pair_their_rounds() -> None:
+    """Each round's zero-bubble step over the same round's 1F1B step, then their median; a round one of
+    them did not time pairs with nothing."""
+    from pipeline_vs_torch import side_by_side
+
+    summaries = {
+        "1f1b": {"fusionnet_2_ms": 500.0, "fusionnet_2_round_ms": [400.0, 600.0, 500.0, 450.0]},
+        "zero-bubble": {"fusionnet_2_ms": 480.0, "fusionnet_2_round_ms": [360.0, 570.0, 475.0, None]},
+    }
+    figures = side_by_side(summaries, [2])
+    assert figures["fusionnet_2_zero_bubble_over_1f1b"] == 0.96
+    assert figures["fusionnet_2_zero_bubble_over_1f1b_rounds_median"] == 0.95  # of 0.90, 0.95, 0.95
 
 
 def test_metrics_rows_give_each_step_its_bubble_and_what_lies_beyond_its_compute_path(tmp_path: Path) -> None:
@@ -230,6 +245,30 @@ def test_report_prints_and_keeps_the_rounds_and_the_interval(capsys: pytest.Capt
     summary = report(results, cfg, [2], {})
     assert summary["fusionnet_2_over_torchpipe_2_rounds"] == [0.9, 1.0]
     assert summary["fusionnet_2_over_torchpipe_2_rounds_median"] == 0.95
+    assert summary["fusionnet_2_round_ms"] == [900.0, 1200.0] and summary["torchpipe_2_round_ms"] == [
+        1000.0,
+        1200.0,
+    ]
     low, high = summary["fusionnet_2_over_torchpipe_2_interval95"]
     assert 0.75 <= low <= high <= 1.0
     assert "0.90/1.00" in capsys.readouterr().out
+
+
+def test_torch_contenders_are_spawned_with_their_allocators_huge_page_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--torch-allocator kept`` spawns torch's processes with the huge-page advice FusionNet's workers
+    use, the default with torch's own default (off) whatever the caller's environment says; the caller's
+    environment is left as it was."""
+    import os
+
+    from pipeline_common import HUGE_PAGES_ENV, torch_allocator_env
+
+    monkeypatch.setenv(HUGE_PAGES_ENV, "1")
+    with torch_allocator_env("default"):
+        assert os.environ[HUGE_PAGES_ENV] == "0"
+    assert os.environ[HUGE_PAGES_ENV] == "1"
+    monkeypatch.delenv(HUGE_PAGES_ENV)
+    with torch_allocator_env("kept"):
+        assert os.environ[HUGE_PAGES_ENV] == "1"
+    assert HUGE_PAGES_ENV not in os.environ
