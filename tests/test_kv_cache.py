@@ -362,7 +362,7 @@ def test_scoring_a_sequence_is_one_prefill_in_a_slot_of_its_own_retried_on_a_new
 
 
 def test_end_of_text_ids_come_from_the_causal_lm_and_stay_inside_the_vocabulary() -> None:
-    from fusionnet.broker.deployments import _end_of_text
+    from fusionnet.broker.deployment_windows import end_of_text
     from fusionnet.runtime.deploy import end_of_text_ids
     from fusionnet.serving.generation import Window
 
@@ -382,8 +382,8 @@ def test_end_of_text_ids_come_from_the_causal_lm_and_stay_inside_the_vocabulary(
         eos_token_id = 5
 
     # GPT2Config's default 50256 in a toy config of 300 tokens can never come: dropped
-    assert _end_of_text([50256, 7], Tokenizer(), window) == (5, 7)
-    assert _end_of_text([7], None, None) == ()
+    assert end_of_text([50256, 7], Tokenizer(), window) == (5, 7)
+    assert end_of_text([7], None, None) == ()
 
 
 def test_a_sliding_window_goes_into_the_mask_and_mixed_layers_are_refused() -> None:

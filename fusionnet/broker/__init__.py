@@ -31,6 +31,7 @@ Map of the package:
 - ``links.py``        probing a placement's links; the answers go into ``planning.links.LinkBook``.
 - ``store.py``        persistent state in SQLite under the state dir.
 - ``deployments.py``  the ``deploy`` / ``undeploy`` / ``deployments`` RPCs and the HTTP API's lookup.
+- ``deployment_windows.py``  a deployed causal LM's context window, vocabulary and end-of-text ids.
 - ``deployment_run.py``  one deployment: a resident ``infer`` placement whose steps are request batches.
 - ``serve_links.py``  a deployment's batches straight to its compnodes' sandbox workers over the data
                       path, answered on it; the RPC as the fallback, batch by batch.

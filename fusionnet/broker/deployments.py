@@ -16,15 +16,14 @@ import secrets
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import torch
 from aiohttp import web
 
 from fusionnet.broker.admission import Admission, Hold
 from fusionnet.broker.checkpoints import JobFiles
 from fusionnet.broker.context import JobContext
 from fusionnet.broker.deployment_run import DeploymentRun
+from fusionnet.broker.deployment_windows import cached_window, end_of_text, window_of
 from fusionnet.broker.store import DEPLOYMENT_ROW, JobState
 from fusionnet.broker.submission import SubmittedJob, check_submission
 from fusionnet.dag.codec import decode_ir
@@ -44,7 +43,6 @@ from fusionnet.messages.serving_rpc import (
 )
 from fusionnet.rpc.server import RPCContext
 from fusionnet.serving.batching import BatchStats, DynamicBatcher
-from fusionnet.serving.generation import Window
 from fusionnet.serving.http import start_api
 from fusionnet.serving.kv_sessions import SlotPool
 from fusionnet.serving.served import ServedModel, ServingObserver
@@ -238,7 +236,7 @@ class DeploymentService:
             )
             window = None
             if request.kind == "generate":
-                window = _window(run) if request.kv is None else _cached_window(run, request.kv.window)
+                window = window_of(run) if request.kv is None else cached_window(run, request.kv.window)
             tokenizer = None
             if request.tokenizer:
                 tokenizer = await asyncio.to_thread(
@@ -246,7 +244,7 @@ class DeploymentService:
                 )
             elif request.vocab:
                 tokenizer = CharTokenizer(request.vocab)
-            eos = _end_of_text(request.eos_token_ids, tokenizer, window)
+            eos = end_of_text(request.eos_token_ids, tokenizer, window)
         except Exception as e:
             self.ctx.store.update_job(job.job_id, state="FAILED", error=str(e)[:500])
             await asyncio.to_thread(JobFiles(self.folder / job.job_id).forget)
@@ -386,42 +384,3 @@ class DeploymentService:
         if run is not None:  # its submitted weights and tokenizer: nothing reads them any more
             await asyncio.to_thread(JobFiles(self.folder / run.job.job_id).forget)
         self.ctx.refresh_job_metrics()
-
-
-def _cached_window(run: DeploymentRun, context: int) -> Window:
-    """A ``SlotDecoder`` deployment's window: rows (token, position, slot), logits [batch, vocabulary]."""
-    if run.row_shape != (3,) or run.row_dtype != torch.long:
-        raise JobError(
-            f"generate with KV caches: rows must be (token, position, slot), got {list(run.row_shape)}"
-        )
-    graph = run.job.graph
-    meta = graph.node(graph.output.input_names()[0]).meta
-    if not (isinstance(meta, dict) and "shape" in meta and len(meta["shape"]) == 2):
-        raise JobError("generate with KV caches: the decoder's output must be logits [batch, vocabulary]")
-    return Window(context=context, vocab=int(meta["shape"][1]), dtype=torch.long)
-
-
-def _window(run: DeploymentRun) -> Window:
-    """A causal LM's context window (the traced sequence length) and vocabulary (its logits' last dim)."""
-    if len(run.row_shape) != 1 or run.row_dtype not in (torch.long, torch.int32):
-        raise JobError(
-            f"generate: the model must read token ids [batch, sequence] as integers, its 'inputs' is "
-            f"{list(run.row_shape)} {run.row_dtype}"
-        )
-    graph = run.job.graph
-    meta = graph.node(graph.output.input_names()[0]).meta
-    if not (isinstance(meta, dict) and "shape" in meta and len(meta["shape"]) == 3):
-        raise JobError("generate: the model's first output must be logits [batch, sequence, vocabulary]")
-    return Window(context=run.row_shape[0], vocab=int(meta["shape"][2]), dtype=run.row_dtype)
-
-
-def _end_of_text(ids: list[int], tokenizer: Any, window: Window | None) -> tuple[int, ...]:
-    """The deployment's end-of-text ids: the model's and its tokenizer's, those inside the vocabulary
-    (a toy config may name GPT-2's 50256 for a vocabulary of 1000: it can never come)."""
-    found = set(ids)
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int) and eos >= 0:
-        found.add(eos)
-    if window is None:
-        return ()
-    return tuple(sorted(i for i in found if i < window.vocab))
