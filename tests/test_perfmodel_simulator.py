@@ -23,14 +23,17 @@ def test_gpipe_two_stages_two_microbatches_by_hand():
     assert t[(0, "F", 0)] == (0, 1) and t[(0, "F", 1)] == (1, 2)
     assert t[(1, "F", 0)] == (1.5, 3.5)  # arrives at 1.5
     assert t[(1, "F", 1)] == (3.5, 5.5)  # arrived at 2.5, stage busy until 3.5
-    assert t[(1, "B", 1)] == (5.5, 8.5)  # GPipe: backwards in reverse micro-batch order
-    assert t[(1, "B", 0)] == (8.5, 11.5)
-    # A B sends its input gradients after its I half (1.5 of 3), before its W half
-    assert t[(0, "B", 1)] == (8.0, 10.0)  # gradient sent 5.5 + 1.5, arrives + 1
-    assert t[(0, "B", 0)] == (11.0, 13.0)  # sent 8.5 + 1.5, arrives 11.0
+    # GPipe: backwards in reverse micro-batch order. A B on a stage that sends gradients back runs
+    # its I half (1.5 of 3), sends, and leaves its W half pending: stage 1 never waits for a gradient,
+    # so both Is run first and both Ws before the update
+    assert t[(1, "I", 1)] == (5.5, 7.0)
+    assert t[(1, "I", 0)] == (7.0, 8.5)
+    assert t[(1, "W", 1)] == (8.5, 10.0) and t[(1, "W", 0)] == (10.0, 11.5)
+    assert t[(0, "B", 1)] == (8.0, 10.0)  # gradient sent at 7.0, arrives + 1
+    assert t[(0, "B", 0)] == (10.0, 12.0)  # sent 8.5, arrived 9.5, stage busy until 10.0
     assert t[(1, "U", -1)] == (11.5, 11.75)
-    assert t[(0, "U", -1)] == (13.0, 13.5)
-    assert r.step_seconds == pytest.approx(13.5)
+    assert t[(0, "U", -1)] == (12.0, 12.5)
+    assert r.step_seconds == pytest.approx(12.5)  # 13.5 had each W run right after its I
     assert r.peak_inflight == (2, 2)
     assert r.stage_busy == pytest.approx((2 + 4 + 0.5, 4 + 6 + 0.25))
 
@@ -55,12 +58,14 @@ def test_1f1b_two_stages_three_microbatches_by_hand():
         ("F", 2),
         ("B", 2),
     ]
-    assert t[(1, "F", 0)] == (1, 2) and t[(1, "B", 0)] == (2, 3)
+    # stage 1's B runs its I half, sends, and its W half before the next F (no activation held longer)
+    assert t[(1, "F", 0)] == (1, 2) and t[(1, "I", 0)] == (2, 2.5) and t[(1, "W", 0)] == (2.5, 3)
     # stage 0 did F0, F1 and waits for B0's gradient, sent when B0's I half ends (2.5)
     assert t[(0, "B", 0)] == (2.5, 3.5)
     assert t[(0, "F", 2)] == (3.5, 4.5) and t[(1, "F", 1)] == (3, 4)
-    assert t[(1, "B", 1)] == (4, 5) and t[(0, "B", 1)] == (4.5, 5.5)
-    assert t[(1, "F", 2)] == (5, 6) and t[(1, "B", 2)] == (6, 7) and t[(0, "B", 2)] == (6.5, 7.5)
+    assert t[(1, "I", 1)] == (4, 4.5) and t[(1, "W", 1)] == (4.5, 5) and t[(0, "B", 1)] == (4.5, 5.5)
+    assert t[(1, "F", 2)] == (5, 6) and t[(1, "I", 2)] == (6, 6.5) and t[(0, "B", 2)] == (6.5, 7.5)
+    assert t[(1, "W", 2)] == (6.5, 7)  # the end of the program runs what is pending
     assert r.step_seconds == pytest.approx(7.5)  # 8.0 had each B sent its gradients at its end
     assert r.peak_inflight == (2, 1)  # 1F1B: stage k holds at most S - k micro-batches
 
@@ -114,7 +119,8 @@ def test_simulator_refuses_bad_input():
 def test_once_per_step_values_delay_the_first_forward_and_the_last_backward(schedule):
     # A parameter read across the cut (a tied embedding) rides on stage 0's first forward message and
     # its summed gradient on stage 1's last backward message: both lie on the critical path here.
-    stages = [StageTimes(1.0, 2.0), StageTimes(1.0, 2.0)]
+    # (stage 1's W halves are short: GPipe's pending Ws would otherwise hide the gradient's extra time)
+    stages = [StageTimes(1.0, 1.0), StageTimes(1.0, 2.0, input_share=0.9)]
     plain = simulate(stages, [Hop(0, 1, 0.1, 0.1)], 4, schedule=schedule).step_seconds
     once = simulate(stages, [Hop(0, 1, 0.1, 0.1, fwd_once=0.5, bwd_once=0.7)], 4, schedule=schedule)
     assert once.step_seconds == pytest.approx(plain + 1.2)
@@ -127,10 +133,10 @@ def test_compute_path_is_the_step_had_messages_been_free():
     the broker writes to metrics.jsonl as ``compute_path_seconds`` beside the step's wall time."""
     # the 1F1B step above, in the totals a step reports: 3 micro-batches of 1 s FP and 1 s BP each
     assert compute_path([(3.0, 3.0, 0.0)] * 2, [[1], []], 3, schedule="1f1b", task="grad") == 7.5
-    # the GPipe step by hand above without its link: stage 1 runs B0 from 8 and sends its gradient
-    # after the I half, at 9.5; stage 0 then runs B0 (2) and its update (0.5)
+    # the GPipe step by hand above without its link: stage 1 runs I1, I0 (sent at 8), both Ws (until
+    # 11) and its update (0.25); stage 0 runs B0 from 8.5 to 10.5 and its update (0.5)
     gpipe = compute_path([(2.0, 4.0, 0.5), (4.0, 6.0, 0.25)], [[1], []], 2, task="train")
-    assert gpipe == pytest.approx(12.0)
+    assert gpipe == pytest.approx(11.25)
     # sub-DAGs that exchange nothing do not wait for each other: the longer one's compute
     assert compute_path([(2.0, 2.0, 0.0), (3.0, 3.0, 0.0)], [[], []], 2, task="grad") == 6.0
     # a skip edge alone (0 -> 2) chains 0 and 2; readers out of range or backwards are ignored

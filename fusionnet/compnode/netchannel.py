@@ -170,6 +170,9 @@ class NetChannel(Channel):
     async def recv(self, src: int, key: MessageKey) -> Any:
         return await self.mailbox.take(src, key)
 
+    def arrived(self, src: int, key: MessageKey) -> bool:
+        return self.mailbox.arrived(src, key)
+
     def on_frame(self, frame: TensorFrame) -> None:
         """Called by the transport for every authenticated frame of this job."""
         try:

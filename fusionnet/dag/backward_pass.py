@@ -8,6 +8,11 @@ and the gradients of received inputs go back to their producers (placeholders ge
 sending between them, so the producers do not wait for W. Step-wide values (parameters read across
 a cut) get their summed gradient once, at the step's last seeding BP. Every stretch runs on the
 compute pool through ``SubDagExecutor._run``.
+
+A whole BP run with ``defer_weight`` leaves its W pending (``_deferred``, oldest first): the schedule
+loop runs it while this stage would otherwise wait for a gradient, and at the latest before the next
+FP or the update (``schedule_loop.run_device_step``), so the Ws add no activation memory over the
+schedule's order and accumulate the parameters' gradients in the same order, bit for bit.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fusionnet.dag.activation_memory import ActivationLedger
-from fusionnet.dag.channel import Channel
+from fusionnet.dag.channel import Channel, MessageKey
 from fusionnet.dag.devices import to_device, to_host
 from fusionnet.dag.hooks import Phase
 from fusionnet.dag.outbox import Outbox
@@ -53,6 +58,7 @@ class BackwardPass:
 
     _stash: dict[int, tuple[list[Any], tuple[Any, ...]]]
     _weight_work: dict[int, WeightWork]
+    _deferred: list[tuple[int, bool]]  # (micro-batch, last) of Ws left pending by ``defer_weight``
     activations: ActivationLedger
     _found_inf: bool
 
@@ -73,21 +79,31 @@ class BackwardPass:
         *,
         last: bool | None = None,
         last_seeded: bool | None = None,
+        defer_weight: bool = False,
     ) -> None:
         """The whole BP of micro-batch ``mb`` (``last``: the step's last BP, after which this sub-DAG's
         gradients are complete; by default micro-batch 0, GPipe's last; ``last_seeded``: the step's last
-        BP that seeds gradients, which also seeds the step-wide ones; by default ``last``)."""
+        BP that seeds gradients, which also seeds the step-wide ones; by default ``last``;
+        ``defer_weight``: where the BP splits, leave its W to ``weights_pending``'s caller)."""
         last = last if last is not None else mb == 0
         last_seeded = last if last_seeded is None else last_seeded
         inputs, outs = self._stash.pop(mb)
         received = await self._receive_grads(step, mb, outs, step_wide=last_seeded)
+        flushed: list[int] = []
+
+        def whole_after_deferred() -> None:
+            # A BP that does not split after some that did: their Ws first, so the parameters'
+            # gradients still accumulate in the schedule's order.
+            flushed.extend(self._deferred_weights_now(step))
 
         def work() -> tuple[WeightWork | None, tuple[dict[str, list[Any]], Any]]:
             try:
                 roots, seeds = self._seeds(self._placed(received), loss_weight)
                 leaves = [v for v in self._grad_leaves(inputs) if v.requires_grad]
                 params = [p for p in self.named_params.values() if p.requires_grad]
-                pending = input_gradients_first(roots, seeds, leaves, params)
+                pending = input_gradients_first(
+                    roots, seeds, leaves, params, before_whole=whole_after_deferred
+                )
             except ExecutionError:
                 raise
             except Exception as e:
@@ -97,6 +113,8 @@ class BackwardPass:
             return pending, self._input_grads_to_host(inputs, step_wide=last_seeded)
 
         pending, (back, ready) = await self._run("bp", step, mb, work)
+        for done in flushed:
+            self.activations.release(done)
         if pending is None:
             self.activations.release(mb)
             self._send_input_grads(step, mb, back, ready)
@@ -105,7 +123,46 @@ class BackwardPass:
         # hop of the backward wave waits for I only, not the whole BP (the order stays the schedule's).
         self._send_input_grads(step, mb, back, ready)
         self._weight_work[mb] = pending
+        if defer_weight:
+            self._deferred.append((mb, last))
+            return
         await self.backward_weight(step, mb, last=last)
+
+    def weights_pending(self) -> int:
+        """How many Ws ``defer_weight`` left for the schedule loop to run."""
+        return len(self._deferred)
+
+    async def next_deferred_weight(self, step: int) -> None:
+        """Runs the oldest deferred W."""
+        mb, last = self._deferred.pop(0)
+        await self.backward_weight(step, mb, last=last)
+
+    def _deferred_weights_now(self, step: int) -> list[int]:
+        """On the compute thread, inside a BP's stretch: every deferred W, oldest first; returns their
+        micro-batches (whose activations the caller releases on the loop)."""
+        done = []
+        while self._deferred:
+            mb, last = self._deferred.pop(0)
+            try:
+                weight_gradients(self._weight_work.pop(mb))
+            except Exception as e:
+                raise self._failed("BP (weight gradients)", step, mb, e) from e
+            if last:
+                self._unscale()
+            done.append(mb)
+        return done
+
+    def grads_arrived(self, step: int, mb: int) -> bool:
+        """Whether every gradient a BP (or I) of micro-batch ``mb`` waits for is here already (the
+        step-wide ones, which only the step's last seeding BP takes, aside)."""
+        stashed = self._stash.get(mb)
+        if stashed is None:
+            return True
+        return all(
+            self.channel.arrived(dst, key)
+            for _, _, keys in self._grad_keys(step, mb, stashed[1], step_wide=False)
+            for dst, key in keys
+        )
 
     async def backward_input(
         self, step: int, mb: int, loss_weight: float, *, last_seeded: bool = False
@@ -156,6 +213,16 @@ class BackwardPass:
         """The gradients the consumers sent for this micro-batch's outputs; with ``step_wide``
         also the step's summed gradients of the step-wide outputs (which no other BP waits for)."""
         received: list[tuple[str, Any, list[tuple[int, Any]]]] = []
+        for name, value, keys in self._grad_keys(step, mb, outs, step_wide=step_wide):
+            grads = [(dst, await self.outbox.guard(self.channel.recv(dst, key))) for dst, key in keys]
+            received.append((name, value, grads))
+        return received
+
+    def _grad_keys(
+        self, step: int, mb: int, outs: tuple[Any, ...], *, step_wide: bool
+    ) -> list[tuple[str, Any, list[tuple[int, MessageKey]]]]:
+        """Per output whose gradients come back: its name, value and the (consumer, key) of each."""
+        found = []
         for name, value in zip(self.output_names, outs):
             if (name in self.step_wide and not step_wide) or name in self.row_serves:
                 continue  # a traded weight's row gradients are added before Update (``row_trade``)
@@ -164,12 +231,8 @@ class BackwardPass:
             key = ("grad", step, 0 if name in self.step_wide else mb, name)
             # Latest consumer first: eager autograd accumulates a value's gradients in reverse execution
             # order, and sub-DAGs are contiguous in that order, so this grouping keeps sums bit-exact.
-            grads = [
-                (dst, await self.outbox.guard(self.channel.recv(dst, key)))
-                for dst in sorted(consumers, reverse=True)
-            ]
-            received.append((name, value, grads))
-        return received
+            found.append((name, value, [(dst, key) for dst in sorted(consumers, reverse=True)]))
+        return found
 
     def _grad_leaves(self, inputs: list[Any]) -> list[torch.Tensor]:
         """The float leaves of the received (non-placeholder) inputs: what the producers want back."""

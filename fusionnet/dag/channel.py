@@ -31,6 +31,11 @@ class Channel(ABC):
     async def recv(self, src: int, key: MessageKey) -> Any:
         """Waits for the message ``key`` from sub-DAG ``src``."""
 
+    def arrived(self, src: int, key: MessageKey) -> bool:
+        """Whether ``recv(src, key)`` would return at once. A channel that cannot tell says False: the
+        schedule loop then runs a deferred weight-gradient half before waiting (``run_device_step``)."""
+        return False
+
     async def send_values(self, dst: int, items: Sequence[tuple[MessageKey, Any]]) -> None:
         """Several values to ``dst`` at once (an FP's outputs that ``dst`` reads). One send each here; a
         network channel carries them in one frame (``compnode.netchannel``)."""
@@ -91,6 +96,11 @@ class Mailbox:
         slot.set_result(value)
         return True
 
+    def arrived(self, src: int, key: MessageKey) -> bool:
+        """Whether the message is here (or has failed): ``take`` would not wait."""
+        slot = self._slots.get((src, key))
+        return slot is not None and slot.done()
+
     async def take(self, src: int, key: MessageKey) -> Any:
         slot = self._slot(src, key)
         try:
@@ -148,3 +158,6 @@ class _LocalChannel(Channel):
 
     async def recv(self, src: int, key: MessageKey) -> Any:
         return await self.hub.mailboxes[self.index].take(src, key)
+
+    def arrived(self, src: int, key: MessageKey) -> bool:
+        return self.hub.mailboxes[self.index].arrived(src, key)

@@ -158,6 +158,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         self.optimizers = make_optimizers(self.named_params) if (task == "train" and make_optimizers) else []
         self._stash: dict[int, tuple[list[Any], tuple[Any, ...]]] = {}
         self._weight_work: dict[int, WeightWork] = {}  # micro-batches whose I ran and whose W has not
+        self._deferred: list[tuple[int, bool]] = []  # Ws a whole BP left to the schedule loop
         self.activations = ActivationLedger()  # bytes held between each micro-batch's F and its B / W
         self.outbox = Outbox()
         self._placeholder_target = {n: graph.node(n).target for n in subdag.placeholders}
@@ -232,6 +233,8 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         """Forgets a failed step's stashed activations and gradients (after a device OOM, the memory
         they hold is what the next attempt needs)."""
         self._stash.clear()
+        self._weight_work.clear()
+        self._deferred.clear()
         self.activations.start_step()
         self._forget_step_values(keep_resident=False)  # the broker places the job again: all afresh
         self.zero_grad()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -45,6 +46,8 @@ class ScheduleLoop:
     loss_reduction: str
     _targets: tuple[int, int] | None
     output_names: list[str]
+    _weight_work: dict[int, Any]
+    _deferred: list[tuple[int, bool]]
 
     async def _run(self, phase: Phase, step: int, mb: int, work: Callable[[], T]) -> T:
         raise NotImplementedError
@@ -63,7 +66,17 @@ class ScheduleLoop:
         *,
         last: bool | None = None,
         last_seeded: bool | None = None,
+        defer_weight: bool = False,
     ) -> None:
+        raise NotImplementedError
+
+    def weights_pending(self) -> int:
+        raise NotImplementedError
+
+    async def next_deferred_weight(self, step: int) -> None:
+        raise NotImplementedError
+
+    def grads_arrived(self, step: int, mb: int) -> bool:
         raise NotImplementedError
 
     async def backward_input(
@@ -119,6 +132,8 @@ class ScheduleLoop:
 
     def _open_step(self, step: int) -> None:
         self.hooks.step_started(step)
+        self._weight_work.clear()  # a failed step's halves (their graphs) go
+        self._deferred.clear()
         self.activations.start_step()
         self.outbox.reset()
         self._forget_step_values()
@@ -150,7 +165,8 @@ class ScheduleLoop:
         last_bp: bool,
         last_seeded: bool,
     ) -> None:
-        """Runs one F, B, I or W of this sub-DAG (the update is ``_end_actions``'s)."""
+        """Runs one F, B, I or W of this sub-DAG (the update is ``_end_actions``'s); a B's W half is
+        left to ``run_device_step`` (``defer_weight``)."""
         mb = action.mb
         if action.kind == "F":
             values = dict(zip(self.output_names, await self.forward(step, mb, microbatches[mb])))
@@ -161,7 +177,7 @@ class ScheduleLoop:
                 report.outputs.append(_detach(_rebuild_output(self.graph, values)))
         elif action.kind == "B":
             weight = self._loss_weight(step, mb, sizes, microbatches)
-            await self.backward(step, mb, weight, last=last_bp, last_seeded=last_seeded)
+            await self.backward(step, mb, weight, last=last_bp, last_seeded=last_seeded, defer_weight=True)
         elif action.kind == "I":
             weight = self._loss_weight(step, mb, sizes, microbatches)
             await self.backward_input(step, mb, weight, last_seeded=last_seeded)
@@ -223,6 +239,11 @@ def _rebuild_output(graph: IRGraph, values: Mapping[str, Any]) -> Any:
     return tree_map(lambda v: v.to(HOST) if isinstance(v, torch.Tensor) else v, output_value(graph, values))
 
 
+async def _deferred_weights(executors: Sequence[ScheduleLoop], deferred: deque[int], step: int) -> None:
+    while deferred:
+        await executors[deferred.popleft()].next_deferred_weight(step)
+
+
 async def run_device_step(
     executors: Sequence[ScheduleLoop],
     program: Sequence[tuple[Action, int]],
@@ -234,7 +255,15 @@ async def run_device_step(
     ``executors`` of the sub-DAG it runs (one sub-DAG, or an interleaved device's chunks); one loop runs
     them all, so the device computes in the schedule's order. What every sub-DAG does before its first
     action and after its last (tied rows traded, found-inf agreed, the update) runs for all of them at
-    once: those exchanges wait on the other sub-DAGs, some of which may be on this very device."""
+    once: those exchanges wait on the other sub-DAGs, some of which may be on this very device.
+
+    A B runs its I half (its producers' gradients leave at its end) and leaves its W half pending; the
+    device runs pending Ws, oldest first, while the next B or I would wait for its gradients, and all
+    of them before its next F, W or the step's end. So the backward wave travels at I's speed where
+    that is free: a stage that never waits (GPipe's last, the slowest) runs all its Is before its Ws
+    and the earlier stages finish while it does; the activations held never exceed the written
+    order's (every F finds no W pending), and each sub-DAG's Ws keep their order (exact sums).
+    ``perfmodel.simulator`` prices the same rule."""
     reports = [StepReport(step=step) for _ in executors]
     losses: list[list[float]] = [[] for _ in executors]
     last_bp, last_seeded = [-1] * len(executors), [-1] * len(executors)
@@ -247,9 +276,15 @@ async def run_device_step(
         ex._open_step(step)
     try:
         await together([ex._begin_actions(step, microbatches) for ex in executors])
+        deferred: deque[int] = deque()  # who owes the pending Ws, oldest first
         for i, (action, who) in enumerate(program):
             if action.kind == "U":
                 continue  # every sub-DAG's update closes the step, below
+            if action.kind in ("B", "I"):
+                while deferred and not executors[who].grads_arrived(step, action.mb):
+                    await executors[deferred.popleft()].next_deferred_weight(step)
+            else:
+                await _deferred_weights(executors, deferred, step)
             await executors[who]._act(
                 action,
                 step,
@@ -260,6 +295,9 @@ async def run_device_step(
                 last_bp=i == last_bp[who],
                 last_seeded=i == last_seeded[who],
             )
+            if action.kind == "B":  # it left its W pending, or (a BP that ran whole) ran the sub-DAG's
+                deferred = deque([w for w in deferred if w != who] + [who] * executors[who].weights_pending())
+        await _deferred_weights(executors, deferred, step)
         await together([ex._end_actions(step, r, lost) for ex, r, lost in zip(executors, reports, losses)])
         await together([ex.outbox.drain() for ex in executors])
     finally:

@@ -15,7 +15,7 @@ parameters only: the same ops again, exact, at the price of recomputing the inpu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,15 +91,22 @@ def input_gradients(
 
 
 def input_gradients_first(
-    roots: list[torch.Tensor], seeds: list[torch.Tensor], leaves: Tensors, params: list[torch.Tensor]
+    roots: list[torch.Tensor],
+    seeds: list[torch.Tensor],
+    leaves: Tensors,
+    params: list[torch.Tensor],
+    before_whole: Callable[[], None] | None = None,
 ) -> WeightWork | None:
     """A whole BP whose input gradients the producers wait for (GPipe's or 1F1B's B on a stage after
     the first): I now, so they can leave while W runs, and W's work returned; or, where the split
     would cost more than it saves (no input leaves, or no parameter groups, so W would run the
     input side again), the BP whole, and None. I then W is the plain BP's ops in two passes: on a
-    4-block GPT-2 stage I took 0.57 of a plain BP and I + W 1.00-1.03 of it."""
+    4-block GPT-2 stage I took 0.57 of a plain BP and I + W 1.00-1.03 of it. ``before_whole`` runs
+    just before a whole BP (the caller's deferred Ws, which must accumulate first)."""
     groups = _param_groups(roots, leaves, params)  # None without leaves or roots too
     if groups is None:
+        if before_whole is not None:
+            before_whole()
         if roots:
             torch.autograd.backward(roots, seeds)
         return None

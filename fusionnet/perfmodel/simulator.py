@@ -11,14 +11,18 @@ their gradients backward (``bwd`` seconds on dst -> src). Any DAG of stages work
 Schedules are the executor's own ``fusionnet.schedules.Schedule`` objects (or their names: gpipe,
 1f1b, zero-bubble), so the prediction follows the order that runs. A split backward runs I (input
 gradients, sent on at its end) for ``input_share`` of the stage's BP seconds and W (weight gradients)
-for the rest; a whole B runs the two back to back, its gradients sent after the I part, as the
-executor does; ``infer`` tasks run forwards only; ``grad`` tasks skip the update.
+for the rest. A whole B on a stage that sends gradients back runs as the executor runs it
+(``dag.schedule_loop.run_device_step``): its I, its gradients sent, and its W left pending; the device
+runs pending Ws, oldest first, while its next B or I waits for gradients, and all of them before its
+next F, W, U or the end of its program. ``infer`` tasks run forwards only; ``grad`` tasks skip the
+update.
 
 The step ends when the last stage finishes its last operation.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -195,6 +199,21 @@ def simulate(
     peak = [0] * n
     pos = [0] * len(programs)
     events: list[Event] = []
+    deferred: list[deque[tuple[int, int]]] = [deque() for _ in programs]  # (stage, micro-batch) Ws
+
+    def deferred_weight(dev: int) -> None:
+        s, k = deferred[dev].popleft()
+        start, end = free[dev], free[dev] + dur["W"][s]
+        free[dev] = end
+        busy[s] += dur["W"][s]
+        held[s] -= 1
+        if record:
+            events.append(Event(s, "W", k, start, end))
+
+    def all_deferred(dev: int) -> None:
+        while deferred[dev]:
+            deferred_weight(dev)
+
     remaining = sum(len(p) for p in programs)
     forward_sweep = True
     while remaining:
@@ -204,15 +223,22 @@ def simulate(
             prog = programs[dev]
             while pos[dev] < len(prog):
                 kind, k, s = prog[pos[dev]]
-                if kind == "F":
-                    start = _ready(fwd_arrival, ins[s], k, free[dev])
-                elif kind in ("B", "I"):
-                    start = _ready(bwd_arrival, outs[s], k, free[dev])
+                if kind in ("B", "I"):
+                    arrived = _ready(bwd_arrival, outs[s], k, 0.0)
+                    if arrived is None:
+                        break
+                    while deferred[dev] and arrived > free[dev]:  # a pending W fills the wait
+                        deferred_weight(dev)
+                    start = max(arrived, free[dev])
                 else:
-                    start = free[dev]
+                    all_deferred(dev)
+                    start = _ready(fwd_arrival, ins[s], k, free[dev]) if kind == "F" else free[dev]
                 if start is None:
                     break
                 here = (dev, pos[dev])
+                defers = kind == "B" and bool(ins[s])  # its W is left pending (the executor's rule)
+                if defers:
+                    kind = "I"
                 # an interleaved device's U updates all its chunks: their updates, one after another
                 stages_now = [c * len(programs) + dev for c in range(plan.chunks)] if kind == "U" else [s]
                 d = sum(dur[kind][t] for t in stages_now)
@@ -238,8 +264,12 @@ def simulate(
                     # A whole B sends its input gradients after its I part too (``dag.backward_pass``)
                     sent = end if kind == "I" else start + dur["I"][s]
                     _send(ins[s], k, sent, bwd_free, bwd_arrival, bwd_t, once)
-                if kind in ("B", "W"):
+                if defers:
+                    deferred[dev].append((s, k))
+                elif kind in ("B", "W"):
                     held[s] -= 1
+            if pos[dev] == len(prog):
+                all_deferred(dev)
         if not progressed:  # check names what each stuck stage waits for
             try:
                 check(plan, [(h.src, h.dst) for h in hops])

@@ -5,7 +5,9 @@ backward), ``I3`` / ``W3`` (the backward split into the input-gradient half, whi
 wait for, and the weight-gradient half, which nobody waits for), or ``U`` (the optimizer update).
 Sends and receives are implicit: a stage receives what an action needs just before it (activations
 for F, gradients for B/I) and sends what it produced just after it (activations after F, input
-gradients after B/I). The text form of a schedule is one line per stage::
+gradients after B/I). The executor runs a B as I (its gradients then leave) and W, and may run that W
+later, never past the stage's next F or its U (``dag.schedule_loop.run_device_step``).
+The text form of a schedule is one line per stage::
 
     gpipe p=2 m=3
     0: F0 F1 F2 B2 B1 B0 U

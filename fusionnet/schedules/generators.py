@@ -61,7 +61,8 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     warm-up bubble is where they would have waited for gradients), so every stage holds at most p
     micro-batches between F and W, 1F1B's peak, while the gradient wave runs back at I's speed. With
     unit F, I, W the step takes ``3m + p - 1`` units against 1F1B's ``3(m + p - 1)``, or ``3m + 2p - 2``
-    with 1F1B's BPs sending their input gradients after their I half, as the executor runs them."""
+    with 1F1B's BPs sending their input gradients after their I half, as the executor runs them
+    (``dag.schedule_loop.run_device_step``)."""
     _sizes(p, m)
     progs = []
     for s in range(p):
