@@ -25,7 +25,8 @@ from fusionnet.wire.compression import decompress
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.header import MAGIC as FRAME_MAGIC
 from fusionnet.wire.header import VERSION, is_shape
-from fusionnet.wire.receiver import FrameReceiver, Timeouts
+from fusionnet.wire.job_routes import Timeouts
+from fusionnet.wire.receiver import FrameReceiver
 from fusionnet.wire.sources import StreamReaderSource
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,7 +18,7 @@ from fusionnet.dag.channel import MAX_STEPS_AHEAD, Mailbox
 from fusionnet.errors import JobError, WireError
 from fusionnet.wire import NO_JOB, DataPathServer, TensorFrame
 from fusionnet.wire.datapath import read_hello
-from fusionnet.wire.receiver import Timeouts
+from fusionnet.wire.job_routes import Timeouts
 from fusionnet.wire.replay import SEQ_LANES, ReplayWindow, next_seq, set_seq_lane
 from tests.wire_support import KEY, craft, frame, frame_bytes, until
 

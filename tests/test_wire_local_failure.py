@@ -23,7 +23,8 @@ from fusionnet.dag.channel import MessageKey
 from fusionnet.errors import ExecutionError, JobError
 from fusionnet.wire import refusal as R
 from fusionnet.wire.frames import TensorFrame
-from fusionnet.wire.receiver import NO_JOB, FrameReceiver, is_local_failure
+from fusionnet.wire.job_routes import NO_JOB, is_local_failure
+from fusionnet.wire.receiver import FrameReceiver
 from fusionnet.wire.sources import as_source
 from tests.wire_support import KEY, RECEIVER, frame, frame_bytes, reader_of
 

@@ -28,7 +28,8 @@ from fusionnet.wire.crypt import bare_ok, encrypt_to
 from fusionnet.wire.datapath import MAX_PAYLOAD, parse_address, read_hello
 from fusionnet.wire.frames import TensorFrame, encode_frame
 from fusionnet.wire.handoff import GO, WORKER_LANE, worker_hello
-from fusionnet.wire.receiver import FrameReceiver, Timeouts
+from fusionnet.wire.job_routes import Timeouts
+from fusionnet.wire.receiver import FrameReceiver
 from fusionnet.wire.replay import next_seq_in
 from fusionnet.wire.sources import BufferedSource
 

@@ -23,7 +23,7 @@ value may also arrive in the job's compute dtype): a peer that sends a wrongly s
 logged, and the executor keeps waiting for a correct value (a retry, or a replacement's).
 
 A value lost on its way in to a failure of this compnode (out of memory reading or decoding its frame,
-``wire.receiver.is_local_failure``) is not waited for: its sender will not send it again, so
+``wire.job_routes.is_local_failure``) is not waited for: its sender will not send it again, so
 ``fail_receives`` fails every receive of the job, then and later, and the step ends with that error.
 
 Tensors that wait for their structure frame are bounded: a frame for a step the mailbox no longer
@@ -55,7 +55,7 @@ from fusionnet.errors import ExecutionError, JobError, WireError
 from fusionnet.wire.compression import Compressor, decompress
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.header import MAX_NAME_LEN
-from fusionnet.wire.receiver import is_local_failure
+from fusionnet.wire.job_routes import is_local_failure
 
 log = logging.getLogger("fusionnet.compnode.netchannel")
 BUNDLE_SEP = "+"  # a frame named "a+b" carries the values of nodes a and b (FX names hold no "+")

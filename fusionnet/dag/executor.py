@@ -12,35 +12,30 @@ value for the whole step: it is sent at the owner's first FP (key micro-batch 0)
 leaf that every micro-batch of the reader uses, and its gradient, summed over the step by autograd on
 that leaf, goes back once at the reader's last seeding BP (``backward_pass``).
 
-Micro-batches follow the job's pipeline schedule (``fusionnet.schedules``; GPipe by default: all FPs,
-then all BPs in reverse order, then one Update): one loop runs this sub-DAG's program of the schedule,
-action by action. Gradients accumulate over micro-batches and equal the full-batch gradients up to
-float rounding. A schedule may split a BP into I (the gradients of the received inputs, computed
-with ``torch.autograd.grad`` on a retained graph and sent at once, since the producers wait for them)
-and W (later: the parameters' gradients, ``split_backward.py``), by the ops a plain backward runs.
+Micro-batches follow the job's pipeline schedule (``fusionnet.schedules``; GPipe by default), one
+loop running this sub-DAG's program action by action (``schedule_loop``). Gradients accumulate over
+micro-batches and equal the full-batch gradients up to float rounding. A BP runs as I (the received
+inputs' gradients, sent at once: the producers wait for them) and W (the parameters', maybe later),
+by the ops a plain backward runs (``backward_pass``, ``split_backward``).
 
 Compute never runs on the event loop (design decision): with a ``compute`` pool (a compnode's single
 compute thread) every FP, BP and Update stretch runs there while the loop keeps serving heartbeats,
-RPCs and the data path. Receives wait on the loop, and sends are started on the loop without being
-awaited, so the next micro-batch computes while the last one's outputs travel; the step waits for its
-sends at its end, and a failed send ends the step at its next receive. Without a pool (``run --local``,
-the calibration) the stretches run inline: the same code and the same op order, so the same bits. A
-sandbox worker's loop serves one job only, and there a stretch that is reliably short runs inline too,
-when no send and no pool work is pending (``short_stretches``): a hand-off to the thread and back
-costs two wake-ups, which on shared cores took longer than such a stretch.
-Hooks (``fusionnet.dag.hooks``) run around every stretch.
+RPCs and the data path. Receives wait on the loop; sends start on the loop, not awaited, so the next
+micro-batch computes while the last one's outputs travel; the step waits for its sends at its end,
+and a failed send ends the step at its next receive. Without a pool (``run --local``) the stretches
+run inline: the same code and op order, so the same bits. In a sandbox worker (one job per loop) a
+reliably short stretch runs inline too when no send or pool work is pending (``short_stretches``):
+a hand-off to the thread and back costs two wake-ups. Hooks (``dag.hooks``) run around every stretch.
 
 Mixed precision (``fusionnet.dag.precision``): FP runs under the job's autocast, so activations and
-their gradients are in the compute dtype where autocast made them so, and travel as such. fp16 scales
-the loss seed; the last BP unscales this sub-DAG's gradients and notes whether one is inf/nan; before
-Update every executor sends its flag to every other one (key ``("grad", step, 0, FOUND_INF_NODE)``)
-and all skip, or all step, together, as the single-process scaler would.
+their gradients travel in the compute dtype where autocast made them so. fp16 scales the loss seed;
+the last BP unscales this sub-DAG's gradients and notes any inf/nan; before Update every executor
+sends its flag to every other one (``FOUND_INF_NODE``), and all skip, or all step, together.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager, nullcontext
@@ -202,7 +197,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
             and self.compute.idle()
         )
         short.count(inline)
-        timed = partial(_timed, short, phase, call)
+        timed = partial(short.timed, phase, call)
         if inline:
             return timed()
         return await asyncio.get_running_loop().run_in_executor(self.compute, timed)
@@ -370,8 +365,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
     def update(self, skip: bool = False) -> None:
         for opt in self.optimizers if not skip else ():
             opt.step()
-        for p in self.named_params.values():
-            p.grad = None
+        self.zero_grad()
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """The last step's gradients, as CPU copies."""
@@ -396,12 +390,3 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         for k in self.subdag.buffers:
             out[k] = getattr(self.root, self.root.attr_of[k])
         return host_copy(out) if copy else {k: v.detach().to(HOST) for k, v in out.items()}
-
-
-def _timed(short: ShortStretches, phase: str, call: Callable[[], T]) -> T:
-    """``call``, its seconds noted for ``short``'s choice of the next stretches' route."""
-    started = time.perf_counter()
-    try:
-        return call()
-    finally:
-        short.observe(phase, time.perf_counter() - started)

@@ -26,12 +26,15 @@ The same ops run in the same order either way: the bits do not depend on the rou
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from typing import Any
+from typing import Any, TypeVar
 
 RECENT = 8  # stretches of a phase whose longest decides
+
+T = TypeVar("T")
 
 
 class TrackedPool(Executor):
@@ -72,6 +75,14 @@ class ShortStretches:
 
     def observe(self, phase: str, seconds: float) -> None:
         self._recent.setdefault(phase, deque(maxlen=RECENT)).append(seconds)
+
+    def timed(self, phase: str, call: Callable[[], T]) -> T:
+        """``call``, its seconds noted for the choice of ``phase``'s next stretches' route."""
+        started = time.perf_counter()
+        try:
+            return call()
+        finally:
+            self.observe(phase, time.perf_counter() - started)
 
     def count(self, inline: bool) -> None:
         if inline:

@@ -17,7 +17,8 @@ Map of the package:
 - ``sources.py``   byte sources for ``read_frame``: ``StreamReader`` adapter, zero-copy ``BufferedSource``,
                    ``PhasedSource`` (handshake / idle / progress timeouts).
 - ``refusal.py``   ``FrameRefused`` (reason codes, in-sync flag), ``StreamEnded``, ``PeerUnreachable``.
-- ``receiver.py``  job routes, replay windows, timeouts, per-connection frame loop, per-job counters.
+- ``receiver.py``  ``FrameReceiver``: job registration, replay windows, the per-connection frame loop.
+- ``job_routes.py`` a job's route, counters and timeouts, and which errors are our own failure (pure).
 - ``pool.py``      outgoing streams: one per destination, ordered whole frames, reconnect once, a timed-out
                    connect remembered for a while (queued frames fail at once).
 - ``datapath.py``  ``DataPathServer`` / ``DataPathClient``: the direct TCP path (hello, connection caps).
@@ -30,7 +31,7 @@ Map of the package:
 from fusionnet.wire.datapath import DataPathClient, DataPathServer, parse_address
 from fusionnet.wire.frame_reader import read_frame
 from fusionnet.wire.frames import ALLOWED_DTYPES, TensorFrame, encode_frame, write_frame
-from fusionnet.wire.receiver import NO_JOB, JobStats
+from fusionnet.wire.job_routes import NO_JOB, JobStats
 from fusionnet.wire.refusal import FrameRefused, PeerUnreachable, StreamEnded
 
 __all__ = [

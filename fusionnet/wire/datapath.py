@@ -14,7 +14,7 @@ which only knows an address, binds every frame it sends to the peer it reached (
 receiver under its MAC: no other receiver accepts it, see ``replay.py``). Limits: at most
 ``max_connections`` connections in all and ``max_per_host`` from one remote host; a connection must
 send its first frame within the handshake timeout, the next one within the idle timeout, and keep a
-frame's bytes coming (``receiver.Timeouts``); a frame for a job this server does not run closes it.
+frame's bytes coming (``job_routes.Timeouts``); a frame for a job this server does not run closes it.
 A sandbox worker's connection opens with a hello of its own and may change hands (``handoff.py``).
 """
 
@@ -34,8 +34,9 @@ from fusionnet.wire.crypt import bare_ok, check_policy, encrypt_to
 from fusionnet.wire.frames import TensorFrame
 from fusionnet.wire.handoff import GO, WORKER_HELLO, hello_job, hello_size, worker_hello
 from fusionnet.wire.header import MAX_ID_LEN, check_text
+from fusionnet.wire.job_routes import Timeouts
 from fusionnet.wire.pool import StreamPool
-from fusionnet.wire.receiver import FrameReceiver, ReceivesFrames, Timeouts
+from fusionnet.wire.receiver import FrameReceiver, ReceivesFrames
 from fusionnet.wire.refusal import FrameRefused
 from fusionnet.wire.sources import BufferedSource
 
