@@ -76,24 +76,47 @@ def test_a_middle_stage_runs_a_pending_w_only_while_its_gradients_are_not_here(g
 
 
 def test_no_w_is_pending_when_a_forward_runs() -> None:
-    """1F1B's last stage alternates F and B: each W runs before the next F, so it holds at most one
-    micro-batch's activations, as the written order does."""
+    """1F1B's stages alternate F and B: each W runs before the next F, so a stage holds no more
+    micro-batches' activations than the written order has it hold."""
+    swarm, steps = _swarm(3, 4, "1f1b")
+    reference, _ = _swarm(3, 4, "1f1b")
+    pending_at_forward: list[int] = []
+    for ex in swarm.executors:
+        real = ex.forward
+
+        async def forward(step: int, mb: int, data: Any, ex: Any = ex, real: Any = real) -> Any:
+            pending_at_forward.append(ex.weights_pending())
+            return await real(step, mb, data)
+
+        ex.forward = forward  # type: ignore[method-assign]
+    _run(swarm, steps[:1])
+    _run(reference, steps[:1])
+    assert len(pending_at_forward) == 12 and not any(pending_at_forward)
+    assert [ex.activations.peak for ex in swarm.executors] == [
+        ex.activations.peak for ex in reference.executors
+    ]
+
+
+@pytest.mark.parametrize("inputs_there", [True, False])
+def test_a_b_runs_whole_where_its_w_could_not_wait_and_its_producer_keeps_ahead(inputs_there: bool) -> None:
+    """On 1F1B's last stage an F follows each B but the last: where that stage's F found its inputs
+    already there (its producer keeps ahead), nobody waits for the B's input gradients, so it runs as
+    one plain backward (one stretch); where the F waited, the B splits (I, then W before the next F)."""
+    reference = _run(*_swarm(2, 4, "1f1b"))
     swarm, steps = _swarm(2, 4, "1f1b")
     last = swarm.executors[1]
     log: list[tuple[Any, ...]] = []
     last.hooks.add(Recorder("last", log))
-    _run(swarm, steps[:1])
+    last.channel.arrived = lambda src, key: inputs_there  # type: ignore[method-assign]
+    got = _run(swarm, steps)
     stretches = [(e[2], e[4]) for e in log if e[1] == "before" and e[3] == 0 and e[2] in ("fp", "bp")]
-    assert stretches == [
-        *[("fp", 0), ("bp", 0), ("bp", 0)],
-        *[("fp", 1), ("bp", 1), ("bp", 1)],
-        *[("fp", 2), ("bp", 2), ("bp", 2)],
-        *[("fp", 3), ("bp", 3), ("bp", 3)],
-    ]
-    ref_swarm, _ = _swarm(2, 4, "1f1b")
-    _run(ref_swarm, steps[:1])
-    peaks = [ex.activations.peak for ex in swarm.executors]
-    assert peaks == [ex.activations.peak for ex in ref_swarm.executors]
+    split = [] if inputs_there else [("bp", 0), ("bp", 1), ("bp", 2)]  # the W halves
+    want = [("fp", 0), ("bp", 0), ("fp", 1), ("bp", 1), ("fp", 2), ("bp", 2), ("fp", 3), ("bp", 3), ("bp", 3)]
+    for w in split:
+        want.insert(want.index(w) + 1, w)
+    assert stretches == want  # the last B always splits: the first stage's last BP waits for its I
+    for name in reference:
+        assert torch.equal(got[name], reference[name]), name
 
 
 def test_a_bp_run_whole_after_deferred_ones_runs_their_ws_first(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -58,14 +58,16 @@ def test_1f1b_two_stages_three_microbatches_by_hand():
         ("F", 2),
         ("B", 2),
     ]
-    # stage 1's B runs its I half, sends, and its W half before the next F (no activation held longer)
+    # stage 1's F0 waited for its input, so B0 runs its I half, sends, and its W half before the next F
+    # (no activation held longer)
     assert t[(1, "F", 0)] == (1, 2) and t[(1, "I", 0)] == (2, 2.5) and t[(1, "W", 0)] == (2.5, 3)
     # stage 0 did F0, F1 and waits for B0's gradient, sent when B0's I half ends (2.5)
     assert t[(0, "B", 0)] == (2.5, 3.5)
     assert t[(0, "F", 2)] == (3.5, 4.5) and t[(1, "F", 1)] == (3, 4)
-    assert t[(1, "I", 1)] == (4, 4.5) and t[(1, "W", 1)] == (4.5, 5) and t[(0, "B", 1)] == (4.5, 5.5)
+    # F1 found its input there (stage 0 keeps ahead) and an F follows B1: it runs whole, sends at its end
+    assert t[(1, "B", 1)] == (4, 5) and t[(0, "B", 1)] == (5, 6)
     assert t[(1, "F", 2)] == (5, 6) and t[(1, "I", 2)] == (6, 6.5) and t[(0, "B", 2)] == (6.5, 7.5)
-    assert t[(1, "W", 2)] == (6.5, 7)  # the end of the program runs what is pending
+    assert t[(1, "W", 2)] == (6.5, 7)  # no F after B2: it splits, and the end runs what is pending
     assert r.step_seconds == pytest.approx(7.5)  # 8.0 had each B sent its gradients at its end
     assert r.peak_inflight == (2, 1)  # 1F1B: stage k holds at most S - k micro-batches
 

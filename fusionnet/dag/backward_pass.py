@@ -80,11 +80,13 @@ class BackwardPass:
         last: bool | None = None,
         last_seeded: bool | None = None,
         defer_weight: bool = False,
+        split: bool = True,
     ) -> None:
         """The whole BP of micro-batch ``mb`` (``last``: the step's last BP, after which this sub-DAG's
         gradients are complete; by default micro-batch 0, GPipe's last; ``last_seeded``: the step's last
         BP that seeds gradients, which also seeds the step-wide ones; by default ``last``;
-        ``defer_weight``: where the BP splits, leave its W to ``weights_pending``'s caller)."""
+        ``defer_weight``: where the BP splits, leave its W to ``weights_pending``'s caller;
+        ``split=False``: one plain backward, its gradients sent at its end)."""
         last = last if last is not None else mb == 0
         last_seeded = last if last_seeded is None else last_seeded
         inputs, outs = self._stash.pop(mb)
@@ -102,7 +104,7 @@ class BackwardPass:
                 leaves = [v for v in self._grad_leaves(inputs) if v.requires_grad]
                 params = [p for p in self.named_params.values() if p.requires_grad]
                 pending = input_gradients_first(
-                    roots, seeds, leaves, params, before_whole=whole_after_deferred
+                    roots, seeds, leaves, params, before_whole=whole_after_deferred, split=split
                 )
             except ExecutionError:
                 raise

@@ -154,6 +154,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
         self._stash: dict[int, tuple[list[Any], tuple[Any, ...]]] = {}
         self._weight_work: dict[int, WeightWork] = {}  # micro-batches whose I ran and whose W has not
         self._deferred: list[tuple[int, bool]] = []  # Ws a whole BP left to the schedule loop
+        self.waited_for_input = True  # whether the last FP found an input not yet arrived
         self.activations = ActivationLedger()  # bytes held between each micro-batch's F and its B / W
         self.outbox = Outbox()
         self._placeholder_target = {n: graph.node(n).target for n in subdag.placeholders}
@@ -258,6 +259,7 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
     # -- FP ------------------------------------------------------------------------------------
     async def forward(self, step: int, mb: int, data: Mapping[str, Any]) -> tuple[Any, ...]:
         inputs: list[Any] = []
+        waited = False
         for name in self.subdag.outer_required:
             if name in self._placeholder_target:
                 if self._placeholder_target[name] not in data:
@@ -268,8 +270,10 @@ class SubDagExecutor(BackwardPass, RowTrade, ScheduleLoop):
                 inputs.append(self._step_inputs[name])
                 continue
             key = ("act", step, 0 if name in self.step_wide else mb, name)
+            waited = waited or not self.channel.arrived(self.subdag.sources[name], key)
             value = await self.outbox.guard(self.channel.recv(self.subdag.sources[name], key))
             inputs.append(value)
+        self.waited_for_input = waited  # the schedule loop's choice of a whole BP (``run_device_step``)
         received = [n not in self._placeholder_target for n in self.subdag.outer_required]
         ready_leaves = set(self._step_inputs)  # placed in an earlier micro-batch of this step
         shapes = None if self.task == "infer" else activation_key(mb, inputs)

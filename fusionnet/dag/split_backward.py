@@ -96,14 +96,16 @@ def input_gradients_first(
     leaves: Tensors,
     params: list[torch.Tensor],
     before_whole: Callable[[], None] | None = None,
+    split: bool = True,
 ) -> WeightWork | None:
     """A whole BP whose input gradients the producers wait for (GPipe's or 1F1B's B on a stage after
     the first): I now, so they can leave while W runs, and W's work returned; or, where the split
     would cost more than it saves (no input leaves, or no parameter groups, so W would run the
     input side again), the BP whole, and None. I then W is the plain BP's ops in two passes: on a
-    4-block GPT-2 stage I took 0.57 of a plain BP and I + W 1.00-1.03 of it. ``before_whole`` runs
-    just before a whole BP (the caller's deferred Ws, which must accumulate first)."""
-    groups = _param_groups(roots, leaves, params)  # None without leaves or roots too
+    4-block GPT-2 stage I took 0.57 of a plain BP and I + W 1.00-1.03 of it. ``split=False``: the BP
+    whole anyway (the caller knows nobody waits for its input gradients); ``before_whole`` runs just
+    before a whole BP (the caller's deferred Ws, which must accumulate first)."""
+    groups = _param_groups(roots, leaves, params) if split else None  # None without leaves or roots too
     if groups is None:
         if before_whole is not None:
             before_whole()

@@ -14,8 +14,9 @@ gradients, sent on at its end) for ``input_share`` of the stage's BP seconds and
 for the rest. A whole B on a stage that sends gradients back runs as the executor runs it
 (``dag.schedule_loop.run_device_step``): its I, its gradients sent, and its W left pending; the device
 runs pending Ws, oldest first, while its next B or I waits for gradients, and all of them before its
-next F, W, U or the end of its program. ``infer`` tasks run forwards only; ``grad`` tasks skip the
-update.
+next F, W, U or the end of its program; a B followed by an F on a stage whose last F did not wait for
+its inputs runs whole, its gradients sent at its end. ``infer`` tasks run forwards only; ``grad``
+tasks skip the update.
 
 The step ends when the last stage finishes its last operation.
 """
@@ -200,6 +201,7 @@ def simulate(
     pos = [0] * len(programs)
     events: list[Event] = []
     deferred: list[deque[tuple[int, int]]] = [deque() for _ in programs]  # (stage, micro-batch) Ws
+    waited = [True] * n  # whether a stage's last F waited for its inputs
 
     def deferred_weight(dev: int) -> None:
         s, k = deferred[dev].popleft()
@@ -235,8 +237,14 @@ def simulate(
                     start = _ready(fwd_arrival, ins[s], k, free[dev]) if kind == "F" else free[dev]
                 if start is None:
                     break
+                if kind == "F":
+                    waited[s] = start > free[dev]
                 here = (dev, pos[dev])
-                defers = kind == "B" and bool(ins[s])  # its W is left pending (the executor's rule)
+                # The executor's rules: a B whose W could not wait, after an F that did not, runs whole;
+                # any other B on a stage that sends gradients back leaves its W pending
+                upcoming = prog[pos[dev] + 1][0] if pos[dev] + 1 < len(prog) else None
+                whole = kind == "B" and upcoming == "F" and not waited[s]
+                defers = kind == "B" and bool(ins[s]) and not whole
                 if defers:
                     kind = "I"
                 # an interleaved device's U updates all its chunks: their updates, one after another
@@ -261,8 +269,7 @@ def simulate(
                     _send(outs[s], k, end, fwd_free, fwd_arrival, fwd_t, once)
                 if kind in ("B", "I"):
                     once = bwd_once if here == last_seed[s] else None
-                    # A whole B sends its input gradients after its I part too (``dag.backward_pass``)
-                    sent = end if kind == "I" else start + dur["I"][s]
+                    sent = end  # after I, or after a B run whole
                     _send(ins[s], k, sent, bwd_free, bwd_arrival, bwd_t, once)
                 if defers:
                     deferred[dev].append((s, k))
