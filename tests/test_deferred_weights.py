@@ -9,33 +9,17 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fusionnet.dag.split_backward as split_backward
-from fusionnet.dag.partition import balanced_assignment, build_partition
-from fusionnet.dag.trace import trace_model
-from fusionnet.runtime.batches import iter_steps
 from fusionnet.runtime.local import InMemorySwarm
-from tests.dag_models import SkipEverywhere, make_data
 from tests.test_executor_hooks import Recorder
+from tests.test_executor_hooks import _swarm as swarm_of
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _swarm(pieces: int, microbatches: int, schedule: str = "gpipe") -> tuple[InMemorySwarm, list[Any]]:
-    torch.manual_seed(0)
-    x, y = make_data("skip", n=12)
-    traced = trace_model(SkipEverywhere(), x, y, F.cross_entropy, "train")
-    partition = build_partition(traced.graph, balanced_assignment(traced.graph, pieces))
-
-    def sgd(named: Any) -> list[torch.optim.Optimizer]:
-        return [torch.optim.SGD(list(named.values()), lr=0.1, momentum=0.9)]
-
-    state = {k: v.clone() for k, v in traced.state.items()}
-    swarm = InMemorySwarm.from_parts(traced.graph, state, partition, task="train", make_optimizers=sgd)
-    for ex in swarm.executors:
-        ex.schedule = schedule
-    return swarm, list(iter_steps("train", x, y, 12, microbatches, 2))
+    return swarm_of(pieces, microbatches, samples=12, steps=2, schedule=schedule)
 
 
 def _params(swarm: InMemorySwarm) -> dict[str, torch.Tensor]:

@@ -47,9 +47,13 @@ class Recorder(ExecutorHook):
         self.log.append((self.name, "finished", step))
 
 
-def _swarm(pieces: int = 2, microbatches: int = 2) -> tuple[InMemorySwarm, list[Any]]:
+def _swarm(
+    pieces: int = 2, microbatches: int = 2, *, samples: int = 8, steps: int = 3, schedule: str = "gpipe"
+) -> tuple[InMemorySwarm, list[Any]]:
+    """A swarm of ``pieces`` in-process executors training SkipEverywhere, and its steps (one batch of
+    all ``samples`` each)."""
     torch.manual_seed(0)
-    x, y = make_data("skip", n=8)
+    x, y = make_data("skip", n=samples)
     traced = trace_model(SkipEverywhere(), x, y, F.cross_entropy, "train")
     partition = build_partition(traced.graph, balanced_assignment(traced.graph, pieces))
 
@@ -58,7 +62,9 @@ def _swarm(pieces: int = 2, microbatches: int = 2) -> tuple[InMemorySwarm, list[
 
     state = {k: v.clone() for k, v in traced.state.items()}
     swarm = InMemorySwarm.from_parts(traced.graph, state, partition, task="train", make_optimizers=sgd)
-    return swarm, list(iter_steps("train", x, y, 8, microbatches, 3))
+    for ex in swarm.executors:
+        ex.schedule = schedule
+    return swarm, list(iter_steps("train", x, y, samples, microbatches, steps))
 
 
 def _train(swarm: InMemorySwarm, steps: list[Any]) -> list[list[StepReport]]:

@@ -51,6 +51,8 @@ log = logging.getLogger("fusionnet.rpc.server")
 
 HANDLER_PREFIX = "rpc_"
 _REFUSAL_LOG_EVERY = 10.0  # s between two log lines about calls refused over a limit (a flood is one line)
+# At most this long a stream's handler reads on after its answer, waiting for the caller to close first.
+LINGER_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -224,6 +226,10 @@ class RPCServer:
     async def _on_stream(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await self._answer(info.peer_id.to_base58(), reader, writer)
+            # The caller closes once it has read the answer; closing first (a bounded wait) could reach
+            # it as a reset that overtakes the answer: a refusal once arrived as a bare end of stream
+            # in tests/test_daemons.py under load.
+            await discard_input(reader, linger=min(self.idle_timeout, LINGER_SECONDS))
         finally:
             await close_writer(writer)
 
@@ -288,7 +294,7 @@ class RPCServer:
                     )
                 except WireError as e:
                     await write_frame(writer, self._refused(e))
-                    await discard_input(reader, linger=min(self.idle_timeout, 2.0))
+                    await discard_input(reader, linger=min(self.idle_timeout, LINGER_SECONDS))
                     return False
                 # The handler runs in a task of ours, so abort() can cancel it without cancelling this one.
                 work = asyncio.create_task(self._dispatch(body, peer, unary=False))
